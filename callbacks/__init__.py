@@ -1,0 +1,1 @@
+"""Built-in callbacks, installed as ``rlbolt.callbacks``."""

@@ -1,0 +1,1 @@
+"""rlbolt: a Lightning-style trainer for RL post-training of language models in JAX."""
