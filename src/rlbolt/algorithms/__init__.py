@@ -1,0 +1,65 @@
+"""Pure, jittable RL math: advantages, policy/value losses, KL estimators, loss aggregation."""
+
+from rlbolt.algorithms.advantages import (
+    GroupSpread,
+    drgrpo_advantages,
+    gae_advantages,
+    group_reward_spread,
+    grpo_advantages,
+    reinforcepp_advantages,
+    rloo_advantages,
+)
+from rlbolt.algorithms.aggregation import LossAggregation, aggregate_loss
+from rlbolt.algorithms.groups import (
+    dense_group_index,
+    group_count,
+    group_mean,
+    group_range,
+    group_std,
+)
+from rlbolt.algorithms.kl import KL_KINDS, kl_in_reward, kl_penalty
+from rlbolt.algorithms.masked import (
+    last_token_one_hot,
+    masked_mean,
+    masked_whiten,
+    sequence_to_token_rewards,
+)
+from rlbolt.algorithms.policy_loss import (
+    clipped_surrogate,
+    clipped_value_loss,
+    gspo_surrogate,
+    truncated_importance_weights,
+)
+from rlbolt.algorithms.registry import ADVANTAGE_ESTIMATORS, get_advantage_estimator
+from rlbolt.algorithms.shaping import overlong_penalty
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "KL_KINDS",
+    "GroupSpread",
+    "LossAggregation",
+    "aggregate_loss",
+    "clipped_surrogate",
+    "clipped_value_loss",
+    "dense_group_index",
+    "drgrpo_advantages",
+    "gae_advantages",
+    "get_advantage_estimator",
+    "group_count",
+    "group_mean",
+    "group_range",
+    "group_reward_spread",
+    "group_std",
+    "grpo_advantages",
+    "gspo_surrogate",
+    "kl_in_reward",
+    "kl_penalty",
+    "last_token_one_hot",
+    "masked_mean",
+    "masked_whiten",
+    "overlong_penalty",
+    "reinforcepp_advantages",
+    "rloo_advantages",
+    "sequence_to_token_rewards",
+    "truncated_importance_weights",
+]

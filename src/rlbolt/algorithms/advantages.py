@@ -1,0 +1,246 @@
+"""Advantage estimators: group baselines (GRPO, Dr.GRPO, RLOO), REINFORCE++ and GAE.
+
+Sequence-level estimators take ``rewards [N]`` and ``group_ids [N]`` (any ints, see
+``groups.py``) and return ``[N]``. Token-level estimators (REINFORCE++, GAE) return ``[N, C]``
+that are 0 on padding. All are pure, jittable and carry no gradient (rewards are data).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from rlbolt.algorithms import groups
+from rlbolt.algorithms.masked import (
+    check_token_shapes,
+    masked_whiten,
+    sequence_to_token_rewards,
+)
+
+
+def grpo_advantages(
+    rewards: jax.Array,
+    group_ids: jax.Array,
+    *,
+    eps: float = 1e-6,
+    scale_by_std: bool = True,
+    ddof: int = 1,
+) -> jax.Array:
+    """GRPO outcome advantages: the reward z-scored within its group.
+
+    DeepSeekMath (arXiv 2402.03300), Sec. 4.1.2: ``A_i = (r_i - mean(r)) / std(r)`` over the
+    G completions of one prompt, shared by every token of completion i.
+
+    The paper does not say which std; we default to the unbiased one (``ddof=1``), the choice of
+    the widely used TRL and verl implementations, so results line up with theirs. A group of one
+    sample gets advantage 0. A group of identical rewards gets 0 (``0 / (0 + eps)``).
+
+    Args:
+        rewards: ``[N]`` float, one scalar reward per sample.
+        group_ids: ``[N]`` int, the prompt each sample came from (any ids, any group sizes).
+        eps: added to the std in the denominator.
+        scale_by_std: if False, only subtract the group mean (Dr.GRPO, see
+            ``drgrpo_advantages``).
+        ddof: std divisor is ``group_size - ddof``.
+
+    Returns:
+        ``[N]`` float32 advantages.
+    """
+    rewards = jax.lax.stop_gradient(jnp.asarray(rewards, jnp.float32))
+    centred = rewards - groups.group_mean(rewards, group_ids)
+    if not scale_by_std:
+        return centred
+    return centred / (groups.group_std(rewards, group_ids, ddof=ddof) + eps)
+
+
+def drgrpo_advantages(rewards: jax.Array, group_ids: jax.Array) -> jax.Array:
+    """Dr.GRPO advantages: the reward minus its group mean, no std scaling.
+
+    "Understanding R1-Zero-Like Training" (arXiv 2503.20783), Sec. 3.2 / Alg. 1: dividing by
+    the group std up-weights prompts that are too easy or too hard (question-level difficulty
+    bias), so Dr.GRPO uses ``A_i = r_i - mean(r)``. Pair with the
+    ``seq-mean-token-sum-norm`` loss aggregation to also remove the length bias.
+
+    Args:
+        rewards: ``[N]`` float.
+        group_ids: ``[N]`` int.
+
+    Returns:
+        ``[N]`` float32 advantages.
+    """
+    return grpo_advantages(rewards, group_ids, scale_by_std=False)
+
+
+def rloo_advantages(rewards: jax.Array, group_ids: jax.Array) -> jax.Array:
+    """REINFORCE leave-one-out advantages.
+
+    Ahmadian et al., "Back to Basics" (arXiv 2402.14740), Eq. 7 (after Kool et al. 2019):
+    ``A_i = r_i - 1/(k-1) * sum_{j != i} r_j`` for a group of k samples, which equals
+    ``k/(k-1) * (r_i - mean(r))``. A group of one sample has no baseline and gets 0.
+
+    Args:
+        rewards: ``[N]`` float.
+        group_ids: ``[N]`` int.
+
+    Returns:
+        ``[N]`` float32 advantages.
+    """
+    rewards = jax.lax.stop_gradient(jnp.asarray(rewards, jnp.float32))
+    size = groups.group_count(group_ids)
+    total = groups.group_mean(rewards, group_ids) * size
+    others = jnp.maximum(size - 1.0, 1.0)
+    return jnp.where(size > 1, rewards - (total - rewards) / others, 0.0)
+
+
+def _discounted_returns(token_rewards: jax.Array, mask: jax.Array, gamma: float) -> jax.Array:
+    """``G_t = r_t + gamma * G_{t'}`` with t' the next valid token; masked tokens are skipped."""
+
+    def step(carry, inputs):
+        reward, valid = inputs
+        ret = reward + gamma * carry
+        return jnp.where(valid, ret, carry), jnp.where(valid, ret, 0.0)
+
+    init = jnp.zeros(token_rewards.shape[:1], token_rewards.dtype)
+    _, returns = jax.lax.scan(step, init, (token_rewards.T, mask.T), reverse=True)
+    return returns.T
+
+
+def reinforcepp_advantages(
+    rewards: jax.Array,
+    mask: jax.Array,
+    *,
+    kl: jax.Array | None = None,
+    kl_coef: float = 0.0,
+    gamma: float = 1.0,
+    group_ids: jax.Array | None = None,
+    eps: float = 1e-8,
+) -> jax.Array:
+    """REINFORCE++ advantages: KL-shaped returns-to-go, whitened over the global batch.
+
+    REINFORCE++ (arXiv 2501.03262), Sec. 3: the token reward is
+    ``r_t = 1[t = last] * r(x, y) - beta * KL_t`` (Eq. 1), the advantage is the return-to-go
+    ``A_t = sum_{s >= t} gamma^(s-t) r_s`` and it is normalised with the mean and std of all
+    valid tokens in the batch (Eq. 3; population std). Call it on the whole global batch so
+    the statistics are global, not per micro batch. With ``group_ids`` the sequence reward
+    first has its group mean removed ("REINFORCE++-baseline").
+
+    Masked tokens (padding or holes such as tool output) receive no reward, are skipped by the
+    discount, and come back as 0.
+
+    Args:
+        rewards: ``[N]`` sequence rewards (credited to each row's last valid token) or
+            ``[N, C]`` token rewards.
+        mask: ``[N, C]`` bool completion mask.
+        kl: ``[N, C]`` per-token KL estimate (e.g. ``kl_penalty(..., "k1")``), or None.
+        kl_coef: beta, the KL penalty weight.
+        gamma: discount factor (the paper uses 1).
+        group_ids: ``[N]`` int; if given, subtract each group's mean sequence reward first.
+        eps: added to the std in the normalisation.
+
+    Returns:
+        ``[N, C]`` float32 advantages, 0 on masked tokens.
+    """
+    mask = jnp.asarray(mask, bool)
+    rewards = jax.lax.stop_gradient(jnp.asarray(rewards, jnp.float32))
+    if group_ids is not None:
+        if rewards.ndim != 1:
+            raise ValueError(
+                "reinforcepp_advantages: group_ids (the group baseline) needs sequence "
+                f"rewards [N], got rewards of shape {rewards.shape}"
+            )
+        rewards = rewards - groups.group_mean(rewards, group_ids)
+    if rewards.ndim == 1:
+        token_rewards = sequence_to_token_rewards(rewards, mask)
+    else:
+        check_token_shapes("rewards", rewards, mask)
+        token_rewards = jnp.where(mask, rewards, 0.0)
+    if kl is not None:
+        check_token_shapes("kl", kl, mask)
+        kl = jax.lax.stop_gradient(jnp.asarray(kl, jnp.float32))
+        token_rewards = token_rewards - kl_coef * jnp.where(mask, kl, 0.0)
+    returns = _discounted_returns(token_rewards, mask, gamma)
+    return masked_whiten(returns, mask, eps=eps)
+
+
+def gae_advantages(
+    rewards: jax.Array,
+    values: jax.Array,
+    mask: jax.Array,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+) -> tuple[jax.Array, jax.Array]:
+    """Generalised advantage estimation for PPO with a token-level critic.
+
+    Schulman et al., GAE (arXiv 1506.02438), Eq. 16: ``delta_t = r_t + gamma V_{t+1} - V_t``,
+    ``A_t = sum_l (gamma lam)^l delta_{t+l}``, computed backwards as
+    ``A_t = delta_t + gamma lam A_{t+1}`` with a reverse ``lax.scan``. The value after the last
+    valid token is 0 (the episode ends). Masked tokens are skipped: ``t+1`` means the next
+    valid token. Returns are ``A_t + V_t``, the critic's regression target (PPO, 1707.06347).
+    No whitening here; use ``masked_whiten`` if wanted.
+
+    Args:
+        rewards: ``[N, C]`` float token rewards (see ``kl_in_reward``).
+        values: ``[N, C]`` float critic values ``V(s_t)``.
+        mask: ``[N, C]`` bool completion mask.
+        gamma: discount factor.
+        lam: GAE lambda.
+
+    Returns:
+        ``(advantages, returns)``, both ``[N, C]`` float32 and 0 on masked tokens.
+    """
+    mask = jnp.asarray(mask, bool)
+    check_token_shapes("rewards", rewards, mask)
+    check_token_shapes("values", values, mask)
+    rewards = jax.lax.stop_gradient(jnp.asarray(rewards, jnp.float32))
+    values = jax.lax.stop_gradient(jnp.asarray(values, jnp.float32))
+
+    def step(carry, inputs):
+        next_value, next_advantage = carry
+        reward, value, valid = inputs
+        delta = reward + gamma * next_value - value
+        advantage = delta + gamma * lam * next_advantage
+        carry = (
+            jnp.where(valid, value, next_value),
+            jnp.where(valid, advantage, next_advantage),
+        )
+        return carry, jnp.where(valid, advantage, 0.0)
+
+    zeros = jnp.zeros(rewards.shape[:1], jnp.float32)
+    _, advantages = jax.lax.scan(
+        step, (zeros, zeros), (rewards.T, values.T, mask.T), reverse=True
+    )
+    advantages = advantages.T
+    returns = jnp.where(mask, advantages + values, 0.0)
+    return advantages, returns
+
+
+class GroupSpread(NamedTuple):
+    """How much the rewards of each sample's group differ (both ``[N]`` float32)."""
+
+    std: jax.Array
+    range: jax.Array
+
+
+def group_reward_spread(rewards: jax.Array, group_ids: jax.Array) -> GroupSpread:
+    """Per-sample spread of its group's rewards, for DAPO's dynamic sampling filter.
+
+    DAPO (arXiv 2503.14476), Eq. 11: keep only groups with ``0 < #correct < G``, i.e. groups
+    whose rewards are not all equal, since such a group has zero advantage everywhere and no
+    gradient. Filter with ``spread.range > 0`` (exact for identical floats) or
+    ``spread.std > tol``.
+
+    Args:
+        rewards: ``[N]`` float.
+        group_ids: ``[N]`` int.
+
+    Returns:
+        ``GroupSpread(std, range)``: the population std (ddof 0) and max - min of the
+        sample's group, each ``[N]``.
+    """
+    rewards = jnp.asarray(rewards, jnp.float32)
+    return GroupSpread(
+        std=groups.group_std(rewards, group_ids, ddof=0),
+        range=groups.group_range(rewards, group_ids),
+    )
