@@ -1,1 +1,5 @@
 """Flax NNX decoder models (Llama 3, Qwen2/2.5, Qwen3) and Hugging Face checkpoint I/O."""
+
+from rlbolt.models.cache import KVCache, init_cache
+from rlbolt.models.config import ModelConfig, tiny_config, workload_config
+from rlbolt.models.decoder import Decoder

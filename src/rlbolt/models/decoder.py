@@ -1,0 +1,270 @@
+"""The decoder-only transformer shared by Llama 3, Qwen2/2.5 and Qwen3, in Flax NNX.
+
+Parameter layout (a contract with `rlbolt.models.hf_io`; nnx state paths, kernels are [in, out]):
+
+    embed.embedding                        [V, H]              ("vocab", "embed")
+    layers.{i}.attn_norm.scale             [H]                 ("embed",)
+    layers.{i}.attn.qkv_proj.kernel        [H, (nH+2nKV)*D]    ("embed", "qkv")   fused q|k|v
+    layers.{i}.attn.qkv_proj.bias          [(nH+2nKV)*D]       ("qkv",)           attention_bias only
+    layers.{i}.attn.q_norm.scale           [D]                 ("head_dim",)      qk_norm only
+    layers.{i}.attn.k_norm.scale           [D]                 ("head_dim",)      qk_norm only
+    layers.{i}.attn.o_proj.kernel          [nH*D, H]           ("heads", "embed")
+    layers.{i}.mlp_norm.scale              [H]                 ("embed",)
+    layers.{i}.mlp.gate_up_proj.kernel     [H, 2I]             ("embed", "mlp")   fused gate|up
+    layers.{i}.mlp.down_proj.kernel        [I, H]              ("mlp", "embed")
+    final_norm.scale                       [H]                 ("embed",)
+    lm_head.kernel                         [H, V]              ("embed", "vocab") absent when tied
+
+`layers` is an `nnx.List`, so layer i appears in `nnx.State` under the integer key i
+(`nnx.to_flat_state` path `('layers', 0, 'attn', 'qkv_proj', 'kernel')`). Every nnx.Param carries
+its logical axes as `out_sharding` metadata (with `eager_sharding=False`, so building a model
+needs no mesh); `nnx.get_partition_spec(state)` under `flax.linen.logical_axis_rules` maps them
+to mesh axes.
+
+Numerics follow Hugging Face's LlamaModel: RMSNorm in float32 with the weight applied after
+casting back, RoPE in float32 with rotate_half, softmax in float32, logits in float32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from rlbolt.models.cache import KVCache
+from rlbolt.models.config import ModelConfig
+from rlbolt.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
+
+_INIT_STD = 0.02  # HF's initializer_range default
+# A finite "minus infinity": a query row with no visible key (a left-pad row) then gets a
+# uniform softmax instead of NaN, and its output is masked downstream anyway.
+_MASK_VALUE = -1e30
+
+
+def _param(value: jnp.ndarray, axes: tuple[str, ...]) -> nnx.Param:
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> jnp.ndarray:
+    return (_INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+class RMSNorm(nnx.Module):
+    """`x * rsqrt(mean(x^2) + eps) * scale` (Zhang & Sennrich 2019, eq. 4), as HF's LlamaRMSNorm."""
+
+    def __init__(self, size: int, eps: float, axis_name: str, dtype):
+        self.scale = _param(jnp.ones((size,), dtype), (axis_name,))
+        self.eps = eps
+
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale[...] * normed.astype(x.dtype)
+
+
+class Dense(nnx.Module):
+    """`x @ kernel (+ bias)` with logical-axis metadata on its parameters."""
+
+    def __init__(self, in_features: int, out_features: int, axes: tuple[str, str], *,
+                 use_bias: bool = False, dtype, rngs: nnx.Rngs):
+        self.kernel = _param(_normal(rngs, (in_features, out_features), dtype), axes)
+        self.use_bias = use_bias
+        if use_bias:
+            self.bias = _param(jnp.zeros((out_features,), dtype), (axes[1],))
+
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        y = jnp.dot(x, self.kernel[...])
+        return y + self.bias[...] if self.use_bias else y
+
+
+class Embed(nnx.Module):
+    """Token embedding table; also the output projection when embeddings are tied."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, dtype, rngs: nnx.Rngs):
+        self.embedding = _param(_normal(rngs, (vocab_size, hidden_size), dtype), ("vocab", "embed"))
+
+    def __call__(self, ids: jnp.ndarray) -> jnp.ndarray:
+        return jnp.take(self.embedding[...], ids, axis=0)
+
+
+def _attend(q: jnp.ndarray, keys_t: jnp.ndarray, values: jnp.ndarray, visible: jnp.ndarray) -> jnp.ndarray:
+    """Grouped-query softmax attention against (possibly cached) keys.
+
+    Args:
+      q: [B, T, nH, D] rotated queries.
+      keys_t: [B, nKV, D, S] rotated keys, transposed.
+      values: [B, nKV, S, D].
+      visible: [B, T, S] bool, which keys each query may see.
+
+    Returns:
+      [B, T, nH * D] in q's dtype.
+    """
+    b, t, n_heads, d = q.shape
+    n_kv = keys_t.shape[1]
+    q = q.reshape(b, t, n_kv, n_heads // n_kv, d)  # query head h uses kv head h // G (HF repeat_kv)
+    if t == 1:
+        # Decode: multiply + sum keeps the cache in its stored layout (PERF_NOTES).
+        q1 = q[:, 0].astype(jnp.float32)  # [B, nKV, G, D]
+        scores = jnp.sum(q1[..., None] * keys_t[:, :, None].astype(jnp.float32), axis=-2)[:, :, :, None]
+    else:
+        scores = jnp.einsum("btkgd,bkds->bkgts", q, keys_t, preferred_element_type=jnp.float32)
+    scores = scores * (d ** -0.5)  # [B, nKV, G, T, S]
+    scores = jnp.where(visible[:, None, None], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+    if t == 1:
+        out = jnp.sum(probs[:, :, :, 0, :, None] * values[:, :, None], axis=-2)[:, None]  # [B,1,nKV,G,D]
+    else:
+        out = jnp.einsum("bkgts,bksd->btkgd", probs, values)
+    return out.reshape(b, t, n_heads * d).astype(q.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal grouped-query self-attention with fused q|k|v, optional bias and q/k RMSNorm."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.qkv_proj = Dense(c.hidden_size, c.q_size + 2 * c.kv_size, ("embed", "qkv"),
+                              use_bias=c.attention_bias, dtype=c.dtype, rngs=rngs)
+        self.qk_norm = c.qk_norm
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, "head_dim", c.dtype)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, "head_dim", c.dtype)
+        self.o_proj = Dense(c.q_size, c.hidden_size, ("heads", "embed"), dtype=c.dtype, rngs=rngs)
+
+    def __call__(self, x, cos, sin, visible, cache_kv):
+        """x [B,T,H]; cos/sin [B,T,D]; visible [B,T,S]; cache_kv None or (keys_t, values, index)."""
+        b, t, _ = x.shape
+        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        q = qkv[..., : nh * d].reshape(b, t, nh, d)
+        k = qkv[..., nh * d: (nh + nkv) * d].reshape(b, t, nkv, d)
+        v = qkv[..., (nh + nkv) * d:].reshape(b, t, nkv, d)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_t = k.transpose(0, 2, 3, 1)  # [B, nKV, D, T]
+        v = v.transpose(0, 2, 1, 3)  # [B, nKV, T, D]
+        new_kv = None
+        if cache_kv is not None:
+            keys_t, values, index = cache_kv
+            zero = jnp.zeros((), jnp.int32)
+            k_t = jax.lax.dynamic_update_slice(keys_t, k_t.astype(keys_t.dtype), (zero, zero, zero, index))
+            v = jax.lax.dynamic_update_slice(values, v.astype(values.dtype), (zero, zero, index, zero))
+            new_kv = (k_t, v)
+        return self.o_proj(_attend(q, k_t, v, visible)), new_kv
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward `down(silu(gate(x)) * up(x))` (Shazeer 2020, eq. 6) with fused gate|up."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = Dense(config.hidden_size, 2 * config.intermediate_size, ("embed", "mlp"),
+                                  dtype=config.dtype, rngs=rngs)
+        self.down_proj = Dense(config.intermediate_size, config.hidden_size, ("mlp", "embed"),
+                               dtype=config.dtype, rngs=rngs)
+
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up[..., : self.intermediate_size], gate_up[..., self.intermediate_size:]
+        return self.down_proj(jax.nn.silu(gate) * up)
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "embed", config.dtype)
+        self.attn = Attention(config, rngs=rngs)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "embed", config.dtype)
+        self.mlp = MLP(config, rngs=rngs)
+
+    def __call__(self, x, cos, sin, visible, cache_kv):
+        attn_out, new_kv = self.attn(self.attn_norm(x), cos, sin, visible, cache_kv)
+        x = x + attn_out
+        return x + self.mlp(self.mlp_norm(x)), new_kv
+
+
+class Decoder(nnx.Module):
+    """A causal language model: embeddings, `num_layers` blocks, final RMSNorm, output projection.
+
+    Args:
+      config: the model's shape; validated here.
+      rngs: parameter initialisation RNG (normal std 0.02 like HF; norms start at 1).
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        config.validate()
+        self.config = config
+        self.embed = Embed(config.vocab_size, config.hidden_size, dtype=config.dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)])
+        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "embed", config.dtype)
+        if not config.tie_word_embeddings:
+            self.lm_head = Dense(config.hidden_size, config.vocab_size, ("embed", "vocab"),
+                                 dtype=config.dtype, rngs=rngs)
+
+    def __call__(self, input_ids: jnp.ndarray, positions: jnp.ndarray, *,
+                 attention_mask: jnp.ndarray | None = None, cache: KVCache | None = None,
+                 return_hidden: bool = False):
+        """Runs the model over T new tokens (training, prefill or one decode step).
+
+        Causal masking is always applied. With a cache, the T tokens are written to slots
+        `cache.index .. cache.index + T - 1` and attend to every valid earlier slot; rows must be
+        left-padded so all rows share the write index.
+
+        Args:
+          input_ids: [B, T] int32.
+          positions: [B, T] int32 RoPE positions (for left padding: `cumsum(mask) - 1`).
+          attention_mask: [B, T] bool, True for real tokens; None means all real.
+          cache: a KVCache from `init_cache`, or None for a cache-free forward.
+          return_hidden: return the final-normed hidden states instead of logits.
+
+        Returns:
+          (logits [B, T, V] float32 or hidden [B, T, H], the updated KVCache or None).
+        """
+        b, t = input_ids.shape
+        if attention_mask is None:
+            attention_mask = jnp.ones((b, t), bool)
+        attention_mask = attention_mask.astype(bool)
+        cfg = self.config
+        cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        if cache is None:
+            causal = jnp.tril(jnp.ones((t, t), bool))
+            visible = causal[None] & attention_mask[:, None, :]
+            cache_mask, index = None, None
+        else:
+            index = cache.index
+            cache_mask = jax.lax.dynamic_update_slice(cache.mask, attention_mask, (jnp.zeros((), jnp.int32), index))
+            slot = jnp.arange(cache.max_len)
+            causal = slot[None, :] <= index + jnp.arange(t)[:, None]  # [T, S]
+            visible = causal[None] & cache_mask[:, None, :]
+
+        x = self.embed(input_ids)
+        new_keys, new_values = [], []
+        for i, layer in enumerate(self.layers):
+            layer_cache = None if cache is None else (cache.keys[i], cache.values[i], index)
+            x, new_kv = layer(x, cos, sin, visible, layer_cache)
+            if new_kv is not None:
+                new_keys.append(new_kv[0])
+                new_values.append(new_kv[1])
+        hidden = self.final_norm(x)
+        new_cache = None
+        if cache is not None:
+            new_cache = KVCache(tuple(new_keys), tuple(new_values), cache_mask, index + t)
+        return (hidden if return_hidden else self.logits(hidden)), new_cache
+
+    def logits(self, hidden: jnp.ndarray) -> jnp.ndarray:
+        """Output projection through lm_head, or the tied embedding table.
+
+        Args:
+          hidden: [..., H] final-normed hidden states.
+
+        Returns:
+          [..., V] float32 logits.
+        """
+        if self.config.tie_word_embeddings:
+            weight = self.embed.embedding[...].T
+        else:
+            weight = self.lm_head.kernel[...]
+        return jnp.dot(hidden, weight, preferred_element_type=jnp.float32)
