@@ -1,0 +1,151 @@
+"""Callback: no-op hooks a user overrides, a list that dispatches them, and periodic firing.
+
+When a callback acts (`Periodic`) is kept apart from what it does (the hook body), so the same
+schedule logic serves checkpoints, evaluation and logging and is tested once with a fake clock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+HOOKS = (
+    "on_fit_start",
+    "on_step_start",
+    "on_rollout_end",
+    "on_step_end",
+    "on_validation_end",
+    "on_fit_end",
+    "on_exception",
+)
+
+
+class Callback:
+    """Base class: every hook does nothing. Hooks run on the main (training) thread, after the
+    RLModule's own hook and in the order the callbacks were given to the Trainer."""
+
+    def on_fit_start(self, trainer, state) -> Any:
+        """Once, before the first step. May return a replacement TrainState (resume)."""
+
+    def on_step_start(self, trainer, step: int) -> None:
+        """Before step `step` (0-based index of the step about to run) consumes its batch."""
+
+    def on_rollout_end(self, trainer, rollout) -> None:
+        """When the step's `ProducedStep` (batch + producer metrics) reaches the main thread."""
+
+    def on_step_end(self, trainer, info) -> None:
+        """After the step's updates, with a `StepInfo`."""
+
+    def on_validation_end(self, trainer, step: int, metrics: dict[str, float]) -> None:
+        """After a validation pass, with its `val/*` metrics."""
+
+    def on_fit_end(self, trainer, state) -> None:
+        """Once, after the last step (not after an exception)."""
+
+    def on_exception(self, trainer, exc: BaseException) -> None:
+        """When fit stops on an exception (KeyboardInterrupt included)."""
+
+    def state_dict(self) -> dict:
+        """What this callback needs to resume exactly (saved in every checkpoint)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores what `state_dict` returned."""
+
+    @property
+    def state_key(self) -> str:
+        """The name under which this callback's state is checkpointed."""
+        return type(self).__name__
+
+
+class CallbackList(Callback):
+    """Dispatches each hook to the callbacks that override it, in order (itself a Callback)."""
+
+    def __init__(self, callbacks: Sequence[Callback] = ()):
+        self.callbacks = list(callbacks)
+        keys = [cb.state_key for cb in self.callbacks]
+        dupes = {k for k in keys if keys.count(k) > 1}
+        if dupes:
+            raise ValueError(f"callbacks {sorted(dupes)} appear twice; give each a distinct `state_key`")
+        for hook in HOOKS:
+            overriding = [getattr(cb, hook) for cb in self.callbacks if _overrides(cb, hook)]
+            setattr(self, hook, _dispatcher(hook, overriding))
+
+    def __iter__(self):
+        return iter(self.callbacks)
+
+    def find(self, kind: type) -> list[Callback]:
+        return [cb for cb in self.callbacks if isinstance(cb, kind)]
+
+    def state_dict(self) -> dict:
+        return {cb.state_key: cb.state_dict() for cb in self.callbacks}
+
+    def load_state_dict(self, state: dict) -> None:
+        for cb in self.callbacks:
+            if cb.state_key in state:
+                cb.load_state_dict(state[cb.state_key])
+
+
+def _overrides(cb: Callback, hook: str) -> bool:
+    return getattr(type(cb), hook) is not getattr(Callback, hook)
+
+
+def _dispatcher(hook: str, methods: list[Callable]) -> Callable:
+    if hook == "on_fit_start":
+
+        def run(trainer, state):
+            for m in methods:  # a callback may replace the state (resume); later ones see it
+                state = m(trainer, state) or state
+            return state
+
+        return run
+    if hook == "on_exception":
+
+        def run_all(trainer, exc):
+            for m in methods:  # every callback gets its chance to clean up
+                try:
+                    m(trainer, exc)
+                except Exception as inner:  # noqa: BLE001 - never mask the original exception
+                    exc.add_note(f"callback {m.__qualname__} failed in on_exception: {inner!r}")
+
+        return run_all
+
+    def run(*args):
+        for m in methods:
+            m(*args)
+
+    return run
+
+
+class Periodic:
+    """Decides when a periodic action fires: every n steps and/or every s seconds.
+
+    Args:
+      every_n_steps: fire when `step % every_n_steps == 0`.
+      every_secs: fire when at least this many seconds passed since the last firing.
+      clock: a zero-argument function returning seconds (injectable for tests).
+    Either condition fires; with neither set, `should_fire` is always False (use `force`).
+    """
+
+    def __init__(self, every_n_steps: int | None = None, every_secs: float | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        if every_n_steps is not None and every_n_steps < 1:
+            raise ValueError(f"every_n_steps={every_n_steps} must be >= 1 (or None to disable)")
+        if every_secs is not None and every_secs <= 0:
+            raise ValueError(f"every_secs={every_secs} must be > 0 (or None to disable)")
+        self.every_n_steps, self.every_secs, self.clock = every_n_steps, every_secs, clock
+        self._last_time = clock()
+        self._last_step: int | None = None
+
+    def should_fire(self, step: int) -> bool:
+        by_steps = self.every_n_steps is not None and step % self.every_n_steps == 0
+        by_time = self.every_secs is not None and self.clock() - self._last_time >= self.every_secs
+        if (by_steps or by_time) and step != self._last_step:
+            self.fired(step)
+            return True
+        return False
+
+    def fired(self, step: int) -> None:
+        """Records a firing (also call it after a forced action, so the timer restarts)."""
+        self._last_time, self._last_step = self.clock(), step

@@ -1,0 +1,123 @@
+"""RLModule: the hooks a user overrides to define an RL algorithm, with sensible defaults.
+
+Hook order for one global step (docs/architecture.md pins it with a golden trace test):
+
+    producer thread:  on_rollout -> compute_logps -> on_advantage      (per service batch / global batch)
+    main thread:      training_step (jitted; once per train micro batch, summed per mini batch)
+
+Hooks receive parameters explicitly (`params`) rather than reading shared state, so the producer
+thread and the training thread never race on weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any
+
+import jax
+import optax
+
+from rlbolt.batch import Batch
+
+
+class RLModule:
+    """Base class of every algorithm. Override the hooks; the Trainer calls them.
+
+    Class attributes:
+      whole_groups: stages in which this module computes a group statistic, so their micro
+        batches must hold whole groups ("rollout", "logps", "train", "mini"). The Trainer checks
+        the BatchPlan against it before compiling anything.
+
+    Attributes set by the Trainer before `setup`:
+      trainer: the Trainer running this module (read `trainer.plan` for batch sizes).
+    """
+
+    whole_groups: tuple[str, ...] = ()
+    trainer: Any = None
+
+    # -- set-up ---------------------------------------------------------------------------
+    def setup(self, trainer) -> None:
+        """Builds or loads models, tokenizer and reward functions. Called once by `fit`."""
+
+    def init_params(self, rng: jax.Array) -> Any:
+        """Returns the trainable parameter pytree. Default: the `nnx.Param`s of `self.model`."""
+        model = getattr(self, "model", None)
+        if model is None:
+            raise NotImplementedError(
+                f"{type(self).__name__}.init_params: set `self.model` (an nnx.Module) in setup() "
+                "or override init_params(rng) to return the parameter pytree"
+            )
+        from flax import nnx
+
+        return nnx.state(model, nnx.Param)
+
+    def configure_optimizers(self) -> optax.GradientTransformation:
+        """The optimizer (schedules live inside it). Default: AdamW, lr 1e-6, grad-norm clip 1.0."""
+        return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-6))
+
+    # -- producer-side hooks (host; may call jitted functions) --------------------------------
+    def on_rollout(self, params: Any, batch: Batch) -> Batch:
+        """Prompts -> completions. `batch` holds the prompt rows (one row per sample, each prompt
+        repeated num_generations times) plus `group_ids`, `policy_version`, `prompt_index` and
+        `sample_keys` ([N, 2] uint32, one PRNG key per sample). Must add the "rollout" stage
+        columns (see rlbolt.batch) and usually `sampler_logps`."""
+        raise NotImplementedError(f"{type(self).__name__} must implement on_rollout(params, batch)")
+
+    def compute_logps(self, params: Any, batch: Batch) -> Batch:
+        """Adds `old_logps` (and `ref_logps` when a KL term needs them) in logps micro chunks.
+
+        Default: with one iteration the behaviour policy is the sampling policy, so the sampler's
+        logps are the old logps and no forward pass is spent."""
+        if "old_logps" in batch:
+            return batch
+        if self.trainer is not None and self.trainer.plan.num_iterations == 1 and "sampler_logps" in batch:
+            return batch.with_columns(old_logps=batch["sampler_logps"])
+        raise NotImplementedError(
+            f"{type(self).__name__}.compute_logps: num_iterations > 1 (or no sampler_logps column) needs a "
+            "forward pass for old_logps; override compute_logps(params, batch)"
+        )
+
+    def on_advantage(self, batch: Batch) -> Batch:
+        """Adds `rewards` [N] and `advantages` [N] or [N, C] for the whole global batch. May drop
+        samples (whole groups); the producer then refills up to `plan.max_refill_rounds` times."""
+        raise NotImplementedError(f"{type(self).__name__} must implement on_advantage(batch)")
+
+    # -- training (jitted by the Trainer: pure, arrays in, arrays out) -----------------------
+    def training_step(self, params: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """Loss and scalar metrics for one train micro batch.
+
+        The Trainer sums the gradients AND the metrics of a mini batch's micro batches, so
+        normalise by the mini-batch totals it adds as columns: `mini_batch_num_tokens` (sum of
+        `completion_mask` over the mini batch) and `mini_batch_num_samples`, both [M] broadcast.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement training_step(params, batch)")
+
+    # -- evaluation -------------------------------------------------------------------------
+    def validation_step(self, params: Any, batch: Batch) -> dict[str, float]:
+        """Task metrics (accuracy, pass@k) for one batch of validation prompt rows."""
+        return {}
+
+    # -- logging from host hooks --------------------------------------------------------------
+    def log(self, name: str, value: float) -> None:
+        """Records a scalar from a host hook (on_rollout/compute_logps/on_advantage); it joins
+        the step's metrics. Values logged twice in one step are averaged."""
+        sink = getattr(_SINK, "metrics", None)
+        if sink is not None:
+            sink.setdefault(name, []).append(float(value))
+
+
+_SINK = threading.local()
+
+
+@contextlib.contextmanager
+def collect_logs():
+    """Collects `RLModule.log` calls made on this thread; yields a dict name -> mean value."""
+    previous = getattr(_SINK, "metrics", None)
+    _SINK.metrics = {}
+    out: dict[str, float] = {}
+    try:
+        yield out
+    finally:
+        out.update({k: sum(v) / len(v) for k, v in _SINK.metrics.items()})
+        _SINK.metrics = previous

@@ -1,0 +1,54 @@
+"""TrainState (what a step returns) and StepInfo (what callbacks see after a step)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+
+
+@flax.struct.dataclass
+class TrainState:
+    """The immutable state of a run: everything exact resume needs.
+
+    Attributes:
+      step: global steps completed.
+      params: the policy's trainable parameters (a pytree, e.g. an `nnx.State`).
+      opt_state: the optax optimizer state.
+      rng: the run's base PRNG key; per-step keys are `fold_in(rng, step)`, so no key is
+        consumed statefully and a resumed run draws the same numbers.
+      policy_version: optimizer updates applied so far (samples record the version that made them).
+      data_position: prompts consumed by *training* (not by the prefetcher): where a resumed
+        run's producer starts reading.
+    """
+
+    step: int = flax.struct.field(pytree_node=False)
+    params: Any
+    opt_state: Any
+    rng: Any
+    policy_version: int = flax.struct.field(pytree_node=False)
+    data_position: int = flax.struct.field(pytree_node=False)
+
+    def progress(self) -> dict[str, int]:
+        """The integer counters, as saved next to the arrays in a checkpoint."""
+        return {"step": self.step, "policy_version": self.policy_version, "data_position": self.data_position}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    """What callbacks receive after each global step.
+
+    Attributes:
+      step: global steps completed (1 after the first step).
+      state: the TrainState after the step.
+      metrics: host floats: losses, rewards, `time/*` and `throughput/*` figures.
+      epoch: epochs of the data source consumed so far (fractional).
+      batch: the trained global batch (host/device columns), for callbacks that inspect samples.
+    """
+
+    step: int
+    state: TrainState
+    metrics: dict[str, float]
+    epoch: float
+    batch: Any = None

@@ -1,0 +1,218 @@
+"""Trainer: the generic fit loop. Read `fit` top to bottom; everything else is a helper.
+
+    producer thread (DataPrefetcher):  prompts -> on_rollout -> compute_logps -> on_advantage
+    main thread (fit):                 for each iteration, for each mini batch: one jitted update
+                                       (grad accumulation over train micro batches inside it)
+                                       -> publish weights -> callbacks.on_step_end(StepInfo)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from rlbolt.batch import Batch
+from rlbolt.callback import Callback, CallbackList
+from rlbolt.data.source import PromptSource
+from rlbolt.module import RLModule
+from rlbolt.plan import BatchPlan
+from rlbolt.prefetch import DataPrefetcher
+from rlbolt.producer import ProducedStep, Producer
+from rlbolt.state import StepInfo, TrainState
+from rlbolt.update import make_update_fn
+from rlbolt.weights import WeightStore
+
+MODES = ("sync", "async")
+
+
+class Trainer:
+    """Runs an RLModule over a prompt source.
+
+    Args:
+      plan: the batch sizes (validated when the BatchPlan is built).
+      max_steps: global steps to run (None: until max_epochs).
+      max_epochs: passes over the prompts (default 1 when max_steps is None).
+      seed: seeds parameter init and every rollout key (keys are derived per step and sample).
+      data_seed: seeds the per-epoch shuffle (default: seed).
+      shuffle: reshuffle prompts every epoch.
+      callbacks: Callback instances, run in order after the module's own hooks.
+      mode: "sync" (on-policy: step s rolls out with the weights after step s-1) or "async"
+        (the producer runs ahead with older weights, bounded by `max_staleness`).
+      max_staleness: async only: the most policy versions a trained sample may lag the policy.
+        The producer then runs `(max_staleness + 1) // updates_per_step - 1` steps ahead.
+      val_every_n_steps: validate every n steps (and always after the last step when val_data is given).
+      val_batch_size: prompts per validation batch (default prompts_per_step).
+      run_dir: where callbacks write (metrics, checkpoints); default runs/<time>.
+      prefetch_timeout_s: fail if the producer yields nothing for this long (None: wait).
+    """
+
+    def __init__(self, plan: BatchPlan, *, max_steps: int | None = None, max_epochs: int | None = None,
+                 seed: int = 0, data_seed: int | None = None, shuffle: bool = True,
+                 callbacks: Sequence[Callback] = (), mode: str = "sync", max_staleness: int | None = None,
+                 val_every_n_steps: int | None = None, val_batch_size: int | None = None,
+                 run_dir: str | Path | None = None, prefetch_timeout_s: float | None = None):
+        if not isinstance(plan, BatchPlan):
+            raise TypeError(f"plan must be a BatchPlan, got {type(plan).__name__}")
+        for name, value in (("max_steps", max_steps), ("max_epochs", max_epochs), ("val_every_n_steps", val_every_n_steps)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r} must be a positive integer or None")
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r}; allowed: {MODES}")
+        self.plan, self.max_steps, self.seed = plan, max_steps, seed
+        self.max_epochs = max_epochs if max_epochs is not None or max_steps is not None else 1
+        self.data_seed, self.shuffle = (seed if data_seed is None else data_seed), shuffle
+        self.callbacks = CallbackList(callbacks)
+        self.mode, self.lag_steps = mode, _lag_steps(mode, max_staleness, plan)
+        self.max_staleness = max_staleness if mode == "async" else plan.updates_per_step - 1
+        self.val_every_n_steps, self.val_batch_size = val_every_n_steps, val_batch_size or plan.prompts_per_step
+        self.run_dir = Path(run_dir) if run_dir is not None else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+        self.prefetch_timeout_s = prefetch_timeout_s
+        self.weights = WeightStore(self.lag_steps)
+        self.should_stop = False  # a callback sets it to end fit after the current step
+        self.interrupted = False
+        self.module: RLModule | None = None
+        self.source: PromptSource | None = None
+
+    @property
+    def is_main_process(self) -> bool:
+        return jax.process_index() == 0
+
+    # ------------------------------------------------------------------------------------------
+    def fit(self, module: RLModule, train_data: Any, val_data: Sequence[dict] | None = None) -> TrainState:
+        """Trains `module` on `train_data` (dict rows or a grain MapDataset); returns the final state."""
+        state = self._setup(module, train_data)
+        state = self.callbacks.on_fit_start(self, state)
+        self.weights.publish(state.step, state.params, state.policy_version)
+        producer = Producer(module, self.plan, self.source, self.weights, state.rng,
+                            max_steps=self.max_steps, max_prompts=self._max_prompts())
+        validated_at = None
+        try:
+            with DataPrefetcher(lambda stop: producer.run(state.step, state.data_position, stop),
+                                depth=self.lag_steps + 1, timeout_s=self.prefetch_timeout_s) as produced_steps:
+                waited = time.perf_counter()
+                for produced in produced_steps:
+                    data_wait = time.perf_counter() - waited
+                    self.callbacks.on_step_start(self, state.step)
+                    self.callbacks.on_rollout_end(self, produced)
+                    state, metrics = self._train_on(state, produced)
+                    metrics["time/data_wait"] = data_wait
+                    metrics["time/step"] = time.perf_counter() - waited
+                    _add_throughput(metrics, produced.batch)
+                    info = StepInfo(state.step, state, metrics, self.source.epoch(state.data_position), produced.batch)
+                    self.callbacks.on_step_end(self, info)
+                    if val_data is not None and self.val_every_n_steps and state.step % self.val_every_n_steps == 0:
+                        self.validate(state.params, val_data, state.step)
+                        validated_at = state.step
+                    # Publishing after the callbacks keeps the hook order deterministic in sync mode.
+                    self.weights.publish(state.step, state.params, state.policy_version)
+                    self.last_state = state
+                    if self.should_stop:
+                        break
+                    waited = time.perf_counter()
+            if val_data is not None and validated_at != state.step:
+                self.validate(state.params, val_data, state.step)
+        except KeyboardInterrupt as exc:  # a clean stop: callbacks may save, threads are joined
+            self.interrupted = True
+            self.callbacks.on_exception(self, exc)
+            return state
+        except BaseException as exc:
+            self.callbacks.on_exception(self, exc)
+            raise
+        self.callbacks.on_fit_end(self, state)
+        return state
+
+    # ------------------------------------------------------------------------------------------
+    def _setup(self, module: RLModule, train_data: Any) -> TrainState:
+        self.module, module.trainer = module, self
+        if module.whole_groups:  # the module's group statistics constrain the micro sizes
+            self.plan = self.plan.require_whole_groups(*module.whole_groups)
+        self.source = train_data if isinstance(train_data, PromptSource) else PromptSource(train_data, shuffle=self.shuffle, seed=self.data_seed)
+        if self.max_prompts_too_few():
+            raise ValueError(f"train_data has {len(self.source)} prompts x max_epochs={self.max_epochs}: fewer than "
+                             f"prompts_per_step={self.plan.prompts_per_step}; lower prompts_per_step or raise max_epochs")
+        module.setup(self)
+        rng = jax.random.PRNGKey(self.seed)
+        params = module.init_params(jax.random.fold_in(rng, 0))
+        self.optimizer = module.configure_optimizers()
+        self._update = make_update_fn(module.training_step, self.optimizer, self.plan.grad_accum_steps)
+        state = TrainState(step=0, params=params, opt_state=self.optimizer.init(params), rng=jax.random.fold_in(rng, 1),
+                           policy_version=0, data_position=0)
+        self.last_state = state
+        return state
+
+    def _train_on(self, state: TrainState, produced: ProducedStep) -> tuple[TrainState, dict[str, float]]:
+        """num_iterations passes of mini-batch updates over one global batch."""
+        t0 = time.perf_counter()
+        host_batch = produced.batch.numeric()
+        versions = np.asarray(host_batch["policy_version"])
+        batch = jax.device_put(host_batch)
+        params, opt_state, version = state.params, state.opt_state, state.policy_version
+        device_metrics, staleness = [], []
+        mini_size = self.plan.mini_batch_size
+        for _ in range(self.plan.num_iterations):
+            for start in range(0, batch.num_samples, mini_size):
+                staleness.append(version - versions[start:start + mini_size])
+                params, opt_state, m = self._update(params, opt_state, batch.slice(start, start + mini_size))
+                device_metrics.append(m)
+                version += 1
+        # The one host sync of the step: all update metrics at once.
+        host = jax.device_get(device_metrics)
+        metrics = {k: float(np.mean([m[k] for m in host])) for k in host[0]}
+        stale = np.concatenate(staleness)
+        metrics.update({"staleness/mean": float(stale.mean()), "staleness/max": float(stale.max())})
+        metrics["time/update"] = time.perf_counter() - t0
+        metrics.update(produced.metrics)
+        state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                              policy_version=version, data_position=produced.data_position)
+        return state, metrics
+
+    def validate(self, params: Any, val_data: Sequence[dict], step: int) -> dict[str, float]:
+        """Runs `validation_step` over `val_data` in batches; returns `val/*` means (sample-weighted)."""
+        totals: dict[str, float] = {}
+        count = 0
+        for start in range(0, len(val_data), self.val_batch_size):
+            chunk = [val_data[i] for i in range(start, min(start + self.val_batch_size, len(val_data)))]
+            rows = [{**r, "prompt_index": start + i} for i, r in enumerate(chunk)]
+            batch = Batch.from_rows(rows)
+            keys = jax.random.split(jax.random.PRNGKey(self.seed + 7919), batch.num_samples)
+            batch = batch.with_columns(sample_keys=np.asarray(keys))
+            for k, v in self.module.validation_step(params, batch).items():
+                totals[k] = totals.get(k, 0.0) + float(v) * batch.num_samples
+            count += batch.num_samples
+        metrics = {(k if k.startswith("val/") else f"val/{k}"): v / max(count, 1) for k, v in totals.items()}
+        self.callbacks.on_validation_end(self, step, metrics)
+        return metrics
+
+    def max_prompts_too_few(self) -> bool:
+        return self._max_prompts() is not None and self._max_prompts() < self.plan.prompts_per_step
+
+    def _max_prompts(self) -> int | None:
+        return None if self.max_epochs is None else self.max_epochs * len(self.source)
+
+
+def _lag_steps(mode: str, max_staleness: int | None, plan: BatchPlan) -> int:
+    if mode == "sync":
+        if max_staleness is not None:
+            raise ValueError("max_staleness is only used with mode='async'; drop it or set mode='async'")
+        return 0
+    ups = plan.updates_per_step
+    if max_staleness is None or (max_staleness + 1) // ups - 1 < 1:
+        raise ValueError(
+            f"mode='async' with max_staleness={max_staleness}: with {ups} update(s) per step the producer can run "
+            f"k steps ahead only if max_staleness >= (k + 1) * {ups} - 1; use max_staleness >= {2 * ups - 1} "
+            "(one step ahead) or mode='sync'"
+        )
+    return (max_staleness + 1) // ups - 1
+
+
+def _add_throughput(metrics: dict[str, float], batch: Batch) -> None:
+    """Rates over the step's wall time (from the end of the previous step: waiting included)."""
+    step_s = metrics["time/step"]
+    tokens = float(np.asarray(batch["completion_mask"]).sum())
+    metrics["throughput/tokens_per_s"] = tokens / step_s if step_s > 0 else 0.0
+    metrics["throughput/samples_per_s"] = batch.num_samples / step_s if step_s > 0 else 0.0

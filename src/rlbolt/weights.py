@@ -1,0 +1,50 @@
+"""WeightStore: the policy weights the producer may roll out with, keyed by steps completed.
+
+The trainer publishes the parameters after each global step; the producer asks for the weights
+"after step n" and blocks until they exist. Sync mode asks for step s - 1's weights before
+producing step s (on-policy); async mode asks for step s - 1 - lag's, so it runs `lag` steps
+ahead. Because the producer always takes exactly those weights, async runs are deterministic
+and resume exactly: the retained weights are part of the checkpoint.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from rlbolt.prefetch import DataPrefetcher
+
+
+class WeightStore:
+    """Thread-safe map: steps completed -> params (keeps only what the producer still needs)."""
+
+    def __init__(self, lag_steps: int = 0):
+        self.lag_steps = lag_steps
+        self._cond = threading.Condition()
+        self._weights: dict[int, Any] = {}
+
+    def publish(self, steps_completed: int, params: Any, policy_version: int) -> None:
+        with self._cond:
+            self._weights[steps_completed] = (params, policy_version)
+            # The producer of step s needs key max(0, s - lag); the next step to produce is at
+            # least steps_completed, so older keys can go.
+            keep_from = max(0, steps_completed - self.lag_steps)
+            for key in [k for k in self._weights if k < keep_from]:
+                del self._weights[key]
+            self._cond.notify_all()
+
+    def key_for_step(self, step: int) -> int:
+        """Which weights produce step `step` (0-based): those after step - lag steps."""
+        return max(0, step - self.lag_steps)
+
+    def get(self, step: int, stop_event: threading.Event) -> tuple[Any, int]:
+        """Blocks until the weights that produce `step` are published; returns (params, version)."""
+        key = self.key_for_step(step)
+        DataPrefetcher.wait(lambda: key in self._weights, stop_event, self._cond)
+        with self._cond:
+            return self._weights[key]
+
+    def retained(self) -> dict[int, tuple[Any, int]]:
+        """{steps completed: (params, policy_version)} held now (checkpointed so async runs resume exactly)."""
+        with self._cond:
+            return dict(self._weights)
