@@ -1,0 +1,109 @@
+"""A weighted sum of named reward functions, keeping each term's raw score for metrics."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rlbolt.rewards.base import RewardFn, reward_name
+
+__all__ = ["WeightedReward", "as_weighted"]
+
+
+class WeightedReward:
+    """`total = sum_k weight_k * fn_k(completion, sample)` over named terms.
+
+    The raw (unweighted) score of each term is kept so a runner can log
+    `reward/<name>/mean`. Instances are picklable when their functions are (module-level
+    functions or `functools.partial` of them), which the process executor needs.
+
+    Args:
+        terms: `(name, fn, weight)` triples. Names must be unique and metric-safe
+            (letters, digits, `_`, `-`, `.`); weights must be finite.
+
+    Example:
+        >>> reward = WeightedReward([("accuracy", gsm8k_reward, 1.0), ("format", format_reward, 0.2)])
+        >>> reward.raw_scores(completion, sample)   # {"accuracy": 1.0, "format": 0.75}
+        >>> reward(completion, sample)              # 1.15
+    """
+
+    def __init__(self, terms: Sequence[tuple[str, RewardFn, float]]):
+        if not terms:
+            raise ValueError("WeightedReward: terms is empty; pass [(name, fn, weight), ...]")
+        seen = set()
+        for position, term in enumerate(terms):
+            if len(term) != 3:
+                raise ValueError(
+                    f"WeightedReward: terms[{position}]={term!r} must be a (name, fn, weight) triple"
+                )
+            name, fn, weight = term
+            if not isinstance(name, str) or not re.fullmatch(r"[\w.\-]+", name):
+                raise ValueError(
+                    f"WeightedReward: terms[{position}] name={name!r} must be a non-empty string of "
+                    f"letters, digits, '_', '-' or '.' (it becomes the metric reward/<name>/mean)"
+                )
+            if name in seen:
+                raise ValueError(f"WeightedReward: duplicate name {name!r}; give each term its own")
+            seen.add(name)
+            if not callable(fn):
+                raise TypeError(f"WeightedReward: terms[{position}] ({name!r}) fn={fn!r} is not callable")
+            if not isinstance(weight, (int, float)) or not math.isfinite(weight):
+                raise ValueError(
+                    f"WeightedReward: terms[{position}] ({name!r}) weight={weight!r} must be a finite number"
+                )
+        self.terms = [(name, fn, float(weight)) for name, fn, weight in terms]
+
+    @property
+    def names(self) -> list[str]:
+        """Term names in order."""
+        return [name for name, _, _ in self.terms]
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """Weight of each term by name."""
+        return {name: weight for name, _, weight in self.terms}
+
+    def raw_scores(self, completion: str, sample: Mapping[str, Any]) -> dict[str, float]:
+        """Each term's unweighted score for one sample.
+
+        Args:
+            completion: the generated text.
+            sample: the prompt row.
+
+        Returns:
+            `{name: score}`; raises if any term raises or returns a non-finite or non-numeric value.
+        """
+        scores = {}
+        for name, fn, _ in self.terms:
+            value = fn(completion, sample)
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                raise TypeError(f"reward {name!r} returned {value!r}, not a number") from None
+            if not math.isfinite(value):
+                raise ValueError(f"reward {name!r} returned {value}, not a finite number")
+            scores[name] = value
+        return scores
+
+    def combine(self, scores: Mapping[str, float]) -> float:
+        """The weighted total of raw scores produced by `raw_scores`."""
+        return sum(weight * scores[name] for name, _, weight in self.terms)
+
+    def __call__(self, completion: str, sample: Mapping[str, Any]) -> float:
+        """The weighted total for one sample (so a WeightedReward is itself a `RewardFn`)."""
+        return self.combine(self.raw_scores(completion, sample))
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"({name!r}, {reward_name(fn)}, {weight})" for name, fn, weight in self.terms)
+        return f"WeightedReward([{inner}])"
+
+
+def as_weighted(reward: RewardFn | WeightedReward) -> WeightedReward:
+    """Wraps a single reward function as a one-term WeightedReward named after the function."""
+    if isinstance(reward, WeightedReward):
+        return reward
+    if not callable(reward):
+        raise TypeError(f"expected a reward function or a WeightedReward, got {reward!r}")
+    return WeightedReward([(reward_name(reward), reward, 1.0)])
