@@ -8,8 +8,8 @@ Two variants share one checker:
 - **lenient** (default): partial credit, 0.25 for each of
   1. one well-formed think block (one opening tag, then one closing tag) with content,
   2. one well-formed answer block with non-empty content,
-  3. the think block closes before the answer block opens,
-  4. nothing but whitespace outside the two blocks.
+  3. both blocks are well-formed and the think block closes before the answer block opens,
+  4. ordered as in 3, with nothing but whitespace outside the two blocks.
   A completion earns 1.0 exactly when it passes the strict check, so the two variants agree at
   the top and the lenient one gives a gradient toward it early in training.
 
@@ -70,16 +70,16 @@ def format_reward(
     text = (f"<{think_tag}>" if think_prefilled else "") + completion
     think = _blocks(text, think_tag)
     answer = _blocks(text, answer_tag)
+    ordered = think is not None and answer is not None and think[1] <= answer[0]
+    layout_clean = ordered and (
+        text[: think[0]] + text[think[1] : answer[0]] + text[answer[1] :]
+    ).strip() == ""
     checks = [
         think is not None and think[2].strip() != "",
         answer is not None and answer[2].strip() != "",
-        think is not None and answer is not None and think[1] <= answer[0],
+        ordered,
+        layout_clean,
     ]
-    if all(checks):
-        outside = text[: think[0]] + text[think[1] : answer[0]] + text[answer[1] :]
-        checks.append(outside.strip() == "")
-    else:
-        checks.append(False)
     if strict:
         return 1.0 if all(checks) else 0.0
     return 0.25 * sum(checks)
