@@ -1,0 +1,423 @@
+"""Run configuration: frozen dataclasses, one per section, read from YAML with dotted overrides.
+
+A run is described by a `RunConfig`; every field has a default and help text, so an empty file
+is a valid config (the tiny random model on built-in GSM8K-style rows). `load_config` reads a
+YAML file (or a dict), applies `section.key=value` overrides (values parsed as YAML scalars:
+`trainer.max_steps=10`, `model.path=/local/qwen`, `algorithm.beta=0.04`), checks every key and
+type, and fills algorithm-dependent defaults (`None` = "the algorithm's choice") so
+`save_config` writes the fully resolved run.
+
+    cfg = load_config("recipes/configs/grpo_gsm8k.yaml", ["trainer.max_steps=3"])
+    save_config(cfg, run_dir / "config.yaml")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ALGORITHMS = ("grpo", "dapo", "drgrpo", "rloo", "reinforcepp", "gspo", "ppo")
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+METRIC_WRITERS = ("console", "jsonl", "tensorboard", "wandb")
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the field and the fix."""
+
+
+def _f(default: Any, help: str, choices: Sequence[Any] | None = None):
+    """A dataclass field with help text (and allowed values for enum-like fields)."""
+    meta = {"help": help}
+    if choices is not None:
+        meta["choices"] = tuple(choices)
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """The policy model."""
+
+    path: str | None = _f(None, "local Hugging Face model folder (config.json + safetensors); None: a tiny random model")
+    tiny: dict = _f({}, "ModelConfig overrides for the tiny random model, e.g. {hidden_size: 128, num_layers: 4}")
+    param_dtype: str = _f("float32", "parameter dtype (compute stays float32 where it matters)", ("float32", "bfloat16"))
+    tokenizer: str | None = _f(None, "tokenizer folder; None: model.path, or a built-in character tokenizer for the tiny model")
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """Prompt rows for training and validation."""
+
+    train: str | None = _f(None, "train rows: a .jsonl, .json or .parquet file; None: built-in GSM8K-style rows")
+    val: str | None = _f(None, "validation rows (same formats); None: no validation unless data.builtin_val_rows > 0")
+    prompt_field: str = _f("question", "row field holding the prompt text")
+    answer_field: str = _f("answer", "row field holding the gold answer ('... #### 42' or '42')")
+    system_prompt: str | None = _f(None, "system message put before each prompt when the tokenizer has a chat template")
+    use_chat_template: bool = _f(True, "format prompts with the tokenizer's chat template when it has one")
+    max_prompt_tokens: int = _f(256, "longer prompts keep their last max_prompt_tokens tokens (the question's end)")
+    shuffle: bool = _f(True, "reshuffle the train rows every epoch")
+    builtin_train_rows: int = _f(256, "how many built-in rows to generate when data.train is None")
+    builtin_val_rows: int = _f(0, "how many built-in validation rows to generate when data.val is None")
+    builtin_seed: int = _f(0, "seed of the built-in row generator")
+
+
+@dataclass(frozen=True)
+class PlanSection:
+    """Batch sizes, in samples unless the name says prompts (see rlbolt.plan.BatchPlan)."""
+
+    prompts_per_step: int = _f(4, "prompts per global step")
+    num_generations: int = _f(4, "completions sampled per prompt (the group size G)")
+    mini_batch_size: int | None = _f(None, "samples per optimizer update; None: the whole global batch")
+    train_micro_batch_size: int | None = _f(None, "samples per gradient call; None: the mini batch")
+    logps_micro_batch_size: int | None = _f(None, "samples per logps forward; None: train_micro_batch_size")
+    rollout_micro_batch_size: int | None = _f(None, "samples per sampler call; None: the global batch")
+    num_iterations: int = _f(1, "update passes over each global batch (mu)")
+    max_refill_rounds: int | None = _f(None, "extra prompt draws when groups are dropped (DAPO); None: 4 with dynamic sampling, else 0")
+
+
+@dataclass(frozen=True)
+class RolloutSection:
+    """Sampling."""
+
+    max_new_tokens: int = _f(32, "completion budget in tokens (also the Dr.GRPO length constant)")
+    temperature: float = _f(1.0, "sampling temperature; 0 = greedy")
+    top_k: int = _f(0, "keep the k most likely tokens; 0 = off")
+    top_p: float = _f(1.0, "nucleus sampling mass; 1.0 = off")
+    stop_at_eos: bool = _f(True, "stop a completion at the tokenizer's eos token")
+    val_temperature: float = _f(1.0, "temperature of the pass@k samples in validation (accuracy is always greedy)")
+    val_num_samples: int = _f(4, "k of pass@k in validation; 1 = greedy accuracy only")
+
+
+@dataclass(frozen=True)
+class AlgorithmSection:
+    """The RL algorithm. Fields left None take the algorithm's own default (see ALGORITHM_DEFAULTS)."""
+
+    name: str = _f("grpo", "which ready module to train with", ALGORITHMS)
+    lr: float = _f(1e-6, "AdamW learning rate")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    warmup_steps: int = _f(0, "linear learning-rate warm-up, in optimizer updates")
+    max_grad_norm: float = _f(1.0, "clip gradients to this global norm; 0 = off")
+    beta: float = _f(0.0, "KL coefficient to a frozen reference copy; > 0 builds the reference model")
+    kl_kind: str = _f("k3", "KL estimator (Schulman 2020)", ("k1", "k2", "k3"))
+    kl_clamp: float | None = _f(None, "clamp the per-token KL to [-kl_clamp, kl_clamp]; None = off")
+    clip_low: float | None = _f(None, "lower ratio clip epsilon; None: algorithm default (GSPO 3e-4, else 0.2)")
+    clip_high: float | None = _f(None, "upper ratio clip epsilon; None: algorithm default (DAPO 0.28, GSPO 4e-4, else 0.2)")
+    dual_clip: float | None = _f(None, "dual-clip constant c > 1 bounding the loss for negative advantages; None = off")
+    loss_aggregation: str | None = _f(None, "how per-token losses become one scalar; None: algorithm default", LOSS_AGGREGATIONS)
+    dynamic_sampling: bool | None = _f(None, "drop groups whose rewards are all equal and refill (DAPO); None: on for dapo only")
+    overlong_cache_length: int | None = _f(None, "DAPO soft overlong ramp width L_cache in tokens (0 = off); None: max_new_tokens // 4 for dapo, else 0")
+    entropy_coef: float = _f(0.0, "entropy bonus coefficient (subtracted from the loss)")
+    importance_cap: float | None = _f(None, "truncate sampler/policy importance weights at this cap (async staleness correction); None = off")
+    gamma: float = _f(1.0, "discount for REINFORCE++ returns and PPO GAE")
+    lam: float = _f(0.95, "GAE lambda (PPO)")
+    value_coef: float = _f(0.5, "value loss coefficient (PPO)")
+    value_clip: float = _f(0.2, "value clip range (PPO)")
+
+
+@dataclass(frozen=True)
+class RewardSection:
+    """Reward functions, scored per sample with failure isolation."""
+
+    weights: dict = _f({"answer": 1.0, "format": 0.0}, "reward term -> weight; terms: answer (GSM8K final answer), format (think/answer tags); weight 0 drops a term")
+    timeout_s: float = _f(10.0, "seconds one sample's reward may run before it gets the penalty")
+    penalty: float = _f(0.0, "reward of a sample whose reward function failed or timed out")
+    max_workers: int = _f(4, "concurrent reward workers")
+    executor: str = _f("thread", "where rewards run", ("thread", "process"))
+
+
+@dataclass(frozen=True)
+class TrainerSection:
+    """The fit loop (see rlbolt.trainer.Trainer)."""
+
+    max_steps: int | None = _f(None, "global steps to run; None: until max_epochs")
+    max_epochs: int | None = _f(None, "passes over the train rows; None: 1 when max_steps is None")
+    seed: int = _f(0, "seeds parameter init and every rollout key")
+    data_seed: int | None = _f(None, "seeds the per-epoch shuffle; None: trainer.seed")
+    mode: str = _f("sync", "sync: on-policy; async: the producer runs ahead, bounded by max_staleness", ("sync", "async"))
+    max_staleness: int | None = _f(None, "async only: most policy versions a trained sample may lag")
+    val_every_n_steps: int | None = _f(None, "validate every n steps (and after the last step when there are val rows)")
+    val_batch_size: int | None = _f(None, "prompts per validation batch; None: plan.prompts_per_step")
+    run_dir: str | None = _f(None, "where metrics and checkpoints go; None: runs/<algorithm>-<time>")
+    prefetch_timeout_s: float | None = _f(None, "fail if the producer yields nothing for this long; None: wait")
+
+
+@dataclass(frozen=True)
+class CallbacksSection:
+    """Built-in callbacks."""
+
+    checkpoint_every_n_steps: int | None = _f(None, "save a checkpoint every n steps (and at the end); None: no checkpoints")
+    keep: int = _f(3, "checkpoints to keep")
+    resume: bool = _f(True, "resume from the newest checkpoint in run_dir when there is one")
+    metrics: tuple = _f(("console", "jsonl"), f"metric writers, any of {METRIC_WRITERS}")
+    log_every_n_steps: int = _f(1, "write metrics every n steps")
+    progress: bool = _f(True, "show a progress bar")
+    export_hf: bool = _f(False, "write a Hugging Face folder (safetensors + config + tokenizer) at the end")
+    nan_guard: bool = _f(True, "stop with a clear error when the loss or grad norm is not finite")
+    wandb_project: str | None = _f(None, "Weights & Biases project when metrics include wandb")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything one run needs."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    plan: PlanSection = field(default_factory=PlanSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    reward: RewardSection = field(default_factory=RewardSection)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    callbacks: CallbacksSection = field(default_factory=CallbacksSection)
+
+
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)}
+
+# The paper settings each algorithm fills in for fields left None.
+ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
+    "grpo": dict(loss_aggregation="seq-mean-token-mean"),
+    "dapo": dict(clip_high=0.28, loss_aggregation="token-mean", dynamic_sampling=True),
+    "drgrpo": dict(loss_aggregation="seq-mean-token-sum-norm"),
+    "rloo": dict(loss_aggregation="seq-mean-token-mean"),
+    "reinforcepp": dict(loss_aggregation="token-mean"),
+    "gspo": dict(clip_low=3e-4, clip_high=4e-4, loss_aggregation="seq-mean-token-mean"),
+    "ppo": dict(loss_aggregation="token-mean"),
+}
+_GENERIC_DEFAULTS = dict(clip_low=0.2, clip_high=0.2, dynamic_sampling=False)
+
+
+# -- type checking -----------------------------------------------------------------------------
+def _allowed(tp: Any) -> tuple[list[Any], bool]:
+    """(the non-None types of a field annotation, whether None is allowed)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = list(typing.get_args(tp))
+        return [a for a in args if a is not type(None)], type(None) in args
+    return [tp], False
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(where: str, value: Any, tp: Any, choices: tuple | None) -> Any:
+    types_, nullable = _allowed(tp)
+    expected = " or ".join(_type_name(t) for t in types_) + (" or null" if nullable else "")
+    if value is None:
+        if nullable:
+            return None
+        raise ConfigError(f"{where}=null is not allowed; expected {expected}")
+    out = _NOT_MATCHED
+    for t in types_:
+        if t is bool and isinstance(value, bool):
+            out = value
+        elif t is int and isinstance(value, int) and not isinstance(value, bool):
+            out = value
+        elif t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            out = float(value)
+        elif t is str and isinstance(value, str):
+            out = value
+        elif t is dict and isinstance(value, Mapping):
+            out = dict(value)
+        elif t is tuple and isinstance(value, (list, tuple)):
+            out = tuple(value)
+        elif t is tuple and isinstance(value, str):  # `callbacks.metrics=console` on the command line
+            out = tuple(v.strip() for v in value.split(",") if v.strip())
+        if out is not _NOT_MATCHED:
+            break
+    if out is _NOT_MATCHED:
+        raise ConfigError(f"{where}={value!r} has type {type(value).__name__}; expected {expected}")
+    if choices is not None and isinstance(out, str) and out not in choices and out.replace("_", "-") in choices:
+        out = out.replace("_", "-")  # `token_mean` reads as `token-mean`
+    if choices is not None and out not in choices:
+        raise ConfigError(f"{where}={out!r} is not allowed; choose one of {list(choices)}" + _closest(str(out), choices))
+    return out
+
+
+_NOT_MATCHED = object()
+
+
+def _closest(name: str, options: Sequence[Any]) -> str:
+    match = difflib.get_close_matches(name, [str(o) for o in options], n=1)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def _build_section(name: str, values: Mapping[str, Any]) -> Any:
+    cls = SECTIONS[name]
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in fields:
+            raise ConfigError(
+                f"unknown key {name}.{key}{_closest(str(key), list(fields))}; allowed keys in [{name}]: {sorted(fields)}"
+            )
+        kwargs[key] = _coerce(f"{name}.{key}", value, hints[key], fields[key].metadata.get("choices"))
+    return cls(**kwargs)
+
+
+# -- reading and writing ---------------------------------------------------------------------------
+def _parse_override(text: str) -> tuple[str, str, Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value (e.g. trainer.max_steps=10)")
+    dotted, raw = text.split("=", 1)
+    parts = dotted.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"override {text!r}: the key must be section.key, e.g. algorithm.beta=0.04")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"override {text!r}: cannot parse the value as YAML ({error})") from None
+    return parts[0], parts[1], value
+
+
+def _check_section_name(name: Any, origin: str) -> None:
+    if name not in SECTIONS:
+        raise ConfigError(
+            f"unknown section {name!r} in {origin}{_closest(str(name), list(SECTIONS))}; allowed sections: {list(SECTIONS)}"
+        )
+
+
+def load_config(source: str | Path | Mapping[str, Any] | None = None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Reads, overrides, validates and resolves a run config.
+
+    Args:
+      source: a YAML file path, a dict `{section: {key: value}}`, or None for all defaults.
+      overrides: `section.key=value` strings applied in order after the file; values are parsed
+        as YAML scalars (`10`, `0.04`, `null`, `true`, `[console, jsonl]`).
+
+    Returns:
+      The resolved RunConfig (algorithm-dependent None fields filled in).
+
+    Raises:
+      ConfigError: an unknown section or key (the closest valid name is suggested), a value of
+        the wrong type, or a value outside an enum-like field's choices.
+    """
+    origin = "the config dict"
+    if source is None:
+        raw: dict = {}
+    elif isinstance(source, Mapping):
+        raw = {k: dict(v or {}) if isinstance(v, Mapping) else v for k, v in source.items()}
+    else:
+        path = Path(source)
+        origin = str(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist; pass an existing YAML file or omit --config")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as error:
+            raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(raw).__name__}")
+        raw = {k: dict(v) if isinstance(v, Mapping) else v for k, v in raw.items()}
+    for name, values in raw.items():
+        _check_section_name(name, origin)
+        if values is None:
+            raw[name] = {}
+        elif not isinstance(values, dict):
+            raise ConfigError(f"section {name!r} in {origin} must be a mapping of key: value, got {values!r}")
+    for text in overrides:
+        section, key, value = _parse_override(text)
+        _check_section_name(section, f"override {text!r}")
+        raw.setdefault(section, {})[key] = value
+    cfg = RunConfig(**{name: _build_section(name, raw.get(name, {})) for name in SECTIONS})
+    return resolve(cfg)
+
+
+def resolve(cfg: RunConfig) -> RunConfig:
+    """Fills the algorithm-dependent defaults (fields left None) and checks cross-field rules."""
+    algo = cfg.algorithm
+    chosen = {**_GENERIC_DEFAULTS, **ALGORITHM_DEFAULTS[algo.name]}
+    fills = {k: v for k, v in chosen.items() if getattr(algo, k) is None}
+    if algo.overlong_cache_length is None:
+        fills["overlong_cache_length"] = cfg.rollout.max_new_tokens // 4 if algo.name == "dapo" else 0
+    algo = dataclasses.replace(algo, **fills)
+    plan = cfg.plan
+    if plan.max_refill_rounds is None:
+        plan = dataclasses.replace(plan, max_refill_rounds=4 if algo.dynamic_sampling else 0)
+    cfg = dataclasses.replace(cfg, algorithm=algo, plan=plan)
+    _check_rules(cfg)
+    return cfg
+
+
+def _check_rules(cfg: RunConfig) -> None:
+    a, r = cfg.algorithm, cfg.rollout
+    for name in ("lr", "clip_low", "clip_high"):
+        if getattr(a, name) is not None and getattr(a, name) < 0:
+            raise ConfigError(f"algorithm.{name}={getattr(a, name)} must be >= 0")
+    if a.beta < 0:
+        raise ConfigError(f"algorithm.beta={a.beta} must be >= 0 (0 turns the KL term and the reference model off)")
+    if not 0 <= a.overlong_cache_length <= r.max_new_tokens:
+        raise ConfigError(
+            f"algorithm.overlong_cache_length={a.overlong_cache_length} must lie in [0, rollout.max_new_tokens="
+            f"{r.max_new_tokens}]"
+        )
+    if a.dual_clip is not None and a.dual_clip <= 1:
+        raise ConfigError(f"algorithm.dual_clip={a.dual_clip} must be > 1 (e.g. 3.0) or null")
+    if r.max_new_tokens < 1:
+        raise ConfigError(f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1")
+    if r.temperature < 0:
+        raise ConfigError(f"rollout.temperature={r.temperature} must be >= 0 (0 = greedy)")
+    if not 0 < r.top_p <= 1:
+        raise ConfigError(f"rollout.top_p={r.top_p} must lie in (0, 1] (1 = off)")
+    bad = [m for m in cfg.callbacks.metrics if m not in METRIC_WRITERS]
+    if bad:
+        raise ConfigError(f"callbacks.metrics has unknown writer(s) {bad}; choose from {list(METRIC_WRITERS)}")
+    unknown_terms = [t for t in cfg.reward.weights if t not in ("answer", "format")]
+    if unknown_terms:
+        raise ConfigError(f"reward.weights has unknown term(s) {unknown_terms}; known terms: ['answer', 'format']")
+
+
+def config_to_dict(cfg: RunConfig) -> dict[str, dict[str, Any]]:
+    """The config as plain YAML-able data: `{section: {key: value}}` (tuples become lists)."""
+    out = {}
+    for name in SECTIONS:
+        section = getattr(cfg, name)
+        out[name] = {f.name: _plain(getattr(section, f.name)) for f in dataclasses.fields(section)}
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def save_config(cfg: RunConfig, path: str | Path) -> Path:
+    """Writes the fully resolved config as YAML (atomically: a temp file renamed into place).
+
+    Args:
+      cfg: the run config.
+      path: the target file; parent folders are created.
+
+    Returns:
+      The written path.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    tmp.replace(path)
+    return path
+
+
+def describe_fields() -> str:
+    """Every section, key, default and help line (for `--help` screens)."""
+    lines = []
+    for name, cls in SECTIONS.items():
+        lines.append(f"[{name}] {cls.__doc__.strip()}")
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            choices = f.metadata.get("choices")
+            extra = f" (one of {list(choices)})" if choices else ""
+            lines.append(f"  {name}.{f.name} = {default!r}: {f.metadata['help']}{extra}")
+    return "\n".join(lines)

@@ -1,0 +1,129 @@
+"""Config loading: YAML + dotted overrides, validation messages, algorithm defaults, round trip."""
+
+import dataclasses
+
+import pytest
+import yaml
+
+from rlbolt.config import (
+    ALGORITHMS,
+    ConfigError,
+    RunConfig,
+    config_to_dict,
+    describe_fields,
+    load_config,
+    save_config,
+)
+
+
+def test_defaults_resolve_to_grpo_paper_settings():
+    cfg = load_config()
+    assert cfg.algorithm.name == "grpo"
+    assert cfg.algorithm.loss_aggregation == "seq-mean-token-mean"
+    assert (cfg.algorithm.clip_low, cfg.algorithm.clip_high) == (0.2, 0.2)
+    assert cfg.algorithm.dynamic_sampling is False
+    assert cfg.plan.max_refill_rounds == 0
+    assert cfg.algorithm.overlong_cache_length == 0
+
+
+def test_yaml_file_and_overrides_apply_in_order(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("plan:\n  prompts_per_step: 2\ntrainer:\n  max_steps: 5\nalgorithm:\n  name: dapo\n")
+    cfg = load_config(path, ["trainer.max_steps=7", "algorithm.beta=0.04", "model.path=/local/qwen",
+                             "callbacks.metrics=[jsonl]", "trainer.val_every_n_steps=null"])
+    assert cfg.plan.prompts_per_step == 2
+    assert cfg.trainer.max_steps == 7
+    assert cfg.algorithm.beta == 0.04 and isinstance(cfg.algorithm.beta, float)
+    assert cfg.model.path == "/local/qwen"
+    assert cfg.callbacks.metrics == ("jsonl",)
+    # DAPO's own defaults fill the None fields: clip-higher, token-mean, dynamic sampling with refills.
+    assert cfg.algorithm.clip_high == 0.28 and cfg.algorithm.clip_low == 0.2
+    assert cfg.algorithm.loss_aggregation == "token-mean"
+    assert cfg.algorithm.dynamic_sampling is True and cfg.plan.max_refill_rounds == 4
+    assert cfg.algorithm.overlong_cache_length == cfg.rollout.max_new_tokens // 4
+
+
+def test_explicit_values_beat_algorithm_defaults():
+    cfg = load_config({"algorithm": {"name": "gspo", "clip_high": 0.5}}, ["algorithm.loss_aggregation=token_mean"])
+    assert cfg.algorithm.clip_low == 3e-4 and cfg.algorithm.clip_high == 0.5
+    assert cfg.algorithm.loss_aggregation == "token-mean"
+
+
+def test_int_is_accepted_for_float_and_comma_list_for_tuple():
+    cfg = load_config(None, ["algorithm.lr=1", "callbacks.metrics=console,jsonl"])
+    assert cfg.algorithm.lr == 1.0 and isinstance(cfg.algorithm.lr, float)
+    assert cfg.callbacks.metrics == ("console", "jsonl")
+
+
+def test_unknown_key_names_it_suggests_and_lists_allowed():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["trainer.max_step=3"])
+    msg = str(err.value)
+    assert "trainer.max_step" in msg and "'max_steps'" in msg and "allowed keys" in msg and "max_epochs" in msg
+
+
+def test_unknown_section_suggests_closest(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("trainr:\n  max_steps: 1\n")
+    with pytest.raises(ConfigError, match=r"unknown section 'trainr'.*did you mean 'trainer'"):
+        load_config(path)
+
+
+def test_wrong_type_names_field_value_and_expected_type():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["plan.prompts_per_step=four"])
+    msg = str(err.value)
+    assert "plan.prompts_per_step='four'" in msg and "expected int" in msg
+    with pytest.raises(ConfigError, match="expected bool"):
+        load_config({"data": {"shuffle": "yes please"}})
+    with pytest.raises(ConfigError, match=r"trainer.seed=null is not allowed; expected int"):
+        load_config(None, ["trainer.seed=null"])
+
+
+def test_enum_fields_list_allowed_values():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["algorithm.name=grpoo"])
+    msg = str(err.value)
+    for name in ALGORITHMS:
+        assert name in msg
+    assert "did you mean 'grpo'" in msg
+    with pytest.raises(ConfigError, match="k1"):
+        load_config(None, ["algorithm.kl_kind=k4"])
+    with pytest.raises(ConfigError, match="unknown writer"):
+        load_config(None, ["callbacks.metrics=[console, slack]"])
+
+
+def test_bad_override_syntax_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config(None, ["max_steps"])
+    with pytest.raises(ConfigError, match="section.key"):
+        load_config(None, ["max_steps=3"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_cross_field_rules():
+    with pytest.raises(ConfigError, match="overlong_cache_length"):
+        load_config(None, ["rollout.max_new_tokens=8", "algorithm.overlong_cache_length=9"])
+    with pytest.raises(ConfigError, match="dual_clip"):
+        load_config(None, ["algorithm.dual_clip=0.5"])
+    with pytest.raises(ConfigError, match="reward.weights"):
+        load_config(None, ["reward.weights={length: 1.0}"])
+
+
+def test_save_then_load_round_trips_the_resolved_config(tmp_path):
+    cfg = load_config(None, ["algorithm.name=drgrpo", "model.tiny={hidden_size: 32}", "callbacks.metrics=[jsonl]"])
+    path = save_config(cfg, tmp_path / "sub" / "config.yaml")
+    written = yaml.safe_load(path.read_text())
+    assert written["algorithm"]["loss_aggregation"] == "seq-mean-token-sum-norm"
+    assert written["callbacks"]["metrics"] == ["jsonl"]
+    assert load_config(path) == cfg
+    assert set(config_to_dict(cfg)) == {f.name for f in dataclasses.fields(RunConfig)}
+
+
+def test_every_field_has_help_text():
+    text = describe_fields()
+    for section in dataclasses.fields(RunConfig):
+        for f in dataclasses.fields(section.default_factory):
+            assert f.metadata.get("help"), f"{section.name}.{f.name} has no help"
+            assert f"{section.name}.{f.name} =" in text
