@@ -40,7 +40,8 @@ class Trainer:
       seed: seeds parameter init and every rollout key (keys are derived per step and sample).
       data_seed: seeds the per-epoch shuffle (default: seed).
       shuffle: reshuffle prompts every epoch.
-      callbacks: Callback instances, run in order after the module's own hooks.
+      callbacks: Callback instances, run in order after the module's own hooks. A callback with a
+        `wrap_optimizer(tx) -> tx` method wraps the module's optimizer before the state is built.
       mode: "sync" (on-policy: step s rolls out with the weights after step s-1) or "async"
         (the producer runs ahead with older weights, bounded by `max_staleness`).
       max_staleness: async only: the most policy versions a trained sample may lag the policy.
@@ -86,7 +87,7 @@ class Trainer:
     def fit(self, module: RLModule, train_data: Any, val_data: Sequence[dict] | None = None) -> TrainState:
         """Trains `module` on `train_data` (dict rows or a grain MapDataset); returns the final state."""
         state = self._setup(module, train_data)
-        state = self.callbacks.on_fit_start(self, state)
+        state = self.last_state = self.callbacks.on_fit_start(self, state)  # a callback may have restored it
         self.weights.publish(state.step, state.params, state.policy_version)
         producer = Producer(module, self.plan, self.source, self.weights, state.rng,
                             max_steps=self.max_steps, max_prompts=self._max_prompts())
@@ -139,6 +140,9 @@ class Trainer:
         rng = jax.random.PRNGKey(self.seed)
         params = module.init_params(jax.random.fold_in(rng, 0))
         self.optimizer = module.configure_optimizers()
+        for cb in self.callbacks:  # e.g. NaNGuard(action="skip") wraps it in optax.apply_if_finite
+            if hasattr(cb, "wrap_optimizer"):
+                self.optimizer = cb.wrap_optimizer(self.optimizer)
         self._update = make_update_fn(module.training_step, self.optimizer, self.plan.grad_accum_steps)
         state = TrainState(step=0, params=params, opt_state=self.optimizer.init(params), rng=jax.random.fold_in(rng, 1),
                            policy_version=0, data_position=0)
