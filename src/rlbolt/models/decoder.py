@@ -107,7 +107,8 @@ def _attend(q: jnp.ndarray, keys_t: jnp.ndarray, values: jnp.ndarray, visible: j
         q1 = q[:, 0].astype(jnp.float32)  # [B, nKV, G, D]
         scores = jnp.sum(q1[..., None] * keys_t[:, :, None].astype(jnp.float32), axis=-2)[:, :, :, None]
     else:
-        scores = jnp.einsum("btkgd,bkds->bkgts", q, keys_t, preferred_element_type=jnp.float32)
+        # In the activation dtype, then f32, like HF (CPU has no bf16 x bf16 -> f32 dot kernel).
+        scores = jnp.einsum("btkgd,bkds->bkgts", q, keys_t).astype(jnp.float32)
     scores = scores * (d ** -0.5)  # [B, nKV, G, T, S]
     scores = jnp.where(visible[:, None, None], scores, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
@@ -267,4 +268,5 @@ class Decoder(nnx.Module):
             weight = self.embed.embedding[...].T
         else:
             weight = self.lm_head.kernel[...]
-        return jnp.dot(hidden, weight, preferred_element_type=jnp.float32)
+        # HF multiplies in the parameter dtype and upcasts; identical for float32 params.
+        return jnp.dot(hidden, weight).astype(jnp.float32)
