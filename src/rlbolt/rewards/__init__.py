@@ -15,14 +15,18 @@ from rlbolt.rewards.math_answers import (
     parse_number,
 )
 from rlbolt.rewards.runner import RewardResult, RewardRunner
+from rlbolt.rewards.sandbox import SandboxResult, code_reward, extract_code, run_python_sandboxed
 
 __all__ = [
     "RewardFn",
     "RewardResult",
     "RewardRunner",
+    "SandboxResult",
     "WeightedReward",
     "answers_match",
     "as_weighted",
+    "code_reward",
+    "extract_code",
     "extract_answer",
     "format_reward",
     "gsm8k_reward",
@@ -30,4 +34,5 @@ __all__ = [
     "math_verify_available",
     "parse_number",
     "reward_name",
+    "run_python_sandboxed",
 ]
