@@ -1,0 +1,102 @@
+"""The RolloutEngine protocol: how the trainer asks for completions and hands over new weights.
+
+A rollout engine turns prompts into sampled completions. rlbolt ships one implementation,
+`rlbolt.rollout.NativeSampler` (a jitted JAX sampler with a static KV cache); an engine backed
+by another inference server (e.g. vLLM on GPU) implements the same two methods.
+
+Contract
+--------
+``generate(prompt_ids, rng_keys, **opts) -> RolloutOutput``
+
+- ``prompt_ids``: the N prompts as token ids, either a ``list[list[int]]`` of any lengths or a
+  left-padded ``[N, P]`` int array together with ``prompt_mask=[N, P]`` bool.
+- ``rng_keys``: ``[N, 2]`` uint32, one raw threefry key per sample
+  (``jax.random.key_data(jax.random.split(key, N))``). A sample's completion depends only on its
+  own key, its prompt and the weights, never on which other samples share the call or how the
+  engine batches them, so results are reproducible across batch sizes and resumes.
+- ``opts``: engine-specific overrides for this call (for ``NativeSampler``: ``temperature``,
+  ``top_k``, ``top_p``, ``max_new_tokens``); an engine rejects options it does not know.
+
+The result is a ``RolloutOutput`` with static shapes: ``C == max_new_tokens`` always, so every
+downstream jitted stage (logps, loss) compiles once.
+
+``update_weights(params, policy_version) -> None``
+
+Hands the engine the policy's current parameters (an ``nnx.State`` with the model's layout, or
+the model itself) and the policy version they correspond to (the number of optimizer updates
+so far). Every later ``generate`` uses them and stamps ``RolloutOutput.policy_version``; the
+trainer uses that stamp to measure staleness in async mode. An engine that shares the
+trainer's arrays (colocated, native) may just keep a reference; a remote engine copies or
+reshards them.
+
+Log-probabilities
+-----------------
+``RolloutOutput.logps`` are the sampled tokens' log-probabilities under the temperature-scaled
+distribution *before* top-k/top-p filtering (``log_softmax(logits / temperature)``), i.e. exactly
+what ``rlbolt.rollout.token_logps(..., temperature=temperature)`` recomputes. With mu == 1 they can
+serve as the "old" policy logps without another forward pass. Greedy decoding (temperature 0)
+reports logps at temperature 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutOutput:
+    """Completions for N prompts, as host numpy arrays with static shapes.
+
+    Attributes:
+      prompt_ids: [N, P] int32, left-padded with the pad id (P is the prompt bucket used).
+      prompt_mask: [N, P] bool, True for real prompt tokens.
+      completion_ids: [N, C] int32, C == max_new_tokens; pad id after a stop token.
+      completion_mask: [N, C] bool, True through the stop token inclusive.
+      logps: [N, C] float32, sampled tokens' logps under the temperature-scaled distribution;
+        0 where completion_mask is False.
+      policy_version: the policy version of the weights that generated these samples.
+    """
+
+    prompt_ids: np.ndarray
+    prompt_mask: np.ndarray
+    completion_ids: np.ndarray
+    completion_mask: np.ndarray
+    logps: np.ndarray
+    policy_version: int = 0
+
+    @property
+    def completion_lengths(self) -> np.ndarray:
+        """[N] int32 number of generated tokens per sample (stop token included)."""
+        return self.completion_mask.sum(axis=1).astype(np.int32)
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """Anything that samples completions and accepts new policy weights (see module docstring)."""
+
+    def generate(self, prompt_ids: Sequence[Sequence[int]] | np.ndarray, rng_keys: np.ndarray,
+                 **opts: Any) -> RolloutOutput:
+        """Samples one completion per prompt.
+
+        Args:
+          prompt_ids: N prompts: a list of id lists, or a left-padded [N, P] int array (then pass
+            `prompt_mask=[N, P]`).
+          rng_keys: [N, 2] uint32 raw threefry key data, one per sample.
+          **opts: engine-specific per-call overrides.
+
+        Returns:
+          A RolloutOutput with C == max_new_tokens.
+        """
+        ...
+
+    def update_weights(self, params: Any, policy_version: int) -> None:
+        """Installs new policy parameters for later `generate` calls.
+
+        Args:
+          params: an `nnx.State` with the model's parameter layout (or the model).
+          policy_version: number of optimizer updates behind these parameters.
+        """
+        ...

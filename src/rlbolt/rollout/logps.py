@@ -1,0 +1,119 @@
+"""Per-token log-probabilities of completions, with the vocabulary projection done in time chunks.
+
+A [B, T, V] float32 logits array is the largest tensor in RL post-training (B=32, T=2k,
+V=150k is 39 GB), so the final hidden states go through the output projection `chunk_size`
+completion tokens at a time inside `lax.map`, each chunk under `jax.checkpoint` so the backward
+pass recomputes a chunk's logits instead of storing them all as residuals.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+def left_pad_positions(mask: jnp.ndarray) -> jnp.ndarray:
+    """RoPE positions for left-padded rows: `cumsum(mask) - 1` clipped at 0.
+
+    Args:
+      mask: [B, T] bool, True for real tokens.
+
+    Returns:
+      [B, T] int32; the first real token of each row is at position 0.
+    """
+    return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
+
+
+def _completion_hidden(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """Hidden states that predict each completion token: [B, C, H], and the output weight [H, V]."""
+    model = nnx.merge(graphdef, params)
+    ids = jnp.concatenate([prompt_ids, completion_ids], axis=1).astype(jnp.int32)
+    mask = jnp.concatenate([prompt_mask, completion_mask], axis=1).astype(bool)
+    hidden, _ = model(ids, left_pad_positions(mask), attention_mask=mask, return_hidden=True)
+    p, c = prompt_ids.shape[1], completion_ids.shape[1]
+    # Position P-1+c predicts completion token c (the last prompt token predicts the first).
+    hidden = jax.lax.dynamic_slice_in_dim(hidden, p - 1, c, axis=1)
+    if model.config.tie_word_embeddings:
+        weight = model.embed.embedding[...].T
+    else:
+        weight = model.lm_head.kernel[...]
+    return hidden, weight
+
+
+def _chunked_logps(hidden, weight, targets, temperature, chunk_size, with_entropy):
+    """lax.map over time chunks of `log_softmax(hidden @ weight / temperature)` gathered at targets."""
+    b, c, h = hidden.shape
+    chunk = max(1, min(chunk_size, c))
+    n_chunks = -(-c // chunk)
+    pad = n_chunks * chunk - c
+    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n_chunks, chunk, h).swapaxes(0, 1)
+    targets = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n_chunks, chunk).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def one_chunk(args):
+        h_chunk, t_chunk = args  # [B, chunk, H], [B, chunk]
+        logits = jnp.dot(h_chunk, weight).astype(jnp.float32) / temperature
+        logp_all = jax.nn.log_softmax(logits, axis=-1)
+        logp = jnp.take_along_axis(logp_all, t_chunk[..., None], axis=-1)[..., 0]
+        if not with_entropy:
+            return logp, jnp.zeros_like(logp)
+        return logp, -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+
+    logps, entropy = jax.lax.map(one_chunk, (hidden, targets))
+    unchunk = lambda x: x.swapaxes(0, 1).reshape(b, n_chunks * chunk)[:, :c]
+    return unchunk(logps), unchunk(entropy)
+
+
+def token_logps_and_entropy(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
+                            temperature: float = 1.0, chunk_size: int = 128):
+    """Log-probabilities and entropies of completion tokens under the temperature-scaled policy.
+
+    Pure and jittable; differentiable w.r.t. `params`. The sequence is `prompt | completion`,
+    prompts left-padded, completions right-padded; positions are `left_pad_positions(mask)`.
+
+    Args:
+      graphdef: the model's `nnx.GraphDef` (from `nnx.split(model)`), or a `Decoder` with
+        `params=None` for eager convenience.
+      params: the model's `nnx.State` (the second result of `nnx.split(model)`).
+      prompt_ids: [B, P] int32, left-padded.
+      prompt_mask: [B, P] bool.
+      completion_ids: [B, C] int32, right-padded.
+      completion_mask: [B, C] bool.
+      temperature: logits are divided by it before log_softmax (must match the sampler's).
+      chunk_size: completion tokens per output-projection chunk; peak extra memory is about
+        B * chunk_size * V * 4 bytes.
+
+    Returns:
+      (logps [B, C] float32, entropy [B, C] float32), both 0 where completion_mask is False.
+    """
+    if params is None:
+        graphdef, params = nnx.split(graphdef)
+    hidden, weight = _completion_hidden(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    logps, entropy = _chunked_logps(hidden, weight, completion_ids.astype(jnp.int32), temperature, chunk_size, True)
+    mask = completion_mask.astype(bool)
+    return jnp.where(mask, logps, 0.0), jnp.where(mask, entropy, 0.0)
+
+
+def token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
+                temperature: float = 1.0, chunk_size: int = 128):
+    """Log-probabilities of completion tokens; `token_logps_and_entropy` without the entropy work.
+
+    Args:
+      graphdef: the model's `nnx.GraphDef`, or a `Decoder` with `params=None`.
+      params: the model's `nnx.State`.
+      prompt_ids: [B, P] int32, left-padded.
+      prompt_mask: [B, P] bool.
+      completion_ids: [B, C] int32, right-padded.
+      completion_mask: [B, C] bool.
+      temperature: logits are divided by it before log_softmax.
+      chunk_size: completion tokens per output-projection chunk.
+
+    Returns:
+      [B, C] float32 log-probabilities, 0 where completion_mask is False.
+    """
+    if params is None:
+        graphdef, params = nnx.split(graphdef)
+    hidden, weight = _completion_hidden(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    logps, _ = _chunked_logps(hidden, weight, completion_ids.astype(jnp.int32), temperature, chunk_size, False)
+    return jnp.where(completion_mask.astype(bool), logps, 0.0)

@@ -1,0 +1,290 @@
+"""NativeSampler: jitted prefill + decode with a static KV cache, prompt-length buckets and
+per-sample RNG; implements `RolloutEngine`.
+
+Compilation: one executable per (prompt bucket, micro batch size, sampling options). Prompts
+are left-padded to the smallest bucket that fits the call's longest prompt and the batch is
+padded to a fixed micro batch size, so calls whose prompts fall in the same bucket reuse it.
+
+Sampling is Gumbel-max (Gumbel 1954; what `jax.random.categorical` does): the token is
+`argmax(logits / temperature + g)` with `g ~ Gumbel(0, 1)` drawn from
+`fold_in(sample_key, step)`. The noise depends only on the sample's key and the step, so a
+sample's tokens never depend on batch composition, and drawing all steps' noise up front
+(cheaper on CPU, PERF_NOTES) gives bit-identical draws to drawing it per step (used when
+[B, C, V] noise would be large).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rlbolt.models.cache import init_cache
+from rlbolt.models.decoder import Decoder
+from rlbolt.rollout.engine import RolloutOutput
+from rlbolt.rollout.logps import left_pad_positions
+
+DEFAULT_PROMPT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Static sampling options (part of the compile key).
+
+    Attributes:
+      max_new_tokens: C, completion length (static).
+      temperature: 0 means greedy.
+      top_k: keep the k most likely tokens; 0 disables.
+      top_p: nucleus sampling mass; 1.0 disables.
+      stop_token_ids: a row stops after sampling any of these.
+      pad_id: written after a row stops and used to left-pad prompts.
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    pad_id: int = 0
+
+    def validate(self, vocab_size: int) -> "SamplingParams":
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1.")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy).")
+        if not 0 <= self.top_k <= vocab_size:
+            raise ValueError(f"top_k={self.top_k} must be in [0, vocab_size={vocab_size}] (0 disables).")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1] (1 disables).")
+        bad = [t for t in self.stop_token_ids + (self.pad_id,) if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids/pad_id {bad} are outside the vocabulary [0, {vocab_size}).")
+        return self
+
+
+def _filter_top_k_top_p(scaled: jnp.ndarray, top_k: int, top_p: float) -> jnp.ndarray:
+    """Sets logits outside the top-k / nucleus set to -inf (HF order: top-k, then top-p). [B, V]."""
+    if top_k > 0:
+        kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
+        scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
+    if top_p < 1.0:
+        sorted_desc = -jnp.sort(-scaled, axis=-1)
+        probs = jax.nn.softmax(sorted_desc, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        # Keep the smallest prefix whose mass reaches top_p; the top token always stays.
+        kept = jnp.where(mass_before < top_p, sorted_desc, jnp.inf)
+        threshold = jnp.min(kept, axis=-1, keepdims=True)
+        scaled = jnp.where(scaled < threshold, -jnp.inf, scaled)
+    return scaled
+
+
+def _sample(logits: jnp.ndarray, noise: jnp.ndarray | None, sp: SamplingParams):
+    """Draws one token per row. logits [B, V] f32, noise [B, V] -> (tokens [B] int32, logps [B] f32)."""
+    if sp.temperature == 0:
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        logp_all = jax.nn.log_softmax(logits, axis=-1)
+    else:
+        scaled = logits / sp.temperature
+        logp_all = jax.nn.log_softmax(scaled, axis=-1)
+        tokens = jnp.argmax(_filter_top_k_top_p(scaled, sp.top_k, sp.top_p) + noise, axis=-1).astype(jnp.int32)
+    return tokens, jnp.take_along_axis(logp_all, tokens[:, None], axis=-1)[:, 0]
+
+
+def _generate(graphdef, params, prompt_ids, prompt_mask, rng_keys, *, sp: SamplingParams, noise_upfront: bool):
+    """Prefill + decode for one micro batch. See NativeSampler. Returns ids, mask, logps [B, C], steps []."""
+    model = nnx.merge(graphdef, params)
+    batch, prompt_len = prompt_ids.shape
+    steps_total, vocab = sp.max_new_tokens, model.config.vocab_size
+    keys = jax.random.wrap_key_data(rng_keys, impl="threefry2x32")
+
+    def draw(key, step):
+        return jax.random.gumbel(jax.random.fold_in(key, step), (vocab,), jnp.float32)
+
+    greedy = sp.temperature == 0
+    if not greedy and noise_upfront:
+        all_noise = jax.vmap(lambda k: jax.vmap(lambda s: draw(k, s))(jnp.arange(steps_total)))(keys)  # [B, C, V]
+        noise_at = lambda step: jax.lax.dynamic_index_in_dim(all_noise, step, axis=1, keepdims=False)
+    else:
+        noise_at = lambda step: None if greedy else jax.vmap(draw, in_axes=(0, None))(keys, step)
+
+    # Prefill: the prompt's last hidden state gives the first token; the cache holds the prompt
+    # plus the C - 1 tokens fed back (the last sampled token is never fed).
+    cache = init_cache(model.config, batch, prompt_len + steps_total - 1)
+    positions = left_pad_positions(prompt_mask)
+    hidden, cache = model(prompt_ids, positions, attention_mask=prompt_mask, cache=cache, return_hidden=True)
+    tokens, logps = _sample(model.logits(hidden[:, -1]), noise_at(0), sp)
+    stop_ids = jnp.asarray(sp.stop_token_ids, jnp.int32)
+    is_stop = lambda tok: jnp.isin(tok, stop_ids) if sp.stop_token_ids else jnp.zeros(tok.shape, bool)
+
+    out_ids = jnp.full((batch, steps_total), sp.pad_id, jnp.int32).at[:, 0].set(tokens)
+    out_mask = jnp.zeros((batch, steps_total), bool).at[:, 0].set(True)
+    out_logps = jnp.zeros((batch, steps_total), jnp.float32).at[:, 0].set(logps)
+    next_position = prompt_mask.sum(axis=1).astype(jnp.int32)  # first completion token's position
+    carry = (jnp.ones((), jnp.int32), tokens, cache, is_stop(tokens), out_ids, out_mask, out_logps)
+
+    def decode_step(carry):
+        step, tokens, cache, done, out_ids, out_mask, out_logps = carry
+        positions = (next_position + step - 1)[:, None]
+        logits, cache = model(tokens[:, None], positions, cache=cache)
+        new_tokens, new_logps = _sample(logits[:, 0], noise_at(step), sp)
+        alive = ~done
+        new_tokens = jnp.where(alive, new_tokens, sp.pad_id)
+        out_ids = jax.lax.dynamic_update_index_in_dim(out_ids, new_tokens, step, axis=1)
+        out_mask = jax.lax.dynamic_update_index_in_dim(out_mask, alive, step, axis=1)
+        out_logps = jax.lax.dynamic_update_index_in_dim(out_logps, jnp.where(alive, new_logps, 0.0), step, axis=1)
+        done = done | (alive & is_stop(new_tokens))
+        return step + 1, new_tokens, cache, done, out_ids, out_mask, out_logps
+
+    if sp.stop_token_ids:
+        # Early exit once every row has stopped.
+        carry = jax.lax.while_loop(lambda c: (c[0] < steps_total) & ~jnp.all(c[3]), decode_step, carry)
+    else:
+        carry = jax.lax.fori_loop(1, steps_total, lambda _, c: decode_step(c), carry)
+    step, _, _, _, out_ids, out_mask, out_logps = carry
+    return out_ids, out_mask, out_logps, step - 1
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class NativeSampler:
+    """A jitted JAX sampler for `Decoder` models; implements `rlbolt.rollout.RolloutEngine`.
+
+    Args:
+      model: the policy; its parameters are captured now and replaced by `update_weights`.
+      max_new_tokens: C, the completion length of every output.
+      temperature: softmax temperature; 0 = greedy.
+      top_k: keep the k most likely tokens (0 = off).
+      top_p: nucleus mass (1.0 = off).
+      stop_token_ids: tokens that end a row (e.g. EOS); none means always generate C tokens.
+      pad_id: prompt left-padding and post-stop filler.
+      prompt_buckets: allowed padded prompt lengths, ascending.
+      micro_batch_size: rows per device call; None pads the whole call to the next power of two.
+      noise_upfront_max_bytes: draw all steps' Gumbel noise before the loop when [B, C, V] float32
+        fits in this many bytes; otherwise draw per step (same values either way).
+    """
+
+    def __init__(self, model: Decoder, *, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+                 top_p: float = 1.0, stop_token_ids: Sequence[int] = (), pad_id: int = 0,
+                 prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS, micro_batch_size: int | None = None,
+                 noise_upfront_max_bytes: int = 64 << 20):
+        self.config = model.config
+        self.sampling = SamplingParams(max_new_tokens, float(temperature), int(top_k), float(top_p),
+                                       tuple(int(t) for t in stop_token_ids), int(pad_id)).validate(model.config.vocab_size)
+        buckets = tuple(sorted(int(b) for b in prompt_buckets))
+        if not buckets or buckets[0] < 1:
+            raise ValueError(f"prompt_buckets={tuple(prompt_buckets)} must be non-empty positive lengths.")
+        self.prompt_buckets = buckets
+        if micro_batch_size is not None and micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1 or None.")
+        self.micro_batch_size = micro_batch_size
+        self.noise_upfront_max_bytes = noise_upfront_max_bytes
+        self._graphdef, self._params = nnx.split(model)
+        self.policy_version = 0
+        self.last_decode_steps = 0  # decode-loop iterations of the last call (max over micro batches)
+        self._generate_jit = jax.jit(functools.partial(_generate, self._graphdef),
+                                     static_argnames=("sp", "noise_upfront"))
+
+    def update_weights(self, params: Any, policy_version: int) -> None:
+        """Installs new parameters (an `nnx.State` with the model's layout, or a `Decoder`).
+
+        Args:
+          params: the new weights; must have the same tree structure and shapes as the model's.
+          policy_version: stamped on later RolloutOutputs.
+        """
+        if isinstance(params, nnx.Module):
+            _, params = nnx.split(params)
+        want = jax.tree.structure(self._params)
+        if jax.tree.structure(params) != want:
+            raise ValueError("update_weights: params do not match the sampler's model layout; pass the "
+                             "nnx.State from nnx.split(model) of the same architecture.")
+        for new, old in zip(jax.tree.leaves(params), jax.tree.leaves(self._params)):
+            if new.shape != old.shape:
+                raise ValueError(f"update_weights: a parameter has shape {new.shape}, expected {old.shape}.")
+        self._params = params
+        self.policy_version = int(policy_version)
+
+    def compiled_count(self) -> int:
+        """Number of executables compiled so far (one per bucket x batch size x options)."""
+        return self._generate_jit._cache_size()
+
+    def _prepare_prompts(self, prompt_ids, prompt_mask, max_new_tokens):
+        if prompt_mask is not None:
+            ids_arr, mask_arr = np.asarray(prompt_ids), np.asarray(prompt_mask, bool)
+            if ids_arr.ndim != 2 or ids_arr.shape != mask_arr.shape:
+                raise ValueError(f"prompt_ids {ids_arr.shape} and prompt_mask {mask_arr.shape} must both be [N, P].")
+            rows = [row[m] for row, m in zip(ids_arr, mask_arr)]
+        else:
+            rows = [np.asarray(r, np.int64).reshape(-1) for r in prompt_ids]
+        if not rows:
+            raise ValueError("generate: got 0 prompts.")
+        lengths = np.array([len(r) for r in rows])
+        if lengths.min() < 1:
+            raise ValueError(f"generate: prompt {int(lengths.argmin())} is empty; every prompt needs >= 1 token.")
+        longest = int(lengths.max())
+        fitting = [b for b in self.prompt_buckets if b >= longest]
+        if not fitting:
+            raise ValueError(f"generate: a prompt has {longest} tokens, more than the largest of prompt_buckets="
+                             f"{self.prompt_buckets}; add a bucket >= {longest} or truncate prompts.")
+        if longest + max_new_tokens > self.config.max_position_embeddings:
+            raise ValueError(f"generate: prompt length {longest} + max_new_tokens={max_new_tokens} exceeds the "
+                             f"model's max_position_embeddings={self.config.max_position_embeddings}.")
+        vocab = self.config.vocab_size
+        if any(r.size and (r.min() < 0 or r.max() >= vocab) for r in rows):
+            raise ValueError(f"generate: prompt ids must lie in [0, vocab_size={vocab}).")
+        bucket = fitting[0]
+        ids = np.full((len(rows), bucket), self.sampling.pad_id, np.int32)
+        mask = np.zeros((len(rows), bucket), bool)
+        for i, r in enumerate(rows):
+            ids[i, bucket - len(r):] = r
+            mask[i, bucket - len(r):] = True
+        return ids, mask
+
+    def generate(self, prompt_ids, rng_keys, *, prompt_mask=None, **opts: Any) -> RolloutOutput:
+        """Samples one completion per prompt (see `RolloutEngine.generate`).
+
+        Args:
+          prompt_ids: a list of N id lists, or a left-padded [N, P] int array with `prompt_mask`.
+          rng_keys: [N, 2] uint32 raw threefry key data, one per sample.
+          prompt_mask: [N, P] bool when `prompt_ids` is an array.
+          **opts: per-call overrides of `max_new_tokens`, `temperature`, `top_k`, `top_p`
+            (each new combination compiles once).
+
+        Returns:
+          A RolloutOutput of host numpy arrays; P is the chosen bucket, C is max_new_tokens.
+        """
+        unknown = set(opts) - {"max_new_tokens", "temperature", "top_k", "top_p"}
+        if unknown:
+            raise TypeError(f"generate: unknown options {sorted(unknown)}; NativeSampler accepts "
+                            "max_new_tokens, temperature, top_k, top_p.")
+        sp = dataclasses.replace(self.sampling, **opts).validate(self.config.vocab_size) if opts else self.sampling
+        ids, mask = self._prepare_prompts(prompt_ids, prompt_mask, sp.max_new_tokens)
+        n = ids.shape[0]
+        keys = np.asarray(rng_keys)
+        if keys.shape != (n, 2) or keys.dtype != np.uint32:
+            raise ValueError(f"generate: rng_keys must be [N={n}, 2] uint32 (jax.random.key_data of one threefry "
+                             f"key per sample); got {keys.shape} {keys.dtype}.")
+        micro = self.micro_batch_size or _next_power_of_two(n)
+        padded = -(-n // micro) * micro
+        if padded > n:  # filler rows: one pad token each; their outputs are dropped
+            ids = np.concatenate([ids, np.full((padded - n, ids.shape[1]), sp.pad_id, np.int32)])
+            filler_mask = np.zeros((padded - n, mask.shape[1]), bool)
+            filler_mask[:, -1] = True
+            mask_all = np.concatenate([mask, filler_mask])
+            keys_all = np.concatenate([keys, np.zeros((padded - n, 2), np.uint32)])
+        else:
+            mask_all, keys_all = mask, keys
+        noise_upfront = micro * sp.max_new_tokens * self.config.vocab_size * 4 <= self.noise_upfront_max_bytes
+        results = [self._generate_jit(self._params, ids[s:s + micro], mask_all[s:s + micro], keys_all[s:s + micro],
+                                      sp=sp, noise_upfront=noise_upfront)
+                   for s in range(0, padded, micro)]  # dispatched asynchronously; the host syncs below
+        gather = lambda i: np.concatenate([np.asarray(r[i]) for r in results])[:n]
+        self.last_decode_steps = max(int(r[3]) for r in results)
+        return RolloutOutput(prompt_ids=ids[:n], prompt_mask=mask[:n], completion_ids=gather(0),
+                             completion_mask=gather(1), logps=gather(2), policy_version=self.policy_version)
