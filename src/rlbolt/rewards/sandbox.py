@@ -296,7 +296,10 @@ def run_python_sandboxed(
 def _finish(process, outer: Path, timed_out: bool, wall_s: float, nonce: str, total: int,
             max_output_bytes: int) -> SandboxResult:
     if timed_out:
-        os.killpg(process.pid, signal.SIGKILL)
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:  # it ended just as the clock ran out
+            pass
     returncode = process.wait()
     stdout_all = _read(outer / "stdout", 1 << 30)
     stderr = _read(outer / "stderr", max_output_bytes)
