@@ -27,6 +27,7 @@ import yaml
 ALGORITHMS = ("grpo", "dapo", "drgrpo", "rloo", "reinforcepp", "gspo", "ppo")
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 METRIC_WRITERS = ("console", "jsonl", "tensorboard", "wandb")
+REWARD_TERMS = ("answer", "format", "digits")  # rlbolt.modules.rewarding builds them
 
 
 class ConfigError(ValueError):
@@ -127,7 +128,7 @@ class AlgorithmSection:
 class RewardSection:
     """Reward functions, scored per sample with failure isolation."""
 
-    weights: dict = _f({"answer": 1.0, "format": 0.0}, "reward term -> weight; terms: answer (GSM8K final answer), format (think/answer tags); weight 0 drops a term")
+    weights: dict = _f({"answer": 1.0, "format": 0.0}, "reward term -> weight; terms: answer (GSM8K final answer), format (think/answer tags), digits (fraction of digit characters: a dense signal for tiny-model smoke runs); weight 0 drops a term")
     timeout_s: float = _f(10.0, "seconds one sample's reward may run before it gets the penalty")
     penalty: float = _f(0.0, "reward of a sample whose reward function failed or timed out")
     max_workers: int = _f(4, "concurrent reward workers")
@@ -186,7 +187,7 @@ ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
     "grpo": dict(loss_aggregation="seq-mean-token-mean"),
     "dapo": dict(clip_high=0.28, loss_aggregation="token-mean", dynamic_sampling=True),
     "drgrpo": dict(loss_aggregation="seq-mean-token-sum-norm"),
-    "rloo": dict(loss_aggregation="seq-mean-token-mean"),
+    "rloo": dict(loss_aggregation="seq-mean-token-sum"),
     "reinforcepp": dict(loss_aggregation="token-mean"),
     "gspo": dict(clip_low=3e-4, clip_high=4e-4, loss_aggregation="seq-mean-token-mean"),
     "ppo": dict(loss_aggregation="token-mean"),
@@ -370,9 +371,9 @@ def _check_rules(cfg: RunConfig) -> None:
     bad = [m for m in cfg.callbacks.metrics if m not in METRIC_WRITERS]
     if bad:
         raise ConfigError(f"callbacks.metrics has unknown writer(s) {bad}; choose from {list(METRIC_WRITERS)}")
-    unknown_terms = [t for t in cfg.reward.weights if t not in ("answer", "format")]
+    unknown_terms = [t for t in cfg.reward.weights if t not in REWARD_TERMS]
     if unknown_terms:
-        raise ConfigError(f"reward.weights has unknown term(s) {unknown_terms}; known terms: ['answer', 'format']")
+        raise ConfigError(f"reward.weights has unknown term(s) {unknown_terms}; known terms: {list(REWARD_TERMS)}")
 
 
 def config_to_dict(cfg: RunConfig) -> dict[str, dict[str, Any]]:

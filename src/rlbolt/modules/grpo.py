@@ -1,0 +1,63 @@
+"""The critic-free group-relative family: GRPO, Dr.GRPO, RLOO and GSPO.
+
+Each is `LMPolicyModule` with one or two pieces swapped; the config's algorithm defaults
+(rlbolt.config.ALGORITHM_DEFAULTS) pick each paper's clip range and loss aggregation.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rlbolt.algorithms import drgrpo_advantages, gspo_surrogate, kl_in_reward, rloo_advantages
+from rlbolt.batch import Batch
+from rlbolt.modules.policy import LMPolicyModule
+
+
+class GRPO(LMPolicyModule):
+    """GRPO (DeepSeekMath, arXiv 2402.03300): group z-scored rewards, PPO-clip, k3 KL in the loss,
+    `seq-mean-token-mean` aggregation (Eq. 3)."""
+
+    algorithm_name = "grpo"
+
+
+class DrGRPO(LMPolicyModule):
+    """Dr.GRPO (arXiv 2503.20783): group mean-centred rewards without std scaling, and the
+    `seq-mean-token-sum-norm` aggregation (divide by the generation budget, not the length)."""
+
+    algorithm_name = "drgrpo"
+
+    def compute_advantages(self, batch: Batch):
+        return drgrpo_advantages(jnp.asarray(batch["rewards"]), jnp.asarray(batch["group_ids"]))
+
+
+class RLOO(LMPolicyModule):
+    """RLOO (Ahmadian et al., arXiv 2402.14740): leave-one-out baselines over the group; the KL
+    to the reference (when beta > 0) is folded into the sequence reward, r - beta * sum_t KL_t,
+    and the loss is sequence-level (`seq-mean-token-sum`: A_i * log pi(y_i))."""
+
+    algorithm_name = "rloo"
+    kl_in_loss = False
+
+    def compute_rewards(self, batch: Batch) -> np.ndarray:
+        rewards = super().compute_rewards(batch)
+        if self.algo.beta > 0 and "ref_logps" in batch:
+            rewards = np.asarray(kl_in_reward(rewards, batch["old_logps"], batch["ref_logps"], batch["completion_mask"],
+                                              self.algo.beta, self.algo.kl_kind, per_token=False,
+                                              clamp=self.algo.kl_clamp))
+        return rewards
+
+    def compute_advantages(self, batch: Batch):
+        return rloo_advantages(jnp.asarray(batch["rewards"]), jnp.asarray(batch["group_ids"]))
+
+
+class GSPO(LMPolicyModule):
+    """GSPO (arXiv 2507.18071): the clipped surrogate on the length-normalised sequence ratio
+    (GSPO-token form), tiny clip ranges 3e-4 / 4e-4, group z-scored advantages."""
+
+    algorithm_name = "gspo"
+
+    def policy_loss(self, logps: jax.Array, batch: Batch):
+        return gspo_surrogate(logps, batch["old_logps"], batch["advantages"], batch["completion_mask"],
+                              clip_low=self.algo.clip_low, clip_high=self.algo.clip_high)

@@ -1,0 +1,82 @@
+"""The few calls the LM modules make into models, rollout and rewards, in one place."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from flax import nnx
+
+from rlbolt.models import Decoder, tiny_config
+from rlbolt.rewards import RewardRunner
+from rlbolt.rollout.logps import token_logps as _token_logps
+from rlbolt.rollout.logps import token_logps_and_entropy as _token_logps_and_entropy
+
+
+def load_tokenizer(folder: str):
+    """A Hugging Face tokenizer folder -> `HFTokenizer`."""
+    from rlbolt.data.tokenizers import HFTokenizer
+
+    return HFTokenizer.from_folder(folder)
+
+
+def build_model(model_cfg, vocab_size: int, seed: int) -> Decoder:
+    """`model.path` -> `load_hf`; None -> a tiny random Decoder whose vocabulary fits the tokenizer.
+
+    Args:
+      model_cfg: the config's ModelSection.
+      vocab_size: the tokenizer's vocabulary size (the tiny model's default vocab_size).
+      seed: initialisation seed of the tiny model.
+    """
+    if model_cfg.path:
+        from rlbolt.models.hf_io import load_hf
+
+        model, _ = load_hf(model_cfg.path, param_dtype=model_cfg.param_dtype)
+        return model
+    overrides = {"param_dtype": model_cfg.param_dtype, **model_cfg.tiny}
+    overrides.setdefault("vocab_size", vocab_size)  # every sampled id must decode
+    return Decoder(tiny_config(**overrides), rngs=nnx.Rngs(seed))
+
+
+def reward_runner(reward, reward_cfg) -> RewardRunner:
+    """A failure-isolated RewardRunner configured from the Reward section."""
+    return RewardRunner(reward, timeout_s=reward_cfg.timeout_s, penalty=reward_cfg.penalty,
+                        max_workers=reward_cfg.max_workers, executor=reward_cfg.executor)
+
+
+def token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
+                temperature: float, with_entropy: bool):
+    """(logps [B, C], entropy [B, C] or None) of the completion tokens (chunked; jittable)."""
+    if with_entropy:
+        return _token_logps_and_entropy(graphdef, params, prompt_ids, prompt_mask, completion_ids,
+                                        completion_mask, temperature=temperature)
+    return _token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                        temperature=temperature)
+
+
+class SamplerHandle:
+    """A NativeSampler plus the policy version it last received, so weights move only on change."""
+
+    def __init__(self, model: Decoder, **options: Any):
+        from rlbolt.rollout import NativeSampler
+
+        self.sampler = NativeSampler(model, **options)
+        self._params = None
+
+    def generate(self, params: Any, prompt_ids: list[list[int]], keys: np.ndarray, **opts: Any):
+        if params is not self._params:  # a new params pytree: hand it over (held, so `is` stays valid)
+            self.sampler.update_weights(params, 0)
+            self._params = params
+        return self.sampler.generate(prompt_ids, keys, **opts)
+
+
+def make_sampler(model: Decoder, *, prompt_width: int, **options: Any) -> SamplerHandle:
+    """The rollout engine for a Decoder.
+
+    Args:
+      model: the policy model (its weights are replaced by each `generate`'s params).
+      prompt_width: the longest prompt; prompt buckets are powers of two up to it.
+      **options: NativeSampler options (max_new_tokens, temperature, top_k, top_p, stop_token_ids, pad_id).
+    """
+    buckets = tuple(sorted({b for b in (32, 64, 128, 256, 512, 1024, 2048, 4096) if b < prompt_width} | {prompt_width}))
+    return SamplerHandle(model, prompt_buckets=buckets, **options)

@@ -1,0 +1,301 @@
+"""LMPolicyModule: the shared base of the ready LM algorithms (GRPO and friends).
+
+It owns everything that is the same across algorithms: building the model, tokenizer, sampler,
+frozen reference and reward runner in `setup`; prompts -> completions in `on_rollout`;
+reference (and, when needed, old) logps in `compute_logps`; rewards in `on_advantage`; the
+loss skeleton in `training_step` (policy loss + KL + entropy, aggregated with mini-batch totals);
+and greedy accuracy / pass@k in `validation_step`. An algorithm subclass overrides the small
+pieces that differ, each one method:
+
+    compute_rewards(batch) -> [N]          rewards (+ shaping)          host, on_advantage
+    filter_groups(batch) -> Batch          drop samples (DAPO)          host, on_advantage
+    compute_advantages(batch) -> [N]|[N,C] advantages                   host, on_advantage
+    policy_loss(logps, batch) -> ([N,C], info)   per-token loss         jitted, training_step
+    forward(params, batch) -> (logps, entropy, aux)   the policy forward jitted, training_step
+    extra_loss(aux, batch) -> (loss, metrics)  more terms (PPO value)   jitted, training_step
+
+Metrics from `training_step` are normalised by the mini-batch totals (`mini_batch_num_tokens`,
+`mini_batch_num_samples`), because the Trainer sums them over a mini batch's micro batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from rlbolt.algorithms import LossAggregation, aggregate_loss, clipped_surrogate, kl_penalty, overlong_penalty
+from rlbolt.algorithms import grpo_advantages, truncated_importance_weights
+from rlbolt.batch import Batch
+from rlbolt.config import ConfigError, RunConfig, load_config
+from rlbolt.module import RLModule
+from rlbolt.modules import lm_ops
+from rlbolt.modules.prompts import PromptEncoder, builtin_tokenizer, rows_of
+from rlbolt.modules.rewarding import answer_score, build_reward
+
+# Columns the framework adds; every other column of an arriving batch is a prompt-row field.
+_FRAMEWORK_COLUMNS = frozenset({
+    "group_ids", "policy_version", "sample_keys", "prompt_ids", "prompt_mask", "completion_ids",
+    "completion_mask", "sampler_logps", "old_logps", "ref_logps", "rewards", "advantages", "completion_text",
+    "old_values", "returns", "importance_weights", "mini_batch_num_tokens", "mini_batch_num_samples",
+})
+
+
+class LMPolicyModule(RLModule):
+    """A language-model policy trained with a group-based policy-gradient algorithm.
+
+    Args:
+      config: a resolved `RunConfig`, a `{section: {key: value}}` dict, or None for defaults.
+        Its `algorithm.name` must match the class (a dict without one gets the class's name).
+      model: an `rlbolt.models.Decoder` to train instead of building one from `config.model`.
+      tokenizer: a tokenizer instead of the one `config.model` names.
+      reward: a `RewardFn` or `WeightedReward` instead of `config.reward.weights`.
+    """
+
+    algorithm_name = "grpo"
+    kl_in_loss = True  # False: the KL is folded into the reward instead (REINFORCE++, RLOO, PPO)
+
+    def __init__(self, config: RunConfig | Mapping | None = None, *, model=None, tokenizer=None, reward=None):
+        self.config = _config_for(type(self), config)
+        self.algo, self.rollout_cfg = self.config.algorithm, self.config.rollout
+        self.model, self.tokenizer, self.reward = model, tokenizer, reward
+        self.ref_params = None
+        self._row_fields: tuple[str, ...] = ()
+        self._sampler_lock = threading.Lock()  # validation (main thread) and rollout (producer) share it
+        self._sampler = None
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def setup(self, trainer) -> None:
+        cfg = self.config
+        if self.tokenizer is None:
+            folder = cfg.model.tokenizer or cfg.model.path
+            self.tokenizer = lm_ops.load_tokenizer(folder) if folder else builtin_tokenizer()
+        if self.model is None:
+            seed = trainer.seed if trainer is not None else 0
+            self.model = lm_ops.build_model(cfg.model, self.tokenizer.vocab_size, seed)
+        if self.tokenizer.vocab_size > self.model.config.vocab_size:
+            raise ConfigError(
+                f"the tokenizer has {self.tokenizer.vocab_size} ids but the model's vocab_size is "
+                f"{self.model.config.vocab_size}; use the tokenizer that belongs to model.path"
+            )
+        self.graphdef, _ = nnx.split(self.model)
+        self.encoder = PromptEncoder(
+            self.tokenizer, prompt_field=cfg.data.prompt_field, max_prompt_tokens=cfg.data.max_prompt_tokens,
+            system_prompt=cfg.data.system_prompt, use_chat_template=cfg.data.use_chat_template)
+        if self.reward is None:
+            self.reward = build_reward(cfg.reward.weights, answer_field=cfg.data.answer_field)
+        self.reward_runner = lm_ops.reward_runner(self.reward, cfg.reward)
+        if self.algo.beta > 0:
+            # Parameters are immutable arrays and updates are functional, so holding the initial
+            # pytree is a frozen copy without a copy.
+            self.ref_params = nnx.state(self.model, nnx.Param)
+        self._logps = jax.jit(functools.partial(self._forward_logps, with_entropy=False))
+
+    def configure_optimizers(self) -> optax.GradientTransformation:
+        """AdamW with optional linear warm-up and global-norm clipping (config.algorithm)."""
+        a = self.algo
+        lr = optax.linear_schedule(0.0, a.lr, a.warmup_steps) if a.warmup_steps else a.lr
+        adamw = optax.adamw(lr, weight_decay=a.weight_decay)
+        return optax.chain(optax.clip_by_global_norm(a.max_grad_norm), adamw) if a.max_grad_norm > 0 else adamw
+
+    def policy_params(self, params: Any) -> Any:
+        """The language model's parameters inside the trainable pytree (PPO nests them)."""
+        return params
+
+    # -- rollout ----------------------------------------------------------------------------------
+    def on_rollout(self, params: Any, batch: Batch) -> Batch:
+        """Tokenises the prompt rows, samples one completion per sample with its `sample_keys`,
+        and adds prompt/completion ids and masks ([N, P], [N, C]), `sampler_logps` [N, C] and
+        `completion_text` (object [N])."""
+        self._row_fields = tuple(k for k in batch if k not in _FRAMEWORK_COLUMNS)
+        rows = rows_of(batch, [k for k in self._row_fields if k != "prompt_index"])
+        ids = self.encoder.encode_rows(rows)
+        out = self._generate(params, ids, batch["sample_keys"], self.rollout_cfg.temperature)
+        prompt_ids, prompt_mask = self.encoder.pad_left(ids)
+        return batch.with_columns(
+            prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+            completion_ids=out.completion_ids, completion_mask=out.completion_mask,
+            sampler_logps=out.logps, completion_text=self._decode(out.completion_ids, out.completion_mask))
+
+    def _generate(self, params: Any, ids: list[list[int]], keys: Any, temperature: float):
+        with self._sampler_lock:
+            if self._sampler is None:
+                r = self.rollout_cfg
+                self._sampler = lm_ops.make_sampler(
+                    self.model, max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
+                    top_p=r.top_p, stop_token_ids=(self.tokenizer.eos_id,) if r.stop_at_eos else (),
+                    pad_id=self.tokenizer.pad_id, prompt_width=self.encoder.width)
+            return self._sampler.generate(self.policy_params(params), ids, np.asarray(keys, np.uint32),
+                                          temperature=temperature)
+
+    def _decode(self, completion_ids: np.ndarray, completion_mask: np.ndarray) -> np.ndarray:
+        texts = np.empty(len(completion_ids), dtype=object)
+        for i, (ids, mask) in enumerate(zip(completion_ids, completion_mask)):
+            texts[i] = self.tokenizer.decode([int(t) for t in ids[mask]])
+        return texts
+
+    # -- logps --------------------------------------------------------------------------------------
+    def _forward_logps(self, lm_params: Any, prompt_ids, prompt_mask, completion_ids, completion_mask, *, with_entropy: bool):
+        return lm_ops.token_logps(self.graphdef, lm_params, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                  temperature=self._train_temperature, with_entropy=with_entropy)
+
+    @property
+    def _train_temperature(self) -> float:
+        # The ratio must compare like with like: logps under the distribution the sampler drew from.
+        t = self.rollout_cfg.temperature
+        return t if t > 0 else 1.0
+
+    def _token_inputs(self, batch: Batch) -> tuple:
+        return tuple(jnp.asarray(batch[k]) for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask"))
+
+    def compute_logps(self, params: Any, batch: Batch) -> Batch:
+        """Adds `old_logps` (a forward pass only when num_iterations > 1 or importance
+        weights are on; else the sampler's), `ref_logps` when beta > 0, and `importance_weights`
+        ([N, C], truncated old/sampler ratios) when `algorithm.importance_cap` is set."""
+        inputs = self._token_inputs(batch)
+        cols: dict[str, Any] = {}
+        forward_old = self.trainer.plan.num_iterations > 1 or self.algo.importance_cap is not None
+        old = self._logps(self.policy_params(params), *inputs) if forward_old else jnp.asarray(batch["sampler_logps"])
+        cols["old_logps"] = np.asarray(old, np.float32)
+        if self.algo.importance_cap is not None:
+            cols["importance_weights"] = np.asarray(truncated_importance_weights(
+                old, batch["sampler_logps"], inputs[3], self.algo.importance_cap), np.float32)
+        if self.ref_params is not None:
+            cols["ref_logps"] = np.asarray(self._logps(self.ref_params, *inputs), np.float32)
+        return batch.with_columns(cols)
+
+    # -- rewards and advantages ------------------------------------------------------------------------
+    def on_advantage(self, batch: Batch) -> Batch:
+        """Rewards [N] -> `filter_groups` -> advantages, on the whole global batch."""
+        batch = batch.with_columns(rewards=np.asarray(self.compute_rewards(batch), np.float32))
+        batch = self.filter_groups(batch)
+        if batch.num_samples == 0:
+            return batch.with_columns(advantages=np.zeros((0,), np.float32))
+        out = self.compute_advantages(batch)
+        cols = dict(out) if isinstance(out, Mapping) else {"advantages": out}
+        return batch.with_columns({k: np.asarray(v, np.float32) for k, v in cols.items()})
+
+    def compute_rewards(self, batch: Batch) -> np.ndarray:
+        """Scores each completion with the reward runner (failure-isolated) and adds DAPO's
+        overlong penalty when `algorithm.overlong_cache_length` > 0. Returns [N] float32."""
+        samples = rows_of(batch, self._row_fields)
+        result = self.reward_runner.score(list(batch["completion_text"]), samples)
+        for name, value in result.metrics.items():
+            if name not in ("reward/mean", "reward/std"):  # the producer reports those after filtering
+                self.log(name, value)
+        rewards = np.asarray(result.rewards, np.float32)
+        if self.algo.overlong_cache_length > 0:
+            lengths = np.asarray(batch["completion_mask"]).sum(axis=1)
+            penalty = np.asarray(overlong_penalty(lengths, self.rollout_cfg.max_new_tokens, self.algo.overlong_cache_length))
+            self.log("reward/overlong_penalty", float(penalty.mean()))
+            rewards = rewards + penalty
+        return rewards
+
+    def filter_groups(self, batch: Batch) -> Batch:
+        """Which samples to keep (whole groups). Default: all."""
+        return batch
+
+    def compute_advantages(self, batch: Batch) -> Any:
+        """GRPO: rewards z-scored within their group (arXiv 2402.03300 Sec. 4.1.2).
+
+        Returns:
+          [N] or [N, C] advantages, or a dict of columns holding "advantages" (and e.g. "returns").
+        """
+        return grpo_advantages(jnp.asarray(batch["rewards"]), jnp.asarray(batch["group_ids"]))
+
+    # -- training (jitted) -------------------------------------------------------------------------------
+    def policy_loss(self, logps: jax.Array, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The per-token policy loss [N, C]: PPO-clip with clip-higher and dual-clip."""
+        a = self.algo
+        return clipped_surrogate(logps, batch["old_logps"], batch["advantages"], batch["completion_mask"],
+                                 clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,
+                                 importance_weights=batch.get("importance_weights"))
+
+    def aggregate(self, per_token: jax.Array, batch: Batch) -> jax.Array:
+        """`aggregate_loss` in the configured mode with the mini-batch totals."""
+        return aggregate_loss(per_token, batch["completion_mask"], LossAggregation(self.algo.loss_aggregation),
+                              num_tokens_total=batch["mini_batch_num_tokens"][0],
+                              num_samples_total=batch["mini_batch_num_samples"][0],
+                              max_completion_length=self.rollout_cfg.max_new_tokens)
+
+    def token_mean(self, values: jax.Array, batch: Batch) -> jax.Array:
+        """sum(values * mask) / mini-batch tokens: a metric that sums to the mini-batch mean."""
+        mask = batch["completion_mask"]
+        return jnp.sum(jnp.where(mask, values.astype(jnp.float32), 0.0)) / jnp.maximum(batch["mini_batch_num_tokens"][0], 1.0)
+
+    def forward(self, params: Any, batch: Batch) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+        """One policy forward: (logps [N, C], entropy [N, C], aux) where aux feeds `extra_loss`."""
+        logps, entropy = self._forward_logps(self.policy_params(params), *self._token_inputs(batch), with_entropy=True)
+        return logps, entropy, {}
+
+    def training_step(self, params: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """policy loss + beta * KL (when in the loss) - entropy_coef * entropy + extra_loss."""
+        a = self.algo
+        logps, entropy, aux = self.forward(params, batch)
+        per_token, info = self.policy_loss(logps, batch)
+        loss = self.aggregate(per_token, batch)
+        metrics = {"loss/policy": loss, "entropy": self.token_mean(entropy, batch),
+                   "clip_frac": self.token_mean(info["clipped"], batch), "ratio/mean": self.token_mean(info["ratio"], batch)}
+        if a.beta > 0 and "ref_logps" in batch:
+            kl = kl_penalty(logps, batch["ref_logps"], a.kl_kind, a.kl_clamp, mask=batch["completion_mask"])
+            metrics["kl"] = self.token_mean(kl, batch)
+            if self.kl_in_loss:
+                metrics["loss/kl"] = a.beta * self.aggregate(kl, batch)
+                loss = loss + metrics["loss/kl"]
+        if a.entropy_coef:
+            metrics["loss/entropy"] = -a.entropy_coef * self.aggregate(entropy, batch)
+            loss = loss + metrics["loss/entropy"]
+        extra, extra_metrics = self.extra_loss(aux, batch)
+        return loss + extra, {**metrics, **extra_metrics}
+
+    def extra_loss(self, aux: dict[str, jax.Array], batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """More loss terms from `forward`'s aux outputs (PPO's value loss); default none."""
+        return jnp.zeros((), jnp.float32), {}
+
+    # -- validation ----------------------------------------------------------------------------------
+    def validation_step(self, params: Any, batch: Batch) -> dict[str, float]:
+        """Greedy accuracy, and pass@k over k = `rollout.val_num_samples` samples per prompt."""
+        fields = [k for k in batch if k not in _FRAMEWORK_COLUMNS and k != "prompt_index"]
+        rows = rows_of(batch, fields)
+        ids = self.encoder.encode_rows(rows)
+        keys = np.asarray(batch["sample_keys"], np.uint32)
+        answer_field = self.config.data.answer_field
+        greedy = self._generate(params, ids, keys, 0.0)
+        texts = self._decode(greedy.completion_ids, greedy.completion_mask)
+        metrics = {"accuracy": float(np.mean([answer_score(t, r, answer_field) for t, r in zip(texts, rows)]))}
+        k = self.rollout_cfg.val_num_samples
+        if k > 1:
+            many_keys = np.asarray(jax.vmap(lambda key: jax.random.split(key, k))(jnp.asarray(keys)), np.uint32)
+            out = self._generate(params, [i for i in ids for _ in range(k)], many_keys.reshape(-1, 2),
+                                 self.rollout_cfg.val_temperature)
+            texts = self._decode(out.completion_ids, out.completion_mask)
+            scores = np.array([answer_score(t, rows[j // k], answer_field) for j, t in enumerate(texts)])
+            metrics[f"pass@{k}"] = float(scores.reshape(-1, k).max(axis=1).mean())
+        return metrics
+
+
+def _config_for(cls: type, config: RunConfig | Mapping | None) -> RunConfig:
+    name = cls.algorithm_name
+    if isinstance(config, RunConfig):
+        if config.algorithm.name != name:
+            raise ConfigError(
+                f"{cls.__name__} got a config with algorithm.name={config.algorithm.name!r}; set "
+                f"algorithm.name={name} (or build the module for {config.algorithm.name!r} with rlbolt.build)"
+            )
+        return config
+    raw = {k: dict(v) for k, v in (config or {}).items()}
+    raw.setdefault("algorithm", {}).setdefault("name", name)
+    return _config_for(cls, load_config(raw))
+
+
+def replace_section(config: RunConfig, section: str, **values: Any) -> RunConfig:
+    """A copy of `config` with some fields of one section changed (no re-resolution)."""
+    return dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section), **values)})

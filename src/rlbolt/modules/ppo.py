@@ -1,0 +1,84 @@
+"""PPO for LMs (Ouyang et al. 2203.02155 / PPO 1707.06347) with a value head on the policy trunk.
+
+Where it departs from the usual RLHF PPO: the critic is a linear value head on the policy's
+final hidden states (`Decoder(..., return_hidden=True)`), not a separate model, so one forward
+gives logps, entropy and values and the value loss also trains the shared trunk (weighted by
+`algorithm.value_coef`). Rewards: the sequence reward on the last token minus beta * KL_t
+(k-estimator `algorithm.kl_kind`, old vs reference logps) when beta > 0; advantages by GAE
+(`gamma`, `lam`) on the old values, whitened over the global batch; PPO-clip policy loss and
+the clipped value loss (`value_clip`). Trainable params: {"policy": nnx.State, "value_head":
+{"kernel": [H, 1], "bias": [1]}}.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rlbolt.algorithms import clipped_value_loss, gae_advantages, kl_in_reward, masked_whiten, sequence_to_token_rewards
+from rlbolt.batch import Batch
+from rlbolt.modules.policy import LMPolicyModule
+from rlbolt.rollout.logps import _chunked_logps, _completion_hidden
+
+
+class PPO(LMPolicyModule):
+    """PPO with GAE and a value head (see the module docstring)."""
+
+    algorithm_name = "ppo"
+    kl_in_loss = False
+
+    def setup(self, trainer) -> None:
+        super().setup(trainer)
+        self._values = jax.jit(lambda params, *inputs: self._hidden_outputs(params, *inputs, with_entropy=False)[2])
+
+    def init_params(self, rng: jax.Array) -> dict[str, Any]:
+        hidden = self.model.config.hidden_size
+        # Small init: the first values are ~0, so early advantages are ~ the rewards themselves.
+        kernel = 1e-3 * jax.random.normal(rng, (hidden, 1), jnp.float32)
+        return {"policy": nnx.state(self.model, nnx.Param), "value_head": {"kernel": kernel, "bias": jnp.zeros((1,), jnp.float32)}}
+
+    def policy_params(self, params: Any) -> Any:
+        return params["policy"]
+
+    def _hidden_outputs(self, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *, with_entropy: bool):
+        hidden, weight = _completion_hidden(self.graphdef, params["policy"], prompt_ids, prompt_mask,
+                                            completion_ids, completion_mask)
+        logps, entropy = _chunked_logps(hidden, weight, completion_ids.astype(jnp.int32), self._train_temperature,
+                                        128, with_entropy)
+        head = params["value_head"]
+        values = (hidden.astype(jnp.float32) @ head["kernel"])[..., 0] + head["bias"][0]  # [B, C]
+        mask = completion_mask.astype(bool)
+        return jnp.where(mask, logps, 0.0), jnp.where(mask, entropy, 0.0), jnp.where(mask, values, 0.0)
+
+    def compute_logps(self, params: Any, batch: Batch) -> Batch:
+        """Adds old_logps / ref_logps (see the base) and `old_values` [N, C] from the value head."""
+        batch = super().compute_logps(params, batch)
+        return batch.with_columns(old_values=np.asarray(self._values(params, *self._token_inputs(batch)), np.float32))
+
+    def compute_advantages(self, batch: Batch):
+        mask = jnp.asarray(batch["completion_mask"])
+        rewards = jnp.asarray(batch["rewards"])
+        if self.algo.beta > 0 and "ref_logps" in batch:
+            token_rewards = kl_in_reward(rewards, jnp.asarray(batch["old_logps"]), jnp.asarray(batch["ref_logps"]), mask,
+                                         self.algo.beta, self.algo.kl_kind, clamp=self.algo.kl_clamp)
+        else:
+            token_rewards = sequence_to_token_rewards(rewards, mask)
+        advantages, returns = gae_advantages(token_rewards, jnp.asarray(batch["old_values"]), mask,
+                                             gamma=self.algo.gamma, lam=self.algo.lam)
+        return {"advantages": masked_whiten(advantages, mask), "returns": returns}
+
+    def forward(self, params: Any, batch: Batch):
+        logps, entropy, values = self._hidden_outputs(params, *self._token_inputs(batch), with_entropy=True)
+        return logps, entropy, {"values": values}
+
+    def extra_loss(self, aux, batch: Batch):
+        per_token, info = clipped_value_loss(aux["values"], batch["old_values"], batch["returns"],
+                                             batch["completion_mask"], clip=self.algo.value_clip)
+        value_loss = self.aggregate(per_token, batch)
+        metrics = {"loss/value": self.algo.value_coef * value_loss, "value/clip_frac": self.token_mean(info["clipped"], batch),
+                   "value/mean": self.token_mean(aux["values"], batch)}
+        return self.algo.value_coef * value_loss, metrics
