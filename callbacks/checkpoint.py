@@ -1,0 +1,236 @@
+"""ModelCheckpoint: periodic Orbax checkpoints, keep-k (+ best by a metric), and exact resume.
+
+A checkpoint of step s holds everything the run needs to continue as if it never stopped:
+
+- arrays: params, optimizer state, the base RNG key (every rollout key derives from it and the step);
+- counters: step, policy version, and the data position *as consumed by training*: a resumed
+  producer starts reading there, so prompts the killed run had prefetched are produced again
+  with the same keys and weights, and no rollout of a trained step is redone;
+- the producer's settings (mode, lag) and, in async mode, the retained weights it will still
+  roll out with (steps s - lag .. s - 1);
+- every callback's `state_dict()`.
+
+When to save (`every_n_steps`, `every_secs`, always at fit end) is a `Periodic`; what is saved
+and how it is read back lives in `checkpoint_io.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rlbolt.callback import Callback, Periodic
+from rlbolt.callbacks.checkpoint_io import CheckpointIO, read_json, write_json_atomic
+from rlbolt.state import StepInfo, TrainState
+
+log = logging.getLogger(__name__)
+FORMAT_VERSION = 1
+BEST_FILE = "best.json"
+
+
+class ModelCheckpoint(Callback):
+    """Saves checkpoints with Orbax and restores the latest (or a named) one when fit starts.
+
+    Args:
+      directory: where checkpoints go (default `<trainer.run_dir>/checkpoints`).
+      every_n_steps: save when `steps completed % every_n_steps == 0`.
+      every_secs: save when this many seconds passed since the last save.
+      keep: how many of the newest checkpoints to keep (None: all). The best one (by
+        `best_metric`) is kept in addition.
+      best_metric: a metric name from `on_validation_end` (e.g. "val/accuracy"); the step with
+        the best value is kept (and saved if no periodic save covered it).
+      best_mode: "max" or "min" for `best_metric`.
+      async_save: write on a background thread (training continues during the write).
+      resume: "latest" (the newest usable checkpoint), a step number, or None (never restore;
+        then the directory must hold no checkpoints, so a run never silently overwrites another).
+      save_on_exception: when fit stops on an exception, save the last completed step.
+      clock: seconds clock for `every_secs` (injectable for tests).
+
+    Attributes:
+      restored_step: the step restored by the last `fit` (None when it started fresh).
+    """
+
+    def __init__(self, directory: str | Path | None = None, every_n_steps: int | None = None,
+                 every_secs: float | None = None, keep: int | None = 3, best_metric: str | None = None,
+                 best_mode: str = "max", async_save: bool = True, resume: str | int | None = "latest",
+                 save_on_exception: bool = False, clock: Callable[[], float] = time.monotonic):
+        if keep is not None and (not isinstance(keep, int) or keep < 1):
+            raise ValueError(f"ModelCheckpoint(keep={keep!r}): keep must be a positive integer or None (keep all)")
+        if best_mode not in ("max", "min"):
+            raise ValueError(f"ModelCheckpoint(best_mode={best_mode!r}): use 'max' or 'min'")
+        if not (resume is None or resume == "latest" or (isinstance(resume, int) and resume >= 0)):
+            raise ValueError(f"ModelCheckpoint(resume={resume!r}): use 'latest', a step number >= 0, or None")
+        Periodic(every_n_steps, every_secs, clock)  # validates both
+        self._directory = directory
+        self.every_n_steps, self.every_secs, self.clock = every_n_steps, every_secs, clock
+        self.keep, self.best_metric, self.best_mode = keep, best_metric, best_mode
+        self.async_save, self.resume, self.save_on_exception = async_save, resume, save_on_exception
+        self.io: CheckpointIO | None = None
+        self.restored_step: int | None = None
+        self._best: dict | None = None
+        self._last_state: TrainState | None = None
+
+    @property
+    def directory(self) -> Path:
+        if self.io is None:
+            raise RuntimeError("ModelCheckpoint.directory is known once fit has started")
+        return self.io.directory
+
+    # -- the LoRA seam ---------------------------------------------------------------------------
+    def params_to_save(self, params: Any) -> Any:
+        """The part of the params a checkpoint holds. All of them today; with LoRA on, return only
+        the adapter params here (the frozen base is reloaded from its own weights)."""
+        return params
+
+    def params_from_checkpoint(self, fresh_params: Any, saved: Any) -> Any:
+        """Combines restored `saved` (what `params_to_save` returned) with freshly built params."""
+        del fresh_params
+        return saved
+
+    # -- hooks -------------------------------------------------------------------------------------
+    def open(self, trainer) -> None:
+        """Opens the checkpoint directory (on_fit_start does it; call it to save without fitting)."""
+        self.io = CheckpointIO(self._directory or Path(trainer.run_dir) / "checkpoints", async_save=self.async_save)
+        self._periodic = Periodic(self.every_n_steps, self.every_secs, self.clock)
+        self._best = self._read_best()
+
+    def on_fit_start(self, trainer, state: TrainState) -> TrainState | None:
+        self.open(trainer)
+        self._last_state, self.restored_step = state, None
+        steps = self.io.steps()
+        if not steps:
+            return None
+        if self.resume is None:
+            raise ValueError(f"{self.io.directory} already holds checkpoints (steps {steps}) and "
+                             "ModelCheckpoint(resume=None); pass resume='latest' (or a step) or a fresh directory")
+        restored = self._restore(trainer, state, steps)
+        self._last_state = restored
+        return restored
+
+    def on_step_end(self, trainer, info: StepInfo) -> None:
+        self._last_state = info.state
+        if self._periodic.should_fire(info.step):
+            self.save(trainer, info.state)
+
+    def on_validation_end(self, trainer, step: int, metrics: dict[str, float]) -> None:
+        if self.best_metric is None or self.best_metric not in metrics:
+            return
+        value = float(metrics[self.best_metric])
+        best = self._best
+        if value != value or (best is not None and not (value > best["value"] if self.best_mode == "max" else value < best["value"])):
+            return
+        self._best = {"metric": self.best_metric, "mode": self.best_mode, "step": step, "value": value}
+        if self._last_state is not None and self._last_state.step == step:
+            self.save(trainer, self._last_state)  # a no-op when the periodic save already wrote it
+        if trainer.is_main_process:
+            write_json_atomic(self.io.directory / BEST_FILE, self._best)
+
+    def on_fit_end(self, trainer, state: TrainState) -> None:
+        self.save(trainer, state)  # the last step is always saved
+        self.finish()
+
+    def on_exception(self, trainer, exc: BaseException) -> None:
+        if self.io is None:
+            return
+        if self.save_on_exception and trainer.last_state is not None:
+            self.save(trainer, trainer.last_state)
+        self.finish()
+
+    # -- actions -----------------------------------------------------------------------------------
+    def save(self, trainer, state: TrainState) -> bool:
+        """Saves `state` (asynchronously when `async_save`) unless that step is already on disk.
+
+        Returns:
+          True when a save was started.
+        """
+        if state.step in self.io.manager.all_steps():
+            return False
+        lag = trainer.weights.lag_steps
+        needed = range(max(0, state.step - lag), state.step)  # weights the resumed producer will ask for
+        held = trainer.weights.retained()
+        retained = {k: held[k] for k in needed if k in held}
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "progress": state.progress(),
+            "producer": {"mode": trainer.mode, "lag_steps": lag, "next_step": state.step,
+                         "next_data_position": state.data_position},
+            "retained_weights": [[k, int(version)] for k, (_, version) in sorted(retained.items())],
+            "callbacks": trainer.callbacks.state_dict(),
+        }
+        arrays = {"params": self.params_to_save(state.params), "opt_state": state.opt_state, "rng": state.rng}
+        saved = {str(k): self.params_to_save(params) for k, (params, _) in retained.items()}
+        self.io.save(state.step, arrays, meta, saved or None)
+        self._periodic.fired(state.step)
+        self._prune(in_flight=state.step)
+        log.info("checkpoint of step %d started in %s", state.step, self.io.directory)
+        return True
+
+    def wait(self) -> None:
+        """Blocks until the last save is on disk."""
+        if self.io is not None:
+            self.io.wait()
+
+    def finish(self) -> None:
+        """Waits for the last save, applies `keep`, and releases Orbax's threads."""
+        self.io.wait()
+        self._prune(in_flight=None)
+        self.io.close()
+
+    def state_dict(self) -> dict:
+        return {}  # the best-step record lives in best.json: it may change after a step's save
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def _restore(self, trainer, state: TrainState, steps: list[int]) -> TrainState:
+        if self.resume == "latest":
+            candidates = steps
+        elif self.resume in steps:
+            candidates = [self.resume]
+        else:
+            raise ValueError(f"ModelCheckpoint(resume={self.resume}): no such checkpoint in {self.io.directory}; "
+                             f"available steps: {steps}")
+        template = {"params": self.params_to_save(state.params), "opt_state": state.opt_state, "rng": state.rng}
+        step, arrays, meta, retained = self.io.restore_usable(candidates, template, template["params"])
+        self._check_producer(trainer, meta)
+        for later in [s for s in self.io.steps() if s > step]:  # the resumed run writes these steps anew
+            moved = self.io.set_aside(later, "discarded")
+            log.warning("resuming from step %d: later checkpoint %d moved to %s", step, later, moved)
+        progress = meta["progress"]
+        restored = state.replace(step=progress["step"], policy_version=progress["policy_version"],
+                                 data_position=progress["data_position"], opt_state=arrays["opt_state"],
+                                 rng=arrays["rng"], params=self.params_from_checkpoint(state.params, arrays["params"]))
+        trainer.callbacks.load_state_dict(meta.get("callbacks", {}))
+        versions = dict(meta.get("retained_weights", []))
+        for k in sorted(retained):  # oldest first: publishing prunes keys older than k - lag
+            trainer.weights.publish(k, self.params_from_checkpoint(state.params, retained[k]), versions[k])
+        if self._best is not None and self._best["step"] > step:
+            self._best = None  # it belonged to the discarded future
+        self.restored_step = step
+        log.info("resumed from step %d of %s (data position %d)", step, self.io.directory, restored.data_position)
+        return restored
+
+    def _check_producer(self, trainer, meta: dict) -> None:
+        saved = meta.get("producer", {})
+        for name, now in (("mode", trainer.mode), ("lag_steps", trainer.weights.lag_steps)):
+            if name in saved and saved[name] != now:
+                raise ValueError(f"checkpoint in {self.io.directory} was written with Trainer {name}={saved[name]!r} but "
+                                 f"this run has {name}={now!r}; an exact resume needs the same mode and max_staleness")
+
+    def _prune(self, in_flight: int | None) -> None:
+        """Deletes finalized checkpoints beyond the newest `keep` (never the in-flight or best one),
+        so a crash during a save always leaves `keep` usable checkpoints."""
+        if self.keep is None:
+            return
+        done = [s for s in sorted(self.io.manager.all_steps()) if s != in_flight]
+        protect = set(done[-self.keep:]) | ({self._best["step"]} if self._best else set())
+        for step in done:
+            if step not in protect:
+                self.io.delete(step)
+
+    def _read_best(self) -> dict | None:
+        best = read_json(self.io.directory / BEST_FILE) if self.best_metric else None
+        if best and best.get("metric") == self.best_metric and best.get("mode") == self.best_mode:
+            return best
+        return None

@@ -1,0 +1,131 @@
+"""NaNGuard: stop on a non-finite loss or gradient norm (after checkpointing the last good state),
+or skip the updates whose gradients are non-finite.
+
+"stop" checks the watched metrics after every step. On a non-finite value at step k it saves
+step k - 1's state (the Trainer's `last_state`: updates do not donate their inputs, so it is
+still intact) through the ModelCheckpoint in the callback list, or through its own synchronous
+one in `<run_dir>/checkpoints` when there is none, then raises `NonFiniteError`. NaNGuard must
+come before ModelCheckpoint in the callback list, so a non-finite step is never checkpointed.
+
+"skip" wraps the module's optimizer in `optax.apply_if_finite`: an update whose gradients hold
+a NaN or an infinity leaves params and optimizer state unchanged. The guard counts such updates
+(`nan_guard/skipped_updates` in the step's metrics) and stops after `max_consecutive_skips`
+steps in a row that skipped any update.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+
+from rlbolt.callback import Callback
+from rlbolt.callbacks.checkpoint import ModelCheckpoint
+from rlbolt.state import StepInfo
+
+log = logging.getLogger(__name__)
+ACTIONS = ("stop", "skip")
+
+
+class NonFiniteError(FloatingPointError):
+    """A watched metric was NaN or infinite."""
+
+
+class NaNGuard(Callback):
+    """Stops (or skips updates) when the loss or gradient norm is not finite.
+
+    Args:
+      metrics: the step metrics to watch.
+      action: "stop" (checkpoint step k - 1, then raise NonFiniteError) or "skip" (non-finite
+        updates leave the state unchanged).
+      max_consecutive_skips: "skip" only: raise after this many steps in a row skipped updates.
+    """
+
+    def __init__(self, metrics: Sequence[str] = ("loss", "grad_norm"), action: str = "stop",
+                 max_consecutive_skips: int = 10):
+        if action not in ACTIONS:
+            raise ValueError(f"NaNGuard(action={action!r}); allowed: {ACTIONS}")
+        if isinstance(metrics, str) or not metrics:
+            raise ValueError(f"NaNGuard(metrics={metrics!r}): give a non-empty sequence of metric names")
+        if max_consecutive_skips < 1:
+            raise ValueError(f"NaNGuard(max_consecutive_skips={max_consecutive_skips}) must be >= 1")
+        self.metrics, self.action, self.max_consecutive_skips = tuple(metrics), action, max_consecutive_skips
+        self.skipped_updates = 0
+        self._consecutive = 0
+        self.saved_step: int | None = None
+
+    def wrap_optimizer(self, tx: optax.GradientTransformation) -> optax.GradientTransformation:
+        """Called by the Trainer before the state is built: "skip" makes non-finite updates no-ops."""
+        if self.action != "skip":
+            return tx
+        # NaNGuard counts the consecutive failures itself; optax must never apply a bad update.
+        return optax.apply_if_finite(tx, max_consecutive_errors=np.iinfo(np.int32).max)
+
+    def on_fit_start(self, trainer, state) -> None:
+        names = [type(cb) for cb in trainer.callbacks]
+        if ModelCheckpoint in names and names.index(ModelCheckpoint) < names.index(NaNGuard):
+            raise ValueError("NaNGuard must come before ModelCheckpoint in Trainer(callbacks=[...]); otherwise "
+                             "ModelCheckpoint saves the non-finite step before the guard sees it")
+
+    def on_step_end(self, trainer, info: StepInfo) -> None:
+        bad = {k: info.metrics[k] for k in self.metrics if k in info.metrics and not math.isfinite(info.metrics[k])}
+        if self.action == "skip":
+            self._count_skips(info)
+            return
+        if bad:
+            self._stop(trainer, info.step, bad)
+
+    def state_dict(self) -> dict:
+        return {"skipped_updates": self.skipped_updates, "consecutive": self._consecutive}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skipped_updates = int(state.get("skipped_updates", 0))
+        self._consecutive = int(state.get("consecutive", 0))
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def _stop(self, trainer, step: int, bad: dict[str, float]) -> None:
+        good = trainer.last_state  # step - 1: the Trainer updates it only after on_step_end
+        checkpoints = trainer.callbacks.find(ModelCheckpoint)
+        if checkpoints:
+            saver = checkpoints[0]
+            saver.save(trainer, good)
+            saver.wait()
+        else:
+            saver = ModelCheckpoint(Path(trainer.run_dir) / "checkpoints", async_save=False, keep=None)
+            saver.open(trainer)
+            saver.save(trainer, good)
+            saver.finish()
+        self.saved_step = good.step
+        names = ", ".join(f"{k}={v}" for k, v in bad.items())
+        raise NonFiniteError(f"step {step}: non-finite {names}; saved the last good state (step {good.step}) "
+                             f"to {saver.directory}; resume with ModelCheckpoint(resume={good.step}) after fixing "
+                             "the cause (lower the learning rate, check the reward and loss for division by zero)")
+
+    def _count_skips(self, info: StepInfo) -> None:
+        state = _find_apply_if_finite(info.state.opt_state)
+        if state is None:
+            return
+        total = int(jax.device_get(state.total_notfinite))
+        skipped_now = total - self.skipped_updates
+        self.skipped_updates = total
+        info.metrics["nan_guard/skipped_updates"] = float(skipped_now)
+        if skipped_now:
+            self._consecutive += 1
+            log.warning("step %d: skipped %d update(s) with non-finite gradients (%d in total)", info.step, skipped_now, total)
+            if self._consecutive >= self.max_consecutive_skips:
+                raise NonFiniteError(f"step {info.step}: {self._consecutive} consecutive steps skipped non-finite updates "
+                                     f"(NaNGuard(max_consecutive_skips={self.max_consecutive_skips})); stopping")
+        else:
+            self._consecutive = 0
+
+
+def _find_apply_if_finite(opt_state):
+    for node in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ApplyIfFiniteState)):
+        if isinstance(node, optax.ApplyIfFiniteState):
+            return node
+    return None
