@@ -61,6 +61,12 @@ class ToyModule(RLModule):
             sampler_logps=np.asarray(logps, np.float32),
         )
 
+    def compute_logps(self, params, batch: Batch) -> Batch:
+        if self.trainer.plan.num_iterations == 1:
+            return super().compute_logps(params, batch)  # the sampler's logps are the old logps
+        logps = self._logps(params, jnp.asarray(batch["prompt_ids"]), jnp.asarray(batch["completion_ids"]))
+        return batch.with_columns(old_logps=np.asarray(logps, np.float32))
+
     def on_advantage(self, batch: Batch) -> Batch:
         rewards = (np.asarray(batch["completion_ids"]) == self.target).mean(axis=1).astype(np.float32)
         groups = np.asarray(batch["group_ids"])

@@ -83,6 +83,7 @@ class BatchPlan:
 
     @property
     def service_batch_size(self) -> int:
+        # Every micro size divides the global batch, so their lcm does too.
         return math.lcm(self.rollout_micro_batch_size, self.logps_micro_batch_size, self.train_micro_batch_size)
 
     def require_whole_groups(self, *stages: str) -> BatchPlan:
@@ -130,12 +131,6 @@ def _problems(p: BatchPlan) -> list[str]:
         v = getattr(p, name)
         if g % v:
             out.append(f"{gtext} is not divisible by {name}={v}; use {_suggest(g, v)}")
-    if not out and g % p.service_batch_size:
-        out.append(
-            f"the service batch lcm(rollout_micro_batch_size={p.rollout_micro_batch_size}, logps_micro_batch_size="
-            f"{p.logps_micro_batch_size}, train_micro_batch_size={p.train_micro_batch_size}) = {p.service_batch_size} "
-            f"does not divide the global batch ({gtext}); pick micro sizes that divide each other, e.g. all equal"
-        )
     sizes = {"rollout": p.rollout_micro_batch_size, "logps": p.logps_micro_batch_size,
              "train": p.train_micro_batch_size, "mini": p.mini_batch_size}
     for stage in p.whole_groups:

@@ -1,9 +1,9 @@
 """WeightStore: the policy weights the producer may roll out with, keyed by steps completed.
 
 The trainer publishes the parameters after each global step; the producer asks for the weights
-"after step n" and blocks until they exist. Sync mode asks for step s - 1's weights before
-producing step s (on-policy); async mode asks for step s - 1 - lag's, so it runs `lag` steps
-ahead. Because the producer always takes exactly those weights, async runs are deterministic
+"after n steps" and blocks until they exist. Sync mode produces step s (0-based) with the weights
+after s steps, i.e. the latest (on-policy); async mode uses those after s - lag steps, so it runs
+`lag` steps ahead. Because the producer always takes exactly those weights, async runs are deterministic
 and resume exactly: the retained weights are part of the checkpoint.
 """
 
