@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from rlbolt.callback import Callback, Periodic
-from rlbolt.loggers import (ConsoleWriter, JsonlWriter, MultiWriter, NullWriter, TensorBoardWriter,
-                            WandbWriter, namespaced)
+from rlbolt.loggers import MultiWriter, NullWriter, create_default_writer, namespaced
 
 __all__ = ["MetricsLogger", "WRITER_NAMES"]
 
@@ -19,8 +18,8 @@ WRITER_NAMES = ("console", "jsonl", "tensorboard", "wandb")
 class MetricsLogger(Callback):
     """Writes ``StepInfo.metrics`` (and ``val/*`` metrics) through metric writers, on process 0.
 
-    Writers are built at ``on_fit_start`` under ``trainer.run_dir``: ``metrics.jsonl``,
-    ``tensorboard/``, ``wandb/``. They are closed at ``on_fit_end`` and on an exception, so what
+    Named writers are built at ``on_fit_start`` by ``create_default_writer`` under
+    ``trainer.run_dir``: ``metrics.jsonl``, ``tensorboard/``, ``wandb/``. They are closed at ``on_fit_end`` and on an exception, so what
     was logged before a crash is on disk. Names go through ``rlbolt.loggers.namespaced``
     (lowercase, ``/``-separated); a bad name fails at the first step that logs it.
 
@@ -87,20 +86,15 @@ class MetricsLogger(Callback):
     def _build(self, trainer) -> Any:
         if not isinstance(self._spec, (list, tuple)):
             return self._spec
-        run_dir = trainer.run_dir
-        writers = []
-        for item in self._spec:
-            if item == "console":
-                writers.append(ConsoleWriter())
-            elif item == "jsonl":
-                writers.append(JsonlWriter(run_dir / "metrics.jsonl"))
-            elif item == "tensorboard":
-                writers.append(TensorBoardWriter(run_dir / "tensorboard"))
-            elif item == "wandb":
-                writers.append(WandbWriter(project=self.wandb_project, run_dir=run_dir))
-            else:
-                writers.append(item)
-        return MultiWriter(writers)
+        names = {item for item in self._spec if isinstance(item, str)}
+        objects = [item for item in self._spec if not isinstance(item, str)]
+        if not names:
+            return MultiWriter(objects)
+        # One place (create_default_writer) owns the run-folder layout; this is process 0.
+        built = create_default_writer(trainer.run_dir, console="console" in names, jsonl="jsonl" in names,
+                                      tensorboard="tensorboard" in names, wandb="wandb" in names,
+                                      wandb_project=self.wandb_project, process_index=0)
+        return MultiWriter([built, *objects])
 
     def _close(self) -> None:
         writer, self.writer = self.writer, None
