@@ -1,7 +1,5 @@
 """create_default_writer: the file layout on process 0 and silence elsewhere."""
 
-import io
-
 import pytest
 
 from rlbolt.loggers import (AsyncWriter, ConsoleWriter, JsonlWriter, NullWriter, TensorBoardWriter,
@@ -43,14 +41,12 @@ def test_default_process_index_comes_from_jax(tmp_path):
 
 
 def test_asynchronous_wraps_file_writers_only(tmp_path):
-    out = io.StringIO()
     writer = create_default_writer(tmp_path, asynchronous=True, process_index=0)
     console, background = writer.writers
     assert isinstance(console, ConsoleWriter) and isinstance(background, AsyncWriter)
     writer.write_scalars(2, {"loss": 1.5})
     writer.close()
     assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 2, "loss": 1.5}]
-    del out
 
 
 @pytest.mark.parametrize("index", [2, 3])
