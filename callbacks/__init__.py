@@ -1,1 +1,4 @@
 """Built-in callbacks, installed as ``rlbolt.callbacks``."""
+
+from rlbolt.callbacks.checkpoint import ModelCheckpoint
+from rlbolt.callbacks.nan_guard import NaNGuard, NonFiniteError
