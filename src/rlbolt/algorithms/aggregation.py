@@ -72,7 +72,7 @@ def aggregate_loss(
     Args:
         per_token: ``[n, C]`` float per-token loss of this micro batch.
         mask: ``[n, C]`` bool completion mask of this micro batch.
-        mode: a ``LossAggregation`` or its string value.
+        mode: a ``LossAggregation`` or its string value (static: a Python value under jit).
         num_tokens_total: valid tokens in the whole mini batch (scalar; 0 is treated as 1).
         num_samples_total: samples in the whole mini batch (scalar; 0 is treated as 1).
         max_completion_length: the generation budget L, required by

@@ -2,6 +2,7 @@
 
 Every loss returns ``(per_token_loss [N, C], info)``: the loss to *minimise*, 0 on masked
 tokens, to be reduced by ``aggregate_loss``; ``info`` holds per-token diagnostics for metrics.
+Clip ranges and caps are Python floats (static under jit); they are checked eagerly.
 """
 
 from __future__ import annotations
