@@ -1,0 +1,472 @@
+"""Hugging Face checkpoints in and out: config.json <-> ModelConfig, safetensors <-> Decoder.
+
+Supported architectures: LlamaForCausalLM (Llama 3 / 3.1 / 3.2, llama3 rope scaling),
+Qwen2ForCausalLM (Qwen2 / 2.5: q/k/v bias) and Qwen3ForCausalLM (per-head q/k RMSNorm).
+
+HF stores `nn.Linear` weights as [out, in] with separate q/k/v and gate/up projections; rlbolt
+keeps kernels as [in, out] with q|k|v and gate|up fused along the output axis (see the layout in
+`rlbolt.models.decoder`). Loading concatenates then transposes; saving splits then transposes.
+Tensors are read with `safetensors` (numpy framework; bfloat16, which numpy lacks, is read from
+the file's byte range as `ml_dtypes.bfloat16`), and the model is built abstractly with
+`nnx.eval_shape` and filled, so a large model is never initialised randomly first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import struct
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+import safetensors
+import safetensors.numpy
+from flax import nnx
+
+from rlbolt.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from rlbolt.models.decoder import Decoder
+
+__all__ = ["config_from_hf", "config_to_hf", "load_hf", "save_hf", "hf_tensor_layout"]
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json",
+)
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+_HF_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float32"}  # float16 is upcast
+_NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, dict | None]:
+    # transformers 5 writes `rope_parameters` (theta inside); older files have rope_theta + rope_scaling.
+    params = hf.get("rope_parameters")
+    if isinstance(params, Mapping):
+        scaling = {key: value for key, value in params.items() if key != "rope_theta"}
+        theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    else:
+        scaling = dict(hf.get("rope_scaling") or {})
+        theta = hf.get("rope_theta", 10000.0)
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    if scaling.get("rope_type", "default") == "default":
+        return float(theta), None
+    return float(theta), scaling
+
+
+def config_from_hf(
+    hf_config: Mapping[str, Any], path: str | os.PathLike = CONFIG_FILE, *, param_dtype: str | None = None
+) -> ModelConfig:
+    """Maps a Hugging Face config.json dict to a ModelConfig.
+
+    Args:
+        hf_config: the parsed config.json.
+        path: where it came from, for error messages.
+        param_dtype: "float32" or "bfloat16"; None takes the file's `dtype`/`torch_dtype`
+            (float16 checkpoints load as float32), defaulting to float32.
+
+    Returns:
+        A validated ModelConfig.
+
+    Raises:
+        ValueError: unsupported architecture or feature, naming the file and the field.
+    """
+    architectures = hf_config.get("architectures") or []
+    if architectures:
+        architecture = architectures[0]
+    else:  # a bare config (e.g. `LlamaConfig().save_pretrained`) carries only its model_type
+        by_type = {model_type: name for name, model_type in _MODEL_TYPES.items()}
+        architecture = by_type.get(hf_config.get("model_type"), hf_config.get("model_type"))
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{path}: architecture {architecture!r} (field \"architectures\") is not supported; "
+            f"rlbolt loads {list(SUPPORTED_ARCHITECTURES)}."
+        )
+
+    def unsupported(field: str, why: str):
+        return ValueError(f"{path}: {field}={hf_config.get(field)!r} is not supported for {architecture}: {why}.")
+
+    if hf_config.get("hidden_act", "silu") != "silu":
+        raise unsupported("hidden_act", "the rlbolt decoder uses a SwiGLU MLP with silu")
+    if hf_config.get("mlp_bias", False):
+        raise unsupported("mlp_bias", "the rlbolt MLP has no bias")
+    if architecture == "Qwen2ForCausalLM":
+        attention_bias = True  # Qwen2 always has q/k/v bias and no o_proj bias
+    elif hf_config.get("attention_bias", False):
+        raise unsupported("attention_bias", "Llama/Qwen3 attention_bias also adds an o_proj bias, which rlbolt lacks")
+    else:
+        attention_bias = False
+    if hf_config.get("use_sliding_window", False):
+        raise unsupported("use_sliding_window", "rlbolt attends over the full context; set it to false")
+
+    num_heads = int(hf_config["num_attention_heads"])
+    hidden_size = int(hf_config["hidden_size"])
+    if param_dtype is None:
+        file_dtype = str(hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32")
+        if file_dtype not in _HF_DTYPES:
+            raise unsupported("dtype", f"use one of {sorted(_HF_DTYPES)} or pass param_dtype")
+        param_dtype = _HF_DTYPES[file_dtype]
+    rope_theta, rope_scaling = _rope_from_hf(hf_config)
+    config = ModelConfig(
+        vocab_size=int(hf_config["vocab_size"]),
+        hidden_size=hidden_size,
+        num_layers=int(hf_config["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(hf_config.get("num_key_value_heads") or num_heads),
+        head_dim=int(hf_config.get("head_dim") or hidden_size // num_heads),
+        intermediate_size=int(hf_config["intermediate_size"]),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+        attention_bias=attention_bias,
+        qk_norm=architecture == "Qwen3ForCausalLM",
+        max_position_embeddings=int(hf_config.get("max_position_embeddings", 2048)),
+        param_dtype=param_dtype,
+        architecture=architecture,
+    )
+    try:
+        return config.validate()
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from error
+
+
+def config_to_hf(config: ModelConfig) -> dict[str, Any]:
+    """The config.json dict that transformers (4.x and 5.x) loads for this model.
+
+    Args:
+        config: the rlbolt config.
+
+    Returns:
+        A JSON-serialisable dict with `architectures`, `model_type`, `dtype`/`torch_dtype`.
+    """
+    config.validate()
+    if config.attention_bias and config.architecture != "Qwen2ForCausalLM":
+        raise ValueError(
+            f"ModelConfig.attention_bias=True with architecture={config.architecture!r} has no Hugging Face "
+            "equivalent (only Qwen2 has q/k/v bias without o_proj bias); use Qwen2ForCausalLM."
+        )
+    if config.qk_norm != (config.architecture == "Qwen3ForCausalLM"):
+        raise ValueError(
+            f"ModelConfig.qk_norm={config.qk_norm} does not match architecture={config.architecture!r}: "
+            "q/k norm exists exactly in Qwen3ForCausalLM."
+        )
+    rope_scaling = dict(config.rope_scaling) if config.rope_scaling else None
+    hf = {
+        "architectures": [config.architecture],
+        "model_type": _MODEL_TYPES[config.architecture],
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "intermediate_size": config.intermediate_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps,
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        # Both spellings: transformers 5 reads rope_parameters, 4.x reads rope_theta/rope_scaling.
+        "rope_theta": config.rope_theta,
+        "rope_scaling": rope_scaling,
+        "rope_parameters": {"rope_theta": config.rope_theta, **(rope_scaling or {"rope_type": "default"})},
+        "dtype": config.param_dtype,
+        "torch_dtype": config.param_dtype,
+    }
+    if config.architecture != "Qwen2ForCausalLM":
+        hf["attention_bias"] = False
+        hf["mlp_bias"] = False
+    if config.architecture != "LlamaForCausalLM":
+        hf["use_sliding_window"] = False
+        hf["sliding_window"] = None
+    return hf
+
+
+# ----------------------------------------------------------------------------- tensor layout
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    """One rlbolt parameter and the HF tensors it is made of (concatenated along HF's axis 0)."""
+
+    sources: tuple[str, ...]
+    transpose: bool  # HF Linear [out, in] -> kernel [in, out]
+
+
+def hf_tensor_layout(config: ModelConfig) -> dict[str, _Tensor]:
+    """Which Hugging Face tensors make each rlbolt parameter.
+
+    Args:
+        config: the model config.
+
+    Returns:
+        {rlbolt parameter path ("layers.0.attn.qkv_proj.kernel"): its HF sources}.
+    """
+    layout = {"embed.embedding": _Tensor(("model.embed_tokens.weight",), False),
+              "final_norm.scale": _Tensor(("model.norm.weight",), False)}
+    if not config.tie_word_embeddings:
+        layout["lm_head.kernel"] = _Tensor(("lm_head.weight",), True)
+    for i in range(config.num_layers):
+        ours, hf = f"layers.{i}", f"model.layers.{i}"
+        attn = f"{hf}.self_attn"
+        layout[f"{ours}.attn_norm.scale"] = _Tensor((f"{hf}.input_layernorm.weight",), False)
+        layout[f"{ours}.mlp_norm.scale"] = _Tensor((f"{hf}.post_attention_layernorm.weight",), False)
+        qkv = tuple(f"{attn}.{name}_proj" for name in "qkv")
+        layout[f"{ours}.attn.qkv_proj.kernel"] = _Tensor(tuple(f"{p}.weight" for p in qkv), True)
+        if config.attention_bias:
+            layout[f"{ours}.attn.qkv_proj.bias"] = _Tensor(tuple(f"{p}.bias" for p in qkv), False)
+        if config.qk_norm:
+            layout[f"{ours}.attn.q_norm.scale"] = _Tensor((f"{attn}.q_norm.weight",), False)
+            layout[f"{ours}.attn.k_norm.scale"] = _Tensor((f"{attn}.k_norm.weight",), False)
+        layout[f"{ours}.attn.o_proj.kernel"] = _Tensor((f"{attn}.o_proj.weight",), True)
+        layout[f"{ours}.mlp.gate_up_proj.kernel"] = _Tensor(
+            (f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight"), True)
+        layout[f"{ours}.mlp.down_proj.kernel"] = _Tensor((f"{hf}.mlp.down_proj.weight",), True)
+    return layout
+
+
+def _split_sizes(path: str, config: ModelConfig, count: int, total: int) -> list[int]:
+    if count == 1:
+        return [total]
+    if "qkv_proj" in path:
+        return [config.q_size, config.kv_size, config.kv_size]
+    return [total // count] * count  # gate|up halves
+
+
+def _flat_params(state) -> dict[str, Any]:
+    return {".".join(str(part) for part in path): variable for path, variable in nnx.to_flat_state(state)}
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+class _SafetensorsReader:
+    """Reads named tensors from one or more safetensors files, with errors naming the file."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        index_path, single_path = folder / INDEX_FILE, folder / SINGLE_FILE
+        if index_path.is_file():
+            try:
+                weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as error:
+                raise ValueError(f"{index_path} is not a valid safetensors index (needs a \"weight_map\"): {error}") from error
+            for shard in sorted(set(weight_map.values())):
+                if not (folder / shard).is_file():
+                    raise FileNotFoundError(f"{index_path} references shard {shard}, which is missing from {folder}.")
+            self.files = sorted({folder / shard for shard in weight_map.values()})
+            self.location = {name: folder / shard for name, shard in weight_map.items()}
+        elif single_path.is_file():
+            self.files = [single_path]
+            self.location = {name: single_path for name in self._keys(single_path)}
+        else:
+            raise FileNotFoundError(
+                f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE}; save the model with "
+                "`save_pretrained(..., safe_serialization=True)` or rlbolt's save_hf."
+            )
+
+    @staticmethod
+    def _keys(path: Path) -> list[str]:
+        try:
+            with safetensors.safe_open(str(path), framework="numpy") as handle:
+                return list(handle.keys())
+        except Exception as error:  # SafetensorError derives from Exception only
+            raise ValueError(f"{path} is not a readable safetensors file (truncated or corrupt?): {error}") from error
+
+    def read(self, name: str) -> np.ndarray:
+        path = self.location.get(name)
+        if path is None:
+            searched = ", ".join(p.name for p in self.files)
+            raise ValueError(f"tensor {name!r} is missing: searched {searched} in {self.folder}.")
+        try:
+            with safetensors.safe_open(str(path), framework="numpy") as handle:
+                present = name in handle.keys()
+                if present and handle.get_slice(name).get_dtype() == "BF16":
+                    return _read_bf16(path, name)
+                if present:
+                    return handle.get_tensor(name)
+        except Exception as error:  # SafetensorError derives from Exception only
+            raise ValueError(f"{path}: cannot read tensor {name!r} (truncated or corrupt?): {error}") from error
+        raise ValueError(f"tensor {name!r} is missing from {path}, although {INDEX_FILE} lists it there.")
+
+
+def _read_bf16(path: Path, name: str) -> np.ndarray:
+    # numpy has no bfloat16; the library already validated the header, so read the byte range.
+    with open(path, "rb") as handle:
+        (header_len,) = struct.unpack("<Q", handle.read(8))
+        entry = json.loads(handle.read(header_len))[name]
+        start, end = entry["data_offsets"]
+        handle.seek(8 + header_len + start)
+        data = handle.read(end - start)
+    return np.frombuffer(data, dtype=ml_dtypes.bfloat16).reshape(entry["shape"])
+
+
+def load_hf(folder: str | os.PathLike, *, param_dtype: str | None = None) -> tuple[Decoder, ModelConfig]:
+    """Loads a Hugging Face Llama 3 / Qwen2 / Qwen3 folder into an rlbolt Decoder.
+
+    Args:
+        folder: holds config.json and model.safetensors, or sharded
+            model-0000x-of-0000y.safetensors files with model.safetensors.index.json.
+        param_dtype: "float32" or "bfloat16"; None keeps the checkpoint's dtype.
+
+    Returns:
+        (model, config).
+
+    Raises:
+        FileNotFoundError: config.json, the weights or a shard named by the index is missing.
+        ValueError: unsupported architecture, a corrupt file, a tensor of the wrong shape, or a
+            missing tensor (naming it and the files searched).
+    """
+    folder = Path(folder)
+    config_path = folder / CONFIG_FILE
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{folder} has no {CONFIG_FILE}; is it a Hugging Face model folder?")
+    try:
+        hf_config = json.loads(config_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{config_path} is not valid JSON: {error}") from error
+    config = config_from_hf(hf_config, config_path, param_dtype=param_dtype)
+    reader = _SafetensorsReader(folder)
+
+    abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    params = _flat_params(state)
+    layout = hf_tensor_layout(config)
+    unmapped = sorted(set(params) - set(layout))
+    if unmapped:  # a decoder change the converter has not caught up with
+        raise RuntimeError(f"rlbolt parameters {unmapped} have no Hugging Face mapping in hf_io.hf_tensor_layout.")
+    dtype = _NUMPY_DTYPES[config.param_dtype]
+    for path, variable in params.items():
+        entry = layout[path]
+        expected = variable.get_value().shape
+        parts = [reader.read(name) for name in entry.sources]
+        sizes = _split_sizes(path, config, len(parts), expected[-1] if entry.transpose else expected[0])
+        for name, part, size in zip(entry.sources, parts, sizes):
+            want = ((size, expected[0]) if entry.transpose else (size, *expected[1:]))
+            if tuple(part.shape) != want:
+                raise ValueError(
+                    f"tensor {name!r} in {reader.location[name]} has shape {tuple(part.shape)}, but {config_path} "
+                    f"implies {want}; the weights and config.json do not belong together."
+                )
+        value = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+        value = value.T if entry.transpose else value
+        variable.set_value(jax.numpy.asarray(value.astype(dtype, copy=False)))
+    return nnx.merge(graphdef, state), config
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _hf_tensors(model: Decoder, config: ModelConfig) -> dict[str, np.ndarray]:
+    params = _flat_params(nnx.state(model, nnx.Param))
+    tensors = {}
+    for path, entry in hf_tensor_layout(config).items():
+        if path not in params:
+            raise ValueError(f"model has no parameter {path!r}, which config {config.architecture} requires.")
+        value = np.asarray(jax.device_get(params[path].get_value()))
+        value = value.T if entry.transpose else value
+        sizes = _split_sizes(path, config, len(entry.sources), value.shape[0])
+        for name, part in zip(entry.sources, np.split(value, np.cumsum(sizes)[:-1], axis=0)):
+            tensors[name] = np.ascontiguousarray(part)
+    return tensors
+
+
+def _shards(tensors: dict[str, np.ndarray], max_shard_bytes: int | None) -> list[dict[str, np.ndarray]]:
+    if max_shard_bytes is None:
+        return [tensors]
+    shards, current, size = [], {}, 0
+    for name, value in tensors.items():
+        if current and size + value.nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = value
+        size += value.nbytes
+    return shards + [current]
+
+
+def save_hf(
+    model: Decoder,
+    config: ModelConfig,
+    folder: str | os.PathLike,
+    *,
+    max_shard_bytes: int | None = None,
+    tokenizer_folder: str | os.PathLike | None = None,
+    overwrite: bool = True,
+) -> Path:
+    """Writes a Hugging Face folder (config.json + safetensors) that transformers loads.
+
+    The folder is written in full under a temporary name beside the target and then renamed
+    into place, so a crash never leaves a half-written folder at `folder`.
+
+    Args:
+        model: the Decoder.
+        config: its config.
+        folder: the output folder (replaced when it exists and `overwrite`).
+        max_shard_bytes: split the weights into model-0000x-of-0000y.safetensors shards of at most
+            this many bytes (a single larger tensor gets its own shard) plus an index; None writes
+            one model.safetensors.
+        tokenizer_folder: copy the tokenizer files found there (tokenizer.json, tokenizer_config.json, ...).
+        overwrite: replace an existing folder; False raises FileExistsError instead.
+
+    Returns:
+        The folder path.
+    """
+    folder = Path(folder)
+    if folder.exists() and not overwrite:
+        raise FileExistsError(f"{folder} exists; pass overwrite=True or choose another folder.")
+    if max_shard_bytes is not None and max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes={max_shard_bytes} must be a positive number of bytes (or None).")
+    hf_config = config_to_hf(config)
+    tensors = _hf_tensors(model, config)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = folder.parent / f".{folder.name}.tmp-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        (staging / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
+        shards = _shards(tensors, max_shard_bytes)
+        metadata = {"format": "pt"}  # transformers refuses safetensors without a known format tag
+        if len(shards) == 1 and max_shard_bytes is None:
+            safetensors.numpy.save_file(shards[0], str(staging / SINGLE_FILE), metadata=metadata)
+        else:
+            weight_map = {}
+            for number, shard in enumerate(shards, start=1):
+                name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+                safetensors.numpy.save_file(shard, str(staging / name), metadata=metadata)
+                weight_map.update(dict.fromkeys(shard, name))
+            index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())}, "weight_map": weight_map}
+            (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        if tokenizer_folder is not None:
+            source = Path(tokenizer_folder)
+            found = [source / name for name in TOKENIZER_FILES if (source / name).is_file()]
+            if not any(p.name == "tokenizer.json" for p in found):
+                raise FileNotFoundError(f"tokenizer_folder {source} has no tokenizer.json to copy.")
+            for path in found:
+                shutil.copy2(path, staging / path.name)
+        _swap_into_place(staging, folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return folder
+
+
+def _swap_into_place(staging: Path, folder: Path) -> None:
+    # A directory rename cannot replace a non-empty directory, so move the old one aside first.
+    retired = None
+    if folder.exists():
+        retired = folder.parent / f".{folder.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(folder, retired)
+    os.replace(staging, folder)
+    if retired is not None:
+        shutil.rmtree(retired, ignore_errors=True)
