@@ -1,0 +1,202 @@
+"""GRPO step benchmark: the shared workload run through the public API, as a user would.
+
+Workload (shared/WORKLOAD.md): a Llama-style random model (vocab 512, hidden 256, 4 layers,
+4 q heads / 2 kv heads, head_dim 64, MLP 704, float32), 8 prompts x 4 generations of 32-token
+prompts, 64 new tokens with no early stop, beta 0.04 (a frozen reference copy), eps 0.2, mu 1,
+one optimizer update per step, AdamW lr 1e-6, reward = fraction of even completion ids.
+
+Reported (medians over steps 3..12): seconds per step, generated tokens/s, the stage split,
+compilations after warm-up, achieved GFLOP/s against a large matmul timed in the same process,
+and `floor_step_s`: the same jitted functions called in a bare Python loop (no Trainer, thread
+or callbacks), so `overhead_ratio = step / floor` is what the framework costs.
+
+    python benchmarks/grpo_step.py            # the CPU workload, 12 steps
+    python benchmarks/grpo_step.py --quick    # 2 steps (CI keeps it from rotting; numbers not asserted)
+    python benchmarks/grpo_step.py --preset gpu   # Qwen2.5-0.5B shape, bf16, 64x8, 256 + 512 tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from flops import step_flops  # noqa: E402
+
+PRESETS = {
+    "cpu": dict(prompts=8, generations=4, prompt_len=32, new_tokens=64, steps=12, model={}),
+    "gpu": dict(prompts=64, generations=8, prompt_len=256, new_tokens=512, steps=12, model=dict(
+        vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
+        intermediate_size=4864, rope_theta=1_000_000.0, max_position_embeddings=32768, tie_word_embeddings=True,
+        attention_bias=True, param_dtype="bfloat16", architecture="Qwen2ForCausalLM")),
+}
+
+
+def main(argv=None) -> dict:
+    args = _parse(argv)
+    from rlbolt.xla_flags import configure_xla_flags
+
+    applied = configure_xla_flags(enable=not args.no_xla_flags)
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from rlbolt.callback import Callback
+    from rlbolt.data.tokenizers import IntTokenizer
+    from rlbolt.models import Decoder, workload_config
+    from rlbolt.modules import GRPO
+    from rlbolt.plan import BatchPlan
+    from rlbolt.trainer import Trainer
+
+    p = dict(PRESETS[args.preset])
+    steps = 2 if args.quick else args.steps or p["steps"]
+    config = workload_config(**p["model"])
+    vocab = config.vocab_size
+    rng = np.random.default_rng(0)
+    rows = [{"prompt": " ".join(map(str, rng.integers(2, vocab, p["prompt_len"])))} for _ in range(p["prompts"] * steps)]
+
+    def even_fraction(completion: str, sample) -> float:
+        ids = completion.split()
+        return sum(int(t) % 2 == 0 for t in ids) / max(len(ids), 1)
+
+    module = GRPO(
+        {"algorithm": {"beta": 0.04, "lr": 1e-6, "clip_low": 0.2, "clip_high": 0.2, "max_grad_norm": 0.0},
+         "rollout": {"max_new_tokens": p["new_tokens"], "temperature": 1.0, "stop_at_eos": False},
+         "data": {"prompt_field": "prompt", "max_prompt_tokens": p["prompt_len"], "use_chat_template": False}},
+        model=Decoder(config, rngs=nnx.Rngs(0)), tokenizer=IntTokenizer(vocab), reward=even_fraction)
+
+    compiles: list[int] = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, *a, **k: compiles.append(1) if event == "/jax/core/compile/backend_compile_duration" else None)
+
+    class Record(Callback):
+        def __init__(self):
+            self.metrics, self.compiles_at, self.last = [], [], None
+
+        def on_rollout_end(self, trainer, rollout):
+            self.last = rollout
+
+        def on_step_end(self, trainer, info):
+            self.metrics.append(info.metrics)
+            self.compiles_at.append(len(compiles))
+
+    rec = Record()
+    plan = BatchPlan(prompts_per_step=p["prompts"], num_generations=p["generations"])
+    trainer = Trainer(plan, max_steps=steps, seed=0, shuffle=False)
+    trainer.callbacks = type(trainer.callbacks)([rec])
+    state = trainer.fit(module, rows)
+
+    measured = slice(2, None) if steps > 2 else slice(0, None)  # steps 3..12 (1-based)
+    step_s = [m["time/step"] for m in rec.metrics]
+    split = {k: _median([m[f"time/{k}"] for m in rec.metrics[measured]]) for k in ("rollout", "logps", "reward", "update")}
+    step_median = _median(step_s[measured])
+    split["other"] = max(step_median - sum(split.values()), 0.0)
+    floor = _floor_step_s(module, trainer, state, rec.last, repeats=max(3, len(step_s[measured])))
+    matmul = _matmul_gflops(args.preset)
+    flops = step_flops(config, p["prompts"] * p["generations"], p["prompt_len"], p["new_tokens"])
+    gen_tokens = p["prompts"] * p["generations"] * p["new_tokens"]
+    result = {
+        "system": "rlbolt",
+        "preset": args.preset,
+        "device": jax.devices()[0].device_kind,
+        "xla_flags": applied,
+        "step_s_median": step_median,
+        "step_s_all": step_s,
+        "gen_tokens_per_s": gen_tokens / step_median,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "split": split,
+        "compiles_after_warmup": rec.compiles_at[-1] - rec.compiles_at[min(1, len(rec.compiles_at) - 1)],
+        "gflops_per_step": flops["total"] / 1e9,
+        "achieved_gflops": flops["total"] / 1e9 / step_median,
+        "matmul_gflops": matmul,
+        "floor_step_s": floor,
+        "overhead_ratio": step_median / floor,
+        "reward_first_last": [rec.metrics[0]["reward/mean"], rec.metrics[-1]["reward/mean"]],
+    }
+    _print_table(result, flops)
+    print(json.dumps(result))
+    return result
+
+
+def _floor_step_s(module, trainer, state, produced, repeats: int) -> float:
+    """The same jitted work as a step (sampler, reference logps, update), in a bare loop."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    batch = produced.batch
+    ids = [list(r[m]) for r, m in zip(np.asarray(batch["prompt_ids"]), np.asarray(batch["prompt_mask"]))]
+    keys = np.asarray(batch["sample_keys"], np.uint32)
+    device_batch = jax.device_put(batch.numeric())
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        out = module._generate(state.params, ids, keys, module.rollout_cfg.temperature)
+        inputs = tuple(jnp.asarray(x) for x in (batch["prompt_ids"], batch["prompt_mask"], out.completion_ids, out.completion_mask))
+        ref = module._logps(module.ref_params, *inputs)
+        params, opt_state, metrics = trainer._update(state.params, state.opt_state, device_batch)
+        jax.block_until_ready((ref, params, metrics))
+        if i:  # the first round re-warms caches after fit
+            times.append(time.perf_counter() - t0)
+    return _median(times)
+
+
+def _matmul_gflops(preset: str, n: int = 1024, repeats: int = 20) -> float:
+    """A large float32 (cpu) / bfloat16 (gpu) matmul: the practical compute ceiling, timed here."""
+    import jax
+    import jax.numpy as jnp
+
+    if preset == "gpu":
+        n = 8192
+    dtype = jnp.bfloat16 if preset == "gpu" else jnp.float32
+    a = jax.random.normal(jax.random.PRNGKey(0), (n, n), dtype)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(a).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return 2 * n ** 3 / _median(times) / 1e9
+
+
+def _median(values) -> float:
+    return float(statistics.median(values)) if len(values) else float("nan")
+
+
+def _print_table(r: dict, flops: dict) -> None:
+    rows = [
+        ("step s (median 3..12)", f"{r['step_s_median']:.3f}"),
+        ("floor step s (bare loop)", f"{r['floor_step_s']:.3f}"),
+        ("overhead ratio (target <= 1.05)", f"{r['overhead_ratio']:.3f}"),
+        ("generated tokens / s", f"{r['gen_tokens_per_s']:.0f}"),
+        ("GFLOP per step", f"{r['gflops_per_step']:.1f} (rollout {flops['rollout'] / 1e9:.1f}, ref {flops['ref'] / 1e9:.1f}, update {flops['update'] / 1e9:.1f})"),
+        ("achieved GFLOP/s", f"{r['achieved_gflops']:.1f}"),
+        ("matmul GFLOP/s (ceiling)", f"{r['matmul_gflops']:.1f}"),
+        ("achieved / matmul (target >= 0.70)", f"{r['achieved_gflops'] / r['matmul_gflops']:.2f}"),
+        ("compiles after warm-up (target 0)", str(r["compiles_after_warmup"])),
+        ("peak RSS MB (target <= 1000)", f"{r['peak_rss_mb']:.0f}"),
+        *[(f"  time/{k}", f"{v:.3f}") for k, v in r["split"].items()],
+    ]
+    width = max(len(k) for k, _ in rows)
+    print(f"rlbolt GRPO step benchmark, preset {r['preset']} on {r['device']}")
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v}")
+
+
+def _parse(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    ap.add_argument("--steps", type=int, default=None, help="global steps (default 12)")
+    ap.add_argument("--quick", action="store_true", help="2 steps: a smoke run, numbers not meaningful")
+    ap.add_argument("--no-xla-flags", action="store_true", help="do not apply rlbolt's CPU XLA flags")
+    return ap.parse_args(argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""XLA flags that were measured to help on CPU, applied only where they are known to exist.
+
+An unknown flag in XLA_FLAGS aborts the process, so a flag is added only for the jaxlib
+versions it was checked on, only when no GPU plugin is installed, and never twice. Call before
+the first JAX computation (the `rlbolt` command and the benchmarks do).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+# Dot and reduce fusions outside YNNPACK: large f32 matmuls 117 -> 139 GFLOP/s on the 2-core
+# Zen 3 CI machine (shared/PERF_NOTES.md); checked to exist in jaxlib 0.10.x.
+_CPU_FLAGS = {"0.10.": "--xla_cpu_experimental_ynn_fusion_type=-individual_dot,-reduce"}
+_GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_plugins.xla_cuda12")
+
+
+def configure_xla_flags(enable: bool = True) -> list[str]:
+    """Adds the CPU flags for the installed jaxlib to XLA_FLAGS; returns the flags added."""
+    if not enable or os.environ.get("RLBOLT_NO_XLA_FLAGS"):
+        return []
+    try:
+        from importlib.metadata import version
+
+        jaxlib_version = version("jaxlib")
+    except Exception:  # noqa: BLE001 - no jaxlib metadata: add nothing
+        return []
+    if any(_has_module(name) for name in _GPU_PLUGINS):
+        return []
+    current = os.environ.get("XLA_FLAGS", "")
+    added = [flag for prefix, flag in _CPU_FLAGS.items() if jaxlib_version.startswith(prefix) and flag.split("=")[0] not in current]
+    if added:
+        os.environ["XLA_FLAGS"] = " ".join([current, *added]).strip()
+    return added
+
+
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
