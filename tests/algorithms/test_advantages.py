@@ -81,8 +81,10 @@ def _numpy_group_reference(rewards, ids):
 
 @settings(max_examples=25, deadline=None)
 @given(
+    # A fixed N keeps shapes (and so compiled kernels) the same across examples; group sizes
+    # and ids still vary freely, singletons included.
     data=st.lists(
-        st.tuples(st.integers(-3, 3), st.integers(0, 4).map(float)), min_size=1, max_size=10
+        st.tuples(st.integers(-3, 3), st.integers(0, 4).map(float)), min_size=8, max_size=8
     ),
     relabel_seed=st.integers(0, 1000),
 )
