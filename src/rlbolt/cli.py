@@ -1,0 +1,237 @@
+"""The `rlbolt` command.
+
+    rlbolt demo   [--run-dir D] [--max-steps N] [--checkpoint-every K] [--seed S] [--task T]
+    rlbolt fit    CONFIG [--section.key=value ...]
+    rlbolt resume D [--max-steps N]
+    rlbolt plot   D [--out DIR]
+    rlbolt export D OUT [--overwrite]
+
+Bad input (an unknown config key, a wrong type, a missing or non-empty run directory) ends with
+exit status 2 and one line on stderr that names the problem and the fix, no traceback. Set
+RLBOLT_DEBUG=1 to see the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+EXIT_BAD_INPUT = 2
+
+DESCRIPTION = """rlbolt: RL post-training of language models in JAX.
+
+Start with `rlbolt demo`: a tiny model learns a digit task from scratch with GRPO on your CPU
+(a few minutes), with a progress bar, a summary and a reward plot in the run directory."""
+
+
+class CLIError(Exception):
+    """A problem with the command line or its files, reported as one line."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    parser = argparse.ArgumentParser(prog="rlbolt", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    demo = sub.add_parser("demo", help="train the built-in demo (a tiny model learns to copy digits)",
+                          description="Train the built-in demo: a tiny random-init decoder learns to copy a "
+                                      "digit string with GRPO, from near-chance reward to >= 0.9.")
+    demo.add_argument("--run-dir", help="the run directory (default: runs/demo-<time>); must be empty or absent")
+    demo.add_argument("--max-steps", type=_positive_int, help="global steps (default: %d)" % _demo_default("max_steps"))
+    demo.add_argument("--checkpoint-every", type=_positive_int,
+                      help="checkpoint every K steps (default: only the last step)")
+    demo.add_argument("--seed", type=int, help="seed of the model, the prompts and sampling (default: 0)")
+    demo.add_argument("--task", choices=("copy", "reverse", "increment"),
+                      help="the digit task (default: copy; reverse and increment are harder)")
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    fit = sub.add_parser("fit", help="train from a recipe config (YAML) with dotted overrides",
+                         description="Train from a YAML config. Override any field with --section.key=value "
+                                     "(e.g. --trainer.max_steps=10 --algorithm.beta=0.0). "
+                                     "Run `rlbolt fit --list-fields` for every section and key.")
+    fit.add_argument("config", nargs="?", help="a YAML config, e.g. recipes/configs/grpo_gsm8k.yaml")
+    fit.add_argument("--list-fields", action="store_true", help="print every config section, key and default")
+
+    resume = sub.add_parser("resume", help="continue a run from its latest checkpoint",
+                            description="Continue the run in RUN_DIR from its latest checkpoint, using its "
+                                        "config.yaml (metrics.jsonl and train.log are appended to).")
+    resume.add_argument("run_dir", help="a run directory written by `rlbolt demo` or `rlbolt fit`")
+    resume.add_argument("--max-steps", type=_positive_int, help="the new total number of steps")
+
+    plot = sub.add_parser("plot", help="PNGs of reward, KL, entropy, response length and stage times",
+                          description="Draw PNGs from RUN_DIR/metrics.jsonl into RUN_DIR/plots (or --out).")
+    plot.add_argument("run_dir")
+    plot.add_argument("--out", help="output folder (default: RUN_DIR/plots)")
+
+    export = sub.add_parser("export", help="write a Hugging Face folder from the latest checkpoint",
+                            description="Write OUT (config.json + model.safetensors, and the tokenizer when "
+                                        "the run used a tokenizer folder) from RUN_DIR's latest checkpoint.")
+    export.add_argument("run_dir")
+    export.add_argument("out")
+    export.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def _demo_default(name: str):
+    from rlbolt.demo import DemoConfig
+
+    return getattr(DemoConfig(), name)
+
+
+def split_overrides(extra: Sequence[str]) -> list[str]:
+    """`--section.key=value` (or `section.key=value`) arguments -> `section.key=value` strings.
+
+    Raises:
+      CLIError: an argument that is not of that form.
+    """
+    out = []
+    for arg in extra:
+        text = arg[2:] if arg.startswith("--") else arg
+        key = text.split("=", 1)[0]
+        if "=" not in text or "." not in key or key.startswith("-"):
+            raise CLIError(f"unrecognized argument {arg!r}; overrides look like --section.key=value "
+                           "(e.g. --trainer.max_steps=10)")
+        out.append(text)
+    return out
+
+
+# -- subcommands ------------------------------------------------------------------------------------
+def cmd_demo(args: argparse.Namespace) -> int:
+    from rlbolt.cli_run import run_demo
+    from rlbolt.demo import DemoConfig
+
+    changes = {k: v for k, v in (("max_steps", args.max_steps), ("checkpoint_every", args.checkpoint_every),
+                                 ("seed", args.seed), ("task", args.task)) if v is not None}
+    config = dataclasses.replace(DemoConfig(), **changes)
+    run_dir = args.run_dir or str(Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}")
+    print(f"rlbolt demo: task={config.task}, {config.max_steps} steps, run directory {run_dir}", flush=True)
+    run_demo(config, run_dir, progress=not args.no_progress)
+    return 0
+
+
+def cmd_fit(args: argparse.Namespace, extra: Sequence[str]) -> int:
+    from rlbolt.config import describe_fields, load_config
+
+    if args.list_fields:
+        print(describe_fields())
+        return 0
+    if args.config is None:
+        raise CLIError("give a CONFIG file, e.g. `rlbolt fit recipes/configs/grpo_gsm8k.yaml`")
+    from rlbolt.cli_run import run_config
+
+    overrides = split_overrides(extra)
+    cfg = load_config(args.config, overrides)
+    if cfg.trainer.run_dir is None:  # fix the folder now so it can be checked before anything is built
+        run_dir = str(Path("runs") / f"{cfg.algorithm.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+        cfg = load_config(args.config, [*overrides, f"trainer.run_dir={run_dir}"])
+    run_config(cfg)
+    return 0
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    from rlbolt import rundir
+    from rlbolt.cli_export import is_demo_config
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise CLIError(f"run directory {run_dir} does not exist")
+    data = rundir.read_config(run_dir)
+    if is_demo_config(data):
+        from rlbolt.cli_run import run_demo
+        from rlbolt.demo import DemoConfig
+
+        config = DemoConfig.from_dict(data)
+        if args.max_steps is not None:
+            config = dataclasses.replace(config, max_steps=args.max_steps)
+        run_demo(config, run_dir, resume=True)
+        return 0
+    from rlbolt.cli_run import run_config
+    from rlbolt.config import load_config
+
+    overrides = [f"trainer.run_dir={run_dir}"]
+    if args.max_steps is not None:
+        overrides.append(f"trainer.max_steps={args.max_steps}")
+    run_config(load_config(data, overrides), resume=True)
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from rlbolt.plotting import TOPICS, plot_metrics
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise CLIError(f"run directory {run_dir} does not exist")
+    written = plot_metrics(run_dir / "metrics.jsonl", Path(args.out) if args.out else run_dir / "plots")
+    for path in written.values():
+        print(path)
+    missing = [t for t in TOPICS if t not in written]
+    if missing:
+        print(f"(no data for: {', '.join(missing)})")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from rlbolt.cli_export import export_run
+
+    if not Path(args.run_dir).is_dir():
+        raise CLIError(f"run directory {args.run_dir} does not exist")
+    out, step = export_run(args.run_dir, args.out, overwrite=args.overwrite)
+    print(f"wrote {out} (checkpoint step {step})")
+    return 0
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from rlbolt.plan import PlanError
+    from rlbolt.rundir import RunDirError
+
+    errors: list[type[BaseException]] = [CLIError, RunDirError, PlanError, FileNotFoundError, FileExistsError]
+    try:
+        from rlbolt.config import ConfigError
+
+        errors.append(ConfigError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the command line; returns the exit status (0 ok, 2 bad input, 130 interrupted)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "fit":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    handlers = {"demo": cmd_demo, "resume": cmd_resume, "plot": cmd_plot, "export": cmd_export}
+    try:
+        if args.command == "fit":
+            return cmd_fit(args, extra)
+        return handlers[args.command](args)
+    except _user_errors() as error:
+        if os.environ.get("RLBOLT_DEBUG"):
+            raise
+        message = str(error).strip().replace("\n", " ") or type(error).__name__
+        print(f"rlbolt {args.command}: error: {message}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print(f"rlbolt {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

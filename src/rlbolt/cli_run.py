@@ -1,0 +1,153 @@
+"""What `rlbolt demo`, `rlbolt fit` and `rlbolt resume` do, as functions the CLI and tests call.
+
+Every run goes through the same steps: prepare the run directory (refusing a non-empty one
+unless resuming), write the resolved config, log to train.log, fit with MetricsLogger(jsonl),
+ProgressBar and ModelCheckpoint, then draw the plots and print a summary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from rlbolt import rundir
+from rlbolt.demo import DemoConfig, DigitsGRPO, demo_rows
+from rlbolt.plan import BatchPlan
+from rlbolt.trainer import Trainer
+
+log = logging.getLogger("rlbolt.run")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSummary:
+    """What a finished run reports.
+
+    Attributes:
+      run_dir: the run directory.
+      steps: global steps completed.
+      seconds: wall time of this invocation (start-up and compilation included).
+      start_reward: mean reward/mean over the first (up to 5) logged steps.
+      end_reward: mean reward/mean over the last (up to 5) logged steps.
+      first_step_at_target: first step whose reward/mean reached `target`, or None.
+      target: the reward level the summary reports reaching (0.9).
+      plots: the PNGs written.
+    """
+
+    run_dir: Path
+    steps: int
+    seconds: float
+    start_reward: float | None
+    end_reward: float | None
+    first_step_at_target: int | None
+    target: float
+    plots: tuple[Path, ...]
+
+    def text(self) -> str:
+        """A few human lines for the terminal."""
+        fmt = lambda v: "n/a" if v is None else f"{v:.3f}"
+        reached = (f"first reached {self.target} at step {self.first_step_at_target}"
+                   if self.first_step_at_target is not None else f"did not reach {self.target}")
+        return "\n".join([
+            f"done: {self.steps} steps in {self.seconds / 60:.1f} min ({self.seconds:.0f} s, compilation included)",
+            f"reward: {fmt(self.start_reward)} at the start -> {fmt(self.end_reward)} at the end ({reached})",
+            f"run directory: {self.run_dir}",
+            *(f"plot: {p}" for p in self.plots),
+        ])
+
+
+def standard_callbacks(checkpoint_every: int | None, *, progress: bool = True) -> list:
+    """LogFile, MetricsLogger(jsonl), ProgressBar and ModelCheckpoint (resuming the latest)."""
+    from rlbolt.callbacks.checkpoint import ModelCheckpoint
+    from rlbolt.callbacks.metrics import MetricsLogger
+    from rlbolt.callbacks.progress import ProgressBar
+
+    callbacks: list[Any] = [rundir.LogFile(), MetricsLogger(writer=["jsonl"])]
+    if progress:
+        callbacks.append(ProgressBar())
+    callbacks.append(ModelCheckpoint(every_n_steps=checkpoint_every, keep=2, resume="latest"))
+    return callbacks
+
+
+def run_demo(config: DemoConfig, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
+             out: TextIO | None = None) -> RunSummary:
+    """Trains the built-in demo (see `rlbolt.demo`) into `run_dir`.
+
+    Args:
+      config: the demo settings (written to config.yaml).
+      run_dir: the run directory; must be empty or absent unless `resume`.
+      resume: continue from the latest checkpoint in `run_dir` (config.yaml must exist).
+      progress: show the progress bar.
+      out: where the summary is printed (default stdout).
+
+    Returns:
+      The RunSummary (also printed and logged).
+    """
+    run_dir = rundir.prepare_run_dir(run_dir, resume=resume)
+    rundir.write_config(run_dir, config.to_dict())
+    trainer = Trainer(BatchPlan(config.prompts_per_step, config.num_generations), max_steps=config.max_steps,
+                      seed=config.seed, callbacks=standard_callbacks(config.checkpoint_every, progress=progress),
+                      run_dir=run_dir)
+    return _fit_and_report(trainer, DigitsGRPO(config), demo_rows(config), None, run_dir, out)
+
+
+def run_config(cfg: Any, *, resume: bool = False, out: TextIO | None = None) -> RunSummary:
+    """Trains a recipe config (a resolved `rlbolt.config.RunConfig`) into `cfg.trainer.run_dir`.
+
+    Args:
+      cfg: the run config; `trainer.run_dir` must be set.
+      resume: continue from the latest checkpoint of that directory.
+      out: where the summary is printed (default stdout).
+
+    Returns:
+      The RunSummary.
+    """
+    from rlbolt.build import build_run
+
+    run_dir = rundir.prepare_run_dir(cfg.trainer.run_dir, resume=resume)
+    if resume:
+        _require_checkpoints(run_dir)
+    module, trainer, train_rows, val_rows = build_run(cfg, callbacks=[rundir.LogFile()])
+    return _fit_and_report(trainer, module, train_rows, val_rows, run_dir, out)
+
+
+def _require_checkpoints(run_dir: Path) -> None:
+    steps = [p for p in (run_dir / rundir.CHECKPOINTS_DIR).iterdir() if p.name.isdigit()]
+    if not steps:
+        raise rundir.RunDirError(f"{run_dir / rundir.CHECKPOINTS_DIR} holds no checkpoint to resume from; "
+                                 "the run needs callbacks.checkpoint_every_n_steps (or a finished fit)")
+
+
+def _fit_and_report(trainer: Trainer, module: Any, train_rows: Any, val_rows: Any, run_dir: Path,
+                    out: TextIO | None) -> RunSummary:
+    handler = rundir.attach_log_file(run_dir)
+    started = time.perf_counter()
+    try:
+        state = trainer.fit(module, train_rows, val_rows)
+        summary = summarize(run_dir, state.step, time.perf_counter() - started)
+        log.info("summary:\n%s", summary.text())
+    finally:
+        rundir.detach_log_file(handler)
+    print(summary.text(), file=out or sys.stdout, flush=True)
+    return summary
+
+
+def summarize(run_dir: Path, steps: int, seconds: float, target: float = 0.9) -> RunSummary:
+    """Reads metrics.jsonl, draws the plots, and condenses the reward curve."""
+    from rlbolt.plotting import plot_metrics, series
+
+    metrics_path = run_dir / rundir.METRICS_FILE
+    if not metrics_path.is_file():
+        return RunSummary(run_dir, steps, seconds, None, None, None, target, ())
+    plots = plot_metrics(metrics_path, run_dir / rundir.PLOTS_DIR)
+    from rlbolt.plotting import load_metrics
+
+    reward_steps, rewards = series(load_metrics(metrics_path), "reward/mean")
+    head, tail = rewards[:5], rewards[-5:]
+    hit = [int(s) for s, r in zip(reward_steps, rewards) if r >= target]
+    return RunSummary(run_dir, steps, seconds, float(head.mean()) if len(head) else None,
+                      float(tail.mean()) if len(tail) else None, hit[0] if hit else None, target,
+                      tuple(plots.values()))

@@ -1,0 +1,168 @@
+"""The run directory: one folder per run, laid out the same way by every entry point.
+
+    <run_dir>/
+      config.yaml      the fully resolved config (what `rlbolt resume` rebuilds the run from)
+      metrics.jsonl    one JSON line per logged step (MetricsLogger)
+      checkpoints/     Orbax checkpoints (ModelCheckpoint)
+      plots/           PNGs from `rlbolt plot` (reward.png at the end of the demo)
+      train.log        Python logging of the run (start, per-step summaries, end)
+
+A fresh run refuses a folder that already holds files, so a typo never overwrites an earlier
+run; `rlbolt resume` is the one way to continue into an existing folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rlbolt.callback import Callback
+
+CONFIG_FILE = "config.yaml"
+METRICS_FILE = "metrics.jsonl"
+LOG_FILE = "train.log"
+CHECKPOINTS_DIR = "checkpoints"
+PLOTS_DIR = "plots"
+
+logger = logging.getLogger("rlbolt")
+
+
+class RunDirError(ValueError):
+    """A run directory cannot be used as asked (non-empty for a fresh run, missing for resume)."""
+
+
+def prepare_run_dir(path: str | Path, *, resume: bool = False) -> Path:
+    """Creates (or, for resume, checks) a run directory and its `checkpoints/` and `plots/`.
+
+    Args:
+      path: the run directory.
+      resume: continue an existing run: the folder must exist and hold `config.yaml`.
+
+    Returns:
+      The run directory as a Path.
+
+    Raises:
+      RunDirError: a fresh run into a non-empty folder, or a resume of a folder that is not a run.
+    """
+    run_dir = Path(path)
+    if resume:
+        if not (run_dir / CONFIG_FILE).is_file():
+            raise RunDirError(f"{run_dir} is not a run directory (no {CONFIG_FILE}); pass the folder a previous "
+                              "`rlbolt demo` or `rlbolt fit` wrote")
+    elif run_dir.exists():
+        if not run_dir.is_dir():
+            raise RunDirError(f"run directory {run_dir} exists and is a file; choose another --run-dir")
+        if any(run_dir.iterdir()):
+            raise RunDirError(f"run directory {run_dir} is not empty; continue it with `rlbolt resume {run_dir}` "
+                              "or choose a new --run-dir (nothing was overwritten)")
+    for sub in (CHECKPOINTS_DIR, PLOTS_DIR):
+        (run_dir / sub).mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def write_config(run_dir: str | Path, config: Mapping[str, Any]) -> Path:
+    """Writes `config` (a `{section: {key: value}}` mapping) to `<run_dir>/config.yaml` atomically."""
+    path = Path(run_dir) / CONFIG_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(_plain(dict(config)), sort_keys=False))
+    tmp.replace(path)
+    return path
+
+
+def read_config(run_dir: str | Path) -> dict[str, Any]:
+    """Reads `<run_dir>/config.yaml` as a dict; a missing or malformed file is a RunDirError."""
+    path = Path(run_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise RunDirError(f"{path} does not exist; is {run_dir} a run directory?")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise RunDirError(f"{path} is not valid YAML: {error}") from None
+    if not isinstance(data, dict):
+        raise RunDirError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def attach_log_file(run_dir: str | Path, level: int = logging.INFO) -> logging.Handler:
+    """Sends the `rlbolt` logger's records to `<run_dir>/train.log` (appending on resume).
+
+    While attached, the `rlbolt` records stop propagating to the root logger (whose handlers
+    libraries may have set up) and only warnings and errors reach stderr, so the terminal
+    shows the progress bar rather than every log line twice.
+
+    Returns:
+      The file handler; pass it to `detach_log_file` when the run ends.
+    """
+    handler = logging.FileHandler(Path(run_dir) / LOG_FILE, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setLevel(level)
+    console = logging.StreamHandler()
+    console.setLevel(logging.WARNING)
+    console.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    handler.rlbolt_restore = (console, logger.propagate, logger.level)  # what detach_log_file undoes
+    logger.addHandler(handler)
+    logger.addHandler(console)
+    logger.propagate = False
+    if logger.level == logging.NOTSET or logger.level > level:
+        logger.setLevel(level)
+    return handler
+
+
+def detach_log_file(handler: logging.Handler) -> None:
+    """Flushes and closes a handler added by `attach_log_file` and restores the logger."""
+    console, propagate, level = handler.rlbolt_restore
+    for h in (handler, console):
+        logger.removeHandler(h)
+        h.close()
+    logger.propagate, logger.level = propagate, level
+
+
+class LogFile(Callback):
+    """Writes a one-line summary of every n-th step (and the start, end, failures) to the log.
+
+    Args:
+      every_n_steps: log a step line when `step % every_n_steps == 0`.
+      keys: the metrics shown on each line, when present.
+    """
+
+    KEYS = ("reward/mean", "loss", "grad_norm", "response_length/mean", "time/step")
+
+    def __init__(self, every_n_steps: int = 10, keys: tuple[str, ...] = KEYS):
+        self.every_n_steps, self.keys = every_n_steps, keys
+        self.log = logging.getLogger("rlbolt.run")
+
+    def on_fit_start(self, trainer, state) -> None:
+        self.log.info("fit starts at step %d: %s, max_steps=%s, run_dir=%s", state.step, trainer.plan,
+                      trainer.max_steps, trainer.run_dir)
+
+    def on_step_end(self, trainer, info) -> None:
+        if info.step % self.every_n_steps == 0 or info.step == trainer.max_steps:
+            shown = " ".join(f"{k}={_fmt(info.metrics[k])}" for k in self.keys if k in info.metrics)
+            self.log.info("step %d %s", info.step, shown)
+
+    def on_validation_end(self, trainer, step: int, metrics: dict[str, float]) -> None:
+        self.log.info("validation at step %d: %s", step, " ".join(f"{k}={_fmt(v)}" for k, v in sorted(metrics.items())))
+
+    def on_fit_end(self, trainer, state) -> None:
+        self.log.info("fit ended after step %d (policy version %d)", state.step, state.policy_version)
+
+    def on_exception(self, trainer, exc: BaseException) -> None:
+        self.log.error("fit stopped: %s: %s", type(exc).__name__, exc)
+
+
+def _fmt(value: float) -> str:
+    value = float(value)
+    return f"{value:.4g}" if math.isfinite(value) else str(value)
