@@ -198,10 +198,12 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
+    from rlbolt.demo import DemoConfigError
     from rlbolt.plan import PlanError
     from rlbolt.rundir import RunDirError
 
-    errors: list[type[BaseException]] = [CLIError, RunDirError, PlanError, FileNotFoundError, FileExistsError]
+    errors: list[type[BaseException]] = [CLIError, RunDirError, PlanError, DemoConfigError, FileNotFoundError,
+                                         FileExistsError]
     try:
         from rlbolt.config import ConfigError
 

@@ -17,6 +17,7 @@ learn several times faster than one outcome reward per completion on this task.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import threading
 from typing import Any
 
@@ -71,15 +72,55 @@ class DemoConfig:
         """The config as a `{"demo": {...}}` mapping (the config.yaml layout of a demo run)."""
         return {"demo": dataclasses.asdict(self)}
 
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value, kind = getattr(self, f.name), _FIELD_KINDS[f.name]
+            ok = (value is None and f.name == "checkpoint_every") or (
+                isinstance(value, kind) and not isinstance(value, bool)) or (kind is float and isinstance(value, int)
+                                                                            and not isinstance(value, bool))
+            if not ok:
+                raise DemoConfigError(f"demo.{f.name}={value!r} must be of type {kind.__name__}")
+        if self.task not in TASKS:
+            raise DemoConfigError(f"demo.task={self.task!r}; allowed: {list(TASKS)}")
+        for name in ("max_steps", "num_digits", "num_prompts", "prompts_per_step", "num_generations", "hidden_size"):
+            if getattr(self, name) < 1:
+                raise DemoConfigError(f"demo.{name}={getattr(self, name)} must be >= 1")
+        if self.num_generations < 2:
+            raise DemoConfigError(f"demo.num_generations={self.num_generations}: GRPO needs >= 2 samples per group")
+        if self.hidden_size % 4:
+            raise DemoConfigError(f"demo.hidden_size={self.hidden_size} must be a multiple of 4 (4 heads)")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as a `{"demo": {...}}` mapping (the config.yaml layout of a demo run)."""
+        return {"demo": dataclasses.asdict(self)}
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DemoConfig:
-        """Reads the `{"demo": {...}}` mapping written by `to_dict`; unknown keys are errors."""
-        fields = {f.name for f in dataclasses.fields(cls)}
-        section = dict(data.get("demo") or {})
-        unknown = sorted(set(section) - fields)
-        if unknown:
-            raise ValueError(f"demo config: unknown key(s) {unknown}; allowed: {sorted(fields)}")
+        """Reads the `{"demo": {...}}` mapping written by `to_dict`.
+
+        Raises:
+          DemoConfigError: an unknown key (the closest known one is suggested) or a bad value.
+        """
+        fields = [f.name for f in dataclasses.fields(cls)]
+        section = data.get("demo") or {}
+        if not isinstance(section, dict):
+            raise DemoConfigError(f"demo section must be a mapping of key: value, got {section!r}")
+        for key in section:
+            if key not in fields:
+                close = difflib.get_close_matches(str(key), fields, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise DemoConfigError(f"unknown key demo.{key}{hint}; allowed: {fields}")
         return cls(**section)
+
+
+class DemoConfigError(ValueError):
+    """A demo setting is unknown or out of range (the message names it and the allowed values)."""
+
+
+TASKS = ("copy", "reverse", "increment")
+_FIELD_KINDS = {"seed": int, "max_steps": int, "num_digits": int, "num_prompts": int, "prompts_per_step": int,
+                "num_generations": int, "learning_rate": float, "clip": float, "temperature": float,
+                "hidden_size": int, "checkpoint_every": int, "task": str}
 
 
 def demo_rows(config: DemoConfig) -> list[dict[str, str]]:
