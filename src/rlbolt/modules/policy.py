@@ -68,7 +68,6 @@ class LMPolicyModule(RLModule):
         self.algo, self.rollout_cfg = self.config.algorithm, self.config.rollout
         self.model, self.tokenizer, self.reward = model, tokenizer, reward
         self.ref_params = None
-        self._row_fields: tuple[str, ...] = ()
         self._sampler_lock = threading.Lock()  # validation (main thread) and rollout (producer) share it
         self._sampler = None
 
@@ -115,8 +114,7 @@ class LMPolicyModule(RLModule):
         """Tokenises the prompt rows, samples one completion per sample with its `sample_keys`,
         and adds prompt/completion ids and masks ([N, P], [N, C]), `sampler_logps` [N, C] and
         `completion_text` (object [N])."""
-        self._row_fields = tuple(k for k in batch if k not in _FRAMEWORK_COLUMNS)
-        rows = rows_of(batch, [k for k in self._row_fields if k != "prompt_index"])
+        rows = rows_of(batch, [k for k in _row_fields(batch) if k != "prompt_index"])
         ids = self.encoder.encode_rows(rows)
         out = self._generate(params, ids, batch["sample_keys"], self.rollout_cfg.temperature)
         prompt_ids, prompt_mask = self.encoder.pad_left(ids)
@@ -186,7 +184,7 @@ class LMPolicyModule(RLModule):
     def compute_rewards(self, batch: Batch) -> np.ndarray:
         """Scores each completion with the reward runner (failure-isolated) and adds DAPO's
         overlong penalty when `algorithm.overlong_cache_length` > 0. Returns [N] float32."""
-        samples = rows_of(batch, self._row_fields)
+        samples = rows_of(batch, _row_fields(batch))
         result = self.reward_runner.score(list(batch["completion_text"]), samples)
         for name, value in result.metrics.items():
             if name not in ("reward/mean", "reward/std"):  # the producer reports those after filtering
@@ -263,8 +261,7 @@ class LMPolicyModule(RLModule):
     # -- validation ----------------------------------------------------------------------------------
     def validation_step(self, params: Any, batch: Batch) -> dict[str, float]:
         """Greedy accuracy, and pass@k over k = `rollout.val_num_samples` samples per prompt."""
-        fields = [k for k in batch if k not in _FRAMEWORK_COLUMNS and k != "prompt_index"]
-        rows = rows_of(batch, fields)
+        rows = rows_of(batch, [k for k in _row_fields(batch) if k != "prompt_index"])
         ids = self.encoder.encode_rows(rows)
         keys = np.asarray(batch["sample_keys"], np.uint32)
         answer_field = self.config.data.answer_field
@@ -280,6 +277,11 @@ class LMPolicyModule(RLModule):
             scores = np.array([answer_score(t, rows[j // k], answer_field) for j, t in enumerate(texts)])
             metrics[f"pass@{k}"] = float(scores.reshape(-1, k).max(axis=1).mean())
         return metrics
+
+
+def _row_fields(batch: Batch) -> list[str]:
+    """The prompt row's own fields (question, answer, ...) plus prompt_index: what rewards see."""
+    return [k for k in batch if k not in _FRAMEWORK_COLUMNS]
 
 
 def _config_for(cls: type, config: RunConfig | Mapping | None) -> RunConfig:

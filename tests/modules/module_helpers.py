@@ -1,0 +1,53 @@
+"""Shared tiny setup for module tests: one model/tokenizer, a fake trainer, and rollout batches.
+
+Imported by the test files (tests/modules/conftest.py puts this folder on sys.path)."""
+
+import types
+
+import jax
+import numpy as np
+from flax import nnx
+
+from rlbolt.batch import Batch
+from rlbolt.data import gsm8k_style_rows
+from rlbolt.models import Decoder, tiny_config
+from rlbolt.modules.prompts import builtin_tokenizer
+from rlbolt.plan import BatchPlan
+
+G = 4
+TINY = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64)
+
+
+def module_config(name, **algorithm):
+    return {"algorithm": {"name": name, **algorithm}, "rollout": {"max_new_tokens": 8, "val_num_samples": 2},
+            "data": {"max_prompt_tokens": 32}, "reward": {"weights": {"answer": 1.0, "digits": 1.0}}}
+
+
+def fake_trainer(num_iterations=1):
+    return types.SimpleNamespace(plan=BatchPlan(2, G, num_iterations=num_iterations), seed=0, run_dir="unused")
+
+
+def prompt_batch(rows, seed=0):
+    """What the producer hands on_rollout: rows repeated G times + framework columns."""
+    batch = Batch.from_rows([{**r, "prompt_index": i} for i, r in enumerate(rows)]).repeat(G)
+    keys = jax.random.key_data(jax.random.split(jax.random.key(seed), batch.num_samples))
+    return batch.with_columns(group_ids=batch["prompt_index"].astype(np.int32),
+                              policy_version=np.zeros(batch.num_samples, np.int32), sample_keys=np.asarray(keys))
+
+
+def tiny_model(tokenizer):
+    return Decoder(tiny_config(vocab_size=tokenizer.vocab_size, **TINY), rngs=nnx.Rngs(0))
+
+
+def setup_module_instance(cls, model, tokenizer, trainer=None, **algorithm):
+    module = cls(module_config(cls.algorithm_name, **algorithm), model=model, tokenizer=tokenizer)
+    module.trainer = trainer or fake_trainer()
+    module.setup(module.trainer)
+    return module
+
+
+def rollout(module, rows=None, seed=0):
+    """on_rollout -> compute_logps for two prompts; returns the batch before on_advantage."""
+    params = module.init_params(jax.random.key(0))
+    batch = module.on_rollout(params, prompt_batch(rows or gsm8k_style_rows(2), seed))
+    return params, module.compute_logps(params, batch)
