@@ -4,3 +4,6 @@ from rlbolt.callbacks.checkpoint import ModelCheckpoint
 from rlbolt.callbacks.nan_guard import NaNGuard, NonFiniteError
 from rlbolt.callbacks.metrics import MetricsLogger
 from rlbolt.callbacks.progress import ProgressBar
+from rlbolt.callbacks.offload import CPUOffload
+from rlbolt.callbacks.evaluation import Evaluation
+from rlbolt.callbacks.early_stopping import EarlyStopping
