@@ -12,6 +12,11 @@ A checkpoint of step s holds everything the run needs to continue as if it never
 
 When to save (`every_n_steps`, `every_secs`, always at fit end) is a `Periodic`; what is saved
 and how it is read back lives in `checkpoint_io.py`.
+
+Callback order matters for exactness: put ModelCheckpoint after every callback that writes a
+step's results (a metrics logger) and after NaNGuard, so step s's checkpoint only exists once
+step s has been logged and checked. Restoring happens in ModelCheckpoint's `on_fit_start`; it
+loads every callback's state there, so callbacks must not reset their state after it.
 """
 
 from __future__ import annotations

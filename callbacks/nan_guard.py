@@ -67,16 +67,17 @@ class NaNGuard(Callback):
         return optax.apply_if_finite(tx, max_consecutive_errors=np.iinfo(np.int32).max)
 
     def on_fit_start(self, trainer, state) -> None:
-        names = [type(cb) for cb in trainer.callbacks]
-        if ModelCheckpoint in names and names.index(ModelCheckpoint) < names.index(NaNGuard):
+        callbacks = list(trainer.callbacks)
+        checkpoints = [i for i, cb in enumerate(callbacks) if isinstance(cb, ModelCheckpoint)]
+        if checkpoints and checkpoints[0] < callbacks.index(self):
             raise ValueError("NaNGuard must come before ModelCheckpoint in Trainer(callbacks=[...]); otherwise "
                              "ModelCheckpoint saves the non-finite step before the guard sees it")
 
     def on_step_end(self, trainer, info: StepInfo) -> None:
-        bad = {k: info.metrics[k] for k in self.metrics if k in info.metrics and not math.isfinite(info.metrics[k])}
         if self.action == "skip":
             self._count_skips(info)
             return
+        bad = {k: info.metrics[k] for k in self.metrics if k in info.metrics and not math.isfinite(info.metrics[k])}
         if bad:
             self._stop(trainer, info.step, bad)
 
