@@ -7,3 +7,4 @@ from rlbolt.callbacks.progress import ProgressBar
 from rlbolt.callbacks.offload import CPUOffload
 from rlbolt.callbacks.evaluation import Evaluation
 from rlbolt.callbacks.early_stopping import EarlyStopping
+from rlbolt.callbacks.lr_monitor import LearningRateMonitor
