@@ -16,7 +16,6 @@ sample's tokens never depend on batch composition, and drawing all steps' noise 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Sequence
 
 import jax
@@ -95,7 +94,7 @@ def _sample(logits: jnp.ndarray, noise: jnp.ndarray | None, sp: SamplingParams):
     return tokens, jnp.take_along_axis(logp_all, tokens[:, None], axis=-1)[:, 0]
 
 
-def _generate(graphdef, params, prompt_ids, prompt_mask, rng_keys, *, sp: SamplingParams, noise_upfront: bool):
+def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: SamplingParams, noise_upfront: bool):
     """Prefill + decode for one micro batch. See NativeSampler. Returns ids, mask, logps [B, C], steps []."""
     model = nnx.merge(graphdef, params)
     batch, prompt_len = prompt_ids.shape
@@ -149,6 +148,11 @@ def _generate(graphdef, params, prompt_ids, prompt_mask, rng_keys, *, sp: Sampli
     return out_ids, out_mask, out_logps, step - 1
 
 
+# One jit shared by all samplers: the GraphDef (hashable) is a static argument, so samplers of the
+# same architecture (policy, eval, tests) share executables.
+_generate_jit = jax.jit(_generate, static_argnames=("graphdef", "sp", "noise_upfront"))
+
+
 def _next_power_of_two(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -188,8 +192,6 @@ class NativeSampler:
         self._graphdef, self._params = nnx.split(model)
         self.policy_version = 0
         self.last_decode_steps = 0  # decode-loop iterations of the last call (max over micro batches)
-        self._generate_jit = jax.jit(functools.partial(_generate, self._graphdef),
-                                     static_argnames=("sp", "noise_upfront"))
 
     def update_weights(self, params: Any, policy_version: int) -> None:
         """Installs new parameters (an `nnx.State` with the model's layout, or a `Decoder`).
@@ -210,9 +212,10 @@ class NativeSampler:
         self._params = params
         self.policy_version = int(policy_version)
 
-    def compiled_count(self) -> int:
-        """Number of executables compiled so far (one per bucket x batch size x options)."""
-        return self._generate_jit._cache_size()
+    @staticmethod
+    def compiled_count() -> int:
+        """Executables compiled so far by all samplers (one per architecture x bucket x batch x options)."""
+        return _generate_jit._cache_size()
 
     def _prepare_prompts(self, prompt_ids, prompt_mask, max_new_tokens):
         if prompt_mask is not None:
@@ -281,8 +284,8 @@ class NativeSampler:
         else:
             mask_all, keys_all = mask, keys
         noise_upfront = micro * sp.max_new_tokens * self.config.vocab_size * 4 <= self.noise_upfront_max_bytes
-        results = [self._generate_jit(self._params, ids[s:s + micro], mask_all[s:s + micro], keys_all[s:s + micro],
-                                      sp=sp, noise_upfront=noise_upfront)
+        results = [_generate_jit(self._params, ids[s:s + micro], mask_all[s:s + micro], keys_all[s:s + micro],
+                                 graphdef=self._graphdef, sp=sp, noise_upfront=noise_upfront)
                    for s in range(0, padded, micro)]  # dispatched asynchronously; the host syncs below
         gather = lambda i: np.concatenate([np.asarray(r[i]) for r in results])[:n]
         self.last_decode_steps = max(int(r[3]) for r in results)
