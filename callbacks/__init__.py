@@ -8,3 +8,4 @@ from rlbolt.callbacks.offload import CPUOffload
 from rlbolt.callbacks.evaluation import Evaluation
 from rlbolt.callbacks.early_stopping import EarlyStopping
 from rlbolt.callbacks.lr_monitor import LearningRateMonitor
+from rlbolt.callbacks.throughput import Throughput
