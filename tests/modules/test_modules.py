@@ -82,10 +82,10 @@ def test_training_metrics_sum_over_micro_batches_to_the_mini_batch_value(grpo):
         np.testing.assert_allclose(sum(float(h[1][key]) for h in halves), float(full[key]), rtol=1e-5)
 
 
-def test_dapo_token_mean_loss_and_clip_higher(model, tokenizer):
+def test_dapo_token_mean_loss_and_clip_higher(grpo, model, tokenizer):
+    _, params, batch = grpo
     module = setup_module_instance(DAPO, model, tokenizer, dynamic_sampling=False)
     assert (module.algo.clip_low, module.algo.clip_high, module.algo.loss_aggregation) == (0.2, 0.28, "token-mean")
-    params, batch = rollout(module)
     advantages = np.linspace(-1.0, 2.0, batch.num_samples).astype(np.float32)
     b = module.on_advantage(batch).with_columns(advantages=advantages)
     _, metrics = _train(module, params, b)
@@ -93,41 +93,40 @@ def test_dapo_token_mean_loss_and_clip_higher(model, tokenizer):
     np.testing.assert_allclose(float(metrics["loss/policy"]), -(advantages * lengths).sum() / lengths.sum(), rtol=1e-4)
 
 
-def test_dapo_overlong_penalty_is_added_to_rewards(model, tokenizer):
+def test_dapo_overlong_penalty_is_added_to_rewards(grpo, model, tokenizer):
+    plain, _, batch = grpo
     module = setup_module_instance(DAPO, model, tokenizer, dynamic_sampling=False, overlong_cache_length=4)
-    _, batch = rollout(module)
-    plain = setup_module_instance(GRPO, model, tokenizer)
     lengths = batch["completion_mask"].sum(1)
     # Eq. 13 with L_max = 8, L_cache = 4: 0 up to 4 tokens, then (4 - |y|) / 4.
     penalty = np.where(lengths <= 4, 0.0, (4 - lengths) / 4.0)
     np.testing.assert_allclose(module.compute_rewards(batch), plain.compute_rewards(batch) + penalty, rtol=1e-6)
 
 
-def test_drgrpo_and_rloo_advantages(model, tokenizer):
+def test_drgrpo_and_rloo_advantages(grpo, model, tokenizer):
+    _, _, batch = grpo
     for cls, reference in (
         (DrGRPO, lambda r, g: r - np.array([r[g == x].mean() for x in g])),
         (RLOO, lambda r, g: np.array([r[i] - (r[g == g[i]].sum() - r[i]) / ((g == g[i]).sum() - 1) for i in range(len(r))])),
     ):
         module = setup_module_instance(cls, model, tokenizer)
-        _, batch = rollout(module)
-        out = module.on_advantage(batch)
+        out = module.on_advantage(batch.drop("ref_logps"))
         np.testing.assert_allclose(out["advantages"], reference(out["rewards"].astype(np.float64), out["group_ids"]),
                                    rtol=1e-4, atol=1e-6)
     assert module.algo.loss_aggregation == "seq-mean-token-sum"
 
 
-def test_rloo_folds_kl_into_the_sequence_reward(model, tokenizer):
+def test_rloo_folds_kl_into_the_sequence_reward(grpo, model, tokenizer):
+    grpo_module, _, batch = grpo
     module = setup_module_instance(RLOO, model, tokenizer, beta=0.5, kl_kind="k1")
-    _, batch = rollout(module)
     batch = batch.with_columns(ref_logps=batch["old_logps"] - 0.1)  # k1 = logp - ref = 0.1 per token
-    plain = setup_module_instance(GRPO, model, tokenizer).compute_rewards(batch)
+    plain = grpo_module.compute_rewards(batch)
     expected = plain - 0.5 * 0.1 * batch["completion_mask"].sum(1)
     np.testing.assert_allclose(module.compute_rewards(batch), expected, rtol=1e-5)
 
 
-def test_reinforcepp_whitened_returns(model, tokenizer):
+def test_reinforcepp_whitened_returns(grpo, model, tokenizer):
+    _, _, batch = grpo
     module = setup_module_instance(ReinforcePP, model, tokenizer)
-    _, batch = rollout(module)
     out = module.on_advantage(batch)
     mask = batch["completion_mask"]
     # gamma = 1 and no KL: every valid token's return-to-go is its sequence reward; whiten over tokens.
@@ -137,10 +136,10 @@ def test_reinforcepp_whitened_returns(model, tokenizer):
     np.testing.assert_allclose(out["advantages"], np.where(mask, (returns - mean) / (std + 1e-8), 0.0), rtol=1e-4, atol=1e-5)
 
 
-def test_gspo_uses_sequence_ratio_loss(model, tokenizer):
+def test_gspo_uses_sequence_ratio_loss(grpo, model, tokenizer):
+    _, params, batch = grpo
     module = setup_module_instance(GSPO, model, tokenizer)
     assert (module.algo.clip_low, module.algo.clip_high) == (3e-4, 4e-4)
-    params, batch = rollout(module)
     advantages = np.linspace(-1.0, 2.0, batch.num_samples).astype(np.float32)
     b = module.on_advantage(batch).with_columns(advantages=advantages)
     # Pretend the sampler was a little worse on each token: log s_i = 0.01 and clipping (> 1 + 4e-4) bites.
@@ -164,9 +163,10 @@ def _gae_reference(rewards, values, mask, gamma, lam):
     return adv
 
 
-def test_ppo_gae_value_head_and_value_loss(model, tokenizer):
+def test_ppo_gae_value_head_and_value_loss(grpo, model, tokenizer):
     module = setup_module_instance(PPO, model, tokenizer)
-    params, batch = rollout(module)
+    params = module.init_params(jax.random.key(0))
+    batch = module.compute_logps(params, grpo[2].drop("ref_logps", "old_logps"))
     assert set(params) == {"policy", "value_head"} and batch["old_values"].shape == batch["completion_mask"].shape
     out = module.on_advantage(batch)
     mask = batch["completion_mask"]
@@ -174,21 +174,22 @@ def test_ppo_gae_value_head_and_value_loss(model, tokenizer):
     whitened = np.where(mask, (adv - adv[mask].mean()) / (adv[mask].std() + 1e-8), 0.0)
     np.testing.assert_allclose(out["advantages"], whitened, rtol=1e-3, atol=1e-4)
     np.testing.assert_allclose(out["returns"], np.where(mask, adv + batch["old_values"], 0.0), rtol=1e-4, atol=1e-5)
-    loss, metrics = _train(module, params, out)
+    (loss, metrics), grads = jax.jit(jax.value_and_grad(module.training_step, has_aux=True))(
+        params, add_mini_batch_totals(out.numeric()))
     # values == old_values at the start, so the value loss is 0.5 * (V - R)^2 token-mean.
     err = np.where(mask, 0.5 * (batch["old_values"] - out["returns"]) ** 2, 0.0)
     np.testing.assert_allclose(float(metrics["loss/value"]), 0.5 * err.sum() / mask.sum(), rtol=1e-3)
-    grads = jax.grad(lambda p: module.training_step(p, add_mini_batch_totals(out.numeric()))[0])(params)
     assert float(jnp.abs(grads["value_head"]["kernel"]).max()) > 0 and np.isfinite(float(loss))
 
 
-def test_user_can_override_one_hook(model, tokenizer):
+def test_user_can_override_one_hook(grpo, model, tokenizer):
+    _, _, batch = grpo
+
     class LengthReward(GRPO):
         def compute_rewards(self, batch):
             return batch["completion_mask"].sum(1).astype(np.float32)
 
     module = setup_module_instance(LengthReward, model, tokenizer)
-    _, batch = rollout(module)
     out = module.on_advantage(batch)
     lengths = batch["completion_mask"].sum(1).astype(np.float64)
     np.testing.assert_allclose(out["rewards"], lengths)
