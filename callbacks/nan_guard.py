@@ -59,7 +59,7 @@ class NaNGuard(Callback):
         self._consecutive = 0
         self.saved_step: int | None = None
 
-    def wrap_optimizer(self, tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    def wrap_optimizer(self, trainer, tx: optax.GradientTransformation) -> optax.GradientTransformation:
         """Called by the Trainer before the state is built: "skip" makes non-finite updates no-ops."""
         if self.action != "skip":
             return tx

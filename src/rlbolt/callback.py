@@ -11,9 +11,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 HOOKS = (
+    "wrap_optimizer",
     "on_fit_start",
     "on_step_start",
     "on_rollout_end",
+    "on_update_start",
+    "on_update_end",
     "on_step_end",
     "on_validation_end",
     "on_fit_end",
@@ -25,6 +28,11 @@ class Callback:
     """Base class: every hook does nothing. Hooks run on the main (training) thread, after the
     RLModule's own hook and in the order the callbacks were given to the Trainer."""
 
+    def wrap_optimizer(self, trainer, tx):
+        """Once, before the state is built: may wrap the module's optax transformation (e.g.
+        NaNGuard's `optax.apply_if_finite`). Returns the transformation to use."""
+        return tx
+
     def on_fit_start(self, trainer, state) -> Any:
         """Once, before the first step. May return a replacement TrainState (resume)."""
 
@@ -33,6 +41,14 @@ class Callback:
 
     def on_rollout_end(self, trainer, rollout) -> None:
         """When the step's `ProducedStep` (batch + producer metrics) reaches the main thread."""
+
+    def on_update_start(self, trainer, state) -> Any:
+        """Before the step's optimizer updates. May return a replacement TrainState (CPUOffload
+        moves the optimizer state to the device here)."""
+
+    def on_update_end(self, trainer, state) -> Any:
+        """After the step's optimizer updates, before `on_step_end`. May return a replacement
+        TrainState (CPUOffload moves the optimizer state back to host memory here)."""
 
     def on_step_end(self, trainer, info) -> None:
         """After the step's updates, with a `StepInfo`."""
@@ -92,12 +108,13 @@ def _overrides(cb: Callback, hook: str) -> bool:
 
 
 def _dispatcher(hook: str, methods: list[Callable]) -> Callable:
-    if hook == "on_fit_start":
+    if hook in ("on_fit_start", "on_update_start", "on_update_end", "wrap_optimizer"):
 
-        def run(trainer, state):
-            for m in methods:  # a callback may replace the state (resume); later ones see it
-                state = m(trainer, state) or state
-            return state
+        def run(trainer, value):
+            for m in methods:  # each may replace the state / optimizer; later callbacks see it
+                result = m(trainer, value)
+                value = value if result is None else result
+            return value
 
         return run
     if hook == "on_exception":

@@ -40,11 +40,7 @@ class Trainer:
       seed: seeds parameter init and every rollout key (keys are derived per step and sample).
       data_seed: seeds the per-epoch shuffle (default: seed).
       shuffle: reshuffle prompts every epoch.
-      callbacks: Callback instances, run in order after the module's own hooks. A callback with a
-        `wrap_optimizer(tx) -> tx` method wraps the module's optimizer before the state is built;
-        one with `on_update_start(trainer, state)` / `on_update_end(trainer, state)` (each returning
-        a TrainState or None) may replace the state around the update stage (CPUOffload moves the
-        optimizer state to the device for the updates and back to host memory after them).
+      callbacks: Callback instances, run in order after the module's own hooks.
       mode: "sync" (on-policy: step s rolls out with the weights after step s-1) or "async"
         (the producer runs ahead with older weights, bounded by `max_staleness`).
       max_staleness: async only: the most policy versions a trained sample may lag the policy.
@@ -143,9 +139,7 @@ class Trainer:
         rng = jax.random.PRNGKey(self.seed)
         params = module.init_params(jax.random.fold_in(rng, 0))
         self.optimizer = module.configure_optimizers()
-        for cb in self.callbacks:  # e.g. NaNGuard(action="skip") wraps it in optax.apply_if_finite
-            if hasattr(cb, "wrap_optimizer"):
-                self.optimizer = cb.wrap_optimizer(self.optimizer)
+        self.optimizer = self.callbacks.wrap_optimizer(self, self.optimizer)  # e.g. NaNGuard(action="skip")
         self._update = make_update_fn(module.training_step, self.optimizer, self.plan.grad_accum_steps)
         state = TrainState(step=0, params=params, opt_state=self.optimizer.init(params), rng=jax.random.fold_in(rng, 1),
                            policy_version=0, data_position=0)
@@ -155,7 +149,7 @@ class Trainer:
     def _train_on(self, state: TrainState, produced: ProducedStep) -> tuple[TrainState, dict[str, float]]:
         """num_iterations passes of mini-batch updates over one global batch."""
         t0 = time.perf_counter()
-        state = self._around_update("on_update_start", state)
+        state = self.callbacks.on_update_start(self, state)
         host_batch = produced.batch.numeric()
         versions = np.asarray(host_batch["policy_version"])
         batch = jax.device_put(host_batch)
@@ -175,18 +169,10 @@ class Trainer:
         metrics.update({"staleness/mean": float(stale.mean()), "staleness/max": float(stale.max())})
         state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                               policy_version=version, data_position=produced.data_position)
-        state = self._around_update("on_update_end", state)
+        state = self.callbacks.on_update_end(self, state)
         metrics["time/update"] = time.perf_counter() - t0
         metrics.update(produced.metrics)
         return state, metrics
-
-    def _around_update(self, hook: str, state: TrainState) -> TrainState:
-        # Duck-typed like `wrap_optimizer`: only placement callbacks (CPUOffload) implement these,
-        # so they stay out of HOOKS and the golden hook-order trace.
-        for cb in self.callbacks:
-            if hasattr(cb, hook):
-                state = getattr(cb, hook)(self, state) or state
-        return state
 
     def validate(self, params: Any, val_data: Sequence[dict], step: int) -> dict[str, float]:
         """Runs `validation_step` over `val_data` in batches; returns `val/*` means (sample-weighted)."""

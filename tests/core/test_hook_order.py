@@ -1,6 +1,6 @@
 """The golden trace: every host hook of the module and of two callbacks, in order, over a short
 fit with validation. `training_step` is jitted (traced once, runs on device) so it is not traced
-here; the update happens between on_rollout_end and on_step_end."""
+here; the updates run between on_update_start and on_update_end."""
 
 from toy_module import ToyModule, prompt_rows
 
@@ -46,7 +46,8 @@ def recording_callback(name, trace):
     def make(hook):
         def method(self, trainer, *args):
             arg = args[0]
-            detail = {"on_step_start": lambda a: a, "on_rollout_end": lambda a: a.step, "on_step_end": lambda a: a.step,
+            detail = {"wrap_optimizer": lambda a: "tx", "on_update_start": lambda a: a.step, "on_update_end": lambda a: a.step,
+                      "on_step_start": lambda a: a, "on_rollout_end": lambda a: a.step, "on_step_end": lambda a: a.step,
                       "on_validation_end": lambda a: a, "on_fit_start": lambda a: a.step, "on_fit_end": lambda a: a.step,
                       "on_exception": lambda a: type(a).__name__}[hook](arg)
             trace.append(f"{name}.{hook}({detail})")
@@ -67,12 +68,15 @@ def test_golden_hook_order():
         "module.on_rollout", "module.compute_logps", "module.on_advantage",   # producer thread
         f"A.on_step_start({s})", f"B.on_step_start({s})",
         f"A.on_rollout_end({s})", f"B.on_rollout_end({s})",
+        f"A.on_update_start({s})", f"B.on_update_start({s})",   # the jitted updates run here
+        f"A.on_update_end({s + 1})", f"B.on_update_end({s + 1})",
         f"A.on_step_end({s + 1})", f"B.on_step_end({s + 1})",
         "module.validation_step",
         f"A.on_validation_end({s + 1})", f"B.on_validation_end({s + 1})",
     ]
     assert trace == [
         "module.setup", "module.init_params", "module.configure_optimizers",
+        "A.wrap_optimizer(tx)", "B.wrap_optimizer(tx)",
         "A.on_fit_start(0)", "B.on_fit_start(0)",
         *step(0), *step(1),
         "A.on_fit_end(2)", "B.on_fit_end(2)",
@@ -92,5 +96,5 @@ def test_exception_trace_skips_fit_end():
         trainer.fit(RecordingModule(trace), prompt_rows(8))
     except RuntimeError:
         pass
-    assert trace[-2:] == ["A.on_rollout_end(0)", "A.on_exception(RuntimeError)"]
+    assert trace[-2:] == ["A.on_update_end(1)", "A.on_exception(RuntimeError)"]
     assert not any("on_fit_end" in t for t in trace)
