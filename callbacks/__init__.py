@@ -9,3 +9,4 @@ from rlbolt.callbacks.evaluation import Evaluation
 from rlbolt.callbacks.early_stopping import EarlyStopping
 from rlbolt.callbacks.lr_monitor import LearningRateMonitor
 from rlbolt.callbacks.throughput import Throughput
+from rlbolt.callbacks.hf_export import HFExport
