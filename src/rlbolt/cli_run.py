@@ -60,16 +60,17 @@ class RunSummary:
 
 
 def standard_callbacks(checkpoint_every: int | None, *, progress: bool = True) -> list:
-    """LogFile, MetricsLogger(jsonl), ProgressBar and ModelCheckpoint (resuming the latest)."""
+    """MetricsLogger(jsonl), ProgressBar, ModelCheckpoint (resuming the latest), then LogFile
+    (last, so its fit-start line sees the state the checkpoint restored)."""
     from rlbolt.callbacks.checkpoint import ModelCheckpoint
     from rlbolt.callbacks.metrics import MetricsLogger
     from rlbolt.callbacks.progress import ProgressBar
 
-    callbacks: list[Any] = [rundir.LogFile(), MetricsLogger(writer=["jsonl"])]
+    callbacks: list[Any] = [MetricsLogger(writer=["jsonl"])]
     if progress:
         callbacks.append(ProgressBar())
     callbacks.append(ModelCheckpoint(every_n_steps=checkpoint_every, keep=2, resume="latest"))
-    return callbacks
+    return [*callbacks, rundir.LogFile()]
 
 
 def run_demo(config: DemoConfig, run_dir: str | Path, *, resume: bool = False, progress: bool = True,

@@ -1,0 +1,68 @@
+"""`rlbolt resume` and `rlbolt export` on a small demo run (in-process, to share compilation)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlbolt.cli import main
+from rlbolt.cli_run import run_demo
+from rlbolt.demo import DemoConfig, DigitsGRPO
+from rlbolt.loggers import read_jsonl
+
+SMALL = DemoConfig(max_steps=2, prompts_per_step=4, num_generations=4, num_prompts=64, checkpoint_every=1)
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("small") / "run"
+    run_demo(SMALL, run_dir, progress=False)
+    return run_dir
+
+
+def test_resume_continues_from_the_last_checkpoint(small_run, capsys):
+    before = read_jsonl(small_run / "metrics.jsonl")
+    assert [r["step"] for r in before] == [1, 2]
+    assert main(["resume", str(small_run), "--max-steps", "3"]) == 0
+    after = read_jsonl(small_run / "metrics.jsonl", merge_steps=False)
+    # Steps 1-2 are not trained again: the resumed run appends step 3 only.
+    assert [r["step"] for r in after] == [1, 2, 3]
+    for old, new in zip(before, after):
+        assert old == new
+    log = (small_run / "train.log").read_text()
+    assert "fit starts at step 0" in log and "fit starts at step 2" in log
+    assert "max_steps: 3" in (small_run / "config.yaml").read_text()
+    steps = sorted(int(p.name) for p in (small_run / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps == [2, 3]  # keep=2
+    assert "3 steps in" in capsys.readouterr().out
+
+
+def test_export_writes_the_checkpointed_weights_for_transformers(small_run, tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    torch = pytest.importorskip("torch")
+    out = tmp_path / "hf"
+    assert main(["export", str(small_run), str(out)]) == 0
+    assert "checkpoint step" in capsys.readouterr().out
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+
+    from rlbolt.cli_export import latest_params
+
+    module, step, _ = latest_params(small_run)
+    assert step == max(int(p.name) for p in (small_run / "checkpoints").iterdir() if p.name.isdigit())
+    ids = np.asarray([module.tokenizer.encode("3141=2718")], np.int32)
+    positions = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
+    ours, _ = module.model(jnp.asarray(ids), positions)
+    with torch.no_grad():
+        theirs = hf(torch.tensor(ids, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4)
+
+    fresh = DigitsGRPO(SMALL)
+    fresh.init_params(jax.random.PRNGKey(SMALL.seed))
+    initial, _ = fresh.model(jnp.asarray(ids), positions)
+    assert np.abs(np.asarray(initial) - theirs).max() > 1e-3  # trained weights, not the initial ones
+
+    # A second export into the same folder is refused unless asked.
+    assert main(["export", str(small_run), str(out)]) == 2
+    assert "already exists" in capsys.readouterr().err
