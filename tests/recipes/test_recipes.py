@@ -48,7 +48,27 @@ def _run(name, tmp_path, extra=()):
     return state, trainer, record
 
 
+# GRPO runs by default; the others repeat the same path with their own pieces (covered by
+# tests/modules) and take ~1 min each on a busy CPU, so they run with `-m slow`.
+SMOKE = [pytest.param(n, marks=() if n == "grpo" else pytest.mark.slow) for n in NAMES]
+
+
 @pytest.mark.parametrize("name", NAMES)
+def test_recipe_config_builds(name, tmp_path):
+    """Every recipe's own YAML loads, resolves to its algorithm and builds module + trainer."""
+    from rlbolt.build import build_run, parse_args
+
+    recipe = _load(name)
+    cfg = parse_args([f"trainer.run_dir={tmp_path}"], recipe.DEFAULT_CONFIG, algorithm=name)
+    module, trainer, train_rows, val_rows = build_run(cfg)
+    assert module.algorithm_name == name and type(module).__name__ in recipe.__dict__
+    assert len(train_rows) == cfg.data.builtin_train_rows and len(val_rows) == cfg.data.builtin_val_rows
+    assert trainer.max_steps == cfg.trainer.max_steps and trainer.plan.global_batch_size == 16
+    assert len(recipe.__doc__) > 100 and "departs from the paper" in recipe.__doc__
+    assert len((RECIPES / f"{name}_gsm8k.py").read_text().splitlines()) < 120
+
+
+@pytest.mark.parametrize("name", SMOKE)
 def test_recipe_smoke(name, tmp_path):
     state, trainer, record = _run(name, tmp_path)
     assert state.step == 2 and len(record.metrics) == 2
