@@ -135,3 +135,30 @@ def test_bad_host_kind():
         CPUOffload(host_kind="gpu")
     with pytest.raises(TypeError, match="reference_attrs"):
         CPUOffload(reference_attrs="ref_params")
+
+
+@pytest.mark.slow
+def test_grpo_with_reference_model_is_identical(tmp_path):
+    # The real LM module: LMPolicyModule.compute_logps reads self.ref_params (beta > 0).
+    from rlbolt.data.tasks import gsm8k_style_rows
+    from rlbolt.modules import GRPO
+
+    tiny = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16, "intermediate_size": 64}
+    config = {"model": {"tiny": tiny}, "rollout": {"max_new_tokens": 4}, "algorithm": {"lr": 0.05, "beta": 0.1},
+              "reward": {"weights": {"answer": 1.0, "digits": 1.0}}, "data": {"max_prompt_tokens": 32}}
+
+    def run(callbacks):
+        recorder = Recorder([])
+        module = GRPO(config)
+        state = Trainer(BatchPlan(prompts_per_step=2, num_generations=2), max_steps=2, run_dir=tmp_path,
+                        callbacks=[*callbacks, recorder]).fit(module, gsm8k_style_rows(8))
+        return state, recorder
+
+    offload = CPUOffload()
+    state, recorder = run([offload])
+    base_state, base_recorder = run([])
+    assert offload.offloaded_attrs == ("ref_params",)
+    assert [k for s, k in recorder.trace if s == "between"] == [{"pinned_host"}] * 2
+    assert all("kl" in m for m in recorder.metrics) and recorder.metrics == base_recorder.metrics
+    for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(base_state.params)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
