@@ -113,7 +113,7 @@ def split_overrides(extra: Sequence[str]) -> list[str]:
 
 
 # -- subcommands ------------------------------------------------------------------------------------
-def cmd_demo(args: argparse.Namespace) -> int:
+def _cmd_demo(args: argparse.Namespace) -> int:
     from rlbolt.cli_run import run_demo
     from rlbolt.demo import DemoConfig
 
@@ -126,7 +126,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_fit(args: argparse.Namespace, extra: Sequence[str]) -> int:
+def _cmd_fit(args: argparse.Namespace, extra: Sequence[str]) -> int:
     from rlbolt.config import describe_fields, load_config
 
     if args.list_fields:
@@ -145,7 +145,7 @@ def cmd_fit(args: argparse.Namespace, extra: Sequence[str]) -> int:
     return 0
 
 
-def cmd_resume(args: argparse.Namespace) -> int:
+def _cmd_resume(args: argparse.Namespace) -> int:
     from rlbolt import rundir
     from rlbolt.cli_export import is_demo_config
 
@@ -172,7 +172,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_plot(args: argparse.Namespace) -> int:
+def _cmd_plot(args: argparse.Namespace) -> int:
     from rlbolt.plotting import TOPICS, plot_metrics
 
     run_dir = Path(args.run_dir)
@@ -187,7 +187,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_export(args: argparse.Namespace) -> int:
+def _cmd_export(args: argparse.Namespace) -> int:
     from rlbolt.cli_export import export_run
 
     if not Path(args.run_dir).is_dir():
@@ -219,10 +219,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "fit":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    handlers = {"demo": cmd_demo, "resume": cmd_resume, "plot": cmd_plot, "export": cmd_export}
+    handlers = {"demo": _cmd_demo, "resume": _cmd_resume, "plot": _cmd_plot, "export": _cmd_export}
     try:
         if args.command == "fit":
-            return cmd_fit(args, extra)
+            return _cmd_fit(args, extra)
         return handlers[args.command](args)
     except _user_errors() as error:
         if os.environ.get("RLBOLT_DEBUG"):
