@@ -35,7 +35,7 @@ from flax import nnx
 from rlbolt.algorithms import LossAggregation, aggregate_loss, clipped_surrogate, kl_penalty, overlong_penalty
 from rlbolt.algorithms import grpo_advantages, truncated_importance_weights
 from rlbolt.batch import Batch
-from rlbolt.config import ConfigError, RunConfig, load_config
+from rlbolt.config import ConfigError, RunConfig, config_to_dict, load_config
 from rlbolt.module import RLModule
 from rlbolt.modules import lm_ops
 from rlbolt.modules.prompts import PromptEncoder, builtin_tokenizer, rows_of
@@ -66,6 +66,7 @@ class LMPolicyModule(RLModule):
     def __init__(self, config: RunConfig | Mapping | None = None, *, model=None, tokenizer=None, reward=None):
         self.config = _config_for(type(self), config)
         self.algo, self.rollout_cfg = self.config.algorithm, self.config.rollout
+        self.hparams = {k: v for k, v in config_to_dict(self.config).items() if k in ("algorithm", "rollout", "reward")}
         self.model, self.tokenizer, self.reward = model, tokenizer, reward
         self.ref_params = None
         self._sampler_lock = threading.Lock()  # validation (main thread) and rollout (producer) share it
