@@ -56,8 +56,13 @@ def _optional(module_name: str, class_name: str):
         return None
 
 
-def build_callbacks(cfg: RunConfig) -> list:
-    """The built-in callbacks the Callbacks section asks for, in a fixed order."""
+def build_callbacks(cfg: RunConfig, run_dir: str | Path) -> list:
+    """The built-in callbacks the Callbacks section asks for, in a fixed order.
+
+    Args:
+      cfg: the run config.
+      run_dir: the run folder (HF exports go to `<run_dir>/hf/`).
+    """
     c, out = cfg.callbacks, []
     if c.nan_guard and (cls := _optional("nan_guard", "NaNGuard")):
         out.append(cls())
@@ -68,7 +73,7 @@ def build_callbacks(cfg: RunConfig) -> list:
     if c.progress and (cls := _optional("progress", "ProgressBar")):
         out.append(cls())
     if c.export_hf and (cls := _optional("hf_export", "HFExport")):
-        out.append(cls())
+        out.append(cls(Path(run_dir) / "hf"))
     return out
 
 
@@ -78,7 +83,7 @@ def build_trainer(cfg: RunConfig, callbacks: Sequence[Any] = ()) -> Trainer:
     plan = BatchPlan(**dataclasses.asdict(cfg.plan))
     run_dir = t.run_dir or str(Path("runs") / f"{cfg.algorithm.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     return Trainer(plan, max_steps=t.max_steps, max_epochs=t.max_epochs, seed=t.seed, data_seed=t.data_seed,
-                   shuffle=cfg.data.shuffle, callbacks=[*build_callbacks(cfg), *callbacks], mode=t.mode,
+                   shuffle=cfg.data.shuffle, callbacks=[*build_callbacks(cfg, run_dir), *callbacks], mode=t.mode,
                    max_staleness=t.max_staleness, val_every_n_steps=t.val_every_n_steps,
                    val_batch_size=t.val_batch_size, run_dir=run_dir, prefetch_timeout_s=t.prefetch_timeout_s)
 
