@@ -215,6 +215,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status (0 ok, 2 bad input, 130 interrupted)."""
+    from rlbolt.xla_flags import configure_xla_flags
+
+    configure_xla_flags()  # before the first JAX computation: XLA reads the flags once
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "fit":
