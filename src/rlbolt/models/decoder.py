@@ -22,7 +22,9 @@ needs no mesh); `nnx.get_partition_spec(state)` under `flax.linen.logical_axis_r
 to mesh axes.
 
 Numerics follow Hugging Face's LlamaModel: RMSNorm in float32 with the weight applied after
-casting back, RoPE in float32 with rotate_half, softmax in float32, logits in float32.
+casting back, RoPE in float32 with rotate_half, softmax in float32; matmuls run in the
+parameter dtype (bf16 matmuls were slower on CPU, PERF_NOTES) and logits are upcast to float32.
+Attention runs over the whole static cache with a validity mask (no per-length recompiles).
 """
 
 from __future__ import annotations
