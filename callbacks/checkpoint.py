@@ -13,10 +13,10 @@ A checkpoint of step s holds everything the run needs to continue as if it never
 When to save (`every_n_steps`, `every_secs`, always at fit end) is a `Periodic`; what is saved
 and how it is read back lives in `checkpoint_io.py`.
 
-Callback order matters for exactness: put ModelCheckpoint after every callback that writes a
-step's results (a metrics logger) and after NaNGuard, so step s's checkpoint only exists once
-step s has been logged and checked. Restoring happens in ModelCheckpoint's `on_fit_start`; it
-loads every callback's state there, so callbacks must not reset their state after it.
+Order: `order = 10` runs ModelCheckpoint after the metric writers and NaNGuard (order <= 0),
+whatever the list order, so step s's checkpoint only exists once step s has been logged and
+checked. Restoring happens in the `on_restore` hook, before any callback's `on_fit_start`; it
+loads every callback's state there, so callbacks must not reset their state in `on_fit_start`.
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ class ModelCheckpoint(Callback):
       restored_step: the step restored by the last `fit` (None when it started fresh).
     """
 
+    order = 10  # saves after the step's metrics are written
+
     def __init__(self, directory: str | Path | None = None, every_n_steps: int | None = None,
                  every_secs: float | None = None, keep: int | None = 3, best_metric: str | None = None,
                  best_mode: str = "max", async_save: bool = True, resume: str | int | None = "latest",
@@ -97,12 +99,13 @@ class ModelCheckpoint(Callback):
 
     # -- hooks -------------------------------------------------------------------------------------
     def open(self, trainer) -> None:
-        """Opens the checkpoint directory (on_fit_start does it; call it to save without fitting)."""
+        """Opens the checkpoint directory (on_restore does it; call it to save without fitting)."""
         self.io = CheckpointIO(self._directory or Path(trainer.run_dir) / "checkpoints", async_save=self.async_save)
         self._periodic = Periodic(self.every_n_steps, self.every_secs, self.clock)
         self._best = self._read_best()
 
-    def on_fit_start(self, trainer, state: TrainState) -> TrainState | None:
+    def on_restore(self, trainer, state: TrainState) -> TrainState | None:
+        """Opens the directory and, when it holds checkpoints, restores the newest usable one."""
         self.open(trainer)
         self._last_state, self.restored_step = state, None
         steps = self.io.steps()

@@ -10,9 +10,10 @@ pass@k: the number of samples per prompt is the module's business (LMPolicyModul
 it validates; a module that supports it reads `getattr(self.trainer, "val_num_samples", None)`
 and falls back to its own setting when that is None.
 
-Ordering: list Evaluation after ModelCheckpoint (whose `best_metric` save needs the step's state,
-recorded in its own `on_step_end`), and before MetricsLogger (which closes its writers in
-`on_fit_end`, where a run stopped by a later callback gets its final evaluation).
+Ordering: `order = 20` runs it after ModelCheckpoint (whose `best_metric` save needs the step's
+state, recorded in its own `on_step_end`) whatever the list order. A user callback with an order
+above 20 that stops the run gets the final evaluation in `on_fit_end`, after MetricsLogger closed
+its writers: give such a callback an order below 20.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ class Evaluation(Callback):
       history: `[(step, metrics)]` of every validation this callback ran.
     """
 
+    order = 20  # after ModelCheckpoint recorded the step it may keep as best
+
     def __init__(self, eval_data: Sequence[dict], every_n_steps: int | None = None, every_secs: float | None = None,
                  num_samples: int | None = None, at_end: bool = True, clock: Callable[[], float] = time.monotonic):
         if isinstance(eval_data, (str, bytes)) or not hasattr(eval_data, "__len__") or len(eval_data) == 0:
@@ -55,14 +58,6 @@ class Evaluation(Callback):
 
     def on_fit_start(self, trainer, state) -> None:
         self.periodic = Periodic(self.every_n_steps, self.every_secs, self.clock)
-        from rlbolt.callbacks.checkpoint import ModelCheckpoint
-
-        order = list(trainer.callbacks)
-        mine = order.index(self)
-        late = [cb for cb in order[mine + 1:] if isinstance(cb, ModelCheckpoint) and cb.best_metric]
-        if late:
-            raise ValueError(f"Evaluation must come after ModelCheckpoint(best_metric={late[0].best_metric!r}) in "
-                             "Trainer(callbacks=[...]); otherwise the best step's state is not saved")
 
     def on_step_end(self, trainer, info: StepInfo) -> None:
         periodic = self.periodic.should_fire(info.step)

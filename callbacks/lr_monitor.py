@@ -10,8 +10,8 @@ Where the value comes from, first match wins:
    optimizer state (the counter optax feeds the schedule), else `TrainState.policy_version`.
 
 The value is written into `StepInfo.metrics`, which callbacks later in the list see. So
-LearningRateMonitor must come before MetricsLogger (and ProgressBar) in `Trainer(callbacks=[...])`;
-fit start raises a ValueError naming the fix otherwise.
+LearningRateMonitor runs before MetricsLogger and ProgressBar (`order = -20`) whatever the
+list order.
 """
 
 from __future__ import annotations
@@ -26,26 +26,6 @@ from rlbolt.callback import Callback
 from rlbolt.state import StepInfo, TrainState
 
 _INJECTED = (optax.InjectStatefulHyperparamsState, optax.InjectHyperparamsState)
-
-
-def check_before_writers(trainer, callback: Callback, adds: str) -> None:
-    """Raises ValueError when a callback that writes or shows metrics runs before `callback`.
-
-    Args:
-      trainer: the Trainer (its `callbacks` list is inspected).
-      callback: the callback that adds metrics in `on_step_end`.
-      adds: the metric names it adds, for the message.
-    """
-    from rlbolt.callbacks.metrics import MetricsLogger
-    from rlbolt.callbacks.progress import ProgressBar
-
-    order = list(trainer.callbacks)
-    mine = order.index(callback)
-    early = [cb for cb in order[:mine] if isinstance(cb, (MetricsLogger, ProgressBar))]
-    if early:
-        name = type(callback).__name__
-        raise ValueError(f"{name} adds {adds} to each step's metrics, so it must come before "
-                         f"{type(early[0]).__name__} in Trainer(callbacks=[...]); move {name} earlier")
 
 
 def injected_learning_rate(opt_state: Any) -> float | None:
@@ -74,12 +54,13 @@ class LearningRateMonitor(Callback):
       source: "inject_hyperparams" or "module.lr_schedule", chosen at fit start.
     """
 
+    order = -20  # adds `lr` before the writers run
+
     def __init__(self, name: str = "lr"):
         self.name = name
         self.source: str | None = None
 
     def on_fit_start(self, trainer, state: TrainState) -> None:
-        check_before_writers(trainer, self, f"{self.name!r}")
         if injected_learning_rate(state.opt_state) is not None:
             self.source = "inject_hyperparams"
         elif callable(getattr(trainer.module, "lr_schedule", None)):

@@ -4,8 +4,8 @@ or skip the updates whose gradients are non-finite.
 "stop" checks the watched metrics after every step. On a non-finite value at step k it saves
 step k - 1's state (the Trainer's `last_state`: updates do not donate their inputs, so it is
 still intact) through the ModelCheckpoint in the callback list, or through its own synchronous
-one in `<run_dir>/checkpoints` when there is none, then raises `NonFiniteError`. NaNGuard must
-come before ModelCheckpoint in the callback list, so a non-finite step is never checkpointed.
+one in `<run_dir>/checkpoints` when there is none, then raises `NonFiniteError`. NaNGuard runs
+before ModelCheckpoint (`order = -30`), so a non-finite step is never checkpointed.
 
 "skip" wraps the module's optimizer in `optax.apply_if_finite`: an update whose gradients hold
 a NaN or an infinity leaves params and optimizer state unchanged. The guard counts such updates
@@ -46,6 +46,8 @@ class NaNGuard(Callback):
       max_consecutive_skips: "skip" only: raise after this many steps in a row skipped updates.
     """
 
+    order = -30  # sees a non-finite step before anything saves it
+
     def __init__(self, metrics: Sequence[str] = ("loss", "grad_norm"), action: str = "stop",
                  max_consecutive_skips: int = 10):
         if action not in ACTIONS:
@@ -65,13 +67,6 @@ class NaNGuard(Callback):
             return tx
         # NaNGuard counts the consecutive failures itself; optax must never apply a bad update.
         return optax.apply_if_finite(tx, max_consecutive_errors=np.iinfo(np.int32).max)
-
-    def on_fit_start(self, trainer, state) -> None:
-        callbacks = list(trainer.callbacks)
-        checkpoints = [i for i, cb in enumerate(callbacks) if isinstance(cb, ModelCheckpoint)]
-        if checkpoints and checkpoints[0] < callbacks.index(self):
-            raise ValueError("NaNGuard must come before ModelCheckpoint in Trainer(callbacks=[...]); otherwise "
-                             "ModelCheckpoint saves the non-finite step before the guard sees it")
 
     def on_step_end(self, trainer, info: StepInfo) -> None:
         if self.action == "skip":

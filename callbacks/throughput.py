@@ -35,7 +35,6 @@ import jax
 import numpy as np
 
 from rlbolt.callback import Callback
-from rlbolt.callbacks.lr_monitor import check_before_writers
 from rlbolt.state import StepInfo
 
 # Dense bf16 tensor-core peaks in FLOP/s per device (vendor data sheets, without sparsity).
@@ -96,7 +95,7 @@ def step_flops(num_params: int, seq_lens: np.ndarray, *, num_iterations: int = 1
 class Throughput(Callback):
     """Adds `throughput/flops_per_s`, `throughput/mfu` and `time/share/*` to each step's metrics.
 
-    List it before MetricsLogger and ProgressBar (fit start checks).
+    It runs before MetricsLogger and ProgressBar (`order = -20`), whatever the list order.
 
     Args:
       peak_flops: peak FLOP/s of one device; None looks the device kind up in `PEAK_BF16_FLOPS`
@@ -110,6 +109,8 @@ class Throughput(Callback):
       last_flops: the last step's `step_flops` result.
     """
 
+    order = -20  # adds its metrics before the writers run
+
     def __init__(self, peak_flops: float | None = None, logps_forwards: int | None = None, num_params: int | None = None):
         if peak_flops is not None and not peak_flops > 0:
             raise ValueError(f"Throughput(peak_flops={peak_flops!r}) must be positive FLOP/s per device (or None)")
@@ -121,7 +122,6 @@ class Throughput(Callback):
         self._shape: tuple[int, int] = (0, 0)
 
     def on_fit_start(self, trainer, state) -> None:
-        check_before_writers(trainer, self, "throughput/* and time/share/*")
         per_device = self.peak_flops or peak_flops_for(jax.devices()[0].device_kind)
         self.peak = per_device * jax.device_count() if per_device else None
         if self.num_params is None:

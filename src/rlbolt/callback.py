@@ -12,6 +12,7 @@ from typing import Any
 
 HOOKS = (
     "wrap_optimizer",
+    "on_restore",
     "on_fit_start",
     "on_step_start",
     "on_rollout_end",
@@ -26,15 +27,31 @@ HOOKS = (
 
 class Callback:
     """Base class: every hook does nothing. Hooks run on the main (training) thread, after the
-    RLModule's own hook and in the order the callbacks were given to the Trainer."""
+    RLModule's own hook, in ascending `order` and, within one order, in the order the callbacks
+    were given to the Trainer.
+
+    Attributes:
+      order: where this callback runs relative to others. Built-ins declare theirs so a user's
+        list order cannot break them: metric producers run before metric writers (NaNGuard -30;
+        LearningRateMonitor, Throughput -20), writers and most others at 0, ModelCheckpoint at 10
+        (after a step's metrics are on disk), Evaluation at 20 (after the checkpoint recorded the
+        step it may keep as best).
+    """
+
+    order: int = 0
 
     def wrap_optimizer(self, trainer, tx):
         """Once, before the state is built: may wrap the module's optax transformation (e.g.
         NaNGuard's `optax.apply_if_finite`). Returns the transformation to use."""
         return tx
 
+    def on_restore(self, trainer, state) -> Any:
+        """Once, before `on_fit_start`: may return a restored TrainState (ModelCheckpoint resumes
+        here, and loads every callback's `state_dict`), so every `on_fit_start` sees the state
+        the run really starts from."""
+
     def on_fit_start(self, trainer, state) -> Any:
-        """Once, before the first step. May return a replacement TrainState (resume)."""
+        """Once, before the first step (after `on_restore`). May return a replacement TrainState."""
 
     def on_step_start(self, trainer, step: int) -> None:
         """Before step `step` (0-based index of the step about to run) consumes its batch."""
@@ -79,7 +96,7 @@ class CallbackList(Callback):
     """Dispatches each hook to the callbacks that override it, in order (itself a Callback)."""
 
     def __init__(self, callbacks: Sequence[Callback] = ()):
-        self.callbacks = list(callbacks)
+        self.callbacks = sorted(callbacks, key=lambda cb: cb.order)  # stable: list order within an order
         keys = [cb.state_key for cb in self.callbacks]
         dupes = {k for k in keys if keys.count(k) > 1}
         if dupes:
@@ -108,7 +125,7 @@ def _overrides(cb: Callback, hook: str) -> bool:
 
 
 def _dispatcher(hook: str, methods: list[Callable]) -> Callable:
-    if hook in ("on_fit_start", "on_update_start", "on_update_end", "wrap_optimizer"):
+    if hook in ("wrap_optimizer", "on_restore", "on_fit_start", "on_update_start", "on_update_end"):
 
         def run(trainer, value):
             for m in methods:  # each may replace the state / optimizer; later callbacks see it

@@ -86,7 +86,8 @@ class Trainer:
     def fit(self, module: RLModule, train_data: Any, val_data: Sequence[dict] | None = None) -> TrainState:
         """Trains `module` on `train_data` (dict rows or a grain MapDataset); returns the final state."""
         state = self._setup(module, train_data)
-        state = self.last_state = self.callbacks.on_fit_start(self, state)  # a callback may have restored it
+        state = self.callbacks.on_restore(self, state)  # ModelCheckpoint resumes here
+        state = self.last_state = self.callbacks.on_fit_start(self, state)
         self.weights.publish(state.step, state.params, state.policy_version)
         producer = Producer(module, self.plan, self.source, self.weights, state.rng,
                             max_steps=self.max_steps, max_prompts=self._max_prompts())

@@ -100,5 +100,6 @@ def test_bad_arguments_and_order(tmp_path):
         Evaluation([])
     with pytest.raises(ValueError, match="num_samples=0"):
         Evaluation(EVAL_ROWS, num_samples=0)
-    with pytest.raises(ValueError, match="must come after ModelCheckpoint"):
-        _fit(tmp_path, [Evaluation(EVAL_ROWS), ModelCheckpoint(tmp_path / "c", best_metric="val/score")], max_steps=1)
+    evaluation, checkpoint = Evaluation(EVAL_ROWS), ModelCheckpoint(tmp_path / "c", best_metric="val/score")
+    _fit(tmp_path, [evaluation, checkpoint], max_steps=1)  # listed first, still runs after the checkpoint
+    assert (tmp_path / "c" / "1").is_dir() and evaluation.history[-1][0] == 1

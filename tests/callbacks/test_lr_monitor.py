@@ -74,6 +74,11 @@ def test_module_schedule_counts_policy_versions_without_a_schedule_state():
 def test_errors_name_the_fix(tmp_path):
     with pytest.raises(ValueError, match="inject_hyperparams"):
         _fit(ToyModule(), [LearningRateMonitor()], steps=1)
+
+
+def test_listed_after_the_logger_still_reaches_it(tmp_path):
+    from rlbolt.loggers import read_jsonl
+
     optimizer = optax.inject_hyperparams(optax.adam)(learning_rate=0.1)
-    with pytest.raises(ValueError, match="must come before MetricsLogger"):
-        _fit(ToyModule(optimizer=optimizer), [MetricsLogger(writer=["jsonl"]), LearningRateMonitor()], tmp_path, steps=1)
+    _fit(ToyModule(optimizer=optimizer), [MetricsLogger(writer=["jsonl"]), LearningRateMonitor()], tmp_path, steps=1)
+    assert read_jsonl(tmp_path / "metrics.jsonl")[0]["lr"] == pytest.approx(0.1)

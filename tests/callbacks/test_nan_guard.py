@@ -91,8 +91,10 @@ def test_skip_stops_after_consecutive_skips(tmp_path):
         fit(tmp_path, 5, [NaNGuard(action="skip", max_consecutive_skips=2)], nan_steps={2, 3, 4})
 
 
-def test_guard_after_checkpoint_is_rejected(tmp_path):
-    with pytest.raises(ValueError, match="NaNGuard must come before ModelCheckpoint"):
-        fit(tmp_path, 1, [ModelCheckpoint(), NaNGuard()])
+def test_guard_runs_before_checkpoint_whatever_the_list_order(tmp_path):
+    from rlbolt.callback import CallbackList
+
+    guard, checkpoint = NaNGuard(), ModelCheckpoint()
+    assert CallbackList([checkpoint, guard]).callbacks == [guard, checkpoint]
     with pytest.raises(ValueError, match="action"):
         NaNGuard(action="ignore")

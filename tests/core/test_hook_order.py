@@ -46,7 +46,7 @@ def recording_callback(name, trace):
     def make(hook):
         def method(self, trainer, *args):
             arg = args[0]
-            detail = {"wrap_optimizer": lambda a: "tx", "on_update_start": lambda a: a.step, "on_update_end": lambda a: a.step,
+            detail = {"wrap_optimizer": lambda a: "tx", "on_restore": lambda a: a.step, "on_update_start": lambda a: a.step, "on_update_end": lambda a: a.step,
                       "on_step_start": lambda a: a, "on_rollout_end": lambda a: a.step, "on_step_end": lambda a: a.step,
                       "on_validation_end": lambda a: a, "on_fit_start": lambda a: a.step, "on_fit_end": lambda a: a.step,
                       "on_exception": lambda a: type(a).__name__}[hook](arg)
@@ -61,8 +61,10 @@ def recording_callback(name, trace):
 
 def test_golden_hook_order():
     trace = []
+    late_a = recording_callback("A", trace)
+    late_a.order = 5  # declared order beats list order
     trainer = Trainer(BatchPlan(prompts_per_step=2, num_generations=2), max_steps=2, val_every_n_steps=1,
-                      callbacks=[recording_callback("A", trace), recording_callback("B", trace)])
+                      callbacks=[late_a, recording_callback("B", trace)])
     trainer.fit(RecordingModule(trace), prompt_rows(8), val_data=prompt_rows(2, seed=1))
     step = lambda s: [
         "module.on_rollout", "module.compute_logps", "module.on_advantage",   # producer thread
@@ -74,9 +76,11 @@ def test_golden_hook_order():
         "module.validation_step",
         f"A.on_validation_end({s + 1})", f"B.on_validation_end({s + 1})",
     ]
+    trace = [t.replace("A.", "X.").replace("B.", "A.").replace("X.", "B.") for t in trace]  # B ran first
     assert trace == [
         "module.setup", "module.init_params", "module.configure_optimizers",
         "A.wrap_optimizer(tx)", "B.wrap_optimizer(tx)",
+        "A.on_restore(0)", "B.on_restore(0)",
         "A.on_fit_start(0)", "B.on_fit_start(0)",
         *step(0), *step(1),
         "A.on_fit_end(2)", "B.on_fit_end(2)",
