@@ -212,3 +212,17 @@ def test_module_rejects_a_config_for_another_algorithm():
 
     with pytest.raises(ConfigError, match="algorithm.name=dapo"):
         DAPO(load_config(None, ["algorithm.name=grpo"]))
+
+
+def test_evaluation_num_samples_overrides_pass_at_k(grpo):
+    from types import SimpleNamespace
+
+    from rlbolt.data import gsm8k_style_rows
+
+    module, params, _ = grpo
+    batch = prompt_batch(gsm8k_style_rows(2)).slice(0, 1).drop("group_ids", "policy_version")
+    previous, module.trainer = module.trainer, SimpleNamespace(val_num_samples=3)  # what Evaluation(num_samples=3) sets
+    try:
+        assert "pass@3" in module.validation_step(params, batch)  # wins over the config's k of 2
+    finally:
+        module.trainer = previous

@@ -269,7 +269,8 @@ class LMPolicyModule(RLModule):
         greedy = self._generate(params, ids, keys, 0.0)
         texts = self._decode(greedy.completion_ids, greedy.completion_mask)
         metrics = {"accuracy": float(np.mean([answer_score(t, r, answer_field) for t, r in zip(texts, rows)]))}
-        k = self.rollout_cfg.val_num_samples
+        # Evaluation(num_samples=k) sets trainer.val_num_samples while it validates.
+        k = getattr(self.trainer, "val_num_samples", None) or self.rollout_cfg.val_num_samples
         if k > 1:
             many_keys = np.asarray(jax.vmap(lambda key: jax.random.split(key, k))(jnp.asarray(keys)), np.uint32)
             out = self._generate(params, [i for i in ids for _ in range(k)], many_keys.reshape(-1, 2),

@@ -22,7 +22,7 @@ from flax import nnx
 from rlbolt.algorithms import clipped_value_loss, gae_advantages, kl_in_reward, masked_whiten, sequence_to_token_rewards
 from rlbolt.batch import Batch
 from rlbolt.modules.policy import LMPolicyModule
-from rlbolt.rollout.logps import _chunked_logps, _completion_hidden
+from rlbolt.rollout.logps import chunked_logps, completion_hidden
 
 
 class PPO(LMPolicyModule):
@@ -45,9 +45,9 @@ class PPO(LMPolicyModule):
         return params["policy"]
 
     def _hidden_outputs(self, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *, with_entropy: bool):
-        hidden, weight = _completion_hidden(self.graphdef, params["policy"], prompt_ids, prompt_mask,
+        hidden, weight = completion_hidden(self.graphdef, params["policy"], prompt_ids, prompt_mask,
                                             completion_ids, completion_mask)
-        logps, entropy = _chunked_logps(hidden, weight, completion_ids.astype(jnp.int32), self._train_temperature,
+        logps, entropy = chunked_logps(hidden, weight, completion_ids.astype(jnp.int32), self._train_temperature,
                                         128, with_entropy)
         head = params["value_head"]
         values = (hidden.astype(jnp.float32) @ head["kernel"])[..., 0] + head["bias"][0]  # [B, C]

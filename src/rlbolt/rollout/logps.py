@@ -25,7 +25,7 @@ def left_pad_positions(mask: jnp.ndarray) -> jnp.ndarray:
     return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
 
 
-def _completion_hidden(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask):
+def completion_hidden(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask):
     """Hidden states that predict each completion token: [B, C, H], and the output weight [H, V]."""
     model = nnx.merge(graphdef, params)
     ids = jnp.concatenate([prompt_ids, completion_ids], axis=1).astype(jnp.int32)
@@ -41,7 +41,7 @@ def _completion_hidden(graphdef, params, prompt_ids, prompt_mask, completion_ids
     return hidden, weight
 
 
-def _chunked_logps(hidden, weight, targets, temperature, chunk_size, with_entropy):
+def chunked_logps(hidden, weight, targets, temperature, chunk_size, with_entropy):
     """lax.map over time chunks of `log_softmax(hidden @ weight / temperature)` gathered at targets."""
     b, c, h = hidden.shape
     chunk = max(1, min(chunk_size, c))
@@ -89,8 +89,8 @@ def token_logps_and_entropy(graphdef, params, prompt_ids, prompt_mask, completio
     """
     if params is None:
         graphdef, params = nnx.split(graphdef)
-    hidden, weight = _completion_hidden(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask)
-    logps, entropy = _chunked_logps(hidden, weight, completion_ids.astype(jnp.int32), temperature, chunk_size, True)
+    hidden, weight = completion_hidden(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    logps, entropy = chunked_logps(hidden, weight, completion_ids.astype(jnp.int32), temperature, chunk_size, True)
     mask = completion_mask.astype(bool)
     return jnp.where(mask, logps, 0.0), jnp.where(mask, entropy, 0.0)
 
@@ -114,6 +114,6 @@ def token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, compl
     """
     if params is None:
         graphdef, params = nnx.split(graphdef)
-    hidden, weight = _completion_hidden(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask)
-    logps, _ = _chunked_logps(hidden, weight, completion_ids.astype(jnp.int32), temperature, chunk_size, False)
+    hidden, weight = completion_hidden(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    logps, _ = chunked_logps(hidden, weight, completion_ids.astype(jnp.int32), temperature, chunk_size, False)
     return jnp.where(completion_mask.astype(bool), logps, 0.0)
