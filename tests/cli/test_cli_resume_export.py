@@ -66,3 +66,13 @@ def test_export_writes_the_checkpointed_weights_for_transformers(small_run, tmp_
     # A second export into the same folder is refused unless asked.
     assert main(["export", str(small_run), str(out)]) == 2
     assert "already exists" in capsys.readouterr().err
+
+
+def test_same_seed_same_run(small_run, tmp_path):
+    run_demo(SMALL, tmp_path / "again", progress=False)
+    first = {r["step"]: r for r in read_jsonl(small_run / "metrics.jsonl") if r["step"] <= 2}
+    second = {r["step"]: r for r in read_jsonl(tmp_path / "again" / "metrics.jsonl")}
+    assert sorted(second) == [1, 2]
+    for step in (1, 2):
+        timing_free = lambda r: {k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))}
+        assert timing_free(first[step]) == timing_free(second[step])
