@@ -60,8 +60,7 @@ class RunSummary:
 
 
 def standard_callbacks(checkpoint_every: int | None, *, progress: bool = True) -> list:
-    """MetricsLogger(jsonl), ProgressBar, ModelCheckpoint (resuming the latest), then LogFile
-    (last, so its fit-start line sees the state the checkpoint restored)."""
+    """MetricsLogger(jsonl), ProgressBar, ModelCheckpoint (resuming the latest) and LogFile."""
     from rlbolt.callbacks.checkpoint import ModelCheckpoint
     from rlbolt.callbacks.metrics import MetricsLogger
     from rlbolt.callbacks.progress import ProgressBar
