@@ -127,3 +127,18 @@ def test_every_field_has_help_text():
         for f in dataclasses.fields(section.default_factory):
             assert f.metadata.get("help"), f"{section.name}.{f.name} has no help"
             assert f"{section.name}.{f.name} =" in text
+
+
+def test_callbacks_section_builds_the_configured_callbacks(tmp_path):
+    from rlbolt import callbacks as cb
+    from rlbolt.build import build_callbacks
+    from rlbolt.config import load_config
+
+    cfg = load_config(None, ["callbacks.checkpoint_every_n_steps=5", "callbacks.offload=true",
+                             "callbacks.early_stopping_metric=val/accuracy", "callbacks.progress=false"])
+    kinds = [type(c) for c in build_callbacks(cfg, tmp_path)]
+    assert kinds == [cb.NaNGuard, cb.LearningRateMonitor, cb.Throughput, cb.CPUOffload, cb.ModelCheckpoint,
+                     cb.MetricsLogger, cb.EarlyStopping]
+    plain = load_config(None, ["callbacks.nan_guard=false", "callbacks.lr_monitor=false", "callbacks.throughput=false",
+                               "callbacks.metrics=[]", "callbacks.progress=false"])
+    assert build_callbacks(plain, tmp_path) == []

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
-import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,7 +21,6 @@ from rlbolt.data import gsm8k_style_rows, load_rows
 from rlbolt.plan import BatchPlan
 from rlbolt.trainer import Trainer
 
-logger = logging.getLogger(__name__)
 
 
 def build_module(cfg: RunConfig, **objects: Any):
@@ -47,33 +44,34 @@ def load_data(cfg: RunConfig) -> tuple[list[dict], list[dict] | None]:
     return train, val
 
 
-def _optional(module_name: str, class_name: str):
-    """A callback class from rlbolt.callbacks, or None (logged) when that module is absent."""
-    try:
-        return getattr(importlib.import_module(f"rlbolt.callbacks.{module_name}"), class_name)
-    except (ImportError, AttributeError):
-        logger.warning("rlbolt.callbacks.%s.%s is not available; running without it", module_name, class_name)
-        return None
-
-
 def build_callbacks(cfg: RunConfig, run_dir: str | Path) -> list:
-    """The built-in callbacks the Callbacks section asks for, in a fixed order.
+    """The built-in callbacks the Callbacks section asks for (each declares its own run order).
 
     Args:
       cfg: the run config.
       run_dir: the run folder (HF exports go to `<run_dir>/hf/`).
     """
+    from rlbolt import callbacks as cb
+
     c, out = cfg.callbacks, []
-    if c.nan_guard and (cls := _optional("nan_guard", "NaNGuard")):
-        out.append(cls())
-    if c.checkpoint_every_n_steps and (cls := _optional("checkpoint", "ModelCheckpoint")):
-        out.append(cls(every_n_steps=c.checkpoint_every_n_steps, keep=c.keep, resume="latest" if c.resume else None))
-    if c.metrics and (cls := _optional("metrics", "MetricsLogger")):
-        out.append(cls(writer=list(c.metrics), every_n_steps=c.log_every_n_steps, wandb_project=c.wandb_project))
-    if c.progress and (cls := _optional("progress", "ProgressBar")):
-        out.append(cls())
-    if c.export_hf and (cls := _optional("hf_export", "HFExport")):
-        out.append(cls(Path(run_dir) / "hf"))
+    if c.nan_guard:
+        out.append(cb.NaNGuard())
+    if c.lr_monitor:
+        out.append(cb.LearningRateMonitor())
+    if c.throughput:
+        out.append(cb.Throughput())
+    if c.offload:
+        out.append(cb.CPUOffload())
+    if c.checkpoint_every_n_steps:
+        out.append(cb.ModelCheckpoint(every_n_steps=c.checkpoint_every_n_steps, keep=c.keep, resume="latest" if c.resume else None))
+    if c.metrics:
+        out.append(cb.MetricsLogger(writer=list(c.metrics), every_n_steps=c.log_every_n_steps, wandb_project=c.wandb_project))
+    if c.progress:
+        out.append(cb.ProgressBar())
+    if c.early_stopping_metric:
+        out.append(cb.EarlyStopping(c.early_stopping_metric, mode=c.early_stopping_mode, patience=c.early_stopping_patience))
+    if c.export_hf:
+        out.append(cb.HFExport(Path(run_dir) / "hf"))
     return out
 
 

@@ -163,6 +163,12 @@ class CallbacksSection:
     progress: bool = _f(True, "show a progress bar")
     export_hf: bool = _f(False, "write a Hugging Face folder (safetensors + config + tokenizer) at the end")
     nan_guard: bool = _f(True, "stop with a clear error when the loss or grad norm is not finite")
+    lr_monitor: bool = _f(True, "log the learning rate of each step's last update as `lr`")
+    throughput: bool = _f(True, "log FLOP/s, MFU (where the device's peak is known) and each stage's share of the step")
+    offload: bool = _f(False, "keep the optimizer state and the reference model in host memory outside the stages that use them")
+    early_stopping_metric: str | None = _f(None, "stop when this metric (e.g. val/accuracy) stops improving; None: off")
+    early_stopping_mode: str = _f("max", "whether the early-stopping metric should go up or down", ("max", "min"))
+    early_stopping_patience: int = _f(3, "checks without improvement before stopping")
     wandb_project: str | None = _f(None, "Weights & Biases project when metrics include wandb")
 
 

@@ -226,3 +226,20 @@ def test_evaluation_num_samples_overrides_pass_at_k(grpo):
         assert "pass@3" in module.validation_step(params, batch)  # wins over the config's k of 2
     finally:
         module.trainer = previous
+
+
+def test_lr_schedule_matches_the_optimizer_warmup():
+    import optax
+
+    module = GRPO({"algorithm": {"lr": 1e-3, "warmup_steps": 4}})
+    assert [module.lr_schedule(c) for c in (0, 2, 4, 9)] == pytest.approx([0.0, 5e-4, 1e-3, 1e-3])
+    params = {"w": jnp.zeros(3)}
+    tx = module.configure_optimizers()
+    state = tx.init(params)
+    grads = {"w": jnp.ones(3)}
+    # AdamW's first step moves each weight by ~lr (sign of the gradient): lr of update 0 is 0, of update 2 is 5e-4.
+    moves = []
+    for _ in range(3):
+        updates, state = tx.update(grads, state, params)
+        moves.append(float(-updates["w"][0]))
+    assert moves[0] == pytest.approx(0.0, abs=1e-9) and moves[2] == pytest.approx(5e-4, rel=1e-3)

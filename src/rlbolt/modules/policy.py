@@ -99,6 +99,12 @@ class LMPolicyModule(RLModule):
             self.ref_params = nnx.state(self.model, nnx.Param)
         self._logps = jax.jit(functools.partial(self._forward_logps, with_entropy=False))
 
+    def lr_schedule(self, count: int) -> float:
+        """The learning rate of optimizer update `count` (0-based): linear warm-up, then constant.
+        LearningRateMonitor reads it; configure_optimizers uses the same function."""
+        a = self.algo
+        return float(optax.linear_schedule(0.0, a.lr, a.warmup_steps)(count)) if a.warmup_steps else a.lr
+
     def configure_optimizers(self) -> optax.GradientTransformation:
         """AdamW with optional linear warm-up and global-norm clipping (config.algorithm)."""
         a = self.algo
