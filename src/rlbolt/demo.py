@@ -27,7 +27,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from rlbolt.algorithms import aggregate_loss, clipped_surrogate
+from rlbolt.algorithms import aggregate_loss, clipped_surrogate, grpo_process_advantages
 from rlbolt.batch import Batch
 from rlbolt.data.tokenizers import CharTokenizer
 from rlbolt.models import Decoder, tiny_config
@@ -67,10 +67,6 @@ class DemoConfig:
     hidden_size: int = 64
     checkpoint_every: int | None = None
     task: str = "copy"
-
-    def to_dict(self) -> dict[str, Any]:
-        """The config as a `{"demo": {...}}` mapping (the config.yaml layout of a demo run)."""
-        return {"demo": dataclasses.asdict(self)}
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -145,31 +141,8 @@ def position_rewards(completions: list[str], targets: list[str], length: int) ->
     return out
 
 
-def process_advantages(step_rewards: np.ndarray, group_ids: np.ndarray, eps: float = 1e-6) -> np.ndarray:
-    """GRPO process-supervision advantages (DeepSeekMath, arXiv 2402.03300, Sec. 4.1.3).
-
-    Every step reward is normalised by the mean and std of all step rewards in its group,
-    `r~ = (r - mean(R)) / std(R)`, and token t's advantage is the sum of the normalised rewards
-    of the steps at or after t: `A_t = sum_{j >= t} r~_j`. Here each completion token is a step.
-
-    Args:
-      step_rewards: [N, C] float, the reward of each step (token).
-      group_ids: [N] int, the prompt of each sample.
-      eps: added to the std.
-
-    Returns:
-      [N, C] float32 advantages.
-    """
-    normed = np.zeros_like(step_rewards, np.float64)
-    for g in np.unique(group_ids):
-        rows = group_ids == g
-        values = step_rewards[rows].astype(np.float64)
-        normed[rows] = (values - values.mean()) / (values.std() + eps)
-    return np.cumsum(normed[:, ::-1], axis=1)[:, ::-1].astype(np.float32)
-
-
 class DigitsGRPO(RLModule):
-    """GRPO on the digit-reversal task with a tiny random-init decoder.
+    """GRPO on the digit tasks (copy by default) with a tiny random-init decoder.
 
     Args:
       config: the demo's DemoConfig.
@@ -257,7 +230,7 @@ class DigitsGRPO(RLModule):
     def on_advantage(self, batch: Batch) -> Batch:
         step_rewards = position_rewards(list(batch["completion_text"]), list(batch["target"]), self.config.num_digits)
         rewards = step_rewards.mean(axis=1)
-        advantages = process_advantages(step_rewards, np.asarray(batch["group_ids"]))
+        advantages = np.asarray(grpo_process_advantages(step_rewards, np.asarray(batch["group_ids"])))
         self.log("reward/exact_match", float((rewards == 1.0).mean()))
         return batch.with_columns(rewards=rewards, advantages=advantages)
 

@@ -188,3 +188,28 @@ def test_gae_small_case_by_hand():
     )
     np.testing.assert_allclose(adv, [[0.5, 0.8, 0.1]], atol=1e-6)
     np.testing.assert_allclose(ret, [[1.0, 1.0, 1.0]], atol=1e-6)
+
+
+def test_grpo_process_advantages_by_hand():
+    from rlbolt.algorithms import grpo_process_advantages
+
+    # Group 7: step rewards [[1, 0], [0, 0]] -> mean 0.25, population std sqrt(3)/4.
+    # Group 9: all ones -> zero spread -> advantage 0.
+    step_rewards = np.array([[1.0, 0.0], [0.0, 0.0], [1.0, 1.0], [1.0, 1.0]], np.float32)
+    got = np.asarray(grpo_process_advantages(step_rewards, np.array([7, 7, 9, 9])))
+    std = np.sqrt(3) / 4
+    hi, lo = (1 - 0.25) / std, (0 - 0.25) / std
+    np.testing.assert_allclose(got[:2], [[hi + lo, lo], [lo + lo, lo]], rtol=1e-5)  # A_t = sum_{j>=t} r~_j
+    np.testing.assert_allclose(got[2:], 0.0, atol=1e-6)
+
+
+def test_grpo_process_advantages_masked_steps_are_left_out():
+    from rlbolt.algorithms import grpo_process_advantages
+
+    # Sample 1's second step is padding: group 3's valid rewards are {1, 0, 0} -> mean 1/3, std sqrt(2)/3.
+    step_rewards = np.array([[1.0, 0.0], [0.0, 5.0]], np.float32)
+    mask = np.array([[True, True], [True, False]])
+    got = np.asarray(grpo_process_advantages(step_rewards, np.array([3, 3]), mask))
+    std = np.sqrt(2) / 3
+    hi, lo = (1 - 1 / 3) / std, (0 - 1 / 3) / std
+    np.testing.assert_allclose(got, [[hi + lo, lo], [lo, 0.0]], rtol=1e-5)

@@ -1,6 +1,7 @@
 """Pure, jittable RL math: advantages, policy/value losses, KL estimators, loss aggregation."""
 
 from rlbolt.algorithms.advantages import (
+    grpo_process_advantages,
     GroupSpread,
     drgrpo_advantages,
     gae_advantages,
@@ -34,6 +35,7 @@ from rlbolt.algorithms.registry import ADVANTAGE_ESTIMATORS, get_advantage_estim
 from rlbolt.algorithms.shaping import overlong_penalty
 
 __all__ = [
+    "grpo_process_advantages",
     "ADVANTAGE_ESTIMATORS",
     "KL_KINDS",
     "GroupSpread",

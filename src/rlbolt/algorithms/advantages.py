@@ -55,6 +55,42 @@ def grpo_advantages(
     return centred / (groups.group_std(rewards, group_ids, ddof=ddof) + eps)
 
 
+def grpo_process_advantages(
+    step_rewards: jax.Array,
+    group_ids: jax.Array,
+    mask: jax.Array | None = None,
+    *,
+    eps: float = 1e-6,
+) -> jax.Array:
+    """GRPO with process supervision (DeepSeekMath, arXiv 2402.03300, Sec. 4.1.3).
+
+    Every step reward is normalised by the mean and (population) std of all step rewards of its
+    group, ``r~ = (r - mean(R)) / (std(R) + eps)``, and token t's advantage is the sum of the
+    normalised rewards of the steps at or after t: ``A_t = sum_{j >= t} r~_j``. Here every
+    completion token is a step.
+
+    Args:
+        step_rewards: ``[N, C]`` float, the reward of each step (token).
+        group_ids: ``[N]`` int, any ids; equal ids share a group.
+        mask: ``[N, C]`` bool/float, valid steps (default: all). Masked steps are left out of the
+            group statistics and get advantage 0.
+        eps: added to the std (a group of equal rewards gets advantage 0).
+
+    Returns:
+        ``[N, C]`` float32 advantages.
+    """
+    r = jnp.asarray(step_rewards, jnp.float32)
+    m = jnp.ones_like(r) if mask is None else jnp.asarray(mask, jnp.float32)
+    idx = groups.dense_group_index(group_ids)
+    n = r.shape[0]
+    count = jax.ops.segment_sum(m.sum(axis=1), idx, n)
+    mean = jax.ops.segment_sum((r * m).sum(axis=1), idx, n) / jnp.maximum(count, 1.0)
+    centred = (r - mean[idx][:, None]) * m
+    std = jnp.sqrt(jax.ops.segment_sum((centred ** 2).sum(axis=1), idx, n) / jnp.maximum(count, 1.0))
+    normed = centred / (std[idx][:, None] + eps)
+    return jnp.flip(jnp.cumsum(jnp.flip(normed, axis=1), axis=1), axis=1) * m
+
+
 def drgrpo_advantages(rewards: jax.Array, group_ids: jax.Array) -> jax.Array:
     """Dr.GRPO advantages: the reward minus its group mean, no std scaling.
 
