@@ -19,19 +19,16 @@ import statistics
 import sys
 import time
 
-# XLA's YNNPACK dot/reduce fusion was slower on this CPU (PERF_NOTES); the flag must be set
-# before jax is imported, and only on CPU.
-_CPU_FLAGS = "--xla_cpu_experimental_ynn_fusion_type=-individual_dot,-reduce"
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 timed iterations")
     parser.add_argument("--iters", type=int, default=10, help="timed iterations (after 1 warm-up)")
-    parser.add_argument("--no-xla-flags", action="store_true", help=f"do not set {_CPU_FLAGS}")
+    parser.add_argument("--no-xla-flags", action="store_true", help="do not apply rlbolt's CPU XLA flags")
     args = parser.parse_args()
-    if not args.no_xla_flags and os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _CPU_FLAGS).strip()
+    from rlbolt.xla_flags import configure_xla_flags
+
+    configure_xla_flags(enable=not args.no_xla_flags)  # before jax is imported; CPU only
 
     import jax
     import numpy as np

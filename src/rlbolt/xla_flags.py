@@ -10,9 +10,11 @@ from __future__ import annotations
 import importlib.util
 import os
 
-# Dot and reduce fusions outside YNNPACK: large f32 matmuls 117 -> 139 GFLOP/s on the 2-core
-# Zen 3 CI machine (shared/PERF_NOTES.md); checked to exist in jaxlib 0.10.x.
-_CPU_FLAGS = {"0.10.": "--xla_cpu_experimental_ynn_fusion_type=-individual_dot,-reduce"}
+# Single dots outside YNNPACK: large f32 matmuls 117 -> 139 GFLOP/s on the 2-core CI machine
+# (shared/PERF_NOTES.md); checked to exist in jaxlib 0.10.x. Reductions stay in YNNPACK: taking
+# them out too ("-reduce") made decode attention's multiply + sum 2.5x slower and the GRPO step
+# ~0.1 s slower (benchmarks/RESULTS.md).
+_CPU_FLAGS = {"0.10.": "--xla_cpu_experimental_ynn_fusion_type=-individual_dot"}
 _GPU_PLUGINS = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_plugins.xla_cuda12")
 
 
