@@ -34,3 +34,14 @@ def step_flops(cfg, sequences: int, prompt_len: int, new_tokens: int) -> dict[st
     ref = forward_flops(cfg, sequences, total_len)
     update = 3 * forward_flops(cfg, sequences, total_len)
     return {"rollout": rollout, "ref": ref, "update": update, "total": rollout + ref + update}
+
+
+def decode_bytes(cfg, sequences: int, prompt_len: int, new_tokens: int) -> float:
+    """Bytes the decode loop must read: the weights once per step, plus the filled KV cache."""
+    itemsize = 2 if cfg.param_dtype == "bfloat16" else 4
+    weights = matmul_params(cfg) * itemsize  # the output projection included; embedding lookups are tiny
+    steps = new_tokens - 1
+    # keys + values of every layer for the tokens written so far: prompt + step (average over steps)
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+    mean_filled = prompt_len + steps / 2
+    return steps * (weights + sequences * kv_per_token * mean_filled)

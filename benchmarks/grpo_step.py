@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from flops import step_flops  # noqa: E402
+from flops import decode_bytes, step_flops  # noqa: E402
 
 PRESETS = {
     "cpu": dict(prompts=8, generations=4, prompt_len=32, new_tokens=64, steps=12, model={}),
@@ -90,6 +90,7 @@ def main(argv=None) -> dict:
     trainer = Trainer(plan, max_steps=steps, seed=0, shuffle=False)
     trainer.callbacks = type(trainer.callbacks)([rec])
     state = trainer.fit(module, rows)
+    fit_peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before the floor loop adds its own
 
     measured = slice(2, None) if steps > 2 else slice(0, None)  # steps 3..12 (1-based)
     step_s = [m["time/step"] for m in rec.metrics]
@@ -108,7 +109,7 @@ def main(argv=None) -> dict:
         "step_s_median": step_median,
         "step_s_all": step_s,
         "gen_tokens_per_s": gen_tokens / step_median,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": fit_peak_rss_mb,
         "split": split,
         "compiles_after_warmup": rec.compiles_at[-1] - rec.compiles_at[min(1, len(rec.compiles_at) - 1)],
         "gflops_per_step": flops["total"] / 1e9,
@@ -117,6 +118,7 @@ def main(argv=None) -> dict:
         "floor_step_s": floor,
         "overhead_ratio": step_median / floor,
         "reward_first_last": [rec.metrics[0]["reward/mean"], rec.metrics[-1]["reward/mean"]],
+        **_utilisation(config, p, flops, split),
     }
     _print_table(result, flops)
     print(json.dumps(result))
@@ -144,6 +146,34 @@ def _floor_step_s(module, trainer, state, produced, repeats: int) -> float:
         if i:  # the first round re-warms caches after fit
             times.append(time.perf_counter() - t0)
     return _median(times)
+
+
+def _utilisation(config, p: dict, flops: dict, split: dict) -> dict:
+    """Update MFU and decode memory-bandwidth utilisation against the device's data-sheet peaks.
+
+    Decode is bandwidth-bound: each of the C - 1 decode steps reads every weight once plus the KV
+    cache filled so far (`flops.decode_bytes`). Rollout time includes the (compute-bound) prefill,
+    so the utilisation is a lower bound. None where the peak is unknown (CPU).
+    """
+    import jax
+
+    kind = jax.devices()[0].device_kind.lower()
+    peak_flops = next((v for k, v in _PEAK_BF16_FLOPS.items() if k in kind), None)
+    peak_bw = next((v for k, v in _PEAK_BYTES_PER_S.items() if k in kind), None)
+    sequences = p["prompts"] * p["generations"]
+    update_flops_per_s = flops["update"] / split["update"] if split["update"] else float("nan")
+    read = decode_bytes(config, sequences, p["prompt_len"], p["new_tokens"])
+    return {
+        "update_gflops": update_flops_per_s / 1e9,
+        "update_mfu": update_flops_per_s / peak_flops if peak_flops else None,
+        "decode_gb_per_s": read / split["rollout"] / 1e9 if split["rollout"] else None,
+        "decode_bw_util": read / split["rollout"] / peak_bw if peak_bw and split["rollout"] else None,
+    }
+
+
+# Data-sheet peaks (dense bf16 FLOP/s, HBM bytes/s) of the GPUs a session may be lent.
+_PEAK_BF16_FLOPS = {"h200": 989e12, "h100": 989e12, "a100": 312e12}
+_PEAK_BYTES_PER_S = {"h200": 4.8e12, "h100": 3.35e12, "a100": 2.0e12}
 
 
 def _matmul_gflops(preset: str, n: int = 1024, repeats: int = 20) -> float:
@@ -180,13 +210,19 @@ def _print_table(r: dict, flops: dict) -> None:
         ("matmul GFLOP/s (ceiling)", f"{r['matmul_gflops']:.1f}"),
         ("achieved / matmul (target >= 0.70)", f"{r['achieved_gflops'] / r['matmul_gflops']:.2f}"),
         ("compiles after warm-up (target 0)", str(r["compiles_after_warmup"])),
-        ("peak RSS MB (target <= 1000)", f"{r['peak_rss_mb']:.0f}"),
+        ("peak RSS MB of fit (target <= 1000)", f"{r['peak_rss_mb']:.0f}"),
+        ("update GFLOP/s (MFU)", f"{r['update_gflops']:.1f} ({_pct(r['update_mfu'])})"),
+        ("decode GB/s (of bandwidth peak)", f"{r['decode_gb_per_s']:.1f} ({_pct(r['decode_bw_util'])})"),
         *[(f"  time/{k}", f"{v:.3f}") for k, v in r["split"].items()],
     ]
     width = max(len(k) for k, _ in rows)
     print(f"rlbolt GRPO step benchmark, preset {r['preset']} on {r['device']}")
     for k, v in rows:
         print(f"  {k:<{width}}  {v}")
+
+
+def _pct(x) -> str:
+    return "peak unknown" if x is None else f"{100 * x:.1f}%"
 
 
 def _parse(argv):

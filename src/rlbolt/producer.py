@@ -24,6 +24,7 @@ from rlbolt.data.source import PromptSource
 from rlbolt.module import RLModule, collect_logs
 from rlbolt.plan import BatchPlan
 from rlbolt.weights import WeightStore
+from rlbolt.xla_flags import release_freed_host_memory
 
 
 @dataclasses.dataclass
@@ -62,6 +63,8 @@ class Producer:
             if self.max_prompts is not None and position + self.plan.prompts_per_step > self.max_prompts:
                 return  # max_epochs reached: not enough prompts left for a full step
             params, version = self.weights.get(step, stop_event)
+            if step == start_step + 1:  # in sync mode the first step's compilations are over
+                release_freed_host_memory()
             produced = self.produce_step(step, position, params, version)
             position = produced.data_position
             yield produced

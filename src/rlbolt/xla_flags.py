@@ -7,6 +7,8 @@ the first JAX computation (the `rlbolt` command and the benchmarks do).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import importlib.util
 import os
 
@@ -42,3 +44,23 @@ def _has_module(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
         return False
+
+
+def release_freed_host_memory() -> bool:
+    """Returns freed heap memory to the OS (glibc `malloc_trim`); True when it ran.
+
+    XLA's CPU compiler frees hundreds of MB after the first step's compilations, but glibc keeps
+    the fragments mapped, so the steady-state RSS sits ~100-170 MB higher and the update's
+    temporaries come on top of it (RESULTS.md: peak RSS). Called once after warm-up; calling it
+    every step would make the update fault its temporaries back in.
+    """
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        trim = getattr(libc, "malloc_trim", None)
+    except OSError:
+        return False
+    if trim is None:  # not glibc (musl, macOS)
+        return False
+    trim(0)
+    return True

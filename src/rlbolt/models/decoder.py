@@ -171,9 +171,35 @@ class MLP(nnx.Module):
                                dtype=config.dtype, rngs=rngs)
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        gate_up = self.gate_up_proj(x)
-        gate, up = gate_up[..., : self.intermediate_size], gate_up[..., self.intermediate_size:]
-        return self.down_proj(jax.nn.silu(gate) * up)
+        return self.down_proj(swiglu(self.gate_up_proj(x)))
+
+
+@jax.custom_vjp
+def swiglu(gate_up: jnp.ndarray) -> jnp.ndarray:
+    """`silu(gate) * up` of a fused [..., 2I] gate|up projection -> [..., I] (Shazeer 2020, eq. 6).
+
+    The custom backward keeps only `gate_up` as its residual and recomputes the element-wise
+    terms, and writes d(gate|up) as one concatenation: autodiff stored silu(gate), sigmoid and
+    the product per layer and built the gradient as pad + pad + add (RESULTS.md: update temp
+    memory and time).
+    """
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return jax.nn.silu(gate) * up
+
+
+def _swiglu_fwd(gate_up):
+    return swiglu(gate_up), gate_up
+
+
+def _swiglu_bwd(gate_up, d_out):
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    sig = jax.nn.sigmoid(gate)
+    # d silu(g)/dg = sig(g) * (1 + g * (1 - sig(g)))
+    d_gate = d_out * up * sig * (1 + gate * (1 - sig))
+    return (jnp.concatenate([d_gate, d_out * gate * sig], axis=-1),)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 class DecoderLayer(nnx.Module):
