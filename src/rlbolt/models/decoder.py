@@ -171,11 +171,11 @@ class MLP(nnx.Module):
                                dtype=config.dtype, rngs=rngs)
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        return self.down_proj(swiglu(self.gate_up_proj(x)))
+        return self.down_proj(_swiglu(self.gate_up_proj(x)))
 
 
 @jax.custom_vjp
-def swiglu(gate_up: jnp.ndarray) -> jnp.ndarray:
+def _swiglu(gate_up: jnp.ndarray) -> jnp.ndarray:
     """`silu(gate) * up` of a fused [..., 2I] gate|up projection -> [..., I] (Shazeer 2020, eq. 6).
 
     The custom backward keeps only `gate_up` as its residual and recomputes the element-wise
@@ -188,7 +188,7 @@ def swiglu(gate_up: jnp.ndarray) -> jnp.ndarray:
 
 
 def _swiglu_fwd(gate_up):
-    return swiglu(gate_up), gate_up
+    return _swiglu(gate_up), gate_up
 
 
 def _swiglu_bwd(gate_up, d_out):
@@ -199,7 +199,7 @@ def _swiglu_bwd(gate_up, d_out):
     return (jnp.concatenate([d_gate, d_out * gate * sig], axis=-1),)
 
 
-swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 class DecoderLayer(nnx.Module):
