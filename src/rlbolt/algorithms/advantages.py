@@ -7,6 +7,7 @@ that are 0 on padding. All are pure, jittable and carry no gradient (rewards are
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -20,6 +21,9 @@ from rlbolt.algorithms.masked import (
 )
 
 
+# The group estimators are jitted here: modules call them eagerly on the host once per step, where
+# their dozen small ops cost ~9 ms un-jitted (benchmarks/RESULTS.md); under an outer jit it is a no-op.
+@functools.partial(jax.jit, static_argnames=("eps", "scale_by_std", "ddof"))
 def grpo_advantages(
     rewards: jax.Array,
     group_ids: jax.Array,
@@ -55,6 +59,7 @@ def grpo_advantages(
     return centred / (groups.group_std(rewards, group_ids, ddof=ddof) + eps)
 
 
+@functools.partial(jax.jit, static_argnames=("eps",))
 def grpo_process_advantages(
     step_rewards: jax.Array,
     group_ids: jax.Array,
@@ -91,6 +96,7 @@ def grpo_process_advantages(
     return jnp.flip(jnp.cumsum(jnp.flip(normed, axis=1), axis=1), axis=1) * m
 
 
+@jax.jit
 def drgrpo_advantages(rewards: jax.Array, group_ids: jax.Array) -> jax.Array:
     """Dr.GRPO advantages: the reward minus its group mean, no std scaling.
 
@@ -109,6 +115,7 @@ def drgrpo_advantages(rewards: jax.Array, group_ids: jax.Array) -> jax.Array:
     return grpo_advantages(rewards, group_ids, scale_by_std=False)
 
 
+@jax.jit
 def rloo_advantages(rewards: jax.Array, group_ids: jax.Array) -> jax.Array:
     """REINFORCE leave-one-out advantages.
 
