@@ -56,12 +56,12 @@ class DemoConfig:
     """
 
     seed: int = 0
-    max_steps: int = 250
+    max_steps: int = 300
     num_digits: int = 4
     num_prompts: int = 2000
     prompts_per_step: int = 16
     num_generations: int = 8
-    learning_rate: float = 1e-3
+    learning_rate: float = 5e-4
     clip: float = 0.2
     temperature: float = 1.0
     hidden_size: int = 64
