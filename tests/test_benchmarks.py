@@ -1,0 +1,35 @@
+"""The benchmarks run in quick mode on every CI run so they never rot; their numbers are not
+asserted here (speed is measured in benchmarks/, never in tests), only that each prints its table
+and ends with one JSON line holding every field the speed issue names."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+GRPO_FIELDS = {"system", "step_s_median", "step_s_all", "gen_tokens_per_s", "peak_rss_mb", "split",
+               "compiles_after_warmup", "gflops_per_step", "achieved_gflops", "matmul_gflops", "floor_step_s",
+               "overhead_ratio"}
+
+
+def _last_json(script: str) -> tuple[str, dict]:
+    out = subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick"], capture_output=True, text=True,
+                         timeout=600, check=True).stdout
+    lines = [line for line in out.splitlines() if line.strip()]
+    return out, json.loads(lines[-1])
+
+
+def test_grpo_step_benchmark_quick_mode():
+    out, result = _last_json("grpo_step.py")
+    assert "overhead ratio" in out  # the table came before the JSON line
+    assert GRPO_FIELDS <= set(result) and result["system"] == "rlbolt"
+    assert set(result["split"]) == {"rollout", "logps", "reward", "update", "other"}
+    assert len(result["step_s_all"]) == 2 and all(v > 0 for v in result["step_s_all"])
+    assert result["gflops_per_step"] > 90  # the workload's ~95 GFLOP (benchmarks/flops.py), not a timing
+
+
+def test_sampler_benchmark_quick_mode():
+    _, result = _last_json("sampler.py")
+    assert result["system"] == "rlbolt-sampler" and result["gen_tokens_per_s"] > 0
+    assert result["compiles_after_warmup"] == 0
