@@ -14,8 +14,6 @@ type, and fills algorithm-dependent defaults (`None` = "the algorithm's choice")
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import types
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,24 +22,12 @@ from typing import Any
 
 import yaml
 
+from rlbolt.config_fields import ConfigError, closest as _closest, coerce as _coerce, option as _f
+
 ALGORITHMS = ("grpo", "dapo", "drgrpo", "rloo", "reinforcepp", "gspo", "ppo")
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 METRIC_WRITERS = ("console", "jsonl", "tensorboard", "wandb")
 REWARD_TERMS = ("answer", "format", "digits")  # rlbolt.modules.rewarding builds them
-
-
-class ConfigError(ValueError):
-    """A config file or override is invalid; the message names the field and the fix."""
-
-
-def _f(default: Any, help: str, choices: Sequence[Any] | None = None):
-    """A dataclass field with help text (and allowed values for enum-like fields)."""
-    meta = {"help": help}
-    if choices is not None:
-        meta["choices"] = tuple(choices)
-    if isinstance(default, (dict, list)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
@@ -199,61 +185,6 @@ ALGORITHM_DEFAULTS: dict[str, dict[str, Any]] = {
     "ppo": dict(loss_aggregation="token-mean"),
 }
 _GENERIC_DEFAULTS = dict(clip_low=0.2, clip_high=0.2, dynamic_sampling=False)
-
-
-# -- type checking -----------------------------------------------------------------------------
-def _allowed(tp: Any) -> tuple[list[Any], bool]:
-    """(the non-None types of a field annotation, whether None is allowed)."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        args = list(typing.get_args(tp))
-        return [a for a in args if a is not type(None)], type(None) in args
-    return [tp], False
-
-
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", str(tp))
-
-
-def _coerce(where: str, value: Any, tp: Any, choices: tuple | None) -> Any:
-    types_, nullable = _allowed(tp)
-    expected = " or ".join(_type_name(t) for t in types_) + (" or null" if nullable else "")
-    if value is None:
-        if nullable:
-            return None
-        raise ConfigError(f"{where}=null is not allowed; expected {expected}")
-    out = _NOT_MATCHED
-    for t in types_:
-        if t is bool and isinstance(value, bool):
-            out = value
-        elif t is int and isinstance(value, int) and not isinstance(value, bool):
-            out = value
-        elif t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            out = float(value)
-        elif t is str and isinstance(value, str):
-            out = value
-        elif t is dict and isinstance(value, Mapping):
-            out = dict(value)
-        elif t is tuple and isinstance(value, (list, tuple)):
-            out = tuple(value)
-        elif t is tuple and isinstance(value, str):  # `callbacks.metrics=console` on the command line
-            out = tuple(v.strip() for v in value.split(",") if v.strip())
-        if out is not _NOT_MATCHED:
-            break
-    if out is _NOT_MATCHED:
-        raise ConfigError(f"{where}={value!r} has type {type(value).__name__}; expected {expected}")
-    if choices is not None and isinstance(out, str) and out not in choices and out.replace("_", "-") in choices:
-        out = out.replace("_", "-")  # `token_mean` reads as `token-mean`
-    if choices is not None and out not in choices:
-        raise ConfigError(f"{where}={out!r} is not allowed; choose one of {list(choices)}" + _closest(str(out), choices))
-    return out
-
-
-_NOT_MATCHED = object()
-
-
-def _closest(name: str, options: Sequence[Any]) -> str:
-    match = difflib.get_close_matches(name, [str(o) for o in options], n=1)
-    return f" (did you mean {match[0]!r}?)" if match else ""
 
 
 def _build_section(name: str, values: Mapping[str, Any]) -> Any:
