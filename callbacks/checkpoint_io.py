@@ -24,6 +24,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from rlbolt.files import write_text_atomic
+
 STATE, META, RETAINED = "state", "meta", "retained_weights"
 
 
@@ -159,10 +161,8 @@ def read_json(path: Path) -> dict | None:
 
 
 def write_json_atomic(path: Path, value: dict) -> None:
-    """Writes via a temporary file and a rename, so a kill never leaves a half-written file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value))
-    os.replace(tmp, path)
+    """Writes JSON via a temporary file and a rename, so a kill never leaves a half-written file."""
+    write_text_atomic(path, json.dumps(value))
 
 
 def _check_json(meta: dict[str, Any]) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from rlbolt.config_fields import ConfigError, closest as _closest, coerce as _coerce, option as _f
+from rlbolt.files import to_plain, write_text_atomic
 
 ALGORITHMS = ("grpo", "dapo", "drgrpo", "rloo", "reinforcepp", "gspo", "ppo")
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -318,16 +319,8 @@ def config_to_dict(cfg: RunConfig) -> dict[str, dict[str, Any]]:
     out = {}
     for name in SECTIONS:
         section = getattr(cfg, name)
-        out[name] = {f.name: _plain(getattr(section, f.name)) for f in dataclasses.fields(section)}
+        out[name] = {f.name: to_plain(getattr(section, f.name)) for f in dataclasses.fields(section)}
     return out
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> Path:
@@ -340,12 +333,7 @@ def save_config(cfg: RunConfig, path: str | Path) -> Path:
     Returns:
       The written path.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-    tmp.replace(path)
-    return path
+    return write_text_atomic(path, yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
 
 def describe_fields() -> str:

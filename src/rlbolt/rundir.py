@@ -21,6 +21,8 @@ from typing import Any
 
 import yaml
 
+from rlbolt.files import to_plain, write_text_atomic
+
 from rlbolt.callback import Callback
 
 CONFIG_FILE = "config.yaml"
@@ -67,11 +69,7 @@ def prepare_run_dir(path: str | Path, *, resume: bool = False) -> Path:
 
 def write_config(run_dir: str | Path, config: Mapping[str, Any]) -> Path:
     """Writes `config` (a `{section: {key: value}}` mapping) to `<run_dir>/config.yaml` atomically."""
-    path = Path(run_dir) / CONFIG_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(_plain(dict(config)), sort_keys=False))
-    tmp.replace(path)
-    return path
+    return write_text_atomic(Path(run_dir) / CONFIG_FILE, yaml.safe_dump(to_plain(config), sort_keys=False))
 
 
 def read_config(run_dir: str | Path) -> dict[str, Any]:
@@ -86,14 +84,6 @@ def read_config(run_dir: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise RunDirError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
     return data
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
 
 
 def attach_log_file(run_dir: str | Path, level: int = logging.INFO) -> logging.Handler:

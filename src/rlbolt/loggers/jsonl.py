@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from rlbolt.files import write_text_atomic
 from rlbolt.loggers.interface import MetricWriter, scalar_to_float
 
 __all__ = ["JsonlWriter", "read_jsonl"]
@@ -113,10 +114,7 @@ class JsonlWriter(MetricWriter):
 
     def write_hparams(self, hparams: Mapping[str, Any]) -> None:
         # Written whole and renamed into place, so a reader never sees half a file.
-        target = self.path.with_name("hparams.json")
-        tmp = target.with_name(target.name + ".tmp")
-        tmp.write_text(json.dumps(_jsonable(hparams), indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, target)
+        write_text_atomic(self.path.with_name("hparams.json"), json.dumps(_jsonable(hparams), indent=2, sort_keys=True) + "\n")
 
     def flush(self) -> None:
         for f in (self._file, self._texts_file):

@@ -1,0 +1,31 @@
+"""Small file helpers shared by everything that writes run artefacts.
+
+A file a reader may open at any moment (config.yaml, hparams.json, best.json) is written whole
+to a temporary sibling and renamed into place, so a kill never leaves half a file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Writes `text` to `path` via `<path>.tmp` and a rename; parent folders are created."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def to_plain(value: Any) -> Any:
+    """Mappings -> dicts with string keys, tuples/lists -> lists, recursively (YAML/JSON-safe)."""
+    if isinstance(value, Mapping):
+        return {str(k): to_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_plain(v) for v in value]
+    return value
