@@ -133,7 +133,8 @@ class Trainer:
         if module.whole_groups:  # the module's group statistics constrain the micro sizes
             self.plan = self.plan.require_whole_groups(*module.whole_groups)
         self.source = train_data if isinstance(train_data, PromptSource) else PromptSource(train_data, shuffle=self.shuffle, seed=self.data_seed)
-        if self.max_prompts_too_few():
+        max_prompts = self._max_prompts()
+        if max_prompts is not None and max_prompts < self.plan.prompts_per_step:
             raise ValueError(f"train_data has {len(self.source)} prompts x max_epochs={self.max_epochs}: fewer than "
                              f"prompts_per_step={self.plan.prompts_per_step}; lower prompts_per_step or raise max_epochs")
         module.setup(self)
@@ -191,9 +192,6 @@ class Trainer:
         metrics = {(k if k.startswith("val/") else f"val/{k}"): v / max(count, 1) for k, v in totals.items()}
         self.callbacks.on_validation_end(self, step, metrics)
         return metrics
-
-    def max_prompts_too_few(self) -> bool:
-        return self._max_prompts() is not None and self._max_prompts() < self.plan.prompts_per_step
 
     def _max_prompts(self) -> int | None:
         return None if self.max_epochs is None else self.max_epochs * len(self.source)
