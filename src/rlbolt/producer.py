@@ -108,12 +108,11 @@ class Producer:
         n = batch.num_samples
         # One key per sample from (step, refill round, index): a sample's randomness does not
         # depend on micro batch sizes or on what else is in the batch.
-        step_key = jax.random.fold_in(jax.random.fold_in(self.base_rng, step), round_index)
-        keys = jax.vmap(lambda i: jax.random.fold_in(step_key, i))(np.arange(n))
+        keys = sample_keys(self.base_rng, step, round_index, np.arange(n))
         return batch.with_columns(
             group_ids=batch["prompt_index"].astype(np.int32),
             policy_version=np.full((n,), version, np.int32),
-            sample_keys=np.asarray(jax.random.key_data(keys) if jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key) else keys),
+            sample_keys=np.asarray(keys),
         )
 
     def _rollout_and_logps(self, params: Any, batch: Batch, timings: dict[str, float]) -> Batch:
@@ -131,6 +130,15 @@ class Producer:
             timings["time/logps"] += time.perf_counter() - t1
             out.append(with_logps)
         return Batch.concat(out)
+
+
+@jax.jit
+def sample_keys(base_rng: jax.Array, step: int, round_index: int, indices: jax.Array) -> jax.Array:
+    """[N, 2] uint32 raw keys: fold_in(fold_in(fold_in(base, step), round), index) per sample.
+    Jitted: eagerly it is a ~4 ms host round trip every step (0.06 ms compiled)."""
+    step_key = jax.random.fold_in(jax.random.fold_in(base_rng, step), round_index)
+    keys = jax.vmap(lambda i: jax.random.fold_in(step_key, i))(indices)
+    return jax.random.key_data(keys) if jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key) else keys
 
 
 def _map_chunks(fn, batch: Batch, size: int) -> Batch:
