@@ -8,7 +8,10 @@ one optimizer update per step, AdamW lr 1e-6, reward = fraction of even completi
 Reported (medians over steps 3..12): seconds per step, generated tokens/s, the stage split,
 compilations after warm-up, achieved GFLOP/s against a large matmul timed in the same process,
 and `floor_step_s`: the same jitted functions called in a bare Python loop (no Trainer, thread
-or callbacks), so `overhead_ratio = step / floor` is what the framework costs.
+or callbacks), so `overhead_ratio = step / floor` is what the framework costs. On the CPU preset
+it also times the step's dense products alone at the step's shapes (benchmarks/ceiling.py):
+`bound_ratio` is the best `achieved / matmul` any implementation could reach on this machine, and
+`step_over_bound` how far this step is from that bound.
 
     python benchmarks/grpo_step.py            # the CPU workload, 12 steps
     python benchmarks/grpo_step.py --quick    # 2 steps (CI keeps it from rotting; numbers not asserted)
@@ -26,6 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ceiling import measure_bound  # noqa: E402
 from flops import decode_bytes, step_flops  # noqa: E402
 
 PRESETS = {
@@ -101,9 +105,13 @@ def main(argv=None) -> dict:
     split = {k: _median([m[f"time/{k}"] for m in rec.metrics[measured]]) for k in ("rollout", "logps", "reward", "update")}
     step_median = _median(step_s[measured])
     split["other"] = max(step_median - sum(split.values()), 0.0)
-    floor = _floor_step_s(module, trainer, state, rec.last, repeats=max(3, len(step_s[measured])))
+    floor, floor_split = _floor_step_s(module, trainer, state, rec.last, repeats=max(3, len(step_s[measured])))
     matmul = _matmul_gflops(args.preset)
     flops = step_flops(config, p["prompts"] * p["generations"], p["prompt_len"], p["new_tokens"])
+    bound = None
+    if args.preset == "cpu":  # f32 products at the CPU shapes; the GPU preset's would not fit the point
+        bound = measure_bound(config, p["prompts"] * p["generations"], p["prompt_len"], p["new_tokens"],
+                              repeats=2 if args.quick else 7)
     gen_tokens = p["prompts"] * p["generations"] * p["new_tokens"]
     result = {
         "system": "rlbolt",
@@ -120,7 +128,11 @@ def main(argv=None) -> dict:
         "achieved_gflops": flops["total"] / 1e9 / step_median,
         "matmul_gflops": matmul,
         "floor_step_s": floor,
+        "floor_split": floor_split,
         "overhead_ratio": step_median / floor,
+        "bound_step_s": bound and bound["bound_step_s"],
+        "bound_ratio": bound and bound["bound_ratio"],
+        "step_over_bound": bound and step_median / bound["bound_step_s"],
         "reward_first_last": [rec.metrics[0]["reward/mean"], rec.metrics[-1]["reward/mean"]],
         **_utilisation(config, p, flops, split),
     }
@@ -129,8 +141,12 @@ def main(argv=None) -> dict:
     return result
 
 
-def _floor_step_s(module, trainer, state, produced, repeats: int) -> float:
-    """The same jitted work as a step (sampler, reference logps, update), in a bare loop."""
+def _floor_step_s(module, trainer, state, produced, repeats: int) -> tuple[float, dict]:
+    """The same jitted work as a step (sampler, reference logps, update), in a bare loop.
+
+    Returns the median round time and the median of each phase (the host waits for each phase,
+    as a step does), to set against the step's own split.
+    """
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -139,17 +155,20 @@ def _floor_step_s(module, trainer, state, produced, repeats: int) -> float:
     ids = [list(r[m]) for r, m in zip(np.asarray(batch["prompt_ids"]), np.asarray(batch["prompt_mask"]))]
     keys = np.asarray(batch["sample_keys"], np.uint32)
     device_batch = jax.device_put(batch.numeric())
-    times = []
+    rounds = []
     for i in range(repeats + 1):
         t0 = time.perf_counter()
         out = module._generate(state.params, ids, keys, module.rollout_cfg.temperature)
+        t1 = time.perf_counter()
         inputs = tuple(jnp.asarray(x) for x in (batch["prompt_ids"], batch["prompt_mask"], out.completion_ids, out.completion_mask))
-        ref = module._logps(module.ref_params, *inputs)
-        params, opt_state, metrics = trainer._update(state.params, state.opt_state, device_batch)
-        jax.block_until_ready((ref, params, metrics))
+        jax.block_until_ready(module._logps(module.ref_params, *inputs))
+        t2 = time.perf_counter()
+        jax.block_until_ready(trainer._update(state.params, state.opt_state, device_batch))
+        t3 = time.perf_counter()
         if i:  # the first round re-warms caches after fit
-            times.append(time.perf_counter() - t0)
-    return _median(times)
+            rounds.append((t3 - t0, t1 - t0, t2 - t1, t3 - t2))
+    total, rollout, logps, update = (_median(column) for column in zip(*rounds))
+    return total, {"rollout": rollout, "logps": logps, "update": update}
 
 
 def _utilisation(config, p: dict, flops: dict, split: dict) -> dict:
@@ -213,11 +232,14 @@ def _print_table(r: dict, flops: dict) -> None:
         ("achieved GFLOP/s", f"{r['achieved_gflops']:.1f}"),
         ("matmul GFLOP/s (ceiling)", f"{r['matmul_gflops']:.1f}"),
         ("achieved / matmul (target >= 0.70)", f"{r['achieved_gflops'] / r['matmul_gflops']:.2f}"),
+        *([("matmul-only bound s (ceiling.py)", f"{r['bound_step_s']:.3f} (best achieved / matmul {r['bound_ratio']:.2f})"),
+           ("step / bound", f"{r['step_over_bound']:.2f}")] if r["bound_step_s"] else []),
         ("compiles after warm-up (target 0)", str(r["compiles_after_warmup"])),
         ("peak RSS MB of fit (target <= 1000)", f"{r['peak_rss_mb']:.0f}"),
         ("update GFLOP/s (MFU)", f"{r['update_gflops']:.1f} ({_pct(r['update_mfu'])})"),
         ("decode GB/s (of bandwidth peak)", f"{r['decode_gb_per_s']:.1f} ({_pct(r['decode_bw_util'])})"),
-        *[(f"  time/{k}", f"{v:.3f}") for k, v in r["split"].items()],
+        *[(f"  time/{k} (floor)", f"{v:.3f} ({r['floor_split'][k]:.3f})" if k in r["floor_split"] else f"{v:.3f}")
+          for k, v in r["split"].items()],
     ]
     width = max(len(k) for k, _ in rows)
     print(f"rlbolt GRPO step benchmark, preset {r['preset']} on {r['device']}")

@@ -27,6 +27,20 @@ def test_grpo_step_benchmark_quick_mode():
     assert set(result["split"]) == {"rollout", "logps", "reward", "update", "other"}
     assert len(result["step_s_all"]) == 2 and all(v > 0 for v in result["step_s_all"])
     assert result["gflops_per_step"] > 90  # the workload's ~95 GFLOP (benchmarks/flops.py), not a timing
+    # the matmul-only bound (benchmarks/ceiling.py) is measured in the same process and used consistently
+    assert 0 < result["bound_step_s"] and 0 < result["bound_ratio"]
+    assert result["step_over_bound"] == result["step_s_median"] / result["bound_step_s"]
+
+
+def test_ceiling_benchmark_quick_mode():
+    out, result = _last_json("ceiling.py")
+    assert "best achieved / matmul" in out and result["system"] == "rlbolt-ceiling"
+    times = result["times_s"]
+    assert set(times) == {"prefill", "decode", "ref", "update"} and all(t > 0 for t in times.values())
+    assert abs(result["bound_step_s"] - sum(times.values())) < 1e-12
+    # same FLOP formula as grpo_step.py: the ratios of the two scripts are comparable
+    ratio = result["gflops_per_step"] / result["bound_step_s"] / result["matmul_gflops"]
+    assert abs(result["bound_ratio"] - ratio) < 1e-9 and 90 < result["gflops_per_step"] < 110
 
 
 def test_sampler_benchmark_quick_mode():

@@ -1,0 +1,142 @@
+"""What the GRPO step's matrix products alone cost on this machine, at the step's own shapes.
+
+`achieved / matmul` in grpo_step.py compares the whole step with one large square matmul. This
+script answers the question that target raises: how fast can *these* products go here? It times
+only the dense products the FLOP formula counts (benchmarks/flops.py), at the step's shapes and
+with the step's dependencies, and nothing else (no norms, softmax, attention, sampling, framework):
+
+    rollout: the prefill over S x P prompt tokens, then C - 1 *sequential* decode steps of S-row
+             products through every layer and the lm_head (each step needs the previous one);
+    ref:     one forward over S x (P + C) tokens;
+    update:  forward + gradients (inputs and weights) over S x (P + C) tokens in one piece (the
+             most favourable shape; grpo_step.py accumulates micro batches of 8).
+
+The sum is a lower bound on the step's matmul time, so `flops / bound / matmul_gflops` is the
+highest `achieved / matmul` any implementation of the workload could report on this machine.
+Attention (3% of the FLOPs) is counted in the FLOPs but not timed, which favours the bound.
+grpo_step.py calls `measure_bound` in its own process, so its ratios compare like with like.
+
+    python benchmarks/ceiling.py [--repeats 7] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from flops import step_flops  # noqa: E402
+
+
+def measure_bound(cfg, sequences: int, prompt_len: int, new_tokens: int, repeats: int = 7) -> dict:
+    """Times the step's dense products per phase; returns times, the bound and the ratios."""
+    import jax
+    import jax.numpy as jnp
+
+    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    o_in = cfg.num_heads * cfg.head_dim
+    keys = iter(jax.random.split(jax.random.PRNGKey(0), 4 * cfg.num_layers + 8))
+    normal = lambda *shape: jax.random.normal(next(keys), shape, jnp.float32) * 0.05  # noqa: E731
+    weights = [dict(qkv=normal(h, qkv), o=normal(o_in, h), gu=normal(h, 2 * i), d=normal(i, h))
+               for _ in range(cfg.num_layers)]
+    head = normal(h, v)
+
+    def forward(ws, hd, x):
+        """Every counted product once; slices carry the chain (x stays [tokens, hidden])."""
+        for w in ws:
+            x = x + (x @ w["qkv"])[:, :o_in] @ w["o"]
+            x = x + (x @ w["gu"])[:, :i] @ w["d"]
+        return x, x @ hd
+
+    def decode(ws, hd, x):
+        def body(_, x):
+            x, logits = forward(ws, hd, x)
+            return x + logits[:, :h] * 1e-3
+
+        return jax.lax.fori_loop(0, new_tokens - 1, body, x)
+
+    def loss(ws, hd, x):
+        x, logits = forward(ws, hd, x)
+        return jnp.sum(logits) + jnp.sum(x)
+
+    tokens = sequences * (prompt_len + new_tokens)
+    # Weights are arguments, not closed-over constants: XLA would constant-fold the products.
+    phases = {
+        "prefill": (jax.jit(forward), normal(sequences * prompt_len, h)),
+        "decode": (jax.jit(decode), normal(sequences, h)),
+        "ref": (jax.jit(forward), normal(tokens, h)),
+        "update": (jax.jit(jax.grad(loss, argnums=(0, 1, 2))), normal(tokens, h)),
+    }
+    times = _time_blocks({name: (fn, (weights, head, x)) for name, (fn, x) in phases.items()}
+                              | {"matmul": (jax.jit(lambda a: a @ a), (normal(1024, 1024),))}, repeats)
+    matmul_gflops = 2 * 1024 ** 3 / times.pop("matmul") / 1e9
+    flops = step_flops(cfg, sequences, prompt_len, new_tokens)["total"] / 1e9
+    bound = sum(times.values())
+    return {
+        "times_s": times,
+        "bound_step_s": bound,
+        "gflops_per_step": flops,
+        "matmul_gflops": matmul_gflops,
+        "bound_achieved_gflops": flops / bound,
+        "bound_ratio": flops / bound / matmul_gflops,
+        "step_s_for_0_70": flops / (0.70 * matmul_gflops),
+    }
+
+
+def _time_blocks(calls: dict, repeats: int) -> dict:
+    """Median seconds per call, each call timed in its own block of back-to-back repeats.
+
+    Back-to-back, like grpo_step.py's matmul: each phase at its steady-state best. (Alternating
+    the calls round by round made the 1024^3 matmul itself ~30% slower here, 120-130 vs
+    160-190 GFLOP/s, which would flatter the ratio.) The matmul is timed before and after the
+    phases and the median of both blocks is kept, so slow drift shows in neither side alone.
+    """
+    import jax
+
+    samples = {name: [] for name in calls}
+    order = ["matmul", *[n for n in calls if n != "matmul"], "matmul"]
+    for name in order:
+        fn, inputs = calls[name]
+        jax.block_until_ready(fn(*inputs))
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*inputs))
+            samples[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def main(argv=None) -> dict:
+    args = _parse(argv)
+    from rlbolt.xla_flags import configure_xla_flags
+
+    configure_xla_flags(enable=not args.no_xla_flags)
+    from rlbolt.models import workload_config
+
+    result = {"system": "rlbolt-ceiling",
+              **measure_bound(workload_config(), 32, 32, 64, repeats=2 if args.quick else args.repeats)}
+    print("matmul-only lower bound of the GRPO step at its own shapes (benchmarks/ceiling.py)")
+    for name, t in result["times_s"].items():
+        print(f"  {name:<28} {t:.3f} s")
+    print(f"  {'bound (sum)':<28} {result['bound_step_s']:.3f} s")
+    print(f"  {'1024^3 matmul GFLOP/s':<28} {result['matmul_gflops']:.1f}")
+    print(f"  {'best achieved / matmul':<28} {result['bound_ratio']:.2f}")
+    print(f"  {'step needed for 0.70':<28} {result['step_s_for_0_70']:.3f} s")
+    print(json.dumps(result))
+    return result
+
+
+def _parse(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=7, help="timed rounds (medians are reported)")
+    ap.add_argument("--quick", action="store_true", help="2 rounds: a smoke run, numbers not meaningful")
+    ap.add_argument("--no-xla-flags", action="store_true", help="do not apply rlbolt's CPU XLA flags")
+    return ap.parse_args(argv)
+
+
+if __name__ == "__main__":
+    main()
