@@ -32,8 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from flops import step_flops  # noqa: E402
 
 
-def measure_bound(cfg, sequences: int, prompt_len: int, new_tokens: int, repeats: int = 7) -> dict:
-    """Times the step's dense products per phase; returns times, the bound and the ratios."""
+def measure_bound(cfg, sequences: int, prompt_len: int, new_tokens: int, repeats: int = 7,
+                  matmul_gflops: float | None = None) -> dict:
+    """Times the step's dense products per phase; returns times, the bound and the ratios.
+
+    `matmul_gflops`: the ceiling the caller already measured (grpo_step.py), so both of its
+    ratios share one denominator; None times the 1024^3 matmul here, before and after the phases.
+    """
     import jax
     import jax.numpy as jnp
 
@@ -72,9 +77,12 @@ def measure_bound(cfg, sequences: int, prompt_len: int, new_tokens: int, repeats
         "ref": (jax.jit(forward), normal(tokens, h)),
         "update": (jax.jit(jax.grad(loss, argnums=(0, 1, 2))), normal(tokens, h)),
     }
-    times = _time_blocks({name: (fn, (weights, head, x)) for name, (fn, x) in phases.items()}
-                              | {"matmul": (jax.jit(lambda a: a @ a), (normal(1024, 1024),))}, repeats)
-    matmul_gflops = 2 * 1024 ** 3 / times.pop("matmul") / 1e9
+    calls = {name: (fn, (weights, head, x)) for name, (fn, x) in phases.items()}
+    if matmul_gflops is None:
+        calls["matmul"] = (jax.jit(lambda a: a @ a), (normal(1024, 1024),))
+    times = _time_blocks(calls, repeats)
+    if matmul_gflops is None:
+        matmul_gflops = 2 * 1024 ** 3 / times.pop("matmul") / 1e9
     flops = step_flops(cfg, sequences, prompt_len, new_tokens)["total"] / 1e9
     bound = sum(times.values())
     return {
@@ -99,7 +107,8 @@ def _time_blocks(calls: dict, repeats: int) -> dict:
     import jax
 
     samples = {name: [] for name in calls}
-    order = ["matmul", *[n for n in calls if n != "matmul"], "matmul"]
+    phases = [n for n in calls if n != "matmul"]
+    order = ["matmul", *phases, "matmul"] if "matmul" in calls else phases
     for name in order:
         fn, inputs = calls[name]
         jax.block_until_ready(fn(*inputs))

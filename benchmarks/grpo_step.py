@@ -109,9 +109,9 @@ def main(argv=None) -> dict:
     matmul = _matmul_gflops(args.preset)
     flops = step_flops(config, p["prompts"] * p["generations"], p["prompt_len"], p["new_tokens"])
     bound = None
-    if args.preset == "cpu":  # f32 products at the CPU shapes; the GPU preset's would not fit the point
+    if args.preset == "cpu":  # the bound times f32 products; on a GPU, update MFU and decode bandwidth say this
         bound = measure_bound(config, p["prompts"] * p["generations"], p["prompt_len"], p["new_tokens"],
-                              repeats=2 if args.quick else 7)
+                              repeats=2 if args.quick else 7, matmul_gflops=matmul)
     gen_tokens = p["prompts"] * p["generations"] * p["new_tokens"]
     result = {
         "system": "rlbolt",

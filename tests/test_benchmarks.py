@@ -30,6 +30,8 @@ def test_grpo_step_benchmark_quick_mode():
     # the matmul-only bound (benchmarks/ceiling.py) is measured in the same process and used consistently
     assert 0 < result["bound_step_s"] and 0 < result["bound_ratio"]
     assert result["step_over_bound"] == result["step_s_median"] / result["bound_step_s"]
+    # both ratios share the one matmul timed in this run
+    assert result["bound_ratio"] == result["gflops_per_step"] / result["bound_step_s"] / result["matmul_gflops"]
 
 
 def test_ceiling_benchmark_quick_mode():
