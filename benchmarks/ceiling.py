@@ -104,19 +104,25 @@ def _time_blocks(calls: dict, repeats: int) -> dict:
     160-190 GFLOP/s, which would flatter the ratio.) The matmul is timed before and after the
     phases and the median of both blocks is kept, so slow drift shows in neither side alone.
     """
-    import jax
-
     samples = {name: [] for name in calls}
     phases = [n for n in calls if n != "matmul"]
     order = ["matmul", *phases, "matmul"] if "matmul" in calls else phases
     for name in order:
-        fn, inputs = calls[name]
-        jax.block_until_ready(fn(*inputs))
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*inputs))
-            samples[name].append(time.perf_counter() - t0)
+        samples[name] += time_calls(*calls[name], repeats)
     return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def time_calls(fn, inputs: tuple, repeats: int) -> list[float]:
+    """Seconds of each of `repeats` back-to-back `fn(*inputs)` calls, after one warm-up call."""
+    import jax
+
+    jax.block_until_ready(fn(*inputs))
+    seconds = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*inputs))
+        seconds.append(time.perf_counter() - t0)
+    return seconds
 
 
 def main(argv=None) -> dict:

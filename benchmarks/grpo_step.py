@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ceiling import measure_bound  # noqa: E402
+from ceiling import measure_bound, time_calls  # noqa: E402
 from flops import decode_bytes, step_flops  # noqa: E402
 
 PRESETS = {
@@ -199,23 +199,14 @@ _PEAK_BF16_FLOPS = {"h200": 989e12, "h100": 989e12, "a100": 312e12}
 _PEAK_BYTES_PER_S = {"h200": 4.8e12, "h100": 3.35e12, "a100": 2.0e12}
 
 
-def _matmul_gflops(preset: str, n: int = 1024, repeats: int = 20) -> float:
+def _matmul_gflops(preset: str, repeats: int = 20) -> float:
     """A large float32 (cpu) / bfloat16 (gpu) matmul: the practical compute ceiling, timed here."""
     import jax
     import jax.numpy as jnp
 
-    if preset == "gpu":
-        n = 8192
-    dtype = jnp.bfloat16 if preset == "gpu" else jnp.float32
+    n, dtype = (8192, jnp.bfloat16) if preset == "gpu" else (1024, jnp.float32)
     a = jax.random.normal(jax.random.PRNGKey(0), (n, n), dtype)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f(a).block_until_ready()
-        times.append(time.perf_counter() - t0)
-    return 2 * n ** 3 / _median(times) / 1e9
+    return 2 * n ** 3 / _median(time_calls(jax.jit(lambda x: x @ x), (a,), repeats)) / 1e9
 
 
 def _median(values) -> float:
