@@ -127,7 +127,7 @@ def time_calls(fn, inputs: tuple, repeats: int) -> list[float]:
 
 def main(argv=None) -> dict:
     args = _parse(argv)
-    from rlbolt.xla_flags import configure_xla_flags
+    from rlbolt.utils.xla_flags import configure_xla_flags
 
     configure_xla_flags(enable=not args.no_xla_flags)
     from rlbolt.models import workload_config

@@ -43,7 +43,7 @@ PRESETS = {
 
 def main(argv=None) -> dict:
     args = _parse(argv)
-    from rlbolt.xla_flags import configure_xla_flags
+    from rlbolt.utils.xla_flags import configure_xla_flags
 
     applied = configure_xla_flags(enable=not args.no_xla_flags)
     import jax

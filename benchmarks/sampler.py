@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10, help="timed iterations (after 1 warm-up)")
     parser.add_argument("--no-xla-flags", action="store_true", help="do not apply rlbolt's CPU XLA flags")
     args = parser.parse_args()
-    from rlbolt.xla_flags import configure_xla_flags
+    from rlbolt.utils.xla_flags import configure_xla_flags
 
     configure_xla_flags(enable=not args.no_xla_flags)  # before jax is imported; CPU only
 

@@ -1,4 +1,7 @@
-"""Built-in callbacks, installed as ``rlbolt.callbacks``."""
+"""Built-in callbacks, installed as ``rlbolt.callbacks``; the base class `Callback`, `CallbackList`
+and `Periodic` (defined in `rlbolt.callback`) are importable from here too."""
+
+from rlbolt.callback import Callback, CallbackList, Periodic
 
 from rlbolt.callbacks.checkpoint import ModelCheckpoint
 from rlbolt.callbacks.nan_guard import NaNGuard, NonFiniteError
@@ -10,3 +13,6 @@ from rlbolt.callbacks.early_stopping import EarlyStopping
 from rlbolt.callbacks.lr_monitor import LearningRateMonitor
 from rlbolt.callbacks.throughput import Throughput
 from rlbolt.callbacks.hf_export import HFExport
+
+__all__ = ["CPUOffload", "Callback", "CallbackList", "EarlyStopping", "Evaluation", "HFExport", "LearningRateMonitor",
+           "MetricsLogger", "ModelCheckpoint", "NaNGuard", "NonFiniteError", "Periodic", "ProgressBar", "Throughput"]

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from rlbolt.files import write_text_atomic
+from rlbolt.utils.files import write_text_atomic
 
 STATE, META, RETAINED = "state", "meta", "retained_weights"
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from rlbolt.build import build_run, parse_args
+from rlbolt.app.build import build_run, parse_args
 from rlbolt.modules import DrGRPO
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "drgrpo_gsm8k.yaml"

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from rlbolt.build import build_run, parse_args
+from rlbolt.app.build import build_run, parse_args
 from rlbolt.modules import PPO
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "ppo_gsm8k.yaml"

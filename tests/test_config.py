@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import yaml
 
-from rlbolt.config import (
+from rlbolt.app.config import (
     ALGORITHMS,
     ConfigError,
     RunConfig,
@@ -131,8 +131,8 @@ def test_every_field_has_help_text():
 
 def test_callbacks_section_builds_the_configured_callbacks(tmp_path):
     from rlbolt import callbacks as cb
-    from rlbolt.build import build_callbacks
-    from rlbolt.config import load_config
+    from rlbolt.app.build import build_callbacks
+    from rlbolt.app.config import load_config
 
     cfg = load_config(None, ["callbacks.checkpoint_every_n_steps=5", "callbacks.offload=true",
                              "callbacks.early_stopping_metric=val/accuracy", "callbacks.progress=false"])

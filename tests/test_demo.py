@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import yaml
 
-from rlbolt.demo import DemoConfig, demo_rows, position_rewards
+from rlbolt.app.demo import DemoConfig, demo_rows, position_rewards
 from rlbolt.loggers import read_jsonl
 
 STEPS = 60  # the full demo passes 0.9 near step 194; by step 60 the reward has clearly left chance (0.074 -> 0.146)
@@ -22,7 +22,7 @@ STEPS = 60  # the full demo passes 0.9 near step 194; by step 60 the reward has 
 def demo_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     run_dir = tmp_path_factory.mktemp("demo") / "run"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-m", "rlbolt.cli", "demo", "--run-dir", str(run_dir), "--max-steps",
+    proc = subprocess.run([sys.executable, "-m", "rlbolt.app.cli", "demo", "--run-dir", str(run_dir), "--max-steps",
                            str(STEPS)], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir, proc
@@ -67,7 +67,7 @@ def test_position_rewards_give_partial_credit():
 
 
 def test_demo_config_rejects_bad_values():
-    from rlbolt.demo import DemoConfigError
+    from rlbolt.app.demo import DemoConfigError
 
     with pytest.raises(DemoConfigError, match="demo.task='sort'"):
         DemoConfig(task="sort")

@@ -24,7 +24,7 @@ from rlbolt.data.source import PromptSource
 from rlbolt.module import RLModule, collect_logs
 from rlbolt.plan import BatchPlan
 from rlbolt.weights import WeightStore
-from rlbolt.xla_flags import release_freed_host_memory
+from rlbolt.utils.xla_flags import release_freed_host_memory
 
 
 @dataclasses.dataclass

@@ -14,7 +14,7 @@ from rlbolt.models import Decoder, tiny_config
 from rlbolt.modules import GRPO
 from rlbolt.modules.prompts import builtin_tokenizer
 from rlbolt.plan import BatchPlan
-from rlbolt.rundir import LogFile
+from rlbolt.app.rundir import LogFile
 from rlbolt.trainer import Trainer
 
 

@@ -8,8 +8,8 @@ import sys
 import pytest
 import yaml
 
-from rlbolt import rundir
-from rlbolt.cli import CLIError, main, split_overrides
+from rlbolt.app import rundir
+from rlbolt.app.cli import CLIError, main, split_overrides
 
 SUBCOMMANDS = ("demo", "fit", "resume", "plot", "export")
 
@@ -32,7 +32,7 @@ def test_help_exits_zero_and_shows_usage(argv, capsys):
 
 
 def test_console_script_help_runs_in_a_fresh_process():
-    proc = subprocess.run([sys.executable, "-m", "rlbolt.cli", "demo", "--help"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "rlbolt.app.cli", "demo", "--help"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0
     assert "--checkpoint-every" in proc.stdout and "--max-steps" in proc.stdout

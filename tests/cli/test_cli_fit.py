@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from rlbolt.cli import main
+from rlbolt.app.cli import main
 from rlbolt.loggers import read_jsonl
 
 RECIPE = "recipes/configs/grpo_gsm8k.yaml"

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rlbolt.cli import main
-from rlbolt.cli_run import run_demo
-from rlbolt.demo import DemoConfig, DigitsGRPO
+from rlbolt.app.cli import main
+from rlbolt.app.cli_run import run_demo
+from rlbolt.app.demo import DemoConfig, DigitsGRPO
 from rlbolt.loggers import read_jsonl
 
 SMALL = DemoConfig(max_steps=2, prompts_per_step=4, num_generations=4, num_prompts=64, checkpoint_every=1)
@@ -47,7 +47,7 @@ def test_export_writes_the_checkpointed_weights_for_transformers(small_run, tmp_
     assert "checkpoint step" in capsys.readouterr().out
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
 
-    from rlbolt.cli_export import latest_params
+    from rlbolt.app.cli_export import latest_params
 
     module, step, _ = latest_params(small_run)
     assert step == max(int(p.name) for p in (small_run / "checkpoints").iterdir() if p.name.isdigit())

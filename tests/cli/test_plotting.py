@@ -7,10 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rlbolt.cli import main
-from rlbolt.cli_run import summarize
+from rlbolt.app.cli import main
+from rlbolt.app.cli_run import summarize
 from rlbolt.loggers import JsonlWriter
-from rlbolt.plotting import plot_metrics, series
+from rlbolt.app.plotting import plot_metrics, series
 
 
 def write_metrics(path: Path, rewards, *, extra=lambda step: {}) -> None:

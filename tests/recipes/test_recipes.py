@@ -56,7 +56,7 @@ SMOKE = [pytest.param(n, marks=() if n == "grpo" else pytest.mark.slow) for n in
 @pytest.mark.parametrize("name", NAMES)
 def test_recipe_config_builds(name, tmp_path):
     """Every recipe's own YAML loads, resolves to its algorithm and builds module + trainer."""
-    from rlbolt.build import build_run, parse_args
+    from rlbolt.app.build import build_run, parse_args
 
     recipe = _load(name)
     cfg = parse_args([f"trainer.run_dir={tmp_path}"], recipe.DEFAULT_CONFIG, algorithm=name)
@@ -87,7 +87,7 @@ def test_recipe_smoke(name, tmp_path):
 
 
 def test_recipe_rejects_other_algorithm(tmp_path):
-    from rlbolt.config import ConfigError
+    from rlbolt.app.config import ConfigError
 
     with pytest.raises(ConfigError, match="recipes/dapo_gsm8k.py"):
         _load("grpo").main([*FAST, f"trainer.run_dir={tmp_path}", "algorithm.name=dapo"])

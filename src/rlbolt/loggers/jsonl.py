@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from rlbolt.files import write_text_atomic
+from rlbolt.utils.files import write_text_atomic
 from rlbolt.loggers.interface import MetricWriter, scalar_to_float
 
 __all__ = ["JsonlWriter", "read_jsonl"]

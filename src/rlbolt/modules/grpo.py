@@ -1,7 +1,7 @@
 """The critic-free group-relative family: GRPO, Dr.GRPO, RLOO and GSPO.
 
 Each is `LMPolicyModule` with one or two pieces swapped; the config's algorithm defaults
-(rlbolt.config.ALGORITHM_DEFAULTS) pick each paper's clip range and loss aggregation.
+(rlbolt.app.config.ALGORITHM_DEFAULTS) pick each paper's clip range and loss aggregation.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from flax import nnx
 from rlbolt.algorithms import LossAggregation, aggregate_loss, clipped_surrogate, kl_penalty, overlong_penalty
 from rlbolt.algorithms import grpo_advantages, truncated_importance_weights
 from rlbolt.batch import Batch
-from rlbolt.config import ConfigError, RunConfig, config_to_dict, load_config
+from rlbolt.app.config import ConfigError, RunConfig, config_to_dict, load_config
 from rlbolt.module import RLModule
 from rlbolt.modules import lm_ops
 from rlbolt.modules.prompts import PromptEncoder, builtin_tokenizer, rows_of
@@ -298,7 +298,7 @@ def _config_for(cls: type, config: RunConfig | Mapping | None) -> RunConfig:
         if config.algorithm.name != name:
             raise ConfigError(
                 f"{cls.__name__} got a config with algorithm.name={config.algorithm.name!r}; set "
-                f"algorithm.name={name} (or build the module for {config.algorithm.name!r} with rlbolt.build)"
+                f"algorithm.name={name} (or build the module for {config.algorithm.name!r} with rlbolt.app.build)"
             )
         return config
     raw = {k: dict(v) for k, v in (config or {}).items()}

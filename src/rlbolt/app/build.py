@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rlbolt.config import ConfigError, RunConfig, load_config, save_config
+from rlbolt.app.config import ConfigError, RunConfig, load_config, save_config
 from rlbolt.data import gsm8k_style_rows, load_rows
 from rlbolt.plan import BatchPlan
 from rlbolt.trainer import Trainer

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from rlbolt.files import to_plain, write_text_atomic
+from rlbolt.utils.files import to_plain, write_text_atomic
 
 from rlbolt.callback import Callback
 

@@ -13,8 +13,8 @@ from typing import Any
 import jax
 from flax import nnx
 
-from rlbolt import rundir
-from rlbolt.demo import DemoConfig, DigitsGRPO
+from rlbolt.app import rundir
+from rlbolt.app.demo import DemoConfig, DigitsGRPO
 
 
 def is_demo_config(data: dict[str, Any]) -> bool:
@@ -30,8 +30,8 @@ def _module_for(run_dir: Path) -> tuple[Any, Any]:
         module = DigitsGRPO(cfg)
         module.init_params(jax.random.PRNGKey(cfg.seed))
         return module, None
-    from rlbolt.build import build_module, build_trainer
-    from rlbolt.config import load_config
+    from rlbolt.app.build import build_module, build_trainer
+    from rlbolt.app.config import load_config
 
     cfg = load_config(data, [f"trainer.run_dir={run_dir}"])
     module = build_module(cfg)

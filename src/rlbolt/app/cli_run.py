@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from rlbolt import rundir
-from rlbolt.demo import DemoConfig, DigitsGRPO, demo_rows
+from rlbolt.app import rundir
+from rlbolt.app.demo import DemoConfig, DigitsGRPO, demo_rows
 from rlbolt.plan import BatchPlan
 from rlbolt.trainer import Trainer
 
@@ -74,7 +74,7 @@ def standard_callbacks(checkpoint_every: int | None, *, progress: bool = True) -
 
 def run_demo(config: DemoConfig, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
              out: TextIO | None = None) -> RunSummary:
-    """Trains the built-in demo (see `rlbolt.demo`) into `run_dir`.
+    """Trains the built-in demo (see `rlbolt.app.demo`) into `run_dir`.
 
     Args:
       config: the demo settings (written to config.yaml).
@@ -95,7 +95,7 @@ def run_demo(config: DemoConfig, run_dir: str | Path, *, resume: bool = False, p
 
 
 def run_config(cfg: Any, *, resume: bool = False, out: TextIO | None = None) -> RunSummary:
-    """Trains a recipe config (a resolved `rlbolt.config.RunConfig`) into `cfg.trainer.run_dir`.
+    """Trains a recipe config (a resolved `rlbolt.app.config.RunConfig`) into `cfg.trainer.run_dir`.
 
     Args:
       cfg: the run config; `trainer.run_dir` must be set.
@@ -105,7 +105,7 @@ def run_config(cfg: Any, *, resume: bool = False, out: TextIO | None = None) -> 
     Returns:
       The RunSummary.
     """
-    from rlbolt.build import build_run
+    from rlbolt.app.build import build_run
 
     run_dir = rundir.prepare_run_dir(cfg.trainer.run_dir, resume=resume)
     if resume:
@@ -137,13 +137,13 @@ def _fit_and_report(trainer: Trainer, module: Any, train_rows: Any, val_rows: An
 
 def summarize(run_dir: Path, steps: int, seconds: float, target: float = 0.9) -> RunSummary:
     """Reads metrics.jsonl, draws the plots, and condenses the reward curve."""
-    from rlbolt.plotting import plot_metrics, series
+    from rlbolt.app.plotting import plot_metrics, series
 
     metrics_path = run_dir / rundir.METRICS_FILE
     if not metrics_path.is_file():
         return RunSummary(run_dir, steps, seconds, None, None, None, target, ())
     plots = plot_metrics(metrics_path, run_dir / rundir.PLOTS_DIR)
-    from rlbolt.plotting import load_metrics
+    from rlbolt.app.plotting import load_metrics
 
     reward_steps, rewards = series(load_metrics(metrics_path), "reward/mean")
     head, tail = rewards[:5], rewards[-5:]

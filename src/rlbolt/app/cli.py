@@ -90,7 +90,7 @@ def _positive_int(text: str) -> int:
 
 
 def _demo_default(name: str):
-    from rlbolt.demo import DemoConfig
+    from rlbolt.app.demo import DemoConfig
 
     return getattr(DemoConfig(), name)
 
@@ -114,8 +114,8 @@ def split_overrides(extra: Sequence[str]) -> list[str]:
 
 # -- subcommands ------------------------------------------------------------------------------------
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from rlbolt.cli_run import run_demo
-    from rlbolt.demo import DemoConfig
+    from rlbolt.app.cli_run import run_demo
+    from rlbolt.app.demo import DemoConfig
 
     changes = {k: v for k, v in (("max_steps", args.max_steps), ("checkpoint_every", args.checkpoint_every),
                                  ("seed", args.seed), ("task", args.task)) if v is not None}
@@ -127,14 +127,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_fit(args: argparse.Namespace, extra: Sequence[str]) -> int:
-    from rlbolt.config import describe_fields, load_config
+    from rlbolt.app.config import describe_fields, load_config
 
     if args.list_fields:
         print(describe_fields())
         return 0
     if args.config is None:
         raise CLIError("give a CONFIG file, e.g. `rlbolt fit recipes/configs/grpo_gsm8k.yaml`")
-    from rlbolt.cli_run import run_config
+    from rlbolt.app.cli_run import run_config
 
     overrides = split_overrides(extra)
     cfg = load_config(args.config, overrides)
@@ -146,24 +146,24 @@ def _cmd_fit(args: argparse.Namespace, extra: Sequence[str]) -> int:
 
 
 def _cmd_resume(args: argparse.Namespace) -> int:
-    from rlbolt import rundir
-    from rlbolt.cli_export import is_demo_config
+    from rlbolt.app import rundir
+    from rlbolt.app.cli_export import is_demo_config
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         raise CLIError(f"run directory {run_dir} does not exist")
     data = rundir.read_config(run_dir)
     if is_demo_config(data):
-        from rlbolt.cli_run import run_demo
-        from rlbolt.demo import DemoConfig
+        from rlbolt.app.cli_run import run_demo
+        from rlbolt.app.demo import DemoConfig
 
         config = DemoConfig.from_dict(data)
         if args.max_steps is not None:
             config = dataclasses.replace(config, max_steps=args.max_steps)
         run_demo(config, run_dir, resume=True)
         return 0
-    from rlbolt.cli_run import run_config
-    from rlbolt.config import load_config
+    from rlbolt.app.cli_run import run_config
+    from rlbolt.app.config import load_config
 
     overrides = [f"trainer.run_dir={run_dir}"]
     if args.max_steps is not None:
@@ -173,7 +173,7 @@ def _cmd_resume(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from rlbolt.plotting import TOPICS, plot_metrics
+    from rlbolt.app.plotting import TOPICS, plot_metrics
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
@@ -188,7 +188,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from rlbolt.cli_export import export_run
+    from rlbolt.app.cli_export import export_run
 
     if not Path(args.run_dir).is_dir():
         raise CLIError(f"run directory {args.run_dir} does not exist")
@@ -198,14 +198,14 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from rlbolt.demo import DemoConfigError
+    from rlbolt.app.demo import DemoConfigError
     from rlbolt.plan import PlanError
-    from rlbolt.rundir import RunDirError
+    from rlbolt.app.rundir import RunDirError
 
     errors: list[type[BaseException]] = [CLIError, RunDirError, PlanError, DemoConfigError, FileNotFoundError,
                                          FileExistsError]
     try:
-        from rlbolt.config import ConfigError
+        from rlbolt.app.config import ConfigError
 
         errors.append(ConfigError)
     except ImportError:
@@ -215,7 +215,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status (0 ok, 2 bad input, 130 interrupted)."""
-    from rlbolt.xla_flags import configure_xla_flags
+    from rlbolt.utils.xla_flags import configure_xla_flags
 
     configure_xla_flags()  # before the first JAX computation: XLA reads the flags once
     parser = build_parser()

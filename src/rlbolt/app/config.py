@@ -22,8 +22,8 @@ from typing import Any
 
 import yaml
 
-from rlbolt.config_fields import ConfigError, closest as _closest, coerce as _coerce, option as _f
-from rlbolt.files import to_plain, write_text_atomic
+from rlbolt.app.config_fields import ConfigError, closest as _closest, coerce as _coerce, option as _f
+from rlbolt.utils.files import to_plain, write_text_atomic
 
 ALGORITHMS = ("grpo", "dapo", "drgrpo", "rloo", "reinforcepp", "gspo", "ppo")
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
