@@ -52,6 +52,13 @@ class RLModule:
 
         return nnx.state(model, nnx.Param)
 
+    def check_plan(self, plan: Any) -> None:
+        """Refuses a BatchPlan this module cannot learn with (raise `rlbolt.plan.PlanError`).
+
+        Called by `fit` before `setup`, so nothing is built or compiled for a run that would
+        train silently wrong; e.g. a group-relative advantage needs `num_generations >= 2`.
+        Default: every plan is fine."""
+
     def configure_optimizers(self) -> optax.GradientTransformation:
         """The optimizer (schedules live inside it). Default: AdamW, lr 1e-6, grad-norm clip 1.0."""
         return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-6))

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 
 from rlbolt.app.cli import main
+from rlbolt.data import gsm8k_style_rows
 from rlbolt.loggers import read_jsonl
 
 RECIPE = "recipes/configs/grpo_gsm8k.yaml"
@@ -14,10 +17,15 @@ RECIPE = "recipes/configs/grpo_gsm8k.yaml"
 @pytest.fixture(scope="module")
 def fit_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("fit") / "run"
-    code = main(["fit", RECIPE, "--trainer.max_steps=2", f"--trainer.run_dir={run_dir}",
-                 "--callbacks.checkpoint_every_n_steps=1", "--trainer.val_every_n_steps=null",
-                 "--data.builtin_val_rows=0", "--callbacks.progress=false", "--callbacks.metrics=[jsonl]"])
-    assert code == 0
+    data = run_dir.parent / "rows.jsonl"
+    rows = [json.dumps(r) for r in gsm8k_style_rows(8)]
+    data.write_text("\n".join(rows[:-1]) + "\n" + rows[-1][:20])  # a torn last line
+    command = ["fit", RECIPE, "--trainer.max_steps=2", f"--trainer.run_dir={run_dir}", f"--data.train={data}",
+               "--callbacks.checkpoint_every_n_steps=1", "--trainer.val_every_n_steps=null",
+               "--data.builtin_val_rows=0", "--callbacks.progress=false", "--callbacks.metrics=[jsonl]"]
+    assert main(command) == 2 and not run_dir.exists()  # refused, nothing left behind...
+    data.write_text("\n".join(rows) + "\n")
+    assert main(command) == 0  # ...so the fixed command runs
     return run_dir
 
 

@@ -26,7 +26,8 @@ EXIT_BAD_INPUT = 2
 DESCRIPTION = """rlbolt: RL post-training of language models in JAX.
 
 Start with `rlbolt demo`: a tiny model learns a digit task from scratch with GRPO on your CPU
-(a few minutes), with a progress bar, a summary and a reward plot in the run directory."""
+(about 20 seconds on a 2-core CPU), with a progress bar, a summary and a reward plot in the run
+directory."""
 
 
 class CLIError(Exception):
