@@ -40,7 +40,9 @@ def test_fit_writes_the_resolved_config_and_metrics(fit_run):
     assert all(0.0 <= r["reward/mean"] <= 1.1 for r in records)
     assert sorted(int(p.name) for p in (fit_run / "checkpoints").iterdir() if p.name.isdigit())[-1] == 2
     assert (fit_run / "plots" / "reward.png").is_file()
-    assert "step 2 reward/mean=" in (fit_run / "train.log").read_text()
+    log = (fit_run / "train.log").read_text()
+    assert "step 2 reward/mean=" in log
+    assert "trainable parameters:" in log and "| embed/embedding " in log and "Total: " in log
 
 
 def test_fit_into_the_same_run_dir_again_is_refused(fit_run, capsys):

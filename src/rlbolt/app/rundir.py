@@ -173,6 +173,7 @@ class LogFile(Callback):
     def on_fit_start(self, trainer, state) -> None:
         self.log.info("fit starts at step %d: %s, max_steps=%s, run_dir=%s", state.step, trainer.plan,
                       trainer.max_steps, trainer.run_dir)
+        self.log.info("trainable parameters:\n%s", parameter_table(state.params))
 
     def on_step_end(self, trainer, info) -> None:
         if info.step % self.every_n_steps == 0 or info.step == trainer.max_steps:
@@ -187,6 +188,27 @@ class LogFile(Callback):
 
     def on_exception(self, trainer, exc: BaseException) -> None:
         self.log.error("fit stopped: %s: %s", type(exc).__name__, exc)
+
+
+def parameter_table(params: Any) -> str:
+    """A table of every trainable array (name, shape, dtype, size) and the total, via CLU.
+
+    Args:
+      params: any pytree of arrays (nnx.State, nested dicts, PPO's {"policy", "value_head"}).
+
+    Returns:
+      The table text; names are the pytree paths joined with "/".
+    """
+    import jax
+    from clu import parameter_overview
+
+    flat = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        names = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+        if len(names) > 1 and names[-1] == "value":  # an nnx Variable's own field, not a name
+            names.pop()
+        flat["/".join(names) or "params"] = leaf
+    return parameter_overview.get_parameter_overview(flat, include_stats=False)
 
 
 def _fmt(value: float) -> str:
