@@ -64,8 +64,12 @@ def reward_package(tmp_path, monkeypatch):
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
     (package / "rewards.py").write_text(textwrap.dedent(f"""
+        from rlbolt.rewards import WeightedReward
+
         def score(completion, sample):
             return {CONSTANT}
+
+        REWARD = WeightedReward([("constant", score, 1.0)])
     """))
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     import newcomer_rewards_pkg.rewards as module
@@ -75,6 +79,12 @@ def reward_package(tmp_path, monkeypatch):
 
     for name in ("newcomer_rewards_pkg.rewards", "newcomer_rewards_pkg"):
         sys.modules.pop(name, None)
+
+
+def test_module_level_instances_are_found_by_the_name_that_holds_them(reward_package):
+    assert objects.reference_of(reward_package.REWARD) == "newcomer_rewards_pkg.rewards:REWARD"
+    assert objects.resolve("objects.reward", "newcomer_rewards_pkg.rewards:REWARD") is reward_package.REWARD
+    assert objects.reference_of(WeightedReward([("constant", reward_package.score, 1.0)])) is None  # a copy
 
 
 def test_an_importable_reward_object_survives_rlbolt_resume(tmp_path, reward_package):

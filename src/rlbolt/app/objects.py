@@ -3,7 +3,8 @@
 `build_run(cfg, reward=score)` trains with a Python object instead of what the config names.
 For `rlbolt resume` to rebuild the same run, config.yaml must say so: `reference_of(score)`
 gives `"mypkg.rewards:score"` when importing that name gives back the very same object, and
-`resolve` imports it again at resume. An object that cannot be found that way (a lambda, a
+`resolve` imports it again at resume (a module-level instance, `REWARD = WeightedReward(...)`,
+is found by the name that holds it). An object that cannot be found that way (a lambda, a
 function defined in the script being run, an instance built at run time) is recorded as a
 `<not importable: ...>` note, so resume refuses in one line instead of silently training with
 the config's own settings.
@@ -12,6 +13,7 @@ the config's own settings.
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,23 +23,45 @@ NOT_IMPORTABLE = "<not importable"
 
 
 def reference_of(obj: Any) -> str | None:
-    """`"package.module:qualname"` when importing it gives back `obj` itself; else None.
+    """`"package.module:name"` when importing it gives back `obj` itself; else None.
+
+    A function or class is found by its `__module__` and `__qualname__`; any other object (a
+    `WeightedReward` instance, a `functools.partial`) by the module-level name that holds it
+    in an imported module.
 
     Args:
-      obj: a function, class or other object with `__module__` and `__qualname__`.
+      obj: the object.
 
     Returns:
-      The reference, or None (lambdas, nested functions, `__main__` objects, instances).
+      The reference, or None (lambdas, nested functions, objects of `__main__` or built at run time).
     """
     module, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
-    if not isinstance(module, str) or not isinstance(name, str) or module == "__main__" or "<" in name:
-        return None
-    reference = f"{module}:{name}"
-    try:
-        found = _import(reference)
-    except (ImportError, AttributeError):
-        return None
-    return reference if found is obj else None
+    candidates = []
+    if isinstance(module, str) and isinstance(name, str) and module != "__main__" and "<" not in name:
+        candidates.append(f"{module}:{name}")
+    else:
+        candidates += _module_level_names(obj)
+    for reference in candidates:
+        try:
+            if _import(reference) is obj:
+                return reference
+        except (ImportError, AttributeError):
+            continue
+    return None
+
+
+def _module_level_names(obj: Any) -> list[str]:
+    """`module:name` for every imported module (but `__main__`) holding `obj` at its top level."""
+    out = []
+    for module_name, module in sorted(sys.modules.items()):
+        if module is None or module_name == "__main__" or module_name.startswith("_"):
+            continue
+        try:
+            found = [name for name, value in vars(module).items() if value is obj and not name.startswith("_")]
+        except TypeError:
+            continue
+        out += [f"{module_name}:{name}" for name in found]
+    return out
 
 
 def record(obj: Any) -> str:
