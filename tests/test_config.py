@@ -148,6 +148,14 @@ def test_cross_field_rules():
     with pytest.raises(ConfigError, match=r"trainer.val_every_n_steps=5 but the run has no validation rows"):
         load_config(None, ["trainer.val_every_n_steps=5"])
     assert load_config(None, ["trainer.val_every_n_steps=5", "data.builtin_val_rows=4"]).trainer.val_every_n_steps == 5
+    # Settings that would silently do nothing:
+    with pytest.raises(ConfigError, match=r"early_stopping_metric=val/accuracy .* validates never"):
+        load_config(None, ["callbacks.early_stopping_metric=val/accuracy"])
+    with pytest.raises(ConfigError, match=r"validates only after the last step; set trainer.val_every_n_steps"):
+        load_config(None, ["callbacks.early_stopping_metric=val/accuracy", "data.builtin_val_rows=2"])
+    assert load_config(None, ["callbacks.early_stopping_metric=reward/mean"]).callbacks.early_stopping_metric
+    with pytest.raises(ConfigError, match=r"plan.max_refill_rounds=0 cannot refill"):
+        load_config(None, ["algorithm.name=dapo", "plan.max_refill_rounds=0"])
 
 
 def test_save_then_load_round_trips_the_resolved_config(tmp_path):
@@ -174,7 +182,8 @@ def test_callbacks_section_builds_the_configured_callbacks(tmp_path):
     from rlbolt.app.config import load_config
 
     cfg = load_config(None, ["callbacks.checkpoint_every_n_steps=5", "callbacks.offload=true",
-                             "callbacks.early_stopping_metric=val/accuracy", "callbacks.progress=false"])
+                             "callbacks.early_stopping_metric=val/accuracy", "callbacks.progress=false",
+                             "data.builtin_val_rows=2", "trainer.val_every_n_steps=5"])
     kinds = [type(c) for c in build_callbacks(cfg, tmp_path)]
     assert kinds == [cb.NaNGuard, cb.LearningRateMonitor, cb.Throughput, cb.CPUOffload, cb.ModelCheckpoint,
                      cb.MetricsLogger, cb.EarlyStopping]

@@ -88,8 +88,28 @@ CASES = {
                                     {"args": ["--objects.reward=rlbolt.modules.rewarding:digit_fraction_reward"]}),
     "reward weights all zero": (None, ["--reward.weights={answer: 0.0}"], ["reward.weights", "non-zero"],
                                 {"args": ["--reward.weights={answer: 0.0, digits: 1.0}"]}),
+    "early stopping on validation that never runs": (
+        None, ["--callbacks.early_stopping_metric=val/accuracy"], ["callbacks.early_stopping_metric", "data.val"],
+        {"args": ["--callbacks.early_stopping_metric=reward/mean"]}),
+    "reward a worker process cannot receive": (
+        None, ["--objects.reward=newcomer_unpicklable:REWARD", "--reward.executor=process"],
+        ["reward.executor=process", "pickled", "reward.executor=thread"],
+        {"args": ["--objects.reward=newcomer_unpicklable:REWARD", "--reward.executor=thread"]}),
     "nan learning rate": (None, ["--algorithm.lr=.nan"], ["algorithm.lr=nan", "finite"], {"args": ["--algorithm.lr=1e-4"]}),
 }
+
+
+@pytest.fixture(autouse=True)
+def unpicklable_reward_module(tmp_path, monkeypatch):
+    """An importable module whose reward (a module-level lambda wrapper) cannot be pickled."""
+    (tmp_path / "newcomer_unpicklable.py").write_text(
+        "import threading\n\nclass Reward:\n    lock = None\n\n    def __call__(self, completion, sample):\n"
+        "        return 1.0\n\nREWARD = Reward()\nREWARD.lock = threading.Lock()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    import sys
+
+    sys.modules.pop("newcomer_unpicklable", None)
 
 
 @pytest.fixture
@@ -146,6 +166,13 @@ def test_a_fresh_run_that_fails_before_its_first_step_removes_its_folder(tmp_pat
     with pytest.raises(RuntimeError):
         main(["fit", RECIPE, f"--trainer.run_dir={run_dir}", "--callbacks.progress=false"])
     assert run_dir.is_dir() and not any(run_dir.iterdir())
+
+
+def test_plot_of_a_malformed_metrics_line_is_one_line(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n{"step": 2,\n{"step": 3}\n')
+    assert main(["plot", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "metrics.jsonl:2" in err[0] and "fix or remove" in err[0]
 
 
 def test_a_run_that_logged_a_step_keeps_its_folder(tmp_path):

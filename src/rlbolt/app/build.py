@@ -179,6 +179,8 @@ def assemble_run(cfg: RunConfig, *, callbacks: Sequence[Any] = (), **objects: An
                             system_prompt=d.system_prompt, use_chat_template=d.use_chat_template)
     builtin = objects.get("tokenizer") is None and not (cfg.model.tokenizer or cfg.model.path)
     train, val = load_data(cfg, check=lambda row: _check_prompt(encoder, row, builtin))
+    if cfg.reward.executor == "process" and "reward" in objects:
+        _check_picklable(objects["reward"])
     module = build_module(cfg, **{**objects, "tokenizer": tokenizer})
     try:
         trainer = build_trainer(cfg, callbacks)
@@ -247,6 +249,16 @@ def _check_vocab(cfg: RunConfig, model_config: Any, vocab_size: int) -> None:
         field = f"model.path={cfg.model.path}" if cfg.model.path else "model.tiny.vocab_size"
         raise ConfigError(f"{field}: the model's vocab_size is {model_config.vocab_size} but the tokenizer has "
                           f"{vocab_size} ids; use the tokenizer that belongs to the model")
+
+
+def _check_picklable(reward: Any) -> None:
+    import pickle
+
+    try:
+        pickle.dumps(reward)
+    except Exception as error:  # noqa: BLE001 - pickling raises many kinds
+        raise ConfigError(f"reward.executor=process sends the reward to worker processes, but {reward!r} cannot be "
+                          f"pickled ({type(error).__name__}); use a module-level function, or reward.executor=thread") from None
 
 
 def _check_prompt(encoder: Any, row: Mapping[str, Any], builtin: bool) -> None:

@@ -179,7 +179,10 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         raise CLIError(f"run directory {run_dir} does not exist")
-    written = plot_metrics(run_dir / "metrics.jsonl", Path(args.out) if args.out else run_dir / "plots")
+    try:
+        written = plot_metrics(run_dir / "metrics.jsonl", Path(args.out) if args.out else run_dir / "plots")
+    except ValueError as error:  # a malformed metrics line, named by read_jsonl
+        raise CLIError(f"{error}; fix or remove that line") from None
     for path in written.values():
         print(path)
     missing = [t for t in TOPICS if t not in written]

@@ -315,7 +315,16 @@ def _check_rules(cfg: RunConfig) -> None:
         if not any(w != 0 for w in cfg.reward.weights.values()):
             raise ConfigError(f"reward.weights={dict(cfg.reward.weights)} gives no term a non-zero weight; "
                               "e.g. reward.weights={answer: 1.0}")
-    if t.val_every_n_steps is not None and cfg.data.val is None and cfg.data.builtin_val_rows == 0:
+    has_val = cfg.data.val is not None or cfg.data.builtin_val_rows > 0
+    metric = cfg.callbacks.early_stopping_metric
+    if metric and metric.startswith("val/") and not (has_val and t.val_every_n_steps):
+        raise ConfigError(f"callbacks.early_stopping_metric={metric} is checked at each validation, but the run "
+                          "validates " + ("only after the last step; set trainer.val_every_n_steps" if has_val else
+                                          "never; set data.val (or data.builtin_val_rows) and trainer.val_every_n_steps"))
+    if a.dynamic_sampling and cfg.plan.max_refill_rounds == 0:
+        raise ConfigError("algorithm.dynamic_sampling drops groups whose rewards are all equal, but "
+                          "plan.max_refill_rounds=0 cannot refill the batch; set plan.max_refill_rounds >= 1 (e.g. 4)")
+    if t.val_every_n_steps is not None and not has_val:
         raise ConfigError(f"trainer.val_every_n_steps={t.val_every_n_steps} but the run has no validation rows; "
                           "set data.val (or data.builtin_val_rows > 0), or trainer.val_every_n_steps=null")
     _check_mode(cfg)
