@@ -91,6 +91,7 @@ MODULES = [
     ("Config and runs", "rlbolt.app.config_fields"),
     ("Config and runs", "rlbolt.app.objects"),
     ("Config and runs", "rlbolt.app.build"),
+    ("Config and runs", "rlbolt.app.input_checks"),
     ("Config and runs", "rlbolt.app.rundir"),
     ("Config and runs", "rlbolt.app.plotting"),
     ("Config and runs", "rlbolt.app.demo"),

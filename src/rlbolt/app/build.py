@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from rlbolt.app import input_checks as checks
 from rlbolt.app import objects as pyobjects
 from rlbolt.app import rundir
 from rlbolt.app.config import ConfigError, RunConfig, load_config, save_config
@@ -78,7 +79,7 @@ def load_data(cfg: RunConfig, check: Callable[[Mapping[str, Any]], None] | None 
             out = gsm8k_style_rows(builtin, seed) if builtin else None
             for index, row in enumerate(out or []):
                 if check is not None:
-                    _check_builtin_row(check, row, index)
+                    checks.check_builtin_row(check, row, index)
             return out
         except DataFileError as error:
             raise ConfigError(f"{field}: {error}") from None
@@ -87,13 +88,6 @@ def load_data(cfg: RunConfig, check: Callable[[Mapping[str, Any]], None] | None 
     # Another seed for the built-in validation rows: no train overlap by design.
     val = rows("data.val", d.val, d.builtin_val_rows, d.builtin_seed + 1)
     return train, val
-
-
-def _check_builtin_row(check: Callable, row: Mapping[str, Any], index: int) -> None:
-    try:
-        check(row)
-    except (ValueError, TypeError, KeyError) as error:
-        raise DataFileError(f"built-in row {index}: {error}") from None
 
 
 def build_callbacks(cfg: RunConfig, run_dir: str | Path) -> list:
@@ -158,6 +152,7 @@ def assemble_run(cfg: RunConfig, *, callbacks: Sequence[Any] = (), **objects: An
 
     Raises:
       ConfigError: anything above (PlanError for a plan the algorithm cannot train with).
+      TypeError: an object other than model, tokenizer or reward.
     """
     unknown = sorted(set(objects) - set(OBJECT_NAMES))
     if unknown:
@@ -170,17 +165,17 @@ def assemble_run(cfg: RunConfig, *, callbacks: Sequence[Any] = (), **objects: An
     objects = {**pyobjects.resolve_all(named), **given}
     from rlbolt.modules.prompts import PromptEncoder
 
-    model_config = None if "model" in objects else _model_config(cfg)  # before the tokenizer: model.path may hold both
-    tokenizer = objects.get("tokenizer") or _tokenizer(cfg)
+    model_config = None if "model" in objects else checks.model_config(cfg)  # before the tokenizer: model.path may hold both
+    tokenizer = objects.get("tokenizer") or checks.tokenizer(cfg)
     if model_config is not None:
-        _check_vocab(cfg, model_config, tokenizer.vocab_size)
+        checks.check_vocab(cfg, model_config, tokenizer.vocab_size)
     d = cfg.data
     encoder = PromptEncoder(tokenizer, prompt_field=d.prompt_field, max_prompt_tokens=d.max_prompt_tokens,
                             system_prompt=d.system_prompt, use_chat_template=d.use_chat_template)
     builtin = objects.get("tokenizer") is None and not (cfg.model.tokenizer or cfg.model.path)
-    train, val = load_data(cfg, check=lambda row: _check_prompt(encoder, row, builtin))
+    train, val = load_data(cfg, check=lambda row: checks.check_prompt(encoder, row, builtin))
     if cfg.reward.executor == "process" and "reward" in objects:
-        _check_picklable(objects["reward"])
+        checks.check_picklable(objects["reward"])
     module = build_module(cfg, **{**objects, "tokenizer": tokenizer})
     try:
         trainer = build_trainer(cfg, callbacks)
@@ -188,7 +183,7 @@ def assemble_run(cfg: RunConfig, *, callbacks: Sequence[Any] = (), **objects: An
         raise PlanError(f"plan: {error}") from None
     except ValueError as error:
         raise ConfigError(f"trainer: {error}") from None
-    if len(train) < cfg.plan.prompts_per_step:
+    if len(train) < cfg.plan.prompts_per_step:  # check_fit says the same in the Trainer's words
         source = f"data.train={d.train}" if d.train else f"data.builtin_train_rows={d.builtin_train_rows}"
         raise ConfigError(f"{source} gives {len(train)} prompt(s), fewer than plan.prompts_per_step="
                           f"{cfg.plan.prompts_per_step}: every step would repeat prompts; add rows or lower "
@@ -200,77 +195,6 @@ def assemble_run(cfg: RunConfig, *, callbacks: Sequence[Any] = (), **objects: An
     except ValueError as error:
         raise ConfigError(str(error)) from None
     return Run(module, trainer, train, val, cfg)
-
-
-def _tokenizer(cfg: RunConfig):
-    """The tokenizer of `model.tokenizer` / `model.path`, or the built-in one; errors name the field."""
-    from rlbolt.modules import lm_ops
-    from rlbolt.modules.prompts import builtin_tokenizer
-
-    field, folder = ("model.tokenizer", cfg.model.tokenizer) if cfg.model.tokenizer else ("model.path", cfg.model.path)
-    if not folder:
-        return builtin_tokenizer()
-    if not Path(folder).is_dir():
-        raise ConfigError(f"{field}={folder} does not exist; give a local Hugging Face {'tokenizer' if field == 'model.tokenizer' else 'model'} "
-                          f"folder{'' if field == 'model.tokenizer' else ', or model.path=null for the tiny random model'}")
-    try:
-        return lm_ops.load_tokenizer(folder)
-    except (OSError, ValueError) as error:
-        also = " (the tokenizer is read from model.path unless model.tokenizer is set)" if field == "model.path" else ""
-        raise ConfigError(f"{field}={folder}: {error}{also}") from None
-
-
-def _model_config(cfg: RunConfig) -> Any:
-    """The ModelConfig `model.path` (config.json, weight headers) or `model.tiny` describes, or None
-    for the tiny model (whose vocabulary is the tokenizer's); errors name the field."""
-    from rlbolt.models import ModelConfig, read_hf_config, tiny_config
-
-    if cfg.model.path:
-        if not Path(cfg.model.path).is_dir():
-            raise ConfigError(f"model.path={cfg.model.path} does not exist; give a local Hugging Face model folder "
-                              "(config.json + *.safetensors), or model.path=null for the tiny random model")
-        try:
-            return read_hf_config(cfg.model.path, param_dtype=cfg.model.param_dtype)
-        except (OSError, ValueError) as error:
-            raise ConfigError(f"model.path={cfg.model.path}: {error}") from None
-    known = [f.name for f in dataclasses.fields(ModelConfig)]
-    unknown = [k for k in cfg.model.tiny if k not in known]
-    if unknown:
-        raise ConfigError(f"model.tiny has unknown key(s) {unknown}; ModelConfig fields: {known}")
-    try:
-        tiny_config(**{"param_dtype": cfg.model.param_dtype, **cfg.model.tiny})
-    except (TypeError, ValueError) as error:
-        raise ConfigError(f"model.tiny={dict(cfg.model.tiny)}: {error}") from None
-    return tiny_config(**cfg.model.tiny) if "vocab_size" in cfg.model.tiny else None
-
-
-def _check_vocab(cfg: RunConfig, model_config: Any, vocab_size: int) -> None:
-    if vocab_size > model_config.vocab_size:
-        field = f"model.path={cfg.model.path}" if cfg.model.path else "model.tiny.vocab_size"
-        raise ConfigError(f"{field}: the model's vocab_size is {model_config.vocab_size} but the tokenizer has "
-                          f"{vocab_size} ids; use the tokenizer that belongs to the model")
-
-
-def _check_picklable(reward: Any) -> None:
-    import pickle
-
-    try:
-        pickle.dumps(reward)
-    except Exception as error:  # noqa: BLE001 - pickling raises many kinds
-        raise ConfigError(f"reward.executor=process sends the reward to worker processes, but {reward!r} cannot be "
-                          f"pickled ({type(error).__name__}); use a module-level function, or reward.executor=thread") from None
-
-
-def _check_prompt(encoder: Any, row: Mapping[str, Any], builtin: bool) -> None:
-    """The row's prompt is text the tokenizer encodes (the built-in one knows printable ASCII only)."""
-    try:
-        encoder.encode(row)
-    except ValueError:
-        bad = sorted({ch for ch in encoder.text(row) if ch not in encoder.tokenizer.alphabet}) if builtin else []
-        if not bad:
-            raise
-        raise ValueError(f"the prompt has {''.join(bad)!r}, which the built-in character tokenizer (printable ASCII) "
-                         "cannot encode; use ASCII prompts, or a real tokenizer (model.tokenizer or model.path)") from None
 
 
 def build_run(cfg: RunConfig, *, callbacks: Sequence[Any] = (), **objects: Any):

@@ -214,6 +214,7 @@ def load_hf(folder: str | os.PathLike, *, param_dtype: str | None = None) -> tup
             missing tensor (naming it and the files searched).
     """
     folder = Path(folder)
+    config_path = folder / CONFIG_FILE
     config, reader = _open_folder(folder, param_dtype)
 
     abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
