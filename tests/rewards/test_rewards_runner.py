@@ -79,7 +79,7 @@ def test_raise_and_hang_get_the_penalty_and_the_call_stays_bounded(executor, cap
 
 def test_identical_failures_are_logged_once(caplog):
     caplog.set_level(logging.WARNING, logger="rlbolt.rewards.runner")
-    with RewardRunner(flaky_reward, timeout_s=5.0, max_workers=2) as runner:
+    with RewardRunner(flaky_reward, timeout_s=5.0, max_workers=2, max_failed_batches=0) as runner:
         for _ in range(3):
             runner.score(["a", "b"], [{"id": 1}, {"id": 1}])
     messages = [r.getMessage() for r in caplog.records if "boom on sample one" in r.getMessage()]
@@ -128,9 +128,43 @@ def test_empty_batch_and_bad_arguments():
             runner.score(["a", "b"], [{"id": 0}])
     with pytest.raises(ValueError, match="executor"):
         RewardRunner(parity_reward, executor="fork")
-    with pytest.raises(ValueError, match="forkserver"):
-        RewardRunner(parity_reward, executor="process", mp_context="fork")
     with pytest.raises(TypeError, match="picklable"):
         RewardRunner(lambda c, s: 1.0, executor="process")
     with pytest.raises(ValueError, match="timeout_s"):
         RewardRunner(parity_reward, timeout_s=0)
+
+
+def test_a_fit_whose_reward_always_raises_stops_with_an_error_naming_it(tmp_path, caplog):
+    """Issue 15: a reward raising on every sample used to give one warning and a whole run of
+    reward, loss and grad_norm 0, exit 0. Now the run stops after reward.max_failed_batches."""
+    from hostile_rewards import always_raises
+
+    from rlbolt.callback import Callback
+    from rlbolt.data import gsm8k_style_rows
+    from rlbolt.modules import GRPO
+    from rlbolt.plan import BatchPlan
+    from rlbolt.rewards import RewardFailureError
+    from rlbolt.trainer import Trainer
+
+    class Steps(Callback):
+        def __init__(self):
+            self.metrics = []
+
+        def on_step_end(self, trainer, info):
+            self.metrics.append(info.metrics)
+
+    tiny = dict(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32)
+    module = GRPO({"model": {"tiny": tiny}, "rollout": {"max_new_tokens": 4}, "data": {"max_prompt_tokens": 16},
+                   "reward": {"max_failed_batches": 2}}, reward=always_raises)
+    steps = Steps()
+    trainer = Trainer(BatchPlan(prompts_per_step=2, num_generations=2), max_steps=6, run_dir=tmp_path,
+                      callbacks=[steps])
+    caplog.set_level(logging.WARNING, logger="rlbolt.rewards.runner")
+    with pytest.raises(RewardFailureError, match=r"2 consecutive batches \(reward.max_failed_batches=2\).*"
+                                                 r"reward 'always_raises' raised RuntimeError: the grader is down"):
+        trainer.fit(module, gsm8k_style_rows(16))
+    assert module.reward_runner.executor == "process"
+    assert len(steps.metrics) == 1  # step 1 trained on the penalty; step 2's rewards stopped the run
+    first = steps.metrics[0]
+    assert first["reward/failures"] == 4.0 and first["reward/mean"] == 0.0 and first["loss"] == 0.0
+    assert sum("the grader is down" in r.getMessage() for r in caplog.records) == 1
