@@ -32,3 +32,14 @@ def hostile_reward(completion, sample):
 def always_raises(completion, sample):
     """A broken reward: fails on every sample."""
     raise RuntimeError("the grader is down")
+
+
+STAGES = {0: "exit", 1: "regex", 2: "ok", 3: "hang", 4: "string", 5: "ok", 6: "nan", 7: "ok", 8: "ok"}
+
+
+def staged_reward(completion, sample):
+    """Prompts 0-8 (three steps of three prompts) misbehave as STAGES says; every later one raises."""
+    kind = STAGES.get(sample["prompt_index"])
+    if kind is None:
+        raise RuntimeError("the grader is down")
+    return hostile_reward(completion, {"kind": kind})

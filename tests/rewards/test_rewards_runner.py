@@ -134,10 +134,12 @@ def test_empty_batch_and_bad_arguments():
         RewardRunner(parity_reward, timeout_s=0)
 
 
-def test_a_fit_whose_reward_always_raises_stops_with_an_error_naming_it(tmp_path, caplog):
-    """Issue 15: a reward raising on every sample used to give one warning and a whole run of
-    reward, loss and grad_norm 0, exit 0. Now the run stops after reward.max_failed_batches."""
-    from hostile_rewards import always_raises
+def test_a_fit_survives_hostile_rewards_and_stops_on_one_that_always_fails(tmp_path, caplog):
+    """Steps 1-3: os._exit, a GIL-holding regex, a hang, a string and a NaN reward cost only their
+    samples, with the worker pool bounded. Then the reward raises for every sample (issue 15: that
+    used to give one warning and a whole run of reward, loss and grad_norm 0, exit 0); after
+    reward.max_failed_batches such steps the run stops with an error naming it."""
+    from hostile_rewards import staged_reward
 
     from rlbolt.callback import Callback
     from rlbolt.data import gsm8k_style_rows
@@ -148,23 +150,29 @@ def test_a_fit_whose_reward_always_raises_stops_with_an_error_naming_it(tmp_path
 
     class Steps(Callback):
         def __init__(self):
-            self.metrics = []
+            self.metrics, self.live = [], []
 
         def on_step_end(self, trainer, info):
             self.metrics.append(info.metrics)
+            self.live.append(trainer.module.reward_runner.live_workers())
 
     tiny = dict(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32)
     module = GRPO({"model": {"tiny": tiny}, "rollout": {"max_new_tokens": 4}, "data": {"max_prompt_tokens": 16},
-                   "reward": {"max_failed_batches": 2}}, reward=always_raises)
+                   "reward": {"max_failed_batches": 2, "timeout_s": 1.0}}, reward=staged_reward)
     steps = Steps()
-    trainer = Trainer(BatchPlan(prompts_per_step=2, num_generations=2), max_steps=6, run_dir=tmp_path,
+    trainer = Trainer(BatchPlan(prompts_per_step=3, num_generations=2), max_steps=8, run_dir=tmp_path,
                       callbacks=[steps])
     caplog.set_level(logging.WARNING, logger="rlbolt.rewards.runner")
     with pytest.raises(RewardFailureError, match=r"2 consecutive batches \(reward.max_failed_batches=2\).*"
-                                                 r"reward 'always_raises' raised RuntimeError: the grader is down"):
-        trainer.fit(module, gsm8k_style_rows(16))
+                                                 r"reward 'staged' raised RuntimeError: the grader is down"):
+        trainer.fit(module, gsm8k_style_rows(30))
     assert module.reward_runner.executor == "process"
-    assert len(steps.metrics) == 1  # step 1 trained on the penalty; step 2's rewards stopped the run
-    first = steps.metrics[0]
-    assert first["reward/failures"] == 4.0 and first["reward/mean"] == 0.0 and first["loss"] == 0.0
+    first, second, third, fourth = steps.metrics  # step 5's rewards stopped the run
+    # Each prompt's 2 samples: exit failed, regex timed out, the third scored.
+    assert (first["reward/failures"], first["reward/timeouts"]) == (2.0, 2.0) and first["reward/staged/mean"] > 0
+    # hang timed out, the string failed, the third scored; then NaN failed and two scored.
+    assert (second["reward/failures"], second["reward/timeouts"]) == (2.0, 2.0) and second["reward/staged/mean"] > 0
+    assert (third["reward/failures"], third["reward/timeouts"]) == (2.0, 0.0) and third["reward/staged/mean"] > 0
+    assert fourth["reward/failures"] == 6.0 and fourth["loss"] == 0.0
+    assert max(steps.live) <= module.config.reward.max_workers
     assert sum("the grader is down" in r.getMessage() for r in caplog.records) == 1
