@@ -126,3 +126,76 @@ def test_a_reward_failing_on_every_sample_stops_after_max_failed_batches(caplog)
         for _ in range(4):
             assert runner.score(["a"], [{}]).metrics["reward/failures"] == 1.0
 
+
+
+ORPHAN_MAKER = r"""
+import sys, threading
+sys.path[:0] = sys.argv[1:]
+from hostile_rewards import hostile_reward
+from rlbolt.rewards import RewardRunner
+from rlbolt.rewards.sandbox import run_python_sandboxed
+runner = RewardRunner(hostile_reward, executor="process", max_workers=1, timeout_s=600)
+threading.Thread(target=runner.score, args=(["x"], [{"kind": "hang"}]), daemon=True).start()
+print("ready", flush=True)
+run_python_sandboxed("import time\ntime.sleep(600)", wall_s=600, cpu_s=600)
+"""
+
+
+def _descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            ppid = next(int(line.split()[1]) for line in status.read_text().splitlines() if line.startswith("PPid:"))
+        except (OSError, StopIteration):
+            continue
+        children.setdefault(ppid, []).append(int(status.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return not Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
+
+
+def test_workers_and_sandboxes_die_with_a_sigkilled_trainer():
+    """A trainer killed mid-step (SIGKILL: no cleanup code runs) leaves no reward worker and no
+    sandboxed program behind, even ones that sleep for ten minutes."""
+    import subprocess
+    import sys
+
+    tests_dir, src = Path(__file__).resolve().parents[1], Path(__file__).resolve().parents[2] / "src"
+    trainer = subprocess.Popen([sys.executable, "-c", ORPHAN_MAKER, str(tests_dir), str(src)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert trainer.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # until the worker and the sandboxed program both run
+            commands = [_cmdline(pid) for pid in _descendants(trainer.pid)]
+            if any(b"_reward_worker.py" in c for c in commands) and any(b'"limits"' in c for c in commands):
+                break
+            time.sleep(0.1)
+        time.sleep(0.5)  # the sandbox's own children (namespaces, bwrap) start in a moment
+        started = _descendants(trainer.pid)
+        commands = [_cmdline(pid) for pid in started]
+        assert any(b"_reward_worker.py" in c for c in commands) and any(b'"limits"' in c for c in commands)
+    finally:
+        trainer.kill()
+        trainer.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in started) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [pid for pid in started if _alive(pid)] == []

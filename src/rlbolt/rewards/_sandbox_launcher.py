@@ -176,6 +176,7 @@ def _enter_namespaces(config, fds):
     uid, gid = os.getuid(), os.getgid()
     flags = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
     _check(libc.unshare(flags), "unshare")
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # again: new credentials clear it
     _write("/proc/self/setgroups", "deny")
     _write("/proc/self/uid_map", "%d %d 1" % (uid, uid))
     _write("/proc/self/gid_map", "%d %d 1" % (gid, gid))
@@ -275,7 +276,16 @@ def _run_io_case(code, text, fd, number):
     _send(fd, {"io": number, "stdout": output} if error is None else {"io": number, "error": error})
 
 
+def _die_with_parent():
+    """SIGKILL when the trainer (or reward worker) that started us dies, even mid-sleep."""
+    try:
+        _libc().prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 def main():
+    _die_with_parent()
     config = json.loads(sys.argv[1])
     task_fd, results_fd = config["task_fd"], config["results_fd"]
     layers = _enter_namespaces(config, (task_fd, results_fd)) if config["namespaces"] else []
