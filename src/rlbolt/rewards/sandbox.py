@@ -195,7 +195,7 @@ def run_python_sandboxed(
         max_open_files: RLIMIT_NOFILE.
         max_output_bytes: how much of stdout/stderr to return.
         max_result_bytes: most bytes of reported test values read; more fails the run.
-        tmpfs_bytes: size of each private tmpfs (/tmp, /var/tmp, /dev/shm) with namespaces.
+        tmpfs_bytes: size of each private tmpfs (/tmp, /dev/shm) with bwrap or namespaces.
         drop_privileges: run as a fresh unprivileged uid; default: when running as root.
         isolation: "auto" (strongest that works here), "bwrap", "namespaces" or "none"
             (see `sandbox_isolation`).

@@ -17,7 +17,7 @@ here (probed once per interpreter) and every `SandboxResult` lists the layers th
   program: run the trainer in a container (or install bubblewrap) where this is all you get.
 
 Orthogonal to the backend: when the trainer runs as root, the child runs as a fresh uid from
-200000-299999 (per run), so the kernel's permission checks apply, RLIMIT_NPROC counts only the
+200000-299998 (per run), so the kernel's permission checks apply, RLIMIT_NPROC counts only the
 sandbox's processes, and every process of that uid can be found and killed afterwards.
 """
 
