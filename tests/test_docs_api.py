@@ -41,6 +41,7 @@ MODULES = [
     ("Algorithms", "rlbolt.algorithms.kl"),
     ("Algorithms", "rlbolt.algorithms.aggregation"),
     ("Algorithms", "rlbolt.algorithms.groups"),
+    ("Algorithms", "rlbolt.algorithms.moments"),
     ("Algorithms", "rlbolt.algorithms.masked"),
     ("Algorithms", "rlbolt.algorithms.shaping"),
     ("Algorithms", "rlbolt.algorithms.registry"),
@@ -68,6 +69,8 @@ MODULES = [
     ("Rewards", "rlbolt.rewards.runner"),
     ("Rewards", "rlbolt.rewards.workers"),
     ("Rewards", "rlbolt.rewards.sandbox"),
+    ("Rewards", "rlbolt.rewards.code_tests"),
+    ("Rewards", "rlbolt.rewards.sandbox_isolation"),
     ("Loggers", "rlbolt.loggers.interface"),
     ("Loggers", "rlbolt.loggers.jsonl"),
     ("Loggers", "rlbolt.loggers.console"),
@@ -106,6 +109,7 @@ MODULES = [
 NOT_LISTED = {
     "rlbolt.__main__": "`python -m rlbolt`: runs rlbolt.app.cli.main",
     "rlbolt.rewards._sandbox_launcher": "private: the script the sandbox child process runs",
+    "rlbolt.rewards._reward_worker": "private: the loop a reward worker process runs",
 }
 # Packages whose exports must each have an entry (their own modules are listed above).
 PACKAGES = ("rlbolt", "rlbolt.algorithms", "rlbolt.modules", "rlbolt.callbacks", "rlbolt.rewards", "rlbolt.data",

@@ -45,7 +45,7 @@ def test_every_rlbolt_name_in_the_docs_exists():
 
 
 def _path_exists(token: str) -> bool:
-    candidates = [ROOT / token, ROOT / "src" / token]
+    candidates = [ROOT / token, ROOT / "src" / token, ROOT / "src" / "rlbolt" / token]  # or relative to the package
     if token.startswith("rlbolt/callbacks/"):
         candidates.append(ROOT / "callbacks" / token[len("rlbolt/callbacks/"):])
     return any(c.exists() for c in candidates)
