@@ -85,7 +85,7 @@ CASES = {
                                {"args": ["--model.tiny={hidden_size: 32}"]}),
     "reward that does not import": (None, ["--objects.reward=nope_pkg.rewards:score"],
                                     ["objects.reward", "nope_pkg", "PYTHONPATH"],
-                                    {"args": ["--objects.reward=rlbolt.modules.rewarding:digit_fraction_reward"]}),
+                                    {"args": ["--objects.reward=rlbolt.rewards.format:digit_fraction_reward"]}),
     "reward weights all zero": (None, ["--reward.weights={answer: 0.0}"], ["reward.weights", "non-zero"],
                                 {"args": ["--reward.weights={answer: 0.0, digits: 1.0}"]}),
     "early stopping on validation that never runs": (

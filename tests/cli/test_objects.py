@@ -14,16 +14,16 @@ from rlbolt.app.build import build_run
 from rlbolt.app.cli import main
 from rlbolt.app.config import ConfigError, load_config
 from rlbolt.loggers import read_jsonl
-from rlbolt.modules.rewarding import digit_fraction_reward
+from rlbolt.rewards.format import digit_fraction_reward
 from rlbolt.rewards import WeightedReward
 
 CONSTANT = 0.375  # exact in float32; no built-in reward term gives it on every sample
 
 
 def test_reference_of_finds_module_level_objects_only():
-    assert objects.reference_of(digit_fraction_reward) == "rlbolt.modules.rewarding:digit_fraction_reward"
+    assert objects.reference_of(digit_fraction_reward) == "rlbolt.rewards.format:digit_fraction_reward"
     assert objects.reference_of(WeightedReward) == "rlbolt.rewards.combine:WeightedReward"
-    assert objects.resolve("objects.reward", "rlbolt.modules.rewarding:digit_fraction_reward") is digit_fraction_reward
+    assert objects.resolve("objects.reward", "rlbolt.rewards.format:digit_fraction_reward") is digit_fraction_reward
 
     def nested(completion, sample):
         return 1.0
