@@ -46,7 +46,8 @@ class Trainer:
         (the producer runs ahead with older weights, bounded by `max_staleness`).
       max_staleness: async only: the most policy versions a trained sample may lag the policy.
         The producer then runs `(max_staleness + 1) // updates_per_step - 1` steps ahead.
-      val_every_n_steps: validate every n steps (and always after the last step when val_data is given).
+      val_every_n_steps: validate every n steps (and always after the last step when val_data is
+        given); `fit` refuses it without val_data (see `rlbolt.fit_checks`).
       val_batch_size: prompts per validation batch (default prompts_per_step).
       run_dir: where callbacks write (metrics, checkpoints); default runs/<time>.
       prefetch_timeout_s: fail if the producer yields nothing for this long (None: wait).
