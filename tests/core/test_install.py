@@ -25,13 +25,20 @@ def _check_imported_from(where: Path, out: list[str]) -> None:
     assert out[1].endswith("rlbolt/callbacks/__init__.py") and out[2].endswith("rlbolt/app/cli.py")
 
 
+def _source_copy(tmp_path: Path) -> Path:
+    """The files a build reads, copied: pip builds in place and would leave build/ in the checkout."""
+    source = tmp_path / "src_copy"
+    for name in ("src", "callbacks", "setup.py", "pyproject.toml", "README.md"):
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        else:
+            shutil.copy(REPO / name, source / name)
+    return source
+
+
 def test_built_wheel_holds_every_subpackage_and_imports(tmp_path):
     pytest.importorskip("setuptools")
-    source = tmp_path / "src_copy"  # build from a copy: nothing is written into the checkout
-    for name in ("src", "callbacks", "setup.py", "pyproject.toml", "README.md"):
-        copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy
-        copy(REPO / name, source / name, **({"ignore": shutil.ignore_patterns("__pycache__")}
-                                            if (REPO / name).is_dir() else {}))
+    source = _source_copy(tmp_path)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
                     str(tmp_path / "dist"), str(source)], check=True, cwd=tmp_path)
     wheel = next((tmp_path / "dist").glob("rlbolt-*.whl"))
@@ -55,7 +62,8 @@ def test_regular_install_imports_package_and_callbacks(tmp_path):
     py = venv / "bin" / "python"
     # --no-deps: the dependencies come from this environment (PYTHONPATH below); what is checked
     # is that the built wheel holds both the package and the top-level callbacks/ folder.
-    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(REPO)], check=True, cwd=tmp_path)
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(_source_copy(tmp_path))], check=True,
+                   cwd=tmp_path)
     env = {**os.environ, "PYTHONPATH": sysconfig.get_paths()["purelib"]}
     out = subprocess.run([str(py), "-c", IMPORTS + PRINT], check=True, cwd=tmp_path, env=env,
                          capture_output=True, text=True).stdout.split()
