@@ -6,7 +6,7 @@ off"), so beta > 0 costs a forward pass and no memory; the sampler runs the adap
 the current adapters applied on the fly (cheaper than merging them into a copy of the weights
 before each rollout on the benchmark workload: benchmarks/RESULTS.md).
 
-    lora = LoraPolicy(model, LoraConfig(rank=8, alpha=16, targets=("q", "v")), seed=0, path=folder)
+    lora = LoraPolicy(model, LoraConfig(rank=8, alpha=16, targets=("q", "v")), rngs=nnx.Rngs(0), path=folder)
     trainable = lora.adapters                  # what init_params returns; the optimizer sees only these
     full = lora.join(trainable, lora.base)     # what the policy forward runs on
 """
@@ -30,7 +30,7 @@ class LoraPolicy:
       model: the base Decoder (its arrays become the frozen base; with `lora.quantize` the float
         kernels are replaced by qwix-quantised ones and this model's kernels are no longer used).
       lora: rank, alpha, targets, quantisation.
-      seed: initialises the adapters' A matrices.
+      rngs: initialises the adapters' A matrices.
       path: the base's folder (recorded in checkpoints; None for a random tiny base).
 
     Attributes:
@@ -43,12 +43,12 @@ class LoraPolicy:
       identity: `{"path", "fingerprint", "quantize"}`: checkpoints record it, resume checks it.
     """
 
-    def __init__(self, model: Decoder, lora: LoraConfig, *, seed: int, path: str | os.PathLike | None):
+    def __init__(self, model: Decoder, lora: LoraConfig, *, rngs: nnx.Rngs, path: str | os.PathLike | None):
         self.config = lora
         # The fingerprint is of the weights as loaded (before quantisation): the base's identity.
         self.identity = {"path": os.path.abspath(path) if path else None,
                          "fingerprint": fingerprint(nnx.state(model, nnx.Param)), "quantize": lora.quantize}
-        adapted = apply_lora(model, lora, rngs=nnx.Rngs(seed))
+        adapted = apply_lora(model, lora, rngs=rngs)
         if lora.quantize:
             from rlbolt.models.quantize import quantize_base
 

@@ -92,7 +92,8 @@ class LMPolicyModule(RLModule):
             from rlbolt.modules.lora_policy import LoraPolicy
 
             seed = trainer.seed if trainer is not None else 0
-            self.lora = LoraPolicy(self.model, LoraConfig.from_mapping(cfg.model.lora), seed=seed, path=cfg.model.path)
+            self.lora = LoraPolicy(self.model, LoraConfig.from_mapping(cfg.model.lora), rngs=nnx.Rngs(seed),
+                                   path=cfg.model.path)
             self.model = self.lora.policy_model  # the float base is no longer held here (QLoRA frees it)
         self.graphdef, _ = nnx.split(self.model)
         self.encoder = PromptEncoder(
