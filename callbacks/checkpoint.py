@@ -240,6 +240,13 @@ class ModelCheckpoint(Callback):
         else:
             raise ValueError(f"ModelCheckpoint(resume={self.resume}): no such checkpoint in {self.io.directory}; "
                              f"available steps: {steps}")
+        # Before any array is read, so a LoRA/full mismatch is named rather than failing to restore.
+        try:
+            newest = self.io.read_meta(max(candidates))
+        except Exception:  # noqa: BLE001 - an unreadable step is restore_usable's to report and skip
+            newest = None
+        if newest is not None:
+            check_frozen_identity(newest.get("frozen"), _frozen_identity(trainer), self.io.directory)
         template = {"params": self.params_to_save(state.params), "opt_state": state.opt_state, "rng": state.rng}
         step, arrays, meta, retained = self.io.restore_usable(candidates, template, template["params"])
         self._check_producer(trainer, meta)

@@ -43,6 +43,13 @@ def _module_for(run_dir: Path) -> tuple[Any, Any]:
     return module, cfg
 
 
+def _trains_adapters(data: dict[str, Any]) -> bool:
+    """Whether a run's config.yaml mapping trains LoRA adapters (demo: lora_rank; recipes: model.lora)."""
+    if is_demo_config(data):
+        return (data["demo"] or {}).get("lora_rank") is not None
+    return (data.get("model") or {}).get("lora") is not None
+
+
 def latest_params(run_dir: str | Path) -> tuple[Any, int, Any]:
     """Restores the newest usable checkpoint's parameters into the run's module.
 
@@ -99,14 +106,14 @@ def export_run(run_dir: str | Path, out: str | Path, *, overwrite: bool = False,
     out = Path(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists; choose another OUT folder or pass --overwrite")
+    if adapter and not _trains_adapters(rundir.read_config(Path(run_dir))):
+        raise rundir.RunDirError(f"{run_dir} trained every parameter (no LoRA), so it has no adapter to write; "
+                                 "export without --adapter")
     module, step, cfg = latest_params(run_dir)
     lora = getattr(module, "lora", None)
     if adapter:
         from rlbolt.models.peft_io import save_peft_adapter
 
-        if lora is None:
-            raise rundir.RunDirError(f"{run_dir} trained every parameter (no LoRA), so it has no adapter to write; "
-                                     "export without --adapter")
         base = cfg.model.path if cfg is not None else None
         save_peft_adapter(module.model, lora.config, out, base_model=base, overwrite=overwrite)
         return out, step
