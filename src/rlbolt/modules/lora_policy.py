@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import jax
 from flax import nnx
 
 from rlbolt.models.decoder import Decoder
@@ -76,6 +77,21 @@ class LoraPolicy:
 
             adapted = dequantize_model(adapted)
         return merge_adapters(adapted)
+
+    # -- rollout: merged weights vs adapters on the fly (benchmarks/RESULTS.md) ------------------------
+    merge_for_rollout = False  # A/B switch for the benchmark
+
+    def rollout_model(self) -> Decoder:
+        """The Decoder the sampler is built from."""
+        return nnx.merge(self.base_graphdef, self.base) if self.merge_for_rollout else self.policy_model
+
+    def rollout_params(self, full: nnx.State) -> nnx.State:
+        """What the sampler runs on: the adapted State, or its adapters merged into new kernels."""
+        if not self.merge_for_rollout:
+            return full
+        if not hasattr(self, "_merge"):
+            self._merge = jax.jit(lambda s: nnx.state(merge_adapters(nnx.merge(self.graphdef, s)), nnx.Param))
+        return self._merge(full)
 
     def adapted_model(self, adapters: nnx.State) -> Decoder:
         """The adapted Decoder holding the base and these adapters (for the PEFT export)."""

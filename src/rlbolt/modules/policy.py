@@ -177,11 +177,14 @@ class LMPolicyModule(RLModule):
             if self._sampler is None:
                 r = self.rollout_cfg
                 self._sampler = lm_ops.make_sampler(
-                    self.model, max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
-                    top_p=r.top_p, stop_token_ids=(self.tokenizer.eos_id,) if r.stop_at_eos else (),
+                    self.model if self.lora is None else self.lora.rollout_model(), max_new_tokens=r.max_new_tokens,
+                    temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                    stop_token_ids=(self.tokenizer.eos_id,) if r.stop_at_eos else (),
                     pad_id=self.tokenizer.pad_id, prompt_width=self.encoder.width)
-            return self._sampler.generate(self.policy_params(self.full_params(params)), ids,
-                                          np.asarray(keys, np.uint32), temperature=temperature)
+            lm_params = self.policy_params(self.full_params(params))
+            if self.lora is not None:
+                lm_params = self.lora.rollout_params(lm_params)
+            return self._sampler.generate(lm_params, ids, np.asarray(keys, np.uint32), temperature=temperature)
 
     def _decode(self, completion_ids: np.ndarray, completion_mask: np.ndarray) -> np.ndarray:
         texts = np.empty(len(completion_ids), dtype=object)
