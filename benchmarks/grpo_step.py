@@ -18,7 +18,7 @@ it also times the step's dense products alone at the step's shapes (benchmarks/c
     python benchmarks/grpo_step.py --preset gpu   # Qwen2.5-0.5B shape, bf16, 64x8, 256 + 512 tokens
     python benchmarks/grpo_step.py --lora 8       # LoRA rank 8 (alpha 16) on all seven projections
     python benchmarks/grpo_step.py --lora 8 --lora-quantize nf4   # QLoRA: the base stored in 4 bits by qwix
-    python benchmarks/grpo_step.py --lora 8 --lora-rollout merged # A/B: merge the adapters before each rollout
+    python benchmarks/grpo_step.py --lora 8 --lora-rollout adapters  # adapters on the fly in the sampler
 
 With --lora the GFLOP figures still count the full fine-tuning update (the base's weight gradients
 a LoRA step skips), so compare LoRA and full fine-tuning by seconds and bytes. Memory fields:
@@ -77,7 +77,8 @@ def main(argv=None) -> dict:
         ids = completion.split()
         return sum(int(t) % 2 == 0 for t in ids) / max(len(ids), 1)
 
-    lora = None if args.lora is None else {"rank": args.lora, "alpha": 2.0 * args.lora, "quantize": args.lora_quantize}
+    lora = None if args.lora is None else {"rank": args.lora, "alpha": 2.0 * args.lora, "quantize": args.lora_quantize,
+                                           "rollout": args.lora_rollout}
     module = GRPO(
         {"model": {"lora": lora},
          "algorithm": {"beta": 0.04, "lr": 1e-6, "clip_low": 0.2, "clip_high": 0.2, "max_grad_norm": 0.0},
@@ -100,10 +101,6 @@ def main(argv=None) -> dict:
             self.metrics.append(info.metrics)
             self.compiles_at.append(len(compiles))
 
-    if args.lora_rollout == "merged":
-        from rlbolt.modules.lora_policy import LoraPolicy
-
-        LoraPolicy.merge_for_rollout = True
     rec = Record()
     # One optimizer update per step (mini batch = global batch) with the gradient accumulated
     # over train micro batches (cpu: 8): the same update, a 5x smaller activation footprint,
@@ -151,7 +148,7 @@ def main(argv=None) -> dict:
         "step_over_bound": bound and step_median / bound["bound_step_s"],
         "reward_first_last": [rec.metrics[0]["reward/mean"], rec.metrics[-1]["reward/mean"]],
         "lora": lora,
-        "lora_rollout": args.lora_rollout if lora else None,
+        "lora_rollout": module.lora.config.rollout if lora else None,
         "trainable_params": sum(x.size for x in jax.tree.leaves(state.params)),
         **memory,
         **_utilisation(config, p, flops, split),
@@ -296,8 +293,9 @@ def _parse(argv):
                     help="train LoRA adapters of this rank (alpha 2 * rank) on all seven projections")
     ap.add_argument("--lora-quantize", choices=("int8", "int4", "nf4"), default=None,
                     help="with --lora: store the frozen base quantised by qwix (QLoRA)")
-    ap.add_argument("--lora-rollout", choices=("adapters", "merged"), default="adapters",
-                    help="with --lora: apply the adapters on the fly in the sampler, or merge them first")
+    ap.add_argument("--lora-rollout", choices=("adapters", "merged"), default=None,
+                    help="with --lora: merge the adapters into a transient copy before each rollout, or apply "
+                         "them on the fly (default: the config's, merged unless quantised)")
     return ap.parse_args(argv)
 
 

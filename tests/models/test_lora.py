@@ -135,7 +135,9 @@ def test_gradient_reaches_only_the_adapters(base):
     ({"targets": ["q_proj"]}, r"unknown name\(s\) \['q_proj'\]; choose from \['q', 'k'"),
     ({"targets": ["q", "q"]}, r"names a projection twice"),
     ({"quantize": "fp8"}, r"model\.lora\.quantize='fp8'; use one of \['int8', 'int4', 'nf4'\]"),
-    ({"rnak": 8}, r"unknown key\(s\) \['rnak'\]; allowed keys: \['rank', 'alpha', 'targets', 'quantize'\]"),
+    ({"rnak": 8}, r"unknown key\(s\) \['rnak'\]; allowed keys: \['rank', 'alpha', 'targets', 'quantize', 'rollout'\]"),
+    ({"rollout": "fused"}, r"model\.lora\.rollout='fused'; use one of \['merged', 'adapters'\]"),
+    ({"quantize": "nf4", "rollout": "merged"}, r"rollout='merged' would dequantise the nf4 base"),
     ([8, 16], r"model\.lora=\[8, 16\] must be a mapping"),
 ])
 def test_lora_config_refuses_bad_values_in_one_line(values, message):
@@ -147,6 +149,7 @@ def test_lora_config_refuses_bad_values_in_one_line(values, message):
 def test_lora_config_defaults_and_plain_data():
     lora = LoraConfig.from_mapping({"rank": 4, "targets": ["v", "q"]})
     assert (lora.rank, lora.alpha, lora.targets, lora.quantize, lora.scale) == (4, 16.0, ("v", "q"), None, 4.0)
+    assert lora.rollout == "merged" and LoraConfig.from_mapping({"quantize": "int8"}).rollout == "adapters"
     assert LoraConfig.from_mapping(lora.to_dict()) == lora
     with pytest.raises(ValueError, match=r"LoraConfig\.rank=-1"):
         LoraConfig(rank=-1)

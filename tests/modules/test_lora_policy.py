@@ -3,6 +3,7 @@ bit-identical and exists once, no base gradient is ever formed, the KL reference
 adapters off, the sampler rolls out with the current adapters, checkpoints hold adapters plus the
 base's identity and a resume on another base is refused."""
 
+import dataclasses
 import gc
 
 import jax
@@ -152,9 +153,15 @@ def test_the_reference_is_the_base_with_adapters_off(run):
     assert np.abs(batch["sampler_logps"][mask] - batch["ref_logps"][mask]).max() > 1e-3
 
 
-def test_rollout_runs_the_current_adapters(run):
+@pytest.mark.parametrize("mode", ["merged", "adapters"])
+def test_rollout_runs_the_current_adapters(run, mode):
     module, _, state, _, _, _ = run
+    if module.lora.config.rollout != mode:  # the fixture trained with the default (merged); rebuild the sampler
+        module.lora.config = dataclasses.replace(module.lora.config, rollout=mode)
+        module._sampler = None
     batch = module.on_rollout(state.params, prompt_batch(gsm8k_style_rows(2, seed=5)))
+    if mode == "merged":  # the merged kernels were a transient copy: the sampler let go of them
+        assert len(_live_buffers((48, 80))) == TINY["num_layers"]
     merged = merge_adapters(module.lora.adapted_model(state.params))  # the adapters folded into the kernels
     graphdef, params = nnx.split(merged)
     inputs = [jnp.asarray(batch[k]) for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]

@@ -2,9 +2,10 @@
 
 One copy of the base exists. The policy forward is the adapted graph over `base + adapters`; the
 KL reference is the graph without adapters over the same `base` arrays (the base "with adapters
-off"), so beta > 0 costs a forward pass and no memory; the sampler runs the adapted graph with
-the current adapters applied on the fly (cheaper than merging them into a copy of the weights
-before each rollout on the benchmark workload: benchmarks/RESULTS.md).
+off"), so beta > 0 costs a forward pass and no memory. The sampler either rolls out with the
+adapters merged into a transient copy of the targeted kernels (`rollout="merged"`, the default:
+faster on the benchmark workload, benchmarks/RESULTS.md; the copy is dropped after the rollout)
+or applies them on the fly (`rollout="adapters"`: no copy; the default with a quantised base).
 
     lora = LoraPolicy(model, LoraConfig(rank=8, alpha=16, targets=("q", "v")), rngs=nnx.Rngs(0), path=folder)
     trainable = lora.adapters                  # what init_params returns; the optimizer sees only these
@@ -79,7 +80,10 @@ class LoraPolicy:
         return merge_adapters(adapted)
 
     # -- rollout: merged weights vs adapters on the fly (benchmarks/RESULTS.md) ------------------------
-    merge_for_rollout = False  # A/B switch for the benchmark
+    @property
+    def merge_for_rollout(self) -> bool:
+        """Whether the sampler runs merged kernels (a transient copy) rather than the adapters."""
+        return self.config.rollout == "merged"
 
     def rollout_model(self) -> Decoder:
         """The Decoder the sampler is built from."""

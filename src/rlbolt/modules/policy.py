@@ -182,8 +182,9 @@ class LMPolicyModule(RLModule):
                     stop_token_ids=(self.tokenizer.eos_id,) if r.stop_at_eos else (),
                     pad_id=self.tokenizer.pad_id, prompt_width=self.encoder.width)
             lm_params = self.policy_params(self.full_params(params))
-            if self.lora is not None:
-                lm_params = self.lora.rollout_params(lm_params)
+            if self.lora is not None:  # merged kernels are a transient copy: the sampler lets go of them
+                return self._sampler.generate(self.lora.rollout_params(lm_params), ids, np.asarray(keys, np.uint32),
+                                              temperature=temperature, keep=not self.lora.merge_for_rollout)
             return self._sampler.generate(lm_params, ids, np.asarray(keys, np.uint32), temperature=temperature)
 
     def _decode(self, completion_ids: np.ndarray, completion_mask: np.ndarray) -> np.ndarray:
