@@ -86,7 +86,8 @@ def main(argv=None) -> dict:
             times[name].append(time.perf_counter() - t0)
     module = variants["merged"][0]
     targeted = sum(d.kernel[...].nbytes for _, d in adapted_denses(module.lora.policy_model))
-    result = {"benchmark": "lora_rollout", "merged_transient_mb": targeted / 2 ** 20, "device": jax.devices()[0].device_kind, "rank": args.rank,
+    result = {"system": "rlbolt-lora-rollout", "device": jax.devices()[0].device_kind, "rank": args.rank,
+              "merged_transient_mb": targeted / 2 ** 20,
               "rounds": rounds, **{f"{k}_s": statistics.median(v) for k, v in times.items()},
               **{f"{k}_held_mb": v for k, v in held.items()}, "all_s": times}
     print(f"LoRA rollout A/B (rank {args.rank}, all seven projections) on {result['device']}, medians of {rounds}:")

@@ -49,3 +49,11 @@ def test_sampler_benchmark_quick_mode():
     _, result = _last_json("sampler.py")
     assert result["system"] == "rlbolt-sampler" and result["gen_tokens_per_s"] > 0
     assert result["compiles_after_warmup"] == 0
+
+
+def test_lora_rollout_benchmark_quick_mode():
+    out, result = _last_json("lora_rollout.py")
+    assert "merged" in out and result["system"] == "rlbolt-lora-rollout"
+    assert all(result[f"{k}_s"] > 0 for k in ("full", "adapters", "merged"))
+    # neither LoRA rollout keeps weights on the device after it: merging makes a transient copy
+    assert result["adapters_held_mb"] == 0 and result["merged_held_mb"] == 0 and result["merged_transient_mb"] > 0
