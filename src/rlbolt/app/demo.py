@@ -216,6 +216,12 @@ class DigitsGRPO(RLModule):
     def frozen_identity(self) -> dict | None:
         return self.lora.identity if self.lora is not None else None
 
+    def hf_model(self, params: nnx.State) -> Decoder:
+        """The policy as a plain Decoder (LoRA adapters merged into the base), for HFExport."""
+        if self.lora is not None:
+            return self.lora.merged_model(params)
+        return nnx.merge(self.graphdef, params)
+
     def generate(self, params: nnx.State, prompts: list[str], sample_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Samples one completion per prompt with the NativeSampler.
 

@@ -1,17 +1,18 @@
-"""LoRA rollout A/B on the GRPO benchmark workload: adapters applied on the fly vs merged first.
+"""LoRA A/B on the GRPO benchmark workload, in one process: rollout and update, LoRA vs full.
 
-Both variants and a full fine-tuning policy (no adapters: the floor) sample the workload's rollout
-(8 prompts x 4 generations, 32 prompt tokens, 64 new tokens, no early stop; the model of
-grpo_step.py with LoRA rank 8 on all seven projections) in one process, round after round in
-alternation, so machine load hits all three alike; medians are reported. "merged" folds
+Rollout: both LoRA variants and a full fine-tuning policy (no adapters: the floor) sample the
+workload's rollout (8 prompts x 4 generations, 32 prompt tokens, 64 new tokens, no early stop;
+the model of grpo_step.py with LoRA rank 8 on all seven projections). Update: one optimizer
+update over the same 32 samples (4 micro batches of 8) for full fine-tuning and for LoRA. Each
+round runs every variant in turn, so machine load hits them alike; medians are reported. "merged" folds
 `W + (alpha / r) A B` into new kernels before each rollout (a jitted merge, then the plain
 sampler); "adapters" runs the adapted graph (two extra small matmuls per projection per token).
 `held_mb` is what each variant keeps on the device between rollouts beyond the shared base (0:
 the merged kernels are dropped after each rollout); `merged_transient_mb` is what merging adds
 while a rollout runs (the targeted kernels' bytes).
 
-    python benchmarks/lora_rollout.py            # 9 rounds
-    python benchmarks/lora_rollout.py --quick    # 2 rounds (smoke)
+    python benchmarks/lora_ab.py            # 9 rounds
+    python benchmarks/lora_ab.py --quick    # 2 rounds (smoke)
 """
 
 from __future__ import annotations
@@ -79,22 +80,55 @@ def main(argv=None) -> dict:
         module._generate(params, prompts, keys, 1.0)
         gc.collect()
         held[name] = sum(x.nbytes for x in jax.live_arrays() if x.unsafe_buffer_pointer() not in before) / 2 ** 20
+    updates = {name: _update_call(variants[source][0], variants[source][1], prompts)
+               for name, source in (("update_full", "full"), ("update_lora", "merged"))}
+    times.update({name: [] for name in updates})
+    for call in updates.values():
+        call()  # compile
     for _ in range(rounds):
         for name, (module, params) in variants.items():
             t0 = time.perf_counter()
             module._generate(params, prompts, keys, 1.0)  # returns host arrays: waits for the device
             times[name].append(time.perf_counter() - t0)
+        for name, call in updates.items():
+            t0 = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - t0)
     module = variants["merged"][0]
     targeted = sum(d.kernel[...].nbytes for _, d in adapted_denses(module.lora.policy_model))
-    result = {"system": "rlbolt-lora-rollout", "device": jax.devices()[0].device_kind, "rank": args.rank,
+    result = {"system": "rlbolt-lora-ab", "device": jax.devices()[0].device_kind, "rank": args.rank,
               "merged_transient_mb": targeted / 2 ** 20,
               "rounds": rounds, **{f"{k}_s": statistics.median(v) for k, v in times.items()},
               **{f"{k}_held_mb": v for k, v in held.items()}, "all_s": times}
-    print(f"LoRA rollout A/B (rank {args.rank}, all seven projections) on {result['device']}, medians of {rounds}:")
+    print(f"LoRA A/B (rank {args.rank}, all seven projections) on {result['device']}, medians of {rounds}:")
     for name in variants:
-        print(f"  {name:<9} {result[f'{name}_s']:.3f} s   held after rollout {held[name]:.1f} MB")
+        print(f"  rollout {name:<9} {result[f'{name}_s']:.3f} s   held after rollout {held[name]:.1f} MB")
+    for name in updates:
+        print(f"  {name:<17} {result[f'{name}_s']:.3f} s")
     print(json.dumps(result))
     return result
+
+
+def _update_call(module, params, prompts):
+    """A zero-argument call running one jitted optimizer update (grad accumulation over 4 micro
+    batches of 8) on a fixed batch of the workload's shapes, returning when the device is done."""
+    import jax
+    import numpy as np
+
+    from rlbolt.batch import Batch
+    from rlbolt.update import make_update_fn
+
+    rng = np.random.default_rng(1)
+    n = len(prompts)
+    batch = jax.device_put(Batch({
+        "prompt_ids": np.asarray(prompts, np.int32), "prompt_mask": np.ones((n, 32), bool),
+        "completion_ids": rng.integers(2, 512, (n, 64)).astype(np.int32), "completion_mask": np.ones((n, 64), bool),
+        "old_logps": np.full((n, 64), -6.2, np.float32), "ref_logps": np.full((n, 64), -6.2, np.float32),
+        "advantages": rng.standard_normal(n).astype(np.float32)}))
+    tx = module.configure_optimizers()
+    update = make_update_fn(module.training_step, tx, 4, frozen=module.frozen_params(), with_frozen=module.with_frozen)
+    opt_state = tx.init(params)
+    return lambda: jax.block_until_ready(update(params, opt_state, batch))
 
 
 if __name__ == "__main__":
