@@ -169,7 +169,7 @@ class LoraAdapters(nnx.Module):
 
         Two matmuls whatever the number of targets: `x [A_1 .. A_n]` then a block matrix whose
         row block t holds B_t in target t's columns (zeros elsewhere), so the fused kernels cost
-        no more dispatches than a single projection (RESULTS.md: 223 -> 111 dots per update).
+        no more dispatches than a single projection (RESULTS.md: 223 -> 153 dots per update).
         """
         a, b = self._stacked()
         return jnp.dot(jnp.dot(x2d.astype(jnp.float32), a), b)
