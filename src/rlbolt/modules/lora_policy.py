@@ -15,7 +15,6 @@ or applies them on the fly (`rollout="adapters"`: no copy; the default with a qu
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import jax
 from flax import nnx
