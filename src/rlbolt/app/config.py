@@ -39,6 +39,7 @@ class ModelSection:
     tiny: dict = _f({}, "ModelConfig overrides for the tiny random model, e.g. {hidden_size: 128, num_layers: 4}")
     param_dtype: str = _f("float32", "parameter dtype (compute stays float32 where it matters)", ("float32", "bfloat16"))
     tokenizer: str | None = _f(None, "tokenizer folder; None: model.path, or a built-in character tokenizer for the tiny model")
+    share_prompt: bool = _f(True, "run each prompt once per group of num_generations samples (rollout prefill, logps, training) instead of once per sample; same results to float32 rounding; stages whose micro batches split groups run unshared")
     lora: dict | None = _f(None, "train LoRA adapters on a frozen base: {rank: 8, alpha: 16, targets: [q, k, v, o, gate, up, down], quantize: null|int8|int4|nf4, rollout: merged|adapters} (omitted keys take these defaults; rollout defaults to adapters when quantized); None: train every parameter")
 
 

@@ -143,8 +143,13 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, "head_dim", c.dtype)
         self.o_proj = Dense(c.q_size, c.hidden_size, ("heads", "embed"), dtype=c.dtype, rngs=rngs)
 
-    def __call__(self, x, cos, sin, visible, cache_kv):
-        """x [B,T,H]; cos/sin [B,T,D]; visible [B,T,S]; cache_kv None or (keys_t, values, index)."""
+    def project(self, x, cos, sin):
+        """The rotated queries, keys and values of x [B, T, H] (cos/sin [B, T, D]).
+
+        Returns:
+          (q [B, T, nH, D], k [B, T, nKV, D], v [B, T, nKV, D]); q and k rotated (and
+          RMS-normed first when qk_norm).
+        """
         b, t, _ = x.shape
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
@@ -153,7 +158,11 @@ class Attention(nnx.Module):
         v = qkv[..., (nh + nkv) * d:].reshape(b, t, nkv, d)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def __call__(self, x, cos, sin, visible, cache_kv):
+        """x [B,T,H]; cos/sin [B,T,D]; visible [B,T,S]; cache_kv None or (keys_t, values, index)."""
+        q, k, v = self.project(x, cos, sin)
         k_t = k.transpose(0, 2, 3, 1)  # [B, nKV, D, T]
         v = v.transpose(0, 2, 1, 3)  # [B, nKV, T, D]
         new_kv = None

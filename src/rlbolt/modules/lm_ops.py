@@ -46,13 +46,14 @@ def reward_runner(reward, reward_cfg) -> RewardRunner:
 
 
 def token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
-                temperature: float, with_entropy: bool):
-    """(logps [B, C], entropy [B, C] or None) of the completion tokens (chunked; jittable)."""
+                temperature: float, with_entropy: bool, group_size: int = 1):
+    """(logps [B, C], entropy [B, C] or None) of the completion tokens (chunked; jittable);
+    `group_size` G > 1 runs each group of G consecutive rows' shared prompt once."""
     if with_entropy:
         return _token_logps_and_entropy(graphdef, params, prompt_ids, prompt_mask, completion_ids,
-                                        completion_mask, temperature=temperature)
+                                        completion_mask, temperature=temperature, group_size=group_size)
     return _token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                        temperature=temperature)
+                        temperature=temperature, group_size=group_size)
 
 
 class SamplerHandle:

@@ -39,6 +39,7 @@ from rlbolt.app.config import ConfigError, RunConfig, config_to_dict, load_confi
 from rlbolt.module import RLModule
 from rlbolt.modules import lm_ops
 from rlbolt.plan import PlanError
+from rlbolt.modules.prompt_sharing import require_shared_layout, stage_group_size
 from rlbolt.modules.prompts import PromptEncoder, builtin_tokenizer, rows_of
 from rlbolt.modules.rewarding import answer_score, build_reward
 
@@ -71,6 +72,7 @@ class LMPolicyModule(RLModule):
         self.model, self.tokenizer, self.reward = model, tokenizer, reward
         self.ref_params = None
         self.lora = None  # a LoraPolicy when config.model.lora is set
+        self.train_group_size = 1  # G when the training forward runs each group's prompt once (setup)
         self._sampler_lock = threading.Lock()  # validation (main thread) and rollout (producer) share it
         self._sampler = None
 
@@ -107,10 +109,15 @@ class LMPolicyModule(RLModule):
             # Parameters are immutable arrays and updates are functional, so holding the initial
             # pytree is a frozen copy without a copy.
             self.ref_params = nnx.state(self.model, nnx.Param)
-        self._logps = jax.jit(functools.partial(self._forward_logps, with_entropy=False))
+        # Each group's prompt runs once where a stage's micro batches hold whole groups (prompt_sharing.py).
+        plan = getattr(trainer, "plan", None)
+        self.train_group_size = 1 if plan is None else stage_group_size(
+            cfg.model.share_prompt, plan.train_micro_batch_size, plan.num_generations)
+        self._logps = jax.jit(functools.partial(self._forward_logps, with_entropy=False), static_argnames="group_size")
         if self.lora is not None:  # the reference is the base with the adapters off: no second copy
             self._ref_logps = jax.jit(functools.partial(
-                lm_ops.token_logps, self.lora.base_graphdef, temperature=self._train_temperature, with_entropy=False))
+                lm_ops.token_logps, self.lora.base_graphdef, temperature=self._train_temperature, with_entropy=False),
+                static_argnames="group_size")
 
     def init_params(self, rng: jax.Array) -> Any:
         """The trainable pytree: the model's parameters, or only the LoRA adapters (model.lora)."""
@@ -220,9 +227,18 @@ class LMPolicyModule(RLModule):
         return texts
 
     # -- logps --------------------------------------------------------------------------------------
-    def _forward_logps(self, lm_params: Any, prompt_ids, prompt_mask, completion_ids, completion_mask, *, with_entropy: bool):
+    def _forward_logps(self, lm_params: Any, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
+                       with_entropy: bool, group_size: int = 1):
         return lm_ops.token_logps(self.graphdef, lm_params, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                  temperature=self._train_temperature, with_entropy=with_entropy)
+                                  temperature=self._train_temperature, with_entropy=with_entropy, group_size=group_size)
+
+    def logps_group_size(self, batch: Batch) -> int:
+        """The group size a logps forward over `batch` shares prompts over (1: unshared); the
+        batch's layout is checked first (prompt_sharing.py)."""
+        plan = self.trainer.plan
+        size = stage_group_size(self.config.model.share_prompt, batch.num_samples, plan.num_generations)
+        require_shared_layout(batch["prompt_ids"], batch["prompt_mask"], size, "on_rollout")
+        return size
 
     @property
     def _train_temperature(self) -> float:
@@ -241,15 +257,16 @@ class LMPolicyModule(RLModule):
         cols: dict[str, Any] = {}
         forward_old = self.trainer.plan.num_iterations > 1 or self.algo.importance_cap is not None
         lm_params = self.policy_params(self.full_params(params))
-        old = self._logps(lm_params, *inputs) if forward_old else jnp.asarray(batch["sampler_logps"])
+        group = self.logps_group_size(batch) if forward_old or self.algo.beta > 0 else 1
+        old = self._logps(lm_params, *inputs, group_size=group) if forward_old else jnp.asarray(batch["sampler_logps"])
         cols["old_logps"] = np.asarray(old, np.float32)
         if self.algo.importance_cap is not None:
             cols["importance_weights"] = np.asarray(truncated_importance_weights(
                 old, batch["sampler_logps"], inputs[3], self.algo.importance_cap), np.float32)
         if self.ref_params is not None:
-            cols["ref_logps"] = np.asarray(self._logps(self.ref_params, *inputs), np.float32)
+            cols["ref_logps"] = np.asarray(self._logps(self.ref_params, *inputs, group_size=group), np.float32)
         elif self.lora is not None and self.algo.beta > 0:
-            cols["ref_logps"] = np.asarray(self._ref_logps(self.lora.base, *inputs), np.float32)
+            cols["ref_logps"] = np.asarray(self._ref_logps(self.lora.base, *inputs, group_size=group), np.float32)
         return batch.with_columns(cols)
 
     # -- rewards and advantages ------------------------------------------------------------------------
@@ -259,6 +276,8 @@ class LMPolicyModule(RLModule):
         batch = self.filter_groups(batch)
         if batch.num_samples == 0:
             return batch.with_columns(advantages=np.zeros((0,), np.float32))
+        # The training forward trusts the `a a b b` layout: refuse a batch that broke it.
+        require_shared_layout(batch["prompt_ids"], batch["prompt_mask"], self.train_group_size, "on_advantage")
         out = self.compute_advantages(batch)
         cols = dict(out) if isinstance(out, Mapping) else {"advantages": out}
         return batch.with_columns({k: np.asarray(v, np.float32) for k, v in cols.items()})
@@ -313,7 +332,8 @@ class LMPolicyModule(RLModule):
 
     def forward(self, params: Any, batch: Batch) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
         """One policy forward: (logps [N, C], entropy [N, C], aux) where aux feeds `extra_loss`."""
-        logps, entropy = self._forward_logps(self.policy_params(params), *self._token_inputs(batch), with_entropy=True)
+        logps, entropy = self._forward_logps(self.policy_params(params), *self._token_inputs(batch), with_entropy=True,
+                                             group_size=self.train_group_size)
         return logps, entropy, {}
 
     def training_step(self, params: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:

@@ -33,7 +33,8 @@ class PPO(LMPolicyModule):
     def setup(self, trainer) -> None:
         """The base set-up, plus a jitted value-head forward for `compute_logps`."""
         super().setup(trainer)
-        self._values = jax.jit(lambda params, *inputs: self._hidden_outputs(params, *inputs, with_entropy=False)[2])
+        self._values = jax.jit(lambda params, *inputs, group_size: self._hidden_outputs(
+            params, *inputs, with_entropy=False, group_size=group_size)[2], static_argnames="group_size")
 
     def init_params(self, rng: jax.Array) -> dict[str, Any]:
         """`{"policy": the model's nnx.Param state, "value_head": {"kernel": [H, 1], "bias": [1]}}`."""
@@ -49,9 +50,10 @@ class PPO(LMPolicyModule):
     def with_frozen(self, params: Any, frozen: Any) -> Any:
         return {**params, "policy": super().with_frozen(params["policy"], frozen)}
 
-    def _hidden_outputs(self, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *, with_entropy: bool):
+    def _hidden_outputs(self, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *, with_entropy: bool,
+                        group_size: int):
         hidden, weight = completion_hidden(self.graphdef, params["policy"], prompt_ids, prompt_mask,
-                                            completion_ids, completion_mask)
+                                            completion_ids, completion_mask, group_size)
         logps, entropy = chunked_logps(hidden, weight, completion_ids.astype(jnp.int32), self._train_temperature,
                                         128, with_entropy)
         head = params["value_head"]
@@ -62,7 +64,8 @@ class PPO(LMPolicyModule):
     def compute_logps(self, params: Any, batch: Batch) -> Batch:
         """Adds old_logps / ref_logps (see the base) and `old_values` [N, C] from the value head."""
         batch = super().compute_logps(params, batch)
-        values = self._values(self.full_params(params), *self._token_inputs(batch))
+        values = self._values(self.full_params(params), *self._token_inputs(batch),
+                              group_size=self.logps_group_size(batch))
         return batch.with_columns(old_values=np.asarray(values, np.float32))
 
     def compute_advantages(self, batch: Batch):
@@ -82,7 +85,8 @@ class PPO(LMPolicyModule):
 
     def forward(self, params: Any, batch: Batch):
         """One trunk forward: (logps [N, C], entropy [N, C], {"values": [N, C]})."""
-        logps, entropy, values = self._hidden_outputs(params, *self._token_inputs(batch), with_entropy=True)
+        logps, entropy, values = self._hidden_outputs(params, *self._token_inputs(batch), with_entropy=True,
+                                                      group_size=self.train_group_size)
         return logps, entropy, {"values": values}
 
     def extra_loss(self, aux, batch: Batch):

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rlbolt.models.shared_prefix import grouped_completion_hidden
+
 
 def left_pad_positions(mask: jnp.ndarray) -> jnp.ndarray:
     """RoPE positions for left-padded rows: `cumsum(mask) - 1` clipped at 0.
@@ -25,20 +27,23 @@ def left_pad_positions(mask: jnp.ndarray) -> jnp.ndarray:
     return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
 
 
-def completion_hidden(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask):
-    """Hidden states that predict each completion token: [B, C, H], and the output weight [H, V]."""
+def completion_hidden(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size=1):
+    """Hidden states that predict each completion token: [B, C, H], and the output weight [H, V].
+
+    `group_size` G > 1: rows come in groups of G consecutive rows with one prompt, and each
+    group's prompt runs once (`rlbolt.models.shared_prefix`); 1 runs every row's prompt.
+    """
     model = nnx.merge(graphdef, params)
+    weight = model.embed.embedding[...].T if model.config.tie_word_embeddings else model.lm_head.kernel[...]
+    if group_size > 1:
+        return grouped_completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                         group_size), weight
     ids = jnp.concatenate([prompt_ids, completion_ids], axis=1).astype(jnp.int32)
     mask = jnp.concatenate([prompt_mask, completion_mask], axis=1).astype(bool)
     hidden, _ = model(ids, left_pad_positions(mask), attention_mask=mask, return_hidden=True)
     p, c = prompt_ids.shape[1], completion_ids.shape[1]
     # Position P-1+c predicts completion token c (the last prompt token predicts the first).
-    hidden = jax.lax.dynamic_slice_in_dim(hidden, p - 1, c, axis=1)
-    if model.config.tie_word_embeddings:
-        weight = model.embed.embedding[...].T
-    else:
-        weight = model.lm_head.kernel[...]
-    return hidden, weight
+    return jax.lax.dynamic_slice_in_dim(hidden, p - 1, c, axis=1), weight
 
 
 def chunked_logps(hidden, weight, targets, temperature, chunk_size, with_entropy):
@@ -66,7 +71,7 @@ def chunked_logps(hidden, weight, targets, temperature, chunk_size, with_entropy
 
 
 def token_logps_and_entropy(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
-                            temperature: float = 1.0, chunk_size: int = 128):
+                            temperature: float = 1.0, chunk_size: int = 128, group_size: int = 1):
     """Log-probabilities and entropies of completion tokens under the temperature-scaled policy.
 
     Pure and jittable; differentiable w.r.t. `params`. The sequence is `prompt | completion`,
@@ -83,20 +88,23 @@ def token_logps_and_entropy(graphdef, params, prompt_ids, prompt_mask, completio
       temperature: logits are divided by it before log_softmax (must match the sampler's).
       chunk_size: completion tokens per output-projection chunk; peak extra memory is about
         B * chunk_size * V * 4 bytes.
+      group_size: G > 1 when rows come in groups of G consecutive rows with the same prompt:
+        each group's prompt then runs once (same results to float32 rounding; B % G == 0).
 
     Returns:
       (logps [B, C] float32, entropy [B, C] float32), both 0 where completion_mask is False.
     """
     if params is None:
         graphdef, params = nnx.split(graphdef)
-    hidden, weight = completion_hidden(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    hidden, weight = completion_hidden(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                      group_size)
     logps, entropy = chunked_logps(hidden, weight, completion_ids.astype(jnp.int32), temperature, chunk_size, True)
     mask = completion_mask.astype(bool)
     return jnp.where(mask, logps, 0.0), jnp.where(mask, entropy, 0.0)
 
 
 def token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
-                temperature: float = 1.0, chunk_size: int = 128):
+                temperature: float = 1.0, chunk_size: int = 128, group_size: int = 1):
     """Log-probabilities of completion tokens; `token_logps_and_entropy` without the entropy work.
 
     Args:
@@ -108,12 +116,14 @@ def token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, compl
       completion_mask: [B, C] bool.
       temperature: logits are divided by it before log_softmax.
       chunk_size: completion tokens per output-projection chunk.
+      group_size: G > 1 runs each group's prompt once (see `token_logps_and_entropy`).
 
     Returns:
       [B, C] float32 log-probabilities, 0 where completion_mask is False.
     """
     if params is None:
         graphdef, params = nnx.split(graphdef)
-    hidden, weight = completion_hidden(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    hidden, weight = completion_hidden(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                      group_size)
     logps, _ = chunked_logps(hidden, weight, completion_ids.astype(jnp.int32), temperature, chunk_size, False)
     return jnp.where(completion_mask.astype(bool), logps, 0.0)

@@ -1,0 +1,226 @@
+"""The prompt computed once per group: attention against a shared prefix, and the forward pass
+that runs each group's prompt once and every sample's completion against it.
+
+In GRPO-style training every prompt is repeated G times (`a a b b`), so its tokens, and with
+them its keys and values in every layer, are the same for the G samples. Here the batch's rows
+are read as U = B / G consecutive groups of G rows that share one prompt:
+
+    prompt tokens      [U, P]         run once per group (causal, left-padded)
+    completion tokens  [B, C - 1]     each attends to its group's prompt keys/values (the
+                                      prefix) and to its own earlier completion keys/values
+
+Every product sees the same numbers as the unshared forward over `prompt | completion`, so the
+outputs agree up to float32 rounding (the softmax is merged from two parts, the products are
+summed in a different order). The gradient through a prompt position is the sum over the
+group's samples: the prefix products add up the G samples' contributions themselves.
+
+The dense layers run on the packed tokens `[U * P + B * (C - 1), H]` (one product per kernel
+for prompts and completions together); only attention sees the group structure.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rlbolt.models.cache import KVCache
+from rlbolt.models.decoder import _MASK_VALUE, Decoder, _attend
+from rlbolt.models.rope import rope_cos_sin, rope_inv_freq
+
+
+def shared_rows_mismatch(prompt_ids, prompt_mask, group_size: int) -> int | None:
+    """The first row whose prompt differs from its group's first row, or None when all agree.
+
+    Groups are the consecutive blocks of `group_size` rows; a batch that does not split into
+    such blocks returns its row count.
+    """
+    ids, mask = np.asarray(prompt_ids), np.asarray(prompt_mask, bool)
+    n = ids.shape[0]
+    if group_size < 2:
+        return None
+    if n % group_size:
+        return n
+    ids = ids.reshape(n // group_size, group_size, -1)
+    mask = mask.reshape(n // group_size, group_size, -1)
+    # Padding slots may hold anything: only real tokens (and where they are) must agree.
+    same = (mask == mask[:, :1]).all(-1) & ((ids == ids[:, :1]) | ~mask).all(-1)  # [U, G]
+    if same.all():
+        return None
+    return int(np.argmin(same.reshape(-1)))
+
+
+def prompt_group_size(prompt_ids, prompt_mask) -> int:
+    """The G for which the rows are consecutive groups of G rows with one prompt each (host arrays).
+
+    The largest such G is the run length of the first row's prompt when every block of that
+    many rows agrees; 1 when the rows do not form such groups (then nothing is shared).
+    """
+    ids, mask = np.asarray(prompt_ids), np.asarray(prompt_mask, bool)
+    n = ids.shape[0]
+    if n < 2:
+        return 1
+    same_as_first = (mask == mask[:1]).all(-1) & ((ids == ids[:1]) | ~mask).all(-1)
+    run = n if same_as_first.all() else int(np.argmin(same_as_first))
+    if run < 2 or n % run or shared_rows_mismatch(ids, mask, run) is not None:
+        return 1
+    return run
+
+
+def attend_with_prefix(q: jnp.ndarray, prefix_keys_t: jnp.ndarray, prefix_values: jnp.ndarray,
+                       prefix_mask: jnp.ndarray, own_keys_t: jnp.ndarray, own_values: jnp.ndarray,
+                       own_visible: jnp.ndarray) -> jnp.ndarray:
+    """Grouped-query softmax attention over a prefix shared by groups of rows, then own keys.
+
+    Rows `u * G .. u * G + G - 1` of `q` share prefix row u (G = B / U). A query sees every real
+    slot of its group's prefix and the own slots `own_visible` allows; the softmax runs over
+    both parts at once (one max, one normaliser), as over their concatenation.
+
+    Args:
+      q: [B, T, nH, D] rotated queries.
+      prefix_keys_t: [U, nKV, D, P] rotated prefix keys, transposed.
+      prefix_values: [U, nKV, P, D].
+      prefix_mask: [U, P] bool, True on real prefix slots.
+      own_keys_t: [B, nKV, D, S] each row's own keys, transposed.
+      own_values: [B, nKV, S, D].
+      own_visible: [B, T, S] bool, which own keys each query may see.
+
+    Returns:
+      [B, T, nH * D] in q's dtype.
+    """
+    b, t, n_heads, d = q.shape
+    u, n_kv = prefix_keys_t.shape[0], prefix_keys_t.shape[1]
+    g, hpk = b // u, n_heads // n_kv
+    if u * g != b:
+        raise ValueError(f"attend_with_prefix: {b} query rows do not split into {u} groups of equal size")
+    scale = d ** -0.5
+    if t == 1:  # decode: multiply + sum reads the caches in their stored layout (as `_attend`)
+        q1 = q.reshape(u, g, n_kv, hpk, d).astype(jnp.float32)
+        s_pre = jnp.sum(q1[..., None] * prefix_keys_t[:, None, :, None].astype(jnp.float32), axis=-2)  # [U,G,K,H,P]
+        s_pre = s_pre.reshape(b, n_kv, hpk, 1, -1)
+        q1 = q1.reshape(b, n_kv, hpk, d)
+        s_own = jnp.sum(q1[..., None] * own_keys_t[:, :, None].astype(jnp.float32), axis=-2)[:, :, :, None]
+    else:
+        qg = q.reshape(u, g, t, n_kv, hpk, d)
+        s_pre = jnp.einsum("umtkhd,ukds->umkhts", qg, prefix_keys_t).astype(jnp.float32)
+        s_pre = s_pre.reshape(b, n_kv, hpk, t, -1)
+        s_own = jnp.einsum("btkhd,bkds->bkhts", q.reshape(b, t, n_kv, hpk, d), own_keys_t).astype(jnp.float32)
+    pre_visible = jnp.repeat(prefix_mask, g, axis=0)[:, None, None, None, :]  # [B, 1, 1, 1, P]
+    s_pre = jnp.where(pre_visible, s_pre * scale, _MASK_VALUE)
+    s_own = jnp.where(own_visible[:, None, None], s_own * scale, _MASK_VALUE)
+    top = jax.lax.stop_gradient(jnp.maximum(s_pre.max(-1, keepdims=True), s_own.max(-1, keepdims=True)))
+    e_pre, e_own = jnp.exp(s_pre - top), jnp.exp(s_own - top)
+    denom = e_pre.sum(-1, keepdims=True) + e_own.sum(-1, keepdims=True)
+    p_pre, p_own = (e_pre / denom).astype(prefix_values.dtype), (e_own / denom).astype(own_values.dtype)
+    if t == 1:
+        p_pre = p_pre.reshape(u, g, n_kv, hpk, -1)
+        out = jnp.sum(p_pre[..., None] * prefix_values[:, None, :, None], axis=-2).reshape(b, n_kv, hpk, d)
+        out = out + jnp.sum(p_own[:, :, :, 0, :, None] * own_values[:, :, None], axis=-2)
+        out = out[:, None]  # [B, 1, nKV, H, D]
+    else:
+        out = jnp.einsum("umkhts,uksd->umtkhd", p_pre.reshape(u, g, n_kv, hpk, t, -1), prefix_values)
+        out = out.reshape(b, t, n_kv, hpk, d) + jnp.einsum("bkhts,bksd->btkhd", p_own, own_values)
+    return out.reshape(b, t, n_heads * d).astype(q.dtype)
+
+
+def grouped_completion_hidden(model: Decoder, prompt_ids: jnp.ndarray, prompt_mask: jnp.ndarray,
+                              completion_ids: jnp.ndarray, completion_mask: jnp.ndarray,
+                              group_size: int) -> jnp.ndarray:
+    """The final-normed hidden states that predict each completion token, prompts run once per group.
+
+    Equal (to float32 rounding) to the unshared forward over `prompt | completion` sliced at
+    positions P - 1 .. P + C - 2 (`rlbolt.rollout.logps.completion_hidden`). The last completion
+    token predicts nothing, so it is never run.
+
+    Args:
+      model: the Decoder (merged from its graphdef and params; LoRA adapters apply as usual).
+      prompt_ids: [B, P] int, left-padded; rows of one group (G consecutive rows) must be equal.
+      prompt_mask: [B, P] bool; equal within a group likewise.
+      completion_ids: [B, C] int, right-padded.
+      completion_mask: [B, C] bool.
+      group_size: G, rows per group (a static int dividing B); only every G-th prompt row is read.
+
+    Returns:
+      [B, C, H] hidden states in the model's dtype.
+    """
+    b, p = prompt_ids.shape
+    c = completion_ids.shape[1]
+    if group_size < 1 or b % group_size:
+        raise ValueError(f"group_size={group_size} must divide the batch of {b} rows")
+    u, g, t = b // group_size, group_size, c - 1
+    cfg = model.config
+    p_ids, p_mask = prompt_ids[::g].astype(jnp.int32), prompt_mask[::g].astype(bool)  # [U, P]
+    c_ids, c_mask = completion_ids[:, :t].astype(jnp.int32), completion_mask[:, :t].astype(bool)  # [B, T]
+    # Positions as `left_pad_positions` of the concatenated mask: the prompt's real tokens count on.
+    p_pos = jnp.maximum(jnp.cumsum(p_mask.astype(jnp.int32), axis=1) - 1, 0)
+    prompt_len = jnp.repeat(p_mask.sum(axis=1, dtype=jnp.int32), g)  # [B]
+    c_pos = jnp.maximum(prompt_len[:, None] + jnp.cumsum(c_mask.astype(jnp.int32), axis=1) - 1, 0)
+    n_pre = u * p
+    positions = jnp.concatenate([p_pos.reshape(1, -1), c_pos.reshape(1, -1)], axis=1)  # packed [1, U*P + B*T]
+    cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    ids = jnp.concatenate([p_ids.reshape(1, -1), c_ids.reshape(1, -1)], axis=1)
+    x = model.embed(ids)  # [1, tokens, H]
+    p_visible = jnp.tril(jnp.ones((p, p), bool))[None] & p_mask[:, None, :]  # [U, P, P]
+    c_visible = jnp.tril(jnp.ones((t, t), bool))[None] & c_mask[:, None, :]  # [B, T, T]
+    for layer in model.layers:
+        q, k, v = layer.attn.project(layer.attn_norm(x), cos, sin)  # [1, tokens, N, D]
+        pre = lambda a: a[0, :n_pre].reshape(u, p, *a.shape[2:])  # noqa: E731
+        own = lambda a: a[0, n_pre:].reshape(b, t, *a.shape[2:])  # noqa: E731
+        k_pre_t, v_pre = pre(k).transpose(0, 2, 3, 1), pre(v).transpose(0, 2, 1, 3)  # [U,nKV,D,P], [U,nKV,P,D]
+        out_pre = _attend(pre(q), k_pre_t, v_pre, p_visible)  # [U, P, nH*D]
+        if t:
+            out_own = attend_with_prefix(own(q), k_pre_t, v_pre, p_mask, own(k).transpose(0, 2, 3, 1),
+                                         own(v).transpose(0, 2, 1, 3), c_visible)  # [B, T, nH*D]
+            attn = jnp.concatenate([out_pre.reshape(1, n_pre, -1), out_own.reshape(1, b * t, -1)], axis=1)
+        else:
+            attn = out_pre.reshape(1, n_pre, -1)
+        x = x + layer.attn.o_proj(attn)
+        x = x + layer.mlp(layer.mlp_norm(x))
+    hidden = model.final_norm(x)[0]  # [tokens, H]
+    h = hidden.shape[-1]
+    last_prompt = jnp.repeat(hidden[:n_pre].reshape(u, p, h)[:, -1], g, axis=0)[:, None]  # [B, 1, H]
+    return jnp.concatenate([last_prompt, hidden[n_pre:].reshape(b, t, h)], axis=1)
+
+
+def decode_with_prefix(model: Decoder, tokens: jnp.ndarray, positions: jnp.ndarray, prefix: KVCache,
+                       own: KVCache, read: int) -> tuple[jnp.ndarray, KVCache]:
+    """One decode step of B rows against their groups' prompt cache and their own cache.
+
+    The new token's keys/values are written to slot `own.index` of `own`; attention reads the
+    group's prompt slots (`prefix`, U = B / G rows, written by a prefill) and the first `read`
+    slots of `own` (a static length: the part filled so far, rounded up to a decode segment),
+    so a step never reads the unfilled rest of a long cache.
+
+    Args:
+      model: the Decoder.
+      tokens: [B] int32, the tokens fed this step.
+      positions: [B] int32 RoPE positions.
+      prefix: the prompts' KVCache, [U, ...] rows (its mask marks real prompt slots).
+      own: the rows' completion KVCache, [B, ...] rows; `own.index` is the slot written now.
+      read: own slots attention reads (static; > own.index).
+
+    Returns:
+      (logits [B, V] float32, the updated own cache).
+    """
+    cfg = model.config
+    b = tokens.shape[0]
+    cos, sin = rope_cos_sin(positions[:, None], rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    index, zero = own.index, jnp.zeros((), jnp.int32)
+    mask = jax.lax.dynamic_update_slice(own.mask, jnp.ones((b, 1), bool), (zero, index))
+    visible = mask[:, None, :read]  # [B, 1, read]
+    x = model.embed(tokens[:, None])  # [B, 1, H]
+    new_keys, new_values = [], []
+    for i, layer in enumerate(model.layers):
+        q, k, v = layer.attn.project(layer.attn_norm(x), cos, sin)
+        keys = jax.lax.dynamic_update_slice(own.keys[i], k.transpose(0, 2, 3, 1).astype(own.keys[i].dtype),
+                                            (zero, zero, zero, index))
+        values = jax.lax.dynamic_update_slice(own.values[i], v.transpose(0, 2, 1, 3).astype(own.values[i].dtype),
+                                              (zero, zero, index, zero))
+        new_keys.append(keys)
+        new_values.append(values)
+        out = attend_with_prefix(q, prefix.keys[i], prefix.values[i], prefix.mask, keys[..., :read],
+                                 values[:, :, :read], visible)
+        x = x + layer.attn.o_proj(out)
+        x = x + layer.mlp(layer.mlp_norm(x))
+    logits = model.logits(model.final_norm(x))[:, 0]
+    return logits, KVCache(tuple(new_keys), tuple(new_values), mask, index + 1)
