@@ -59,6 +59,7 @@ class ModelCheckpoint(Callback):
     """
 
     order = 10  # saves after the step's metrics are written
+    writes_run_dir = True
 
     def __init__(self, directory: str | Path | None = None, every_n_steps: int | None = None,
                  every_secs: float | None = None, keep: int | None = 3, best_metric: str | None = None,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,7 @@ class LogFile(Callback):
     """
 
     KEYS = ("reward/mean", "loss", "grad_norm", "response_length/mean", "time/step")
+    writes_run_dir = True
 
     def __init__(self, every_n_steps: int = 10, keys: tuple[str, ...] = KEYS):
         self.every_n_steps, self.keys = every_n_steps, keys
@@ -147,7 +149,11 @@ class LogFile(Callback):
         self.log.info("validation at step %d: %s", step, " ".join(f"{k}={_fmt(v)}" for k, v in sorted(metrics.items())))
 
     def on_fit_end(self, trainer, state) -> None:
-        self.log.info("fit ended after step %d (policy version %d)", state.step, state.policy_version)
+        if trainer.interrupted:
+            name = signal.Signals(trainer.stop_signal).name if trainer.stop_signal else "an interrupt"
+            self.log.info("fit interrupted by %s after step %d (policy version %d)", name, state.step, state.policy_version)
+        else:
+            self.log.info("fit ended after step %d (policy version %d)", state.step, state.policy_version)
 
     def on_exception(self, trainer, exc: BaseException) -> None:
         self.log.error("fit stopped: %s: %s", type(exc).__name__, exc)
