@@ -179,7 +179,7 @@ def check_layout(stored: Mapping[str, dict], template: Any, prefix: str = "") ->
                   f"the checkpoint has {extra[0]}, this run does not")
         raise CheckpointCorrupt(f"it holds different arrays than this run builds ({detail}; {len(missing)} missing, "
                                 f"{len(extra)} extra): did the model or the optimizer change?")
-    name = next(n for n in sorted(wanted) if wanted[n] != have[n])
+    name = next(n for n in sorted(wanted, key=lambda n: (not n.startswith("params/"), n)) if wanted[n] != have[n])
     raise CheckpointCorrupt(f"{name} is {have[name][1]}{tuple(have[name][0])} in the checkpoint but "
                             f"{wanted[name][1]}{tuple(wanted[name][0])} in this run: did the model or the optimizer change?")
 
