@@ -54,8 +54,7 @@ class Interrupted(KeyboardInterrupt):
         return 128 + self.signum
 
     def __str__(self) -> str:
-        where = "before the first step" if self.step is None else f"after step {self.step}"
-        return f"interrupted by {self.signal_name} {where}"
+        return f"interrupted by {self.signal_name}" + ("" if self.step is None else f" after step {self.step}")
 
 
 class StopOnSignal:
@@ -111,3 +110,25 @@ def _write_stderr(text: str) -> None:
         os.write(2, text.encode())
     except OSError:
         pass
+
+
+class RaiseOnSignal:
+    """Outside a fit (the `rlbolt` command's set-up, plots, export): SIGINT and SIGTERM raise
+    `Interrupted` at once in the main thread, so the command can end with one line and the
+    conventional exit status. A context manager that restores the previous handlers."""
+
+    def __enter__(self) -> RaiseOnSignal:
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in SIGNALS:
+                self._previous[signum] = signal.signal(signum, _raise_interrupted)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+def _raise_interrupted(signum: int, frame) -> None:
+    del frame
+    raise Interrupted(signum)

@@ -47,13 +47,13 @@ def test_export_writes_the_checkpointed_weights_for_transformers(small_run, tmp_
     assert "checkpoint step" in capsys.readouterr().out
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
 
-    from rlbolt.app.cli_export import latest_params
+    from rlbolt.app.cli_export import latest_model
 
-    module, step, _ = latest_params(small_run)
+    model, step, _ = latest_model(small_run)
     assert step == max(int(p.name) for p in (small_run / "checkpoints").iterdir() if p.name.isdigit())
-    ids = np.asarray([module.tokenizer.encode("3141=2718")], np.int32)
+    ids = np.asarray([DigitsGRPO(SMALL).tokenizer.encode("3141=2718")], np.int32)
     positions = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
-    ours, _ = module.model(jnp.asarray(ids), positions)
+    ours, _ = model(jnp.asarray(ids), positions)
     with torch.no_grad():
         theirs = hf(torch.tensor(ids, dtype=torch.long)).logits.numpy()
     np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rlbolt.app.config import ConfigError, RunConfig, load_config, save_config
+from rlbolt.app.config import ConfigError, RunConfig, config_to_dict, load_config, save_config
 from rlbolt.data import gsm8k_style_rows, load_rows
 from rlbolt.plan import BatchPlan
 from rlbolt.trainer import Trainer
@@ -62,8 +62,9 @@ def build_callbacks(cfg: RunConfig, run_dir: str | Path) -> list:
         out.append(cb.Throughput())
     if c.offload:
         out.append(cb.CPUOffload())
-    if c.checkpoint_every_n_steps:
-        out.append(cb.ModelCheckpoint(every_n_steps=c.checkpoint_every_n_steps, keep=c.keep, resume="latest" if c.resume else None))
+    if c.checkpoint:  # records the resolved config: a resume that changes the math is refused
+        out.append(cb.ModelCheckpoint(every_n_steps=c.checkpoint_every_n_steps, keep=c.keep,
+                                      resume="latest" if c.resume else None, config=config_to_dict(cfg)))
     if c.metrics:
         out.append(cb.MetricsLogger(writer=list(c.metrics), every_n_steps=c.log_every_n_steps, wandb_project=c.wandb_project))
     if c.progress:

@@ -1,8 +1,19 @@
-"""`rlbolt export`: a Hugging Face folder from a run directory's latest checkpoint.
+"""`rlbolt export`: a Hugging Face folder from a run directory's newest usable checkpoint.
 
-The run's config.yaml rebuilds the module exactly as training built it (same model shape and
-optimizer), which gives Orbax the abstract target to restore into; the restored parameters go
-into the module's Decoder and `rlbolt.models.hf_io.save_hf` writes config.json + safetensors.
+Export needs the checkpoint alone, not config.yaml nor the module that trained it, so it works
+on runs made with `Trainer.fit` from a script as well as on `rlbolt demo` / `fit` runs. Every
+checkpoint records what export needs (`meta.model`, written by ModelCheckpoint): the
+ModelConfig of the policy's Decoder, where the policy's parameters sit inside the trainable
+pytree (PPO keeps them under "policy"), and the tokenizer folder the run used. Export:
+
+    1. reads the newest usable step read-only (checksums and finiteness verified; NaN weights
+       are never exported), retrying when a training process prunes it while it is being read;
+    2. builds the Decoder's structure from the recorded ModelConfig (no weights initialised),
+       fills it with the restored parameters, names and shapes checked;
+    3. writes config.json + safetensors (+ the tokenizer files) with `rlbolt.models.hf_io.save_hf`.
+
+It never writes, renames or cleans anything in the run directory: it is safe while the run is
+training.
 """
 
 from __future__ import annotations
@@ -11,10 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from rlbolt.app import rundir
-from rlbolt.app.demo import DemoConfig, DigitsGRPO
+
+READ_ATTEMPTS = 5
 
 
 def is_demo_config(data: dict[str, Any]) -> bool:
@@ -22,63 +35,90 @@ def is_demo_config(data: dict[str, Any]) -> bool:
     return set(data) == {"demo"}
 
 
-def _module_for(run_dir: Path) -> tuple[Any, Any]:
-    """(module with its model built and initial params loaded, the config it was built from)."""
-    data = rundir.read_config(run_dir)
-    if is_demo_config(data):
-        cfg = DemoConfig.from_dict(data)
-        module = DigitsGRPO(cfg)
-        module.init_params(jax.random.PRNGKey(cfg.seed))
-        return module, None
-    from rlbolt.app.build import build_module, build_trainer
-    from rlbolt.app.config import load_config
-
-    cfg = load_config(data, [f"trainer.run_dir={run_dir}"])
-    module = build_module(cfg)
-    module.trainer = build_trainer(cfg)
-    module.setup(module.trainer)
-    return module, cfg
-
-
-def latest_params(run_dir: str | Path) -> tuple[Any, int, Any]:
-    """Restores the newest usable checkpoint's parameters into the run's module.
+def read_latest(run_dir: str | Path) -> tuple[int, Any, dict]:
+    """The newest usable checkpoint's parameters (as saved) and metadata, read-only.
 
     Args:
-      run_dir: a run directory with config.yaml and checkpoints/.
+      run_dir: a run directory with checkpoints/.
 
     Returns:
-      (module whose `model` now holds the restored weights, the checkpoint's step, the
-      RunConfig or None for a demo run).
+      (step, params as nested dicts, meta).
 
     Raises:
-      RunDirError: the directory is not a run or holds no checkpoint.
+      RunDirError: no checkpoints/ folder or no checkpoint in it.
+      NoUsableCheckpoint: every checkpoint fails its checks (each reason is listed).
     """
-    from rlbolt.callbacks.checkpoint_io import CheckpointIO
+    from rlbolt.callbacks.checkpoint_io import CheckpointIO, NoUsableCheckpoint
 
-    run_dir = Path(run_dir)
-    module, cfg = _module_for(run_dir)
-    ckpt_dir = run_dir / rundir.CHECKPOINTS_DIR
-    io = CheckpointIO(ckpt_dir, async_save=False) if ckpt_dir.is_dir() else None
-    steps = io.steps() if io is not None else []
-    if not steps:
-        raise rundir.RunDirError(f"{ckpt_dir} holds no checkpoint; train with checkpoints first "
-                                 "(the demo always saves its last step)")
+    ckpt_dir = Path(run_dir) / rundir.CHECKPOINTS_DIR
+    if not ckpt_dir.is_dir():
+        raise rundir.RunDirError(f"{run_dir} has no {rundir.CHECKPOINTS_DIR}/ folder; is it a run directory?")
+    io = CheckpointIO(ckpt_dir, read_only=True)
     try:
-        params = module.init_params(jax.random.PRNGKey(0))
-        optimizer = module.configure_optimizers()
-        template = {"params": params, "opt_state": optimizer.init(params), "rng": jax.random.PRNGKey(0)}
-        step, arrays, _, _ = io.restore_usable(steps, template, params)
+        for attempt in range(READ_ATTEMPTS):
+            steps = io.steps()
+            if not steps:
+                raise rundir.RunDirError(f"{ckpt_dir} holds no checkpoint; a run saves one at its end, when stopped "
+                                         "by Ctrl-C or SIGTERM, and every checkpoint_every_n_steps")
+            try:
+                step, params, meta, _ = io.restore_usable(steps)
+                return step, params, meta
+            except NoUsableCheckpoint:
+                # A training process may have pruned the steps while they were read: list again.
+                if attempt + 1 == READ_ATTEMPTS or io.steps() == steps:
+                    raise
+        raise AssertionError("unreachable")
     finally:
         io.close()
-    nnx.update(module.model, arrays["params"])
-    return module, step, cfg
+
+
+def decoder_from_checkpoint(params: Any, model: dict | None, run_dir: Path):
+    """The policy's Decoder holding the checkpoint's parameters (see the module docstring)."""
+    from rlbolt.callbacks.checkpoint_integrity import named_leaves, path_name
+    from rlbolt.models import Decoder
+    from rlbolt.models.config import ModelConfig
+
+    if model is None:
+        raise rundir.RunDirError(f"the checkpoints in {run_dir} record no rlbolt Decoder (the module's `model` was "
+                                 "not an rlbolt.models.Decoder), so there is nothing export can write")
+    config = ModelConfig(**model["config"]).validate()
+    key = model.get("params_key")
+    saved = named_leaves(params[key] if key is not None else params)
+    graphdef, template = nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))), nnx.Param)
+
+    def fill(path, leaf):
+        name = path_name(path)
+        if name not in saved:
+            raise rundir.RunDirError(f"the checkpoint in {run_dir} has no parameter {name} that a {config.architecture} "
+                                     "Decoder of its recorded config needs")
+        value = jnp.asarray(saved[name])
+        if value.shape != leaf.shape:
+            raise rundir.RunDirError(f"parameter {name} is {value.shape} in the checkpoint, {leaf.shape} in the "
+                                     "recorded model config")
+        return value.astype(leaf.dtype)
+
+    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(fill, template))
+
+
+def latest_model(run_dir: str | Path) -> tuple[Any, int, str | None]:
+    """The policy of the newest usable checkpoint, rebuilt from that checkpoint alone.
+
+    Returns:
+      (Decoder with the checkpoint's weights, the checkpoint's step, the tokenizer folder the
+      run used or None).
+    """
+    run_dir = Path(run_dir)
+    step, params, meta = read_latest(run_dir)
+    model = meta.get("model")
+    decoder = decoder_from_checkpoint(params, model, run_dir)
+    return decoder, step, (model or {}).get("tokenizer_folder")
 
 
 def export_run(run_dir: str | Path, out: str | Path, *, overwrite: bool = False) -> tuple[Path, int]:
-    """Writes the latest checkpoint of `run_dir` as a Hugging Face folder `out`.
+    """Writes the newest usable checkpoint of `run_dir` as a Hugging Face folder `out`.
 
     Args:
-      run_dir: the run directory.
+      run_dir: the run directory (from `rlbolt demo`, `rlbolt fit` or a script's `Trainer.fit`).
       out: the output folder; it must not exist unless `overwrite`.
       overwrite: replace an existing `out`.
 
@@ -90,12 +130,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, overwrite: bool = False)
     out = Path(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists; choose another OUT folder or pass --overwrite")
-    module, step, cfg = latest_params(run_dir)
-    model = module.model
-    tokenizer_folder = None
-    if cfg is not None:
-        folder = cfg.model.tokenizer or cfg.model.path
-        if folder and (Path(folder) / "tokenizer.json").is_file():
-            tokenizer_folder = folder
+    model, step, folder = latest_model(run_dir)
+    tokenizer_folder = folder if folder and (Path(folder) / "tokenizer.json").is_file() else None
     save_hf(model, model.config, out, tokenizer_folder=tokenizer_folder, overwrite=overwrite)
     return out, step

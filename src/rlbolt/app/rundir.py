@@ -6,9 +6,12 @@
       checkpoints/     Orbax checkpoints (ModelCheckpoint)
       plots/           PNGs from `rlbolt plot` (reward.png at the end of the demo)
       train.log        Python logging of the run (start, per-step summaries, end)
+      config_changes.jsonl  math-changing config changes allowed at a resume (and their step)
+      .rlbolt.lock     the writer's OS lock (one training process per folder; see utils/runlock.py)
 
 A fresh run refuses a folder that already holds files, so a typo never overwrites an earlier
-run; `rlbolt resume` is the one way to continue into an existing folder.
+run; `rlbolt resume` is the one way to continue into an existing folder. Opening the folder
+takes its lock before anything is written, and the process keeps it until it ends.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from typing import Any
 
 import yaml
 
-from rlbolt.utils.files import to_plain, write_text_atomic
-
 from rlbolt.callback import Callback
+from rlbolt.utils import runlock
+from rlbolt.utils.files import to_plain, write_text_atomic
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -40,7 +43,8 @@ class RunDirError(ValueError):
 
 
 def prepare_run_dir(path: str | Path, *, resume: bool = False) -> Path:
-    """Creates (or, for resume, checks) a run directory and its `checkpoints/` and `plots/`.
+    """Creates (or, for resume, checks) a run directory and its `checkpoints/` and `plots/`, and
+    locks it for this process (`release_run_dir` when the run is over).
 
     Args:
       path: the run directory.
@@ -51,21 +55,37 @@ def prepare_run_dir(path: str | Path, *, resume: bool = False) -> Path:
 
     Raises:
       RunDirError: a fresh run into a non-empty folder, or a resume of a folder that is not a run.
+      RunDirBusy: another process is writing into the folder (its lock names it).
     """
     run_dir = Path(path)
     if resume:
         if not (run_dir / CONFIG_FILE).is_file():
-            raise RunDirError(f"{run_dir} is not a run directory (no {CONFIG_FILE}); pass the folder a previous "
-                              "`rlbolt demo` or `rlbolt fit` wrote")
-    elif run_dir.exists():
-        if not run_dir.is_dir():
-            raise RunDirError(f"run directory {run_dir} exists and is a file; choose another --run-dir")
-        if any(run_dir.iterdir()):
-            raise RunDirError(f"run directory {run_dir} is not empty; continue it with `rlbolt resume {run_dir}` "
-                              "or choose a new --run-dir (nothing was overwritten)")
+            raise RunDirError(not_a_run_message(run_dir))
+    elif run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"run directory {run_dir} exists and is a file; choose another --run-dir")
+    runlock.acquire(run_dir)  # taken before anything is written; the caller releases it when the run ends
+    if not resume and any(p.name != runlock.LOCK_FILE for p in run_dir.iterdir()):
+        runlock.release(run_dir)
+        raise RunDirError(f"run directory {run_dir} is not empty; continue it with `rlbolt resume {run_dir}` "
+                          "or choose a new --run-dir (nothing was overwritten)")
     for sub in (CHECKPOINTS_DIR, PLOTS_DIR):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
     return run_dir
+
+
+def release_run_dir(run_dir: str | Path) -> None:
+    """Releases the lock `prepare_run_dir` took (the kernel does it anyway when the process ends)."""
+    runlock.release(run_dir)
+
+
+def not_a_run_message(run_dir: Path) -> str:
+    """Why `run_dir` cannot be resumed or exported by config: it has no config.yaml."""
+    if (run_dir / CHECKPOINTS_DIR).is_dir():
+        return (f"{run_dir} was trained from a Python script (it has checkpoints but no {CONFIG_FILE}); resume it by "
+                "running that script again with the same run_dir (its ModelCheckpoint continues from the newest "
+                "checkpoint); `rlbolt export` works on it")
+    return (f"{run_dir} is not a run directory (no {CONFIG_FILE}); pass the folder a previous `rlbolt demo` or "
+            "`rlbolt fit` wrote")
 
 
 def write_config(run_dir: str | Path, config: Mapping[str, Any]) -> Path:
@@ -92,7 +112,8 @@ def attach_log_file(run_dir: str | Path, level: int = logging.INFO) -> logging.H
 
     While attached, the `rlbolt` records stop propagating to the root logger (whose handlers
     libraries may have set up) and only warnings and errors reach stderr, so the terminal
-    shows the progress bar rather than every log line twice.
+    shows the progress bar rather than every log line twice. Orbax's warnings and errors
+    (logged through absl) go to train.log only: a failed save is reported once, in one line.
 
     Returns:
       The file handler; pass it to `detach_log_file` when the run ends.
@@ -103,7 +124,13 @@ def attach_log_file(run_dir: str | Path, level: int = logging.INFO) -> logging.H
     console = logging.StreamHandler()
     console.setLevel(logging.WARNING)
     console.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    handler.rlbolt_restore = (console, logger.propagate, logger.level)  # what detach_log_file undoes
+    library = logging.FileHandler(Path(run_dir) / LOG_FILE, encoding="utf-8")
+    library.setFormatter(handler.formatter)
+    library.setLevel(logging.WARNING)
+    absl = logging.getLogger("absl")
+    handler.rlbolt_restore = (console, logger.propagate, logger.level, library, absl.propagate)  # undone by detach
+    absl.addHandler(library)
+    absl.propagate = False
     logger.addHandler(handler)
     logger.addHandler(console)
     logger.propagate = False
@@ -114,11 +141,14 @@ def attach_log_file(run_dir: str | Path, level: int = logging.INFO) -> logging.H
 
 def detach_log_file(handler: logging.Handler) -> None:
     """Flushes and closes a handler added by `attach_log_file` and restores the logger."""
-    console, propagate, level = handler.rlbolt_restore
+    console, propagate, level, library, absl_propagate = handler.rlbolt_restore
     for h in (handler, console):
         logger.removeHandler(h)
         h.close()
-    logger.propagate, logger.level = propagate, level
+    absl = logging.getLogger("absl")
+    absl.removeHandler(library)
+    library.close()
+    logger.propagate, logger.level, absl.propagate = propagate, level, absl_propagate
 
 
 class LogFile(Callback):
