@@ -102,7 +102,7 @@ def _positive_int(text: str) -> int:
 
 
 def _demo_default(name: str):
-    from rlbolt.app.demo import DemoConfig
+    from rlbolt.app.demo_config import DemoConfig
 
     return getattr(DemoConfig(), name)
 
@@ -127,7 +127,7 @@ def split_overrides(extra: Sequence[str]) -> list[str]:
 # -- subcommands ------------------------------------------------------------------------------------
 def _cmd_demo(args: argparse.Namespace) -> int:
     from rlbolt.app.cli_run import run_demo
-    from rlbolt.app.demo import DemoConfig
+    from rlbolt.app.demo_config import DemoConfig
 
     changes = {k: v for k, v in (("max_steps", args.max_steps), ("checkpoint_every", args.checkpoint_every),
                                  ("seed", args.seed), ("task", args.task)) if v is not None}
@@ -159,7 +159,8 @@ def _cmd_fit(args: argparse.Namespace, extra: Sequence[str]) -> int:
 
 def _cmd_resume(args: argparse.Namespace) -> int:
     from rlbolt.app import rundir
-    from rlbolt.app.cli_export import is_demo_config
+    from rlbolt.app.demo_config import is_demo_config
+    from rlbolt.utils import runlock
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
@@ -167,23 +168,24 @@ def _cmd_resume(args: argparse.Namespace) -> int:
     if not (run_dir / rundir.CONFIG_FILE).is_file():
         raise CLIError(rundir.not_a_run_message(run_dir))
     data = rundir.read_config(run_dir)
-    if is_demo_config(data):
-        from rlbolt.app.cli_run import run_demo
-        from rlbolt.app.demo import DemoConfig
+    with runlock.hold(run_dir):  # before JAX is imported: a second writer is refused at once
+        if is_demo_config(data):
+            from rlbolt.app.cli_run import run_demo
+            from rlbolt.app.demo_config import DemoConfig
 
-        config = DemoConfig.from_dict(data)
+            config = DemoConfig.from_dict(data)
+            if args.max_steps is not None:
+                config = dataclasses.replace(config, max_steps=args.max_steps)
+            run_demo(config, run_dir, resume=True, allow_config_change=args.allow_config_change)
+            return 0
+        from rlbolt.app.cli_run import run_config
+        from rlbolt.app.config import load_config
+
+        overrides = [f"trainer.run_dir={run_dir}"]
         if args.max_steps is not None:
-            config = dataclasses.replace(config, max_steps=args.max_steps)
-        run_demo(config, run_dir, resume=True, allow_config_change=args.allow_config_change)
+            overrides.append(f"trainer.max_steps={args.max_steps}")
+        run_config(load_config(data, overrides), resume=True, allow_config_change=args.allow_config_change)
         return 0
-    from rlbolt.app.cli_run import run_config
-    from rlbolt.app.config import load_config
-
-    overrides = [f"trainer.run_dir={run_dir}"]
-    if args.max_steps is not None:
-        overrides.append(f"trainer.max_steps={args.max_steps}")
-    run_config(load_config(data, overrides), resume=True, allow_config_change=args.allow_config_change)
-    return 0
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
@@ -211,23 +213,18 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+_USER_ERRORS = (  # (module, class): bad input or a refusal, reported in one line with exit status 2
+    ("rlbolt.app.rundir", "RunDirError"), ("rlbolt.plan", "PlanError"), ("rlbolt.app.demo_config", "DemoConfigError"),
+    ("rlbolt.app.config_fields", "ConfigError"), ("rlbolt.utils.runlock", "RunDirBusy"),
+    ("rlbolt.callbacks.checkpoint_io", "NoUsableCheckpoint"), ("rlbolt.callbacks.config_guard", "ConfigChanged"),
+)
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from rlbolt.app.demo import DemoConfigError
-    from rlbolt.app.rundir import RunDirError
-    from rlbolt.callbacks.checkpoint_io import NoUsableCheckpoint
-    from rlbolt.callbacks.config_guard import ConfigChanged
-    from rlbolt.plan import PlanError
-    from rlbolt.utils.runlock import RunDirBusy
-
-    errors: list[type[BaseException]] = [CLIError, RunDirError, PlanError, DemoConfigError, FileNotFoundError,
-                                         FileExistsError, RunDirBusy, NoUsableCheckpoint, ConfigChanged]
-    try:
-        from rlbolt.app.config import ConfigError
-
-        errors.append(ConfigError)
-    except ImportError:
-        pass
-    return tuple(errors)
+    # An exception's class is loaded once one was raised: looking in sys.modules imports nothing
+    # (a refusal that comes before JAX is imported stays fast).
+    found = [getattr(sys.modules[m], name) for m, name in _USER_ERRORS if m in sys.modules]
+    return (CLIError, FileNotFoundError, FileExistsError, *found)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -260,12 +257,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt as error:  # rlbolt.signals.Interrupted: a signal outside a fit's loop
             return fail(f"{_one_line(error) or 'interrupted'}; nothing more was saved", 128 + getattr(error, "signum", 2))
         except Exception as error:
-            from rlbolt.app.cli_run import RunInterrupted
-            from rlbolt.callbacks.checkpoint_io import CheckpointWriteError
-
-            if isinstance(error, RunInterrupted):
+            kind = f"{type(error).__module__}.{type(error).__name__}"
+            if kind == "rlbolt.app.cli_run.RunInterrupted":  # the run saved its last step, then stopped
                 return fail(_one_line(error), error.exit_code)
-            if isinstance(error, CheckpointWriteError) and not debug:
+            if kind == "rlbolt.callbacks.checkpoint_io.CheckpointWriteError" and not debug:
                 return fail("error: " + _one_line(error), EXIT_FAILED)
             raise
 

@@ -63,11 +63,14 @@ def prepare_run_dir(path: str | Path, *, resume: bool = False) -> Path:
             raise RunDirError(not_a_run_message(run_dir))
     elif run_dir.exists() and not run_dir.is_dir():
         raise RunDirError(f"run directory {run_dir} exists and is a file; choose another --run-dir")
+    not_empty = RunDirError(f"run directory {run_dir} is not empty; continue it with `rlbolt resume {run_dir}` "
+                            "or choose a new --run-dir (nothing was overwritten)")
+    if not resume and run_dir.is_dir() and any(run_dir.iterdir()):
+        raise not_empty
     runlock.acquire(run_dir)  # taken before anything is written; the caller releases it when the run ends
     if not resume and any(p.name != runlock.LOCK_FILE for p in run_dir.iterdir()):
-        runlock.release(run_dir)
-        raise RunDirError(f"run directory {run_dir} is not empty; continue it with `rlbolt resume {run_dir}` "
-                          "or choose a new --run-dir (nothing was overwritten)")
+        runlock.release(run_dir)  # another process got there first
+        raise not_empty
     for sub in (CHECKPOINTS_DIR, PLOTS_DIR):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
     return run_dir
