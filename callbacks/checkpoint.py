@@ -150,6 +150,7 @@ class ModelCheckpoint(Callback):
 
     def on_step_end(self, trainer, info: StepInfo) -> None:
         self._last_state = info.state
+        self.io.note_finished()
         if self._periodic.should_fire(info.step):
             self.save(trainer, info.state)
 

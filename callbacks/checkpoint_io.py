@@ -69,12 +69,13 @@ class CheckpointIO:
         self.read_only = read_only
         self.failed: CheckpointWriteError | None = None
         self._pending: tuple[int, int] | None = None  # (step, bytes) of the save in flight
+        self._ledger_written = read_only
         if read_only:
-            options = ocp.CheckpointManagerOptions(read_only=True, create=False, cleanup_tmp_directories=False)
+            options = ocp.CheckpointManagerOptions(read_only=True, create=False, cleanup_tmp_directories=False,
+                                                   save_interval_steps=0)
         else:
-            options = ocp.CheckpointManagerOptions(
-                create=True, enable_async_checkpointing=async_save, cleanup_tmp_directories=True,
-                async_options=ocp.AsyncOptions(post_finalization_callback=self._finalized) if async_save else None)
+            options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=async_save,
+                                                   cleanup_tmp_directories=True)
         self.async_save = async_save and not read_only
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
@@ -113,20 +114,23 @@ class CheckpointIO:
         if retained:
             items[RETAINED] = ocp.args.StandardSave(retained)
         self.wait()  # a failure of the previous save is reported as that step's
-        self._pending = (step, _nbytes(arrays) + _nbytes(retained or {}))
+        self._pending = (step, _nbytes(arrays) + _nbytes(retained or {}))  # until a wait() sees it on disk
         try:
             # force: ModelCheckpoint decides when to save, not Orbax's save-interval policy.
             self.manager.save(step, args=ocp.args.Composite(**items), force=True)
         except Exception as exc:  # noqa: BLE001 - reported as one line; Orbax's traceback is in the log
             raise self._write_error(exc) from exc
-        if not self.async_save:
-            self._finalized()
+        self.note_finished()
 
-    def _finalized(self) -> None:
-        """Orbax's post-finalization callback (and the end of a synchronous save)."""
-        pending, self._pending = self._pending, None
-        if pending is not None and jax.process_index() == 0 and self.first_saved() is None:
+    def note_finished(self) -> None:
+        """Records, once, that this directory has had a finished checkpoint (`saved.json`), as
+        soon as the save in flight is on disk. Cheap: ModelCheckpoint calls it after every step."""
+        pending = self._pending
+        if self._ledger_written or pending is None or not (self.directory / str(pending[0])).is_dir():
+            return
+        if jax.process_index() == 0 and self.first_saved() is None:
             write_text_atomic(self.directory / SAVED_FILE, json.dumps({"first_saved_step": pending[0]}))
+        self._ledger_written = True
 
     def wait(self) -> None:
         """Blocks until an in-flight asynchronous save is on disk.
@@ -140,6 +144,8 @@ class CheckpointIO:
             self.manager.wait_until_finished()
         except Exception as exc:  # noqa: BLE001
             raise self._write_error(exc) from exc
+        self.note_finished()
+        self._pending = None
 
     def _write_error(self, exc: BaseException) -> CheckpointWriteError:
         step, need = self._pending or (None, 0)

@@ -230,6 +230,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status (0 ok, 1 failed, 2 bad input or refused,
     130 / 143 stopped by SIGINT / SIGTERM)."""
+    from rlbolt.app.quiet import quiet_libraries
     from rlbolt.signals import RaiseOnSignal
     from rlbolt.utils.xla_flags import configure_xla_flags
 
@@ -245,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rlbolt {args.command}: {message}", file=sys.stderr, flush=True)
         return code
 
-    with RaiseOnSignal(), _library_logs_off(debug):
+    with RaiseOnSignal(), quiet_libraries(enabled=not debug):
         try:
             if args.command == "fit":
                 return _cmd_fit(args, extra)
@@ -269,38 +270,15 @@ def _one_line(error: BaseException) -> str:
     return " ".join(str(error).split())
 
 
-class _library_logs_off:
-    """Keeps the libraries' own log records (Orbax logs through absl) off the terminal; a run
-    sends them to train.log instead (rundir.attach_log_file). RLBOLT_DEBUG keeps them."""
-
-    def __init__(self, debug: bool):
-        self.debug = debug
-
-    def __enter__(self):
-        import logging
-
-        self.logger = logging.getLogger("absl")
-        self.saved = (self.logger.propagate, list(self.logger.handlers))
-        if not self.debug:
-            self.logger.propagate = False
-            self.logger.handlers = [logging.NullHandler()]
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.logger.propagate, self.logger.handlers = self.saved[0], self.saved[1]
-
-
 def run() -> None:
-    """The `rlbolt` program: `main` on sys.argv, then exit with its status. After a failure has
-    been reported in its one line, stderr is closed to the libraries' interpreter-shutdown noise
-    (Orbax's background threads print "Event loop is closed" and the like when they are torn
-    down); RLBOLT_DEBUG=1 keeps it."""
+    """The `rlbolt` program: `main` on sys.argv, then exit with its status. After a failure was
+    reported in its one line, the interpreter's shutdown writes nothing more to the terminal
+    (`quiet.close_stderr`); RLBOLT_DEBUG=1 keeps everything."""
     code = main()
     if code != 0 and not os.environ.get("RLBOLT_DEBUG"):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 2)
+        from rlbolt.app.quiet import close_stderr
+
+        close_stderr()
     sys.exit(code)
 
 

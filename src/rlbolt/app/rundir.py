@@ -126,6 +126,7 @@ def attach_log_file(run_dir: str | Path, level: int = logging.INFO) -> logging.H
     handler.setLevel(level)
     console = logging.StreamHandler()
     console.setLevel(logging.WARNING)
+    console.addFilter(lambda record: getattr(record, "console", True))
     console.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     library = logging.FileHandler(Path(run_dir) / LOG_FILE, encoding="utf-8")
     library.setFormatter(handler.formatter)
@@ -189,7 +190,8 @@ class LogFile(Callback):
             self.log.info("fit ended after step %d (policy version %d)", state.step, state.policy_version)
 
     def on_exception(self, trainer, exc: BaseException) -> None:
-        self.log.error("fit stopped: %s: %s", type(exc).__name__, exc)
+        # The command reports the error itself, in one line: this record goes to train.log only.
+        self.log.error("fit stopped: %s: %s", type(exc).__name__, exc, extra={"console": False})
 
 
 def _fmt(value: float) -> str:
