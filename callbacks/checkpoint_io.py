@@ -296,6 +296,8 @@ class CheckpointIO:
                 failures.append((step, exc))
                 continue
             for bad, exc in failures:
+                if self.read_only and not (self.directory / str(bad)).exists():
+                    continue  # pruned by the training process while it was read: not damage
                 if self.read_only:
                     where = "left in place: this process only reads"
                 else:

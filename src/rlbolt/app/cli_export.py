@@ -53,23 +53,28 @@ def read_latest(run_dir: str | Path) -> tuple[int, Any, dict]:
     ckpt_dir = Path(run_dir) / rundir.CHECKPOINTS_DIR
     if not ckpt_dir.is_dir():
         raise rundir.RunDirError(f"{run_dir} has no {rundir.CHECKPOINTS_DIR}/ folder; is it a run directory?")
-    io = CheckpointIO(ckpt_dir, read_only=True)
-    try:
-        for attempt in range(READ_ATTEMPTS):
-            steps = io.steps()
-            if not steps:
-                raise rundir.RunDirError(f"{ckpt_dir} holds no checkpoint; a run saves one at its end, when stopped "
-                                         "by Ctrl-C or SIGTERM, and every checkpoint_every_n_steps")
+    for attempt in range(1, READ_ATTEMPTS + 1):
+        # A training process may prune or rename steps while they are listed or read: list again.
+        try:
+            io = CheckpointIO(ckpt_dir, read_only=True)
             try:
-                step, params, meta, _ = io.restore_usable(steps)
-                return step, params, meta
-            except NoUsableCheckpoint:
-                # A training process may have pruned the steps while they were read: list again.
-                if attempt + 1 == READ_ATTEMPTS or io.steps() == steps:
-                    raise
-        raise AssertionError("unreachable")
-    finally:
-        io.close()
+                steps = io.steps()
+                if not steps:
+                    raise rundir.RunDirError(f"{ckpt_dir} holds no checkpoint; a run saves one at its end, when "
+                                             "stopped by Ctrl-C or SIGTERM, and every checkpoint_every_n_steps")
+                try:
+                    step, params, meta, _ = io.restore_usable(steps)
+                    return step, params, meta
+                except NoUsableCheckpoint:
+                    if attempt == READ_ATTEMPTS or io.steps() == steps:
+                        raise
+            finally:
+                io.close()
+        except FileNotFoundError as error:
+            if attempt == READ_ATTEMPTS:
+                raise rundir.RunDirError(f"the checkpoints in {ckpt_dir} kept changing while they were read "
+                                         f"({error.strerror}: {error.filename}); try again") from None
+    raise AssertionError("unreachable")
 
 
 def decoder_from_checkpoint(params: Any, model: dict | None, run_dir: Path):
