@@ -5,8 +5,8 @@ for bit). A second signal ends the process at once.
 
 The processes run `resume_script.py` (a Python-API script: it exits 128 + signum when fit
 reports an interruption, as docs/howto/resume.md suggests). The command-line demo's exit codes
-and message are tested in tests/cli/test_cli_signals.py (the default-tier representative);
-the sweeps here are `slow`.
+and message are tested in tests/cli/test_cli_faults.py (the default-tier representative) and
+the in-process stop in tests/core/test_signals.py; everything here is `slow`.
 """
 
 from __future__ import annotations
@@ -83,6 +83,7 @@ def test_signal_during_a_checkpoint_write(tmp_path, script_env, reference_runs):
     assert_same_run(reference_runs(SETTING), run_dir)
 
 
+@pytest.mark.slow
 def test_second_signal_exits_at_once_without_saving(tmp_path, script_env):
     """The first SIGTERM asks for a stop after the step (which sleeps 5 s in a callback); the
     second one ends the process within a second, quietly, with 143."""

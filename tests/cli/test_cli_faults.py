@@ -7,8 +7,8 @@
   (checked on the reference run);
 - `rlbolt export` in a loop while a run checkpoints every step: the run finishes normally and
   every export succeeds or fails with one line (readers never touch the writer's files);
-- a full disk while a checkpoint is written (injected ENOSPC always; a real small tmpfs when
-  the test may mount one): exit 1 with exactly one line on stderr (no Orbax noise), the
+- a full disk while a checkpoint is written (injected ENOSPC; a real small tmpfs when the test
+  may mount one; both slow): exit 1 with exactly one line on stderr (no Orbax noise), the
   finished checkpoints intact, and an exact resume once there is space again.
 
 The runs share a persistent JAX compilation cache (the same program, so results cannot change).
@@ -167,6 +167,7 @@ def check_disk_full_then_resume(run_dir: Path, proc: subprocess.CompletedProcess
     assert_matches_reference(run_dir, reference_dir, tmp_path, env)
 
 
+@pytest.mark.slow  # the same fault in-process, in the default tier: tests/callbacks/test_checkpoint_write_errors.py
 def test_disk_full_injected_is_one_line_and_resumes_exactly(tmp_path, env, reference):
     run_dir = tmp_path / "run"
     script = Path(__file__).with_name("enospc_rlbolt.py")

@@ -66,25 +66,27 @@ def steps_on_disk(run_dir):
     return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    _, state, rec = fit(tmp_path_factory.mktemp("reference"), 6)
-    return state, rec
-
-
-@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
-def test_signal_mid_step_completes_it_saves_it_and_resumes_exactly(tmp_path, signum, reference):
+def interrupted_fit(run_dir, signum):
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    reference, ref_rec = reference
-
-    run_dir = tmp_path / "run"
     trainer, state, rec = fit(run_dir, 6, SignalAt(2, signum))  # arrives while step 3 runs
     assert trainer.interrupted and trainer.stop_signal == signum
     assert state.step == 3 and sorted(rec.metrics) == [1, 2, 3]  # the running step completed
     assert rec.ended == [(3, True)]  # on_fit_end ran, told it was an interruption
     assert steps_on_disk(run_dir) == [3]  # no periodic saves: the stop saved the last step
     assert {s: signal.getsignal(s) for s in before} == before  # handlers restored
+    return rec
 
+
+def test_signal_mid_step_completes_it_and_saves_it(tmp_path):
+    interrupted_fit(tmp_path / "run", signal.SIGTERM)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_mid_step_then_resume_matches_an_uninterrupted_run(tmp_path, signum):
+    _, reference, ref_rec = fit(tmp_path / "reference", 6)
+    run_dir = tmp_path / "run"
+    rec = interrupted_fit(run_dir, signum)
     trainer, state, rec2 = fit(run_dir, 6)
     assert not trainer.interrupted and trainer.stop_signal is None and state.step == 6
     assert sorted(rec2.metrics) == [4, 5, 6]
