@@ -76,7 +76,9 @@ def data_file_with(step_dir: Path, payload: bytes) -> tuple[Path, int]:
     raise AssertionError(f"the array's bytes are not stored verbatim under {step_dir}")
 
 
-def test_checksum_matches_a_numpy_reference_and_sees_every_single_word_change():
+def test_both_checksum_methods_match_their_references_and_see_every_single_word_change():
+    import xxhash
+
     rng = np.random.default_rng(0)
     arrays = {
         "tenths": np.full((5, 3), 0.1, np.float32),  # 0.1 is not a float32: the rounded bits are hashed
@@ -85,9 +87,11 @@ def test_checksum_matches_a_numpy_reference_and_sees_every_single_word_change():
         "i32": np.arange(10, dtype=np.int32), "bool": np.array([True, False, True]),
         "key": np.asarray(jax.random.PRNGKey(3)), "scalar": np.float32(2.5), "one": np.zeros(1, np.float32),
     }
-    got = checksums(arrays)
+    on_host = checksums(arrays)  # CPU arrays: XXH3 of the bytes, read in place
+    on_device = checksums(arrays, dict.fromkeys(arrays, "sum64"))  # what an accelerator computes (jitted)
     for name, x in arrays.items():
-        assert got[name] == (numpy_checksum(x), True), name
+        assert on_host[name] == (f"xxh3:{xxhash.xxh3_64_hexdigest(np.ascontiguousarray(x).tobytes())}", True), name
+        assert on_device[name] == (numpy_checksum(x), True), name
     base = rng.normal(size=257).astype(np.float32)
     words = base.view(np.uint32)
     reference = numpy_checksum(base)
@@ -99,7 +103,10 @@ def test_checksum_matches_a_numpy_reference_and_sees_every_single_word_change():
     swapped = base.copy()
     swapped[[3, 4]] = swapped[[4, 3]]  # same values, other places: a position-free sum would miss it
     assert numpy_checksum(swapped) != reference
-    assert checksums({"nan": np.array([1.0, np.nan], np.float32)})["nan"][1] is False
+    for method in ("xxh3", "sum64"):
+        assert checksums({"nan": np.array([1.0, np.nan], np.float32)}, {"nan": method})["nan"][1] is False
+    key = jax.random.key(3)  # a typed key array: hashed through its key data
+    assert checksums({"k": key})["k"][0] == f"xxh3:{xxhash.xxh3_64_hexdigest(np.asarray(jax.random.key_data(key)).tobytes())}"
 
 
 def test_flipped_bytes_inside_the_array_are_caught_and_the_previous_step_is_used(tmp_path):

@@ -86,7 +86,7 @@ def test_a_full_disk_is_one_line_and_the_run_resumes_exactly_after(tmp_path, dis
     state = resumed.on_restore(trainer, make_state(0))
     assert resumed.restored_step == 2 and (state.step, state.policy_version, state.data_position) == (2, 2, 8)
     assert np.array_equal(np.asarray(state.params["w"]), np.asarray(make_state(2).params["w"]))
-    assert not any("tmp" in p.name for p in (tmp_path / "checkpoints").iterdir())  # the writer cleaned up
     trainer.callbacks.on_step_end(trainer, StepInfo(3, make_state(3), {}, 0.0))
     resumed.finish()
+    assert not any("tmp" in p.name for p in (tmp_path / "checkpoints").iterdir())  # the writer cleaned up
     assert CheckpointIO(tmp_path / "checkpoints", read_only=True).steps() == [1, 2, 3]
