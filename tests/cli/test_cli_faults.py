@@ -1,6 +1,6 @@
 """The command line under the faults of a shared cluster, on real `rlbolt demo` processes:
 
-- SIGTERM mid-run: exit 143, one line saying where to resume, the last completed step saved,
+- SIGTERM (SIGINT: slow) mid-run: exit 143 (130), one line saying where to resume, the last completed step saved,
   and `rlbolt resume` then matches a run that never stopped (every metric outside time/ and
   throughput/, each step logged once, and the exported weights byte for byte);
 - a second writer (`rlbolt resume` while the run trains) is refused with exit 2 naming the PID
@@ -108,17 +108,19 @@ def test_export_in_a_loop_while_training_never_disturbs_the_run_and_a_second_wri
     assert not [p.name for p in (run_dir / "checkpoints").iterdir() if "tmp" in p.name]
 
 
-def test_sigterm_exits_143_saves_the_step_and_resumes_exactly(tmp_path, env, reference):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
+def test_a_signal_exits_128_plus_signum_saves_the_step_and_resumes_exactly(tmp_path, env, reference, signum):
     run_dir = tmp_path / "run"
     proc = start_demo(run_dir, env)
     wait_for_steps(proc, run_dir, 2)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143, err[-3000:]
+    name = signal.Signals(signum).name
+    assert proc.returncode == 128 + signum, err[-3000:]
     stopped = logged_steps(run_dir)[-1]
     assert stopped < STEPS, "the run finished before the signal"
     last = err.strip().splitlines()[-1]
-    assert last == (f"rlbolt demo: interrupted by SIGTERM after step {stopped}; checkpoint of step {stopped} saved; "
+    assert last == (f"rlbolt demo: interrupted by {name} after step {stopped}; checkpoint of step {stopped} saved; "
                     f"continue with: rlbolt resume {run_dir}")
     assert "Traceback" not in err
     assert steps_on_disk(run_dir) == [stopped]  # no periodic checkpoints: the stop saved it
