@@ -9,6 +9,9 @@ A checkpoint of step s holds everything the run needs to continue as if it never
 - the producer's settings (mode, lag) and, in async mode, the retained weights it will still
   roll out with (steps s - lag .. s - 1);
 - every callback's `state_dict()`;
+- what identifies the module's frozen params, when it has some (`RLModule.frozen_identity`: a
+  LoRA run's base folder and a fingerprint of its weights): a resume against another base is
+  refused (`FrozenParamsMismatch`), since the saved adapters mean nothing on top of it;
 - the run's resolved config (a resume that changes a math-changing field is refused unless
   allowed, `config_guard.py`) and the model's description (export needs no module);
 - a checksum of every array (`checkpoint_integrity.py`).
@@ -35,12 +38,18 @@ from typing import Any
 
 from rlbolt.callback import Callback, Periodic
 from rlbolt.callbacks import checkpoint_meta, config_guard
+from rlbolt.callbacks.checkpoint_meta import FrozenParamsMismatch, check_frozen_identity  # noqa: F401 - re-exported
 from rlbolt.callbacks.checkpoint_io import CheckpointIO, NoUsableCheckpoint, read_json, write_json_atomic
 from rlbolt.state import StepInfo, TrainState
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = checkpoint_meta.FORMAT_VERSION
 BEST_FILE = "best.json"
+
+
+def _frozen_identity(trainer) -> dict | None:
+    module = getattr(trainer, "module", None)
+    return module.frozen_identity() if hasattr(module, "frozen_identity") else None
 
 
 class ModelCheckpoint(Callback):
@@ -106,10 +115,10 @@ class ModelCheckpoint(Callback):
             raise RuntimeError("ModelCheckpoint.directory is known once fit has started")
         return self.io.directory
 
-    # -- the LoRA seam ---------------------------------------------------------------------------
+    # -- what part of the params is saved ------------------------------------------------------------
     def params_to_save(self, params: Any) -> Any:
-        """The part of the params a checkpoint holds. All of them today; with LoRA on, return only
-        the adapter params here (the frozen base is reloaded from its own weights)."""
+        """The part of the params a checkpoint holds: all of the trainable pytree (a LoRA module's
+        trainable pytree is its adapters; the frozen base is reloaded from its own folder)."""
         return params
 
     def params_from_checkpoint(self, fresh_params: Any, saved: Any) -> Any:
@@ -195,7 +204,7 @@ class ModelCheckpoint(Callback):
         held = trainer.weights.retained()
         retained = {k: held[k] for k in needed if k in held}
         versions = [[k, int(version)] for k, (_, version) in sorted(retained.items())]
-        meta = checkpoint_meta.build(trainer, state, versions, self._run_config, self._model)
+        meta = checkpoint_meta.build(trainer, state, versions, self._run_config, self._model, _frozen_identity(trainer))
         arrays = {"params": self.params_to_save(state.params), "opt_state": state.opt_state, "rng": state.rng}
         saved = {str(k): self.params_to_save(params) for k, (params, _) in retained.items()}
         self.io.save(state.step, arrays, meta, saved or None)
@@ -233,8 +242,10 @@ class ModelCheckpoint(Callback):
         template = {"params": self.params_to_save(state.params), "opt_state": state.opt_state, "rng": state.rng}
         accepted: list = []
 
-        def check_meta(step: int, meta: dict) -> None:
+        def check_meta(step: int, meta: dict) -> None:  # before any array of the step is read
             checkpoint_meta.check(step, meta)  # a bad field: this step is skipped
+            # A LoRA/full or other-base mismatch is named rather than failing to restore: refused.
+            check_frozen_identity(meta["frozen"], _frozen_identity(trainer), self.io.directory)
             accepted[:] = config_guard.check(meta["config"], self._run_config, step=step, directory=self.io.directory,
                                              allow=self.allow_config_change)  # a changed config: refused
             self._check_producer(trainer, meta)

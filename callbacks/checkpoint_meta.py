@@ -8,6 +8,7 @@
     callbacks          {state_key: state_dict()}
     config             the run's resolved config (`config_guard.config_record`)
     model              what export needs to rebuild the network without the module (or None)
+    frozen             what identifies the module's frozen params (a LoRA base), or None
     integrity          added by CheckpointIO: dtype, shape, checksum, finite, per array
 
 A file that reads back may still hold nonsense (a hand edit, a damaged disk): `check` validates
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from rlbolt.callbacks.checkpoint_integrity import CheckpointCorrupt
@@ -29,7 +31,7 @@ MODES = ("sync", "async")
 
 
 def build(trainer: Any, state: Any, retained_versions: list[list[int]], config: Mapping[str, Any] | None,
-          model: Mapping[str, Any] | None) -> dict[str, Any]:
+          model: Mapping[str, Any] | None, frozen: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The metadata of a checkpoint of `state` (see the module docstring)."""
     return {
         "format_version": FORMAT_VERSION,
@@ -40,6 +42,7 @@ def build(trainer: Any, state: Any, retained_versions: list[list[int]], config: 
         "callbacks": trainer.callbacks.state_dict(),
         "config": config,
         "model": model,
+        "frozen": frozen,
     }
 
 
@@ -90,10 +93,40 @@ def check(step: int, meta: Mapping[str, Any]) -> None:
     callbacks = _get(meta, "callbacks")
     if not isinstance(callbacks, Mapping) or not all(isinstance(k, str) and isinstance(v, Mapping) for k, v in callbacks.items()):
         raise CheckpointCorrupt(f"meta.callbacks is {str(callbacks)[:100]}, expected {{name: state}}")
-    for name in ("config", "model"):
+    for name in ("config", "model", "frozen"):
         value = _get(meta, name)
         if value is not None and not isinstance(value, Mapping):
             raise CheckpointCorrupt(f"meta.{name} is {type(value).__name__}, expected a mapping or null")
+
+
+class FrozenParamsMismatch(ValueError):
+    """A checkpoint was trained on other frozen params (a LoRA base) than this run loads."""
+
+
+def check_frozen_identity(saved: dict | None, current: dict | None, directory: Path) -> None:
+    """Refuses to restore a checkpoint whose frozen params differ from this run's.
+
+    Args:
+      saved: the `frozen` record of the checkpoint's meta (None: it had no frozen params).
+      current: `module.frozen_identity()` now. Its "path" key is informational (a copied base
+        may move); every other key must be equal.
+      directory: named in the message.
+
+    Raises:
+      FrozenParamsMismatch: one line naming both bases and the fix.
+    """
+    if saved is None and current is None:
+        return
+    if saved is None or current is None:
+        has = lambda x: "with a frozen base (LoRA)" if x else "without frozen params (full fine-tuning)"
+        raise FrozenParamsMismatch(f"checkpoint in {directory} was written {has(saved)} but this run is {has(current)}; "
+                                   "resume with the same model.lora setting or use a fresh run directory")
+    differ = sorted(k for k in set(saved) | set(current) if k != "path" and saved.get(k) != current.get(k))
+    if differ:
+        show = lambda x: ", ".join(f"{k}={str(x.get(k))[:16]}" for k in ["path", *differ])
+        raise FrozenParamsMismatch(f"checkpoint in {directory} was trained on the base {show(saved)} but this run loads "
+                                   f"{show(current)}; point model.path at the base the run was trained on, or use a "
+                                   "fresh run directory")
 
 
 def model_record(module: Any, params: Any) -> dict[str, Any] | None:

@@ -1,10 +1,11 @@
 """`rlbolt export`: a Hugging Face folder from a run directory's newest usable checkpoint.
 
-Export needs the checkpoint alone, not config.yaml nor the module that trained it, so it works
-on runs made with `Trainer.fit` from a script as well as on `rlbolt demo` / `fit` runs. Every
-checkpoint records what export needs (`meta.model`, written by ModelCheckpoint): the
-ModelConfig of the policy's Decoder, where the policy's parameters sit inside the trainable
-pytree (PPO keeps them under "policy"), and the tokenizer folder the run used. Export:
+A run that trains every parameter is exported from its checkpoint alone, not config.yaml nor
+the module that trained it, so runs made with `Trainer.fit` from a script export as well as
+`rlbolt demo` / `fit` runs. Every checkpoint records what export needs (`meta.model`, written
+by ModelCheckpoint): the ModelConfig of the policy's Decoder, where the policy's parameters sit
+inside the trainable pytree (PPO keeps them under "policy"), and the tokenizer folder the run
+used. Export:
 
     1. reads the newest usable step read-only (checksums and finiteness verified; NaN weights
        are never exported), retrying when a training process prunes it while it is being read;
@@ -12,8 +13,14 @@ pytree (PPO keeps them under "policy"), and the tokenizer folder the run used. E
        fills it with the restored parameters, names and shapes checked;
     3. writes config.json + safetensors (+ the tokenizer files) with `rlbolt.models.hf_io.save_hf`.
 
-It never writes, renames or cleans anything in the run directory: it is safe while the run is
-training.
+A LoRA run (model.lora, or the demo's lora_rank) checkpoints its adapters only: its base comes
+from model.path (or the demo's base), so the run's config.yaml rebuilds the module
+(`latest_params`; refused if the base's fingerprint differs from the one the checkpoint
+recorded) and export writes the adapters merged into the base, or with `adapter=True` the
+adapters alone in PEFT's layout (`rlbolt.models.peft_io`).
+
+Export never writes, renames or cleans anything in the run directory: it is safe while the run
+is training.
 """
 
 from __future__ import annotations
@@ -26,23 +33,21 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rlbolt.app import rundir
+from rlbolt.app.demo_config import DemoConfig, is_demo_config
 
 READ_ATTEMPTS = 5
 
 
-def is_demo_config(data: dict[str, Any]) -> bool:
-    """True when a config.yaml mapping was written by `rlbolt demo` (a single `demo` section)."""
-    return set(data) == {"demo"}
-
-
-def read_latest(run_dir: str | Path) -> tuple[int, Any, dict]:
-    """The newest usable checkpoint's parameters (as saved) and metadata, read-only.
+def read_latest(run_dir: str | Path, template: dict | None = None) -> tuple[int, Any, dict]:
+    """The newest usable checkpoint, read-only.
 
     Args:
       run_dir: a run directory with checkpoints/.
+      template: {"params", "opt_state", "rng"} to restore into (a rebuilt module's); None
+        restores the parameters alone, as saved (nested dicts).
 
     Returns:
-      (step, params as nested dicts, meta).
+      (step, the restored arrays dict, or the params alone without a template, meta).
 
     Raises:
       RunDirError: no checkpoints/ folder or no checkpoint in it.
@@ -63,8 +68,9 @@ def read_latest(run_dir: str | Path) -> tuple[int, Any, dict]:
                     raise rundir.RunDirError(f"{ckpt_dir} holds no checkpoint; a run saves one at its end, when "
                                              "stopped by Ctrl-C or SIGTERM, and every checkpoint_every_n_steps")
                 try:
-                    step, params, meta, _ = io.restore_usable(steps)
-                    return step, params, meta
+                    params = None if template is None else template["params"]
+                    step, arrays, meta, _ = io.restore_usable(steps, template, params)
+                    return step, arrays, meta
                 except NoUsableCheckpoint:
                     if attempt == READ_ATTEMPTS or io.steps() == steps:
                         raise
@@ -106,36 +112,125 @@ def decoder_from_checkpoint(params: Any, model: dict | None, run_dir: Path):
 
 
 def latest_model(run_dir: str | Path) -> tuple[Any, int, str | None]:
-    """The policy of the newest usable checkpoint, rebuilt from that checkpoint alone.
+    """The policy of the newest usable checkpoint, rebuilt from that checkpoint alone (a run
+    that trains every parameter).
 
     Returns:
       (Decoder with the checkpoint's weights, the checkpoint's step, the tokenizer folder the
       run used or None).
+
+    Raises:
+      RunDirError: also for a LoRA run (its base is not in the checkpoint: see `latest_params`).
     """
     run_dir = Path(run_dir)
     step, params, meta = read_latest(run_dir)
+    if meta.get("frozen") is not None:
+        raise rundir.RunDirError(f"{run_dir} trained LoRA adapters on a frozen base, which its checkpoints do not hold; "
+                                 f"export needs the run's {rundir.CONFIG_FILE} to reload that base")
     model = meta.get("model")
     decoder = decoder_from_checkpoint(params, model, run_dir)
     return decoder, step, (model or {}).get("tokenizer_folder")
 
 
-def export_run(run_dir: str | Path, out: str | Path, *, overwrite: bool = False) -> tuple[Path, int]:
+def _module_for(run_dir: Path) -> tuple[Any, Any]:
+    """(module with its model built and initial params loaded, the config it was built from)."""
+    data = rundir.read_config(run_dir)
+    if is_demo_config(data):
+        from rlbolt.app.demo import DigitsGRPO
+
+        cfg = DemoConfig.from_dict(data)
+        module = DigitsGRPO(cfg)
+        module.init_params(jax.random.fold_in(jax.random.PRNGKey(cfg.seed), 0))  # as Trainer._setup derives it
+        return module, None
+    from rlbolt.app import objects
+    from rlbolt.app.build import build_module, build_trainer
+    from rlbolt.app.config import load_config
+
+    cfg = load_config(data, [f"trainer.run_dir={run_dir}"])
+    # The model and tokenizer objects the run was built with (a reward is not needed to export).
+    module = build_module(cfg, **objects.resolve_all({k: getattr(cfg.objects, k) for k in ("model", "tokenizer")}))
+    module.trainer = build_trainer(cfg)
+    module.setup(module.trainer)
+    return module, cfg
+
+
+def _trains_adapters(data: dict[str, Any]) -> bool:
+    """Whether a run's config.yaml mapping trains LoRA adapters (demo: lora_rank; recipes: model.lora)."""
+    if is_demo_config(data):
+        return (data["demo"] or {}).get("lora_rank") is not None
+    return (data.get("model") or {}).get("lora") is not None
+
+
+def latest_params(run_dir: str | Path) -> tuple[Any, int, Any]:
+    """Restores the newest usable checkpoint's parameters into the run's module, rebuilt from its
+    config.yaml (what a LoRA run needs: its frozen base is not in the checkpoint).
+
+    Args:
+      run_dir: a run directory with config.yaml and checkpoints/.
+
+    Returns:
+      (module whose `model` now holds the restored weights, the checkpoint's step, the
+      RunConfig or None for a demo run).
+
+    Raises:
+      RunDirError: the directory is not a run or holds no checkpoint.
+      FrozenParamsMismatch: the checkpoint was trained on another base than config.yaml loads.
+    """
+    from rlbolt.callbacks.checkpoint_meta import check_frozen_identity
+
+    run_dir = Path(run_dir)
+    module, cfg = _module_for(run_dir)
+    params = module.init_params(jax.random.PRNGKey(0))
+    optimizer = module.configure_optimizers()
+    template = {"params": params, "opt_state": optimizer.init(params), "rng": jax.random.PRNGKey(0)}
+    step, arrays, meta = read_latest(run_dir, template)
+    check_frozen_identity(meta.get("frozen"), module.frozen_identity(), run_dir / rundir.CHECKPOINTS_DIR)
+    policy = module.policy_params(arrays["params"]) if hasattr(module, "policy_params") else arrays["params"]
+    nnx.update(module.model, policy)
+    return module, step, cfg
+
+
+def export_run(run_dir: str | Path, out: str | Path, *, overwrite: bool = False,
+               adapter: bool = False) -> tuple[Path, int]:
     """Writes the newest usable checkpoint of `run_dir` as a Hugging Face folder `out`.
 
     Args:
       run_dir: the run directory (from `rlbolt demo`, `rlbolt fit` or a script's `Trainer.fit`).
       out: the output folder; it must not exist unless `overwrite`.
       overwrite: replace an existing `out`.
+      adapter: a LoRA run only: write the adapters alone as a PEFT folder (adapter_config.json +
+        adapter_model.safetensors, loaded on top of model.path) instead of the merged model.
 
     Returns:
       (the folder written, the checkpoint step it holds).
     """
     from rlbolt.models.hf_io import save_hf
 
-    out = Path(out)
+    run_dir, out = Path(run_dir), Path(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists; choose another OUT folder or pass --overwrite")
-    model, step, folder = latest_model(run_dir)
-    tokenizer_folder = folder if folder and (Path(folder) / "tokenizer.json").is_file() else None
+    data = rundir.read_config(run_dir) if (run_dir / rundir.CONFIG_FILE).is_file() else None
+    if data is None or not _trains_adapters(data):
+        if adapter:
+            raise rundir.RunDirError(f"{run_dir} trained every parameter (no LoRA), so it has no adapter to write; "
+                                     "export without --adapter")
+        model, step, folder = latest_model(run_dir)
+        tokenizer_folder = folder if folder and (Path(folder) / "tokenizer.json").is_file() else None
+        save_hf(model, model.config, out, tokenizer_folder=tokenizer_folder, overwrite=overwrite)
+        return out, step
+    module, step, cfg = latest_params(run_dir)
+    lora = getattr(module, "lora", None)
+    if adapter:
+        from rlbolt.models.peft_io import save_peft_adapter
+
+        base = cfg.model.path if cfg is not None else None
+        save_peft_adapter(module.model, lora.config, out, base_model=base, overwrite=overwrite)
+        return out, step
+    model = lora.merged_model(nnx.state(module.model, nnx.LoRAParam))
+    tokenizer_folder = None
+    if cfg is not None:
+        folder = cfg.model.tokenizer or cfg.model.path
+        if folder and (Path(folder) / "tokenizer.json").is_file():
+            tokenizer_folder = folder
     save_hf(model, model.config, out, tokenizer_folder=tokenizer_folder, overwrite=overwrite)
     return out, step

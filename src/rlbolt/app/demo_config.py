@@ -32,6 +32,13 @@ class DemoConfig:
       temperature: sampling temperature.
       hidden_size: model width (2 layers, 4 query / 2 kv heads).
       checkpoint_every: save a checkpoint every this many steps (None: only at the end).
+      task: "copy", "reverse" or "increment".
+      lora_rank: None trains every parameter; r trains only LoRA adapters of rank r (alpha 2r) on
+        all seven projections of the frozen base (`rlbolt.models.lora`).
+      base_run: start from the policy of another demo run's latest checkpoint (same hidden_size
+        and num_digits) instead of a random model, e.g. a copy-trained base that LoRA then adapts
+        to "reverse". A random base cannot be adapted far: its frozen lm_head (std 0.02) after
+        the frozen final norm caps every logit near 1.3, so no digit gets much above p = 0.3.
     """
 
     seed: int = 0
@@ -46,19 +53,22 @@ class DemoConfig:
     hidden_size: int = 64
     checkpoint_every: int | None = None
     task: str = "copy"
+    lora_rank: int | None = None
+    base_run: str | None = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value, kind = getattr(self, f.name), _FIELD_KINDS[f.name]
-            ok = (value is None and f.name == "checkpoint_every") or (
+            ok = (value is None and f.name in ("checkpoint_every", "lora_rank", "base_run")) or (
                 isinstance(value, kind) and not isinstance(value, bool)) or (kind is float and isinstance(value, int)
                                                                             and not isinstance(value, bool))
             if not ok:
                 raise DemoConfigError(f"demo.{f.name}={value!r} must be of type {kind.__name__}")
         if self.task not in TASKS:
             raise DemoConfigError(f"demo.task={self.task!r}; allowed: {list(TASKS)}")
-        for name in ("max_steps", "num_digits", "num_prompts", "prompts_per_step", "num_generations", "hidden_size"):
-            if getattr(self, name) < 1:
+        for name in ("max_steps", "num_digits", "num_prompts", "prompts_per_step", "num_generations", "hidden_size",
+                     "lora_rank"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise DemoConfigError(f"demo.{name}={getattr(self, name)} must be >= 1")
         if self.num_generations < 2:
             raise DemoConfigError(f"demo.num_generations={self.num_generations}: GRPO needs >= 2 samples per group")
@@ -95,4 +105,4 @@ class DemoConfigError(ValueError):
 TASKS = ("copy", "reverse", "increment")
 _FIELD_KINDS = {"seed": int, "max_steps": int, "num_digits": int, "num_prompts": int, "prompts_per_step": int,
                 "num_generations": int, "learning_rate": float, "clip": float, "temperature": float,
-                "hidden_size": int, "checkpoint_every": int, "task": str}
+                "hidden_size": int, "checkpoint_every": int, "task": str, "lora_rank": int, "base_run": str}

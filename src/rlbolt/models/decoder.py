@@ -73,11 +73,17 @@ class Dense(nnx.Module):
         self.use_bias = use_bias
         if use_bias:
             self.bias = _param(jnp.zeros((out_features,), dtype), (axes[1],))
+        # rlbolt.models.lora.apply_lora puts a LoraAdapters here when LoRA targets this kernel.
+        self.lora = nnx.data(None)
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
         # A 2-D [tokens, in] dot: with [B, T, in] XLA's CPU backward transposes the activations
         # and output gradients around the weight-gradient dot (update 0.97 -> 0.78 s, RESULTS.md).
-        y = jnp.dot(x.reshape(-1, x.shape[-1]), self.kernel[...]).reshape(*x.shape[:-1], -1)
+        x2d = x.reshape(-1, x.shape[-1])
+        y = jnp.dot(x2d, self.kernel[...])
+        if self.lora is not None:
+            y = y + self.lora(x2d).astype(y.dtype)
+        y = y.reshape(*x.shape[:-1], -1)
         return y + self.bias[...] if self.use_bias else y
 
 
@@ -219,6 +225,16 @@ class DecoderLayer(nnx.Module):
 
 class Decoder(nnx.Module):
     """A causal language model: embeddings, `num_layers` blocks, final RMSNorm, output projection.
+
+    Build it from a ModelConfig (`tiny_config(...)`, or `load_hf(folder)` for a Hugging Face
+    checkpoint), then split it into the static graph and the parameter pytree the Trainer
+    trains; merge them back to call it inside a jitted function:
+
+        model = Decoder(tiny_config(vocab_size=64), rngs=nnx.Rngs(0))
+        graphdef, params = nnx.split(model, nnx.Param)      # what RLModule.init_params returns
+        ids = jnp.asarray([[5, 6, 7]], jnp.int32)            # [B, T]
+        positions = jnp.arange(3, dtype=jnp.int32)[None]     # [B, T]
+        logits, _ = nnx.merge(graphdef, params)(ids, positions)   # [B, T, V] float32
 
     Args:
       config: the model's shape; validated here.
