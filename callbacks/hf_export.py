@@ -66,7 +66,9 @@ class HFExport(Callback):
             self.export(trainer, info.state.params, self.directory / f"step_{info.step}", info.step)
 
     def on_fit_end(self, trainer, state: TrainState) -> None:
-        if self.at_end:
+        if getattr(trainer, "interrupted", False):
+            log.info("HFExport: fit was interrupted at step %d; no final export (the checkpoint holds the step)", state.step)
+        elif self.at_end:
             self.export(trainer, state.params, self.directory / "final", state.step)
 
     def export(self, trainer, params: Any, folder: Path, step: int) -> Path | None:

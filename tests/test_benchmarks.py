@@ -73,3 +73,11 @@ def test_reward_executors_benchmark_quick_mode():
     assert "us/sample" in out and result["system"] == "rlbolt-reward-executors" and result["samples_per_call"] == 32
     for executor in ("thread", "process"):
         assert result[f"{executor}_us_per_sample"] > 0 and result[f"{executor}_first_call_s"] > 0
+
+
+def test_checkpoint_integrity_benchmark_quick_mode():
+    out, result = _last_json("checkpoint_integrity.py")
+    assert "checksum share of a save" in out and result["system"] == "rlbolt-checkpoint-integrity"
+    assert result["checkpoint_mb"] == 3 * result["param_mb"]  # params + Adam's two moments (+ tiny count, rng)
+    for key in ("checksum_s", "sum64_s", "save_total_s", "restore_s"):
+        assert result[key] > 0

@@ -32,6 +32,7 @@ MODULES = [
     ("Training loop", "rlbolt.prefetch"),
     ("Training loop", "rlbolt.update"),
     ("Training loop", "rlbolt.weights"),
+    ("Training loop", "rlbolt.signals"),
     ("Data", "rlbolt.data.source"),
     ("Data", "rlbolt.data.loaders"),
     ("Data", "rlbolt.data.tasks"),
@@ -85,6 +86,9 @@ MODULES = [
     ("Loggers", "rlbolt.loggers.factory"),
     ("Callbacks", "rlbolt.callbacks.checkpoint"),
     ("Callbacks", "rlbolt.callbacks.checkpoint_io"),
+    ("Callbacks", "rlbolt.callbacks.checkpoint_meta"),
+    ("Callbacks", "rlbolt.callbacks.checkpoint_integrity"),
+    ("Callbacks", "rlbolt.callbacks.config_guard"),
     ("Callbacks", "rlbolt.callbacks.metrics"),
     ("Callbacks", "rlbolt.callbacks.progress"),
     ("Callbacks", "rlbolt.callbacks.nan_guard"),
@@ -102,17 +106,20 @@ MODULES = [
     ("Config and runs", "rlbolt.app.rundir"),
     ("Config and runs", "rlbolt.app.plotting"),
     ("Config and runs", "rlbolt.app.demo"),
+    ("Config and runs", "rlbolt.app.demo_config"),
+    ("Config and runs", "rlbolt.app.quiet"),
     ("Config and runs", "rlbolt.app.cli"),
     ("Config and runs", "rlbolt.app.cli_run"),
     ("Config and runs", "rlbolt.app.cli_export"),
     ("Utilities", "rlbolt.utils.files"),
+    ("Utilities", "rlbolt.utils.runlock"),
     ("Utilities", "rlbolt.utils.xla_flags"),
     ("Utilities", "rlbolt.utils.fingerprint"),
 ]
 
 # Modules with no page entry of their own, and why. Every other module must be in MODULES.
 NOT_LISTED = {
-    "rlbolt.__main__": "`python -m rlbolt`: runs rlbolt.app.cli.main",
+    "rlbolt.__main__": "`python -m rlbolt`: runs rlbolt.app.cli.run",
     "rlbolt.rewards._sandbox_launcher": "private: the script the sandbox child process runs",
     "rlbolt.rewards._reward_worker": "private: the loop a reward worker process runs",
 }

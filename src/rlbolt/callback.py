@@ -36,9 +36,12 @@ class Callback:
         LearningRateMonitor, Throughput -20), writers and most others at 0, ModelCheckpoint at 10
         (after a step's metrics are on disk), Evaluation at 20 (after the checkpoint recorded the
         step it may keep as best).
+      writes_run_dir: True for a callback that writes into `trainer.run_dir`; `Trainer.fit`
+        then locks the directory for the fit (one writer per run directory).
     """
 
     order: int = 0
+    writes_run_dir: bool = False
 
     def wrap_optimizer(self, trainer, tx):
         """Once, before the state is built: may wrap the module's optax transformation (e.g.

@@ -24,8 +24,10 @@ from rlbolt.module import RLModule
 from rlbolt.plan import BatchPlan
 from rlbolt.prefetch import DataPrefetcher
 from rlbolt.producer import ProducedStep, Producer
+from rlbolt.signals import StopOnSignal
 from rlbolt.state import StepInfo, TrainState
 from rlbolt.update import make_update_fn
+from rlbolt.utils.runlock import hold_run_dir
 from rlbolt.weights import WeightStore
 
 MODES = ("sync", "async")
@@ -75,8 +77,9 @@ class Trainer:
         self.run_dir = Path(run_dir) if run_dir is not None else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
         self.prefetch_timeout_s = prefetch_timeout_s
         self.weights = WeightStore(self.lag_steps)
-        self.should_stop = False  # a callback sets it to end fit after the current step
-        self.interrupted = False
+        self.should_stop = False  # set by a callback or a signal: fit ends after the current step
+        self.interrupted = False  # the last fit was stopped by SIGINT/SIGTERM or a KeyboardInterrupt
+        self.stop_signal: int | None = None  # the signal that stopped it
         self.module: RLModule | None = None
         self.source: PromptSource | None = None
 
@@ -86,17 +89,29 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------
     def fit(self, module: RLModule, train_data: Any, val_data: Sequence[dict] | None = None) -> TrainState:
-        """Trains `module` on `train_data` (dict rows or a grain MapDataset); returns the final state."""
+        """Trains `module` on `train_data` (dict rows or a grain MapDataset); returns the final state.
+
+        The run directory is locked while a callback writes there (one writer per directory).
+        SIGINT/SIGTERM end the loop after the current step (`rlbolt.signals`): `interrupted` and
+        `stop_signal` are set, `on_fit_end` saves and flushes, and the step's state is returned.
+        """
+        self.should_stop, self.interrupted, self.stop_signal = False, False, None
+        with hold_run_dir(self), StopOnSignal(self) as signals:
+            return self._fit(module, train_data, val_data, signals)
+
+    def _fit(self, module: RLModule, train_data: Any, val_data: Sequence[dict] | None, signals) -> TrainState:
         state = self._setup(module, train_data, val_data)
         state = self.callbacks.on_restore(self, state)  # ModelCheckpoint resumes here
         state = self.last_state = self.callbacks.on_fit_start(self, state)
         self.weights.publish(state.step, state.params, state.policy_version)
         producer = Producer(module, self.plan, self.source, self.weights, state.rng,
                             max_steps=self.max_steps, max_prompts=self._max_prompts())
-        validated_at = None
+        validated_at, first_step = None, state.step
+        signals.defer()  # from here a signal ends the run at the next step boundary
         try:
             with DataPrefetcher(lambda stop: producer.run(state.step, state.data_position, stop),
-                                depth=self.lag_steps + 1, timeout_s=self.prefetch_timeout_s) as produced_steps:
+                                depth=self.lag_steps + 1, timeout_s=self.prefetch_timeout_s,
+                                should_stop=lambda: self.should_stop) as produced_steps:
                 waited = time.perf_counter()
                 for produced in produced_steps:
                     data_wait = time.perf_counter() - waited
@@ -117,9 +132,15 @@ class Trainer:
                     if self.should_stop:
                         break
                     waited = time.perf_counter()
-            if val_data is not None and validated_at != state.step:
+                if self.stop_signal is not None:  # save first, then join the producer (maybe mid-rollout)
+                    self.interrupted = True
+                    produced_steps.stop_event.set()
+                    self.callbacks.on_fit_end(self, state)
+                    produced_steps.stop(strict=False)
+                    return state
+            if val_data is not None and validated_at != state.step and state.step > first_step:
                 self.validate(state.params, val_data, state.step)
-        except KeyboardInterrupt as exc:  # a clean stop: callbacks may save, threads are joined
+        except KeyboardInterrupt as exc:  # raised by a hook: callbacks may save, threads are joined
             self.interrupted = True
             self.callbacks.on_exception(self, exc)
             return state

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 from rlbolt.app import input_checks as checks
 from rlbolt.app import objects as pyobjects
 from rlbolt.app import rundir
-from rlbolt.app.config import ConfigError, RunConfig, load_config, save_config
+from rlbolt.app.config import ConfigError, RunConfig, config_to_dict, load_config, save_config
 from rlbolt.data import DataFileError, gsm8k_style_rows, load_rows
 from rlbolt.fit_checks import check_fit
 from rlbolt.plan import BatchPlan, PlanError
@@ -108,8 +108,9 @@ def build_callbacks(cfg: RunConfig, run_dir: str | Path) -> list:
         out.append(cb.Throughput())
     if c.offload:
         out.append(cb.CPUOffload())
-    if c.checkpoint_every_n_steps:
-        out.append(cb.ModelCheckpoint(every_n_steps=c.checkpoint_every_n_steps, keep=c.keep, resume="latest" if c.resume else None))
+    if c.checkpoint:  # records the resolved config: a resume that changes the math is refused
+        out.append(cb.ModelCheckpoint(every_n_steps=c.checkpoint_every_n_steps, keep=c.keep,
+                                      resume="latest" if c.resume else None, config=config_to_dict(cfg)))
     if c.metrics:
         out.append(cb.MetricsLogger(writer=list(c.metrics), every_n_steps=c.log_every_n_steps, wandb_project=c.wandb_project))
     if c.progress:

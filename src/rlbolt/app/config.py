@@ -144,7 +144,8 @@ class TrainerSection:
 class CallbacksSection:
     """Built-in callbacks."""
 
-    checkpoint_every_n_steps: int | None = _f(None, "save a checkpoint every n steps (and at the end); None: no checkpoints", at_least=1)
+    checkpoint: bool = _f(True, "save checkpoints: the last step at the end and when stopped by SIGINT/SIGTERM, plus every checkpoint_every_n_steps; false: none (the run cannot be resumed or exported)")
+    checkpoint_every_n_steps: int | None = _f(None, "also save a checkpoint every n steps; None: only at the end (and when stopped by a signal)", at_least=1)
     keep: int = _f(3, "checkpoints to keep", at_least=1)
     resume: bool = _f(True, "resume from the newest checkpoint in run_dir when there is one")
     metrics: tuple = _f(("console", "jsonl"), f"metric writers, any of {METRIC_WRITERS}")

@@ -31,6 +31,7 @@ from flax import nnx
 
 from rlbolt.models.config import ModelConfig
 from rlbolt.models.decoder import Decoder
+from rlbolt.utils.files import default_file_mode
 from rlbolt.models.hf_config import CONFIG_FILE, config_from_hf, config_to_hf
 
 __all__ = ["config_from_hf", "config_to_hf", "load_hf", "read_hf_config", "save_hf", "hf_tensor_layout"]
@@ -324,6 +325,8 @@ def save_hf(
                 weight_map.update(dict.fromkeys(shard, name))
             index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())}, "weight_map": weight_map}
             (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        for path in staging.glob("*.safetensors"):  # safetensors creates its files 0600
+            os.chmod(path, default_file_mode())
         if tokenizer_folder is not None:
             source = Path(tokenizer_folder)
             found = [source / name for name in TOKENIZER_FILES if (source / name).is_file()]
