@@ -19,6 +19,8 @@ import numpy as np
 from rlbolt.batch import Batch
 from rlbolt.callback import Callback, CallbackList
 from rlbolt.data.source import PromptSource
+from rlbolt.distributed import any_process, host_tree, state as placement, sum_over_processes
+from rlbolt.distributed.sharding import ShardingPlan
 from rlbolt.module import RLModule
 from rlbolt.plan import BatchPlan
 from rlbolt.prefetch import DataPrefetcher
@@ -49,13 +51,18 @@ class Trainer:
       val_batch_size: prompts per validation batch (default prompts_per_step).
       run_dir: where callbacks write (metrics, checkpoints); default runs/<time>.
       prefetch_timeout_s: fail if the producer yields nothing for this long (None: wait).
+      mesh: the devices to run on: a `rlbolt.distributed.MeshSpec` / `{data, fsdp, tp}` dict
+        (-1 = the rest), a `jax.sharding.Mesh`, a `ShardingPlan`, or None (all devices on fsdp).
+      device_memory_bytes: refuse a plan whose per-device memory exceeds this (default: what
+        the backend reports; CPU reports nothing, then the plan is only logged).
     """
 
     def __init__(self, plan: BatchPlan, *, max_steps: int | None = None, max_epochs: int | None = None,
                  seed: int = 0, data_seed: int | None = None, shuffle: bool = True,
                  callbacks: Sequence[Callback] = (), mode: str = "sync", max_staleness: int | None = None,
                  val_every_n_steps: int | None = None, val_batch_size: int | None = None,
-                 run_dir: str | Path | None = None, prefetch_timeout_s: float | None = None):
+                 run_dir: str | Path | None = None, prefetch_timeout_s: float | None = None,
+                 mesh: Any = None, device_memory_bytes: int | None = None):
         if not isinstance(plan, BatchPlan):
             raise TypeError(f"plan must be a BatchPlan, got {type(plan).__name__}")
         for name, value in (("max_steps", max_steps), ("max_epochs", max_epochs), ("val_every_n_steps", val_every_n_steps)):
@@ -72,6 +79,8 @@ class Trainer:
         self.val_every_n_steps, self.val_batch_size = val_every_n_steps, val_batch_size or plan.prompts_per_step
         self.run_dir = Path(run_dir) if run_dir is not None else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
         self.prefetch_timeout_s = prefetch_timeout_s
+        self.mesh_spec, self.device_memory_bytes = mesh, device_memory_bytes
+        self.sharding: ShardingPlan | None = None  # built when fit starts
         self.weights = WeightStore(self.lag_steps)
         self.should_stop = False  # a callback sets it to end fit after the current step
         self.interrupted = False
@@ -82,6 +91,11 @@ class Trainer:
     def is_main_process(self) -> bool:
         return jax.process_index() == 0
 
+    def sharding_for(self, role: str) -> ShardingPlan:
+        """The ShardingPlan of a role ("train", "rollout", "reference"): the one plan of the
+        trainer's mesh for every role today (colocated)."""
+        return self.sharding
+
     # ------------------------------------------------------------------------------------------
     def fit(self, module: RLModule, train_data: Any, val_data: Sequence[dict] | None = None) -> TrainState:
         """Trains `module` on `train_data` (dict rows or a grain MapDataset); returns the final state."""
@@ -89,8 +103,8 @@ class Trainer:
         state = self.callbacks.on_restore(self, state)  # ModelCheckpoint resumes here
         state = self.last_state = self.callbacks.on_fit_start(self, state)
         self.weights.publish(state.step, state.params, state.policy_version)
-        producer = Producer(module, self.plan, self.source, self.weights, state.rng,
-                            max_steps=self.max_steps, max_prompts=self._max_prompts())
+        producer = Producer(module, self.plan, self.source, self.weights, state.rng, max_steps=self.max_steps,
+                            max_prompts=self._max_prompts(), share=self.sharding.share)
         validated_at = None
         try:
             with DataPrefetcher(lambda stop: producer.run(state.step, state.data_position, stop),
@@ -112,7 +126,7 @@ class Trainer:
                     # Publishing after the callbacks keeps the hook order deterministic in sync mode.
                     self.weights.publish(state.step, state.params, state.policy_version)
                     self.last_state = state
-                    if self.should_stop:
+                    if any_process(self.should_stop):  # every process stops after the same step
                         break
                     waited = time.perf_counter()
             if val_data is not None and validated_at != state.step:
@@ -137,13 +151,18 @@ class Trainer:
         if max_prompts is not None and max_prompts < self.plan.prompts_per_step:
             raise ValueError(f"train_data has {len(self.source)} prompts x max_epochs={self.max_epochs}: fewer than "
                              f"prompts_per_step={self.plan.prompts_per_step}; lower prompts_per_step or raise max_epochs")
+        self.sharding = placement.training_plan(self.mesh_spec)
+        placement.check_batch_plan(self.plan, self.sharding)
         module.setup(self)
         rng = jax.random.PRNGKey(self.seed)
-        params = module.init_params(jax.random.fold_in(rng, 0))
+        params = self.sharding.place(module.init_params(jax.random.fold_in(rng, 0)))
         self.optimizer = module.configure_optimizers()
         self.optimizer = self.callbacks.wrap_optimizer(self, self.optimizer)  # e.g. NaNGuard(action="skip")
-        self._update = make_update_fn(module.training_step, self.optimizer, self.plan.grad_accum_steps)
-        state = TrainState(step=0, params=params, opt_state=self.optimizer.init(params), rng=jax.random.fold_in(rng, 1),
+        opt_state = placement.init_optimizer(self.optimizer, params, self.sharding)
+        self.memory_plan = placement.memory_plan(self, params, opt_state)  # before anything compiles
+        self._update = make_update_fn(module.training_step, self.optimizer, self.plan.grad_accum_steps,
+                                      self.sharding, params, opt_state)
+        state = TrainState(step=0, params=params, opt_state=opt_state, rng=jax.random.fold_in(rng, 1),
                            policy_version=0, data_position=0)
         self.last_state = state
         return state
@@ -152,20 +171,21 @@ class Trainer:
         """num_iterations passes of mini-batch updates over one global batch."""
         t0 = time.perf_counter()
         state = self.callbacks.on_update_start(self, state)
-        host_batch = produced.batch.numeric()
-        versions = np.asarray(host_batch["policy_version"])
-        batch = jax.device_put(host_batch)
+        batch = produced.batch.numeric().to_host()  # every process holds the whole global batch
+        versions = np.asarray(batch["policy_version"])
+        mini_size, accum = self.plan.mini_batch_size, self.plan.grad_accum_steps
+        minis = [placement.micro_batches(self.sharding, batch.slice(s, s + mini_size), accum)
+                 for s in range(0, batch.num_samples, mini_size)]
         params, opt_state, version = state.params, state.opt_state, state.policy_version
         device_metrics, staleness = [], []
-        mini_size = self.plan.mini_batch_size
         for _ in range(self.plan.num_iterations):
-            for start in range(0, batch.num_samples, mini_size):
-                staleness.append(version - versions[start:start + mini_size])
-                params, opt_state, m = self._update(params, opt_state, batch.slice(start, start + mini_size))
+            for i, mini in enumerate(minis):
+                staleness.append(version - versions[i * mini_size:(i + 1) * mini_size])
+                params, opt_state, m = self._update(params, opt_state, mini)
                 device_metrics.append(m)
                 version += 1
         # The one host sync of the step: all update metrics at once.
-        host = jax.device_get(device_metrics)
+        host = host_tree(device_metrics)
         metrics = {k: float(np.mean([m[k] for m in host])) for k in host[0]}
         stale = np.concatenate(staleness)
         metrics.update({"staleness/mean": float(stale.mean()), "staleness/max": float(stale.max())})
@@ -181,14 +201,17 @@ class Trainer:
         totals: dict[str, float] = {}
         count = 0
         for start in range(0, len(val_data), self.val_batch_size):
-            chunk = [val_data[i] for i in range(start, min(start + self.val_batch_size, len(val_data)))]
-            rows = [{**r, "prompt_index": start + i} for i, r in enumerate(chunk)]
-            batch = Batch.from_rows(rows)
-            keys = jax.random.split(jax.random.PRNGKey(self.seed + 7919), batch.num_samples)
-            batch = batch.with_columns(sample_keys=np.asarray(keys))
+            stop = min(start + self.val_batch_size, len(val_data))
+            keys = np.asarray(jax.random.split(jax.random.PRNGKey(self.seed + 7919), stop - start))
+            # This process's rows (all of them on one process); weight 0 for a filler row.
+            indices, weight = _val_share(start, stop, self.sharding.share)
+            rows = [{**val_data[i], "prompt_index": i} for i in indices]
+            batch = Batch.from_rows(rows).with_columns(sample_keys=keys[np.asarray(indices) - start])
             for k, v in self.module.validation_step(params, batch).items():
-                totals[k] = totals.get(k, 0.0) + float(v) * batch.num_samples
-            count += batch.num_samples
+                totals[k] = totals.get(k, 0.0) + float(v) * weight
+            count += weight
+        totals = sum_over_processes({**totals, "__count__": float(count)})  # every process's rows
+        count = totals.pop("__count__")
         metrics = {(k if k.startswith("val/") else f"val/{k}"): v / max(count, 1) for k, v in totals.items()}
         self.callbacks.on_validation_end(self, step, metrics)
         return metrics
@@ -210,6 +233,14 @@ def _lag_steps(mode: str, max_staleness: int | None, plan: BatchPlan) -> int:
             "(one step ahead) or mode='sync'"
         )
     return (max_staleness + 1) // ups - 1
+
+
+def _val_share(start: int, stop: int, share) -> tuple[list[int], int]:
+    """This data share's validation rows of [start, stop) and their weight: near-equal parts, and
+    a filler row of weight 0 for a share left empty (every process must call the sampler)."""
+    n = stop - start
+    lo, hi = start + share.rank * n // share.size, start + (share.rank + 1) * n // share.size
+    return (list(range(lo, hi)), hi - lo) if hi > lo else ([start], 0)
 
 
 def _add_throughput(metrics: dict[str, float], batch: Batch) -> None:

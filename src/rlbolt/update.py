@@ -1,9 +1,14 @@
 """The jitted optimizer update: gradient accumulation over train micro batches, then one step.
 
-One device call per mini batch: the mini batch [M, ...] is reshaped to [A, M/A, ...] and a
-`lax.scan` sums the micro batches' gradients and metrics (A = grad_accum_steps). Before the scan
-every micro batch gets the mini-batch totals as columns, so a loss normalised by them sums to
-exactly the full-mini-batch loss: accumulation changes float rounding, not the update.
+One device call per mini batch. The mini batch arrives split into its A train micro batches,
+[A, M/A, ...] (`split_micro_batches`; A = grad_accum_steps), with the sample axis of each micro
+batch spread over the mesh's batch shards, and a `lax.scan` sums the micro batches' gradients
+and metrics. Before the scan every micro batch gets the mini-batch totals as columns, so a loss
+normalised by them sums to exactly the full-mini-batch loss: accumulation changes float
+rounding, not the update.
+
+With a ShardingPlan the update compiles with explicit shardings: parameters and optimizer state
+in and out on their rule-given shardings, micro batches over data x fsdp, metrics replicated.
 """
 
 from __future__ import annotations
@@ -28,17 +33,36 @@ def add_mini_batch_totals(mini: Batch) -> Batch:
     )
 
 
-def make_update_fn(training_step: Callable, optimizer: optax.GradientTransformation, grad_accum_steps: int) -> Callable:
-    """Returns jitted `update(params, opt_state, mini_batch) -> (params, opt_state, metrics)`.
+def split_micro_batches(mini: Batch, grad_accum_steps: int) -> Batch:
+    """[M, ...] -> [A, M/A, ...]: micro batch i is samples i*M/A .. (i+1)*M/A - 1 (host or device)."""
+    a = grad_accum_steps
+    return jax.tree.map(lambda x: x.reshape(a, x.shape[0] // a, *x.shape[1:]), mini)
 
-    `metrics` holds `loss`, `grad_norm` and the training step's own metrics, each summed over
-    the micro batches (device scalars: reading them is the caller's host sync).
+
+def make_update_fn(training_step: Callable, optimizer: optax.GradientTransformation, grad_accum_steps: int,
+                   sharding: Any = None, params: Any = None, opt_state: Any = None) -> Callable:
+    """Returns jitted `update(params, opt_state, micro_batches) -> (params, opt_state, metrics)`.
+
+    Args:
+      training_step: `(params, micro_batch) -> (loss, metrics)`.
+      optimizer: the optax transformation.
+      grad_accum_steps: A, the leading axis of `micro_batches` ([A, M/A, ...], `split_micro_batches`).
+      sharding: a `rlbolt.distributed.ShardingPlan`; None compiles without explicit shardings.
+      params: the placed parameters (their shardings are the update's, in and out).
+      opt_state: the placed optimizer state (likewise).
+
+    Returns:
+      The jitted update. `metrics` holds `loss`, `grad_norm` and the training step's own
+      metrics, each summed over the micro batches (replicated device scalars: reading them is
+      the caller's host sync).
     """
     grad_fn = jax.value_and_grad(training_step, has_aux=True)
 
-    def update(params: Any, opt_state: Any, mini: Batch):
-        mini = add_mini_batch_totals(mini)
-        micro = jax.tree.map(lambda x: x.reshape(grad_accum_steps, x.shape[0] // grad_accum_steps, *x.shape[1:]), mini)
+    def update(params: Any, opt_state: Any, micro: Batch):
+        a, m = micro["completion_mask"].shape[:2]
+        tokens = jnp.sum(micro["completion_mask"]).astype(jnp.float32)
+        micro = micro.with_columns(mini_batch_num_tokens=jnp.full((a, m), tokens, jnp.float32),
+                                   mini_batch_num_samples=jnp.full((a, m), a * m, jnp.float32))
         first = jax.tree.map(lambda x: x[0], micro)
         out_shape = jax.eval_shape(grad_fn, params, first)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape)
@@ -52,4 +76,14 @@ def make_update_fn(training_step: Callable, optimizer: optax.GradientTransformat
         return params, opt_state, {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads)}
 
     # No donation: callbacks (checkpoints, offload) may still hold the previous state's arrays.
-    return jax.jit(update)
+    if sharding is None:
+        return jax.jit(update)
+    p, o = _shardings_of(params), _shardings_of(opt_state)
+    return jax.jit(update, in_shardings=(p, o, sharding.batch_sharding(1)), out_shardings=(p, o, sharding.replicated))
+
+
+def _shardings_of(tree: Any) -> Any:
+    return jax.tree.map(lambda x: x.sharding if isinstance(x, jax.Array) else None, tree)
+
+
+__all__ = ["add_mini_batch_totals", "make_update_fn", "split_micro_batches"]

@@ -234,6 +234,12 @@ class Decoder(nnx.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Dense(config.hidden_size, config.vocab_size, ("embed", "vocab"),
                                  dtype=config.dtype, rngs=rngs)
+        # On a mesh: the sharding of the residual stream [B, T, H] (rows over the batch axes) and
+        # of the embedding table when it is read (the fsdp shards of H gathered first, as every
+        # weight is before use), set by `rlbolt.distributed.ShardingPlan.shard_activations`.
+        # Static attributes: part of the graph definition, not parameters.
+        self.activation_sharding = None
+        self.embedding_read_sharding = None
 
     def __call__(self, input_ids: jnp.ndarray, positions: jnp.ndarray, *,
                  attention_mask: jnp.ndarray | None = None, cache: KVCache | None = None,
@@ -271,11 +277,16 @@ class Decoder(nnx.Module):
             causal = slot[None, :] <= index + jnp.arange(t)[:, None]  # [T, S]
             visible = causal[None] & cache_mask[:, None, :]
 
-        x = self.embed(input_ids)
+        if self.embedding_read_sharding is None:
+            x = self.embed(input_ids)
+        else:
+            table = jax.lax.with_sharding_constraint(self.embed.embedding[...], self.embedding_read_sharding)
+            x = self._constrain(jnp.take(table, input_ids, axis=0))
         new_keys, new_values = [], []
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else (cache.keys[i], cache.values[i], index)
             x, new_kv = layer(x, cos, sin, visible, layer_cache)
+            x = self._constrain(x)
             if new_kv is not None:
                 new_keys.append(new_kv[0])
                 new_values.append(new_kv[1])
@@ -284,6 +295,12 @@ class Decoder(nnx.Module):
         if cache is not None:
             new_cache = KVCache(tuple(new_keys), tuple(new_values), cache_mask, index + t)
         return (hidden if return_hidden else self.logits(hidden)), new_cache
+
+    def _constrain(self, x: jnp.ndarray) -> jnp.ndarray:
+        # Without it XLA may shard activations over the hidden axis like the fsdp weights and
+        # then reshard them through full copies.
+        sharding = self.activation_sharding
+        return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
     def logits(self, hidden: jnp.ndarray) -> jnp.ndarray:
         """Output projection through lm_head, or the tied embedding table.

@@ -33,7 +33,8 @@ class PPO(LMPolicyModule):
 
     def setup(self, trainer) -> None:
         super().setup(trainer)
-        self._values = jax.jit(lambda params, *inputs: self._hidden_outputs(params, *inputs, with_entropy=False)[2])
+        rows = {} if self.sharding is None else {"out_shardings": self.sharding.batch_sharding()}
+        self._values = jax.jit(lambda params, *inputs: self._hidden_outputs(params, *inputs, with_entropy=False)[2], **rows)
 
     def init_params(self, rng: jax.Array) -> dict[str, Any]:
         hidden = self.model.config.hidden_size
@@ -57,7 +58,7 @@ class PPO(LMPolicyModule):
     def compute_logps(self, params: Any, batch: Batch) -> Batch:
         """Adds old_logps / ref_logps (see the base) and `old_values` [N, C] from the value head."""
         batch = super().compute_logps(params, batch)
-        return batch.with_columns(old_values=np.asarray(self._values(params, *self._token_inputs(batch)), np.float32))
+        return batch.with_columns(old_values=self._local(self._values(params, *self._rows_on_mesh(batch))))
 
     def compute_advantages(self, batch: Batch):
         mask = jnp.asarray(batch["completion_mask"])
