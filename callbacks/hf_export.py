@@ -68,13 +68,16 @@ class HFExport(Callback):
             self.export(trainer, state.params, self.directory / "final", state.step)
 
     def export(self, trainer, params: Any, folder: Path, step: int) -> Path | None:
-        """Writes `params` (the trainable pytree) as a HF folder at `folder` (process 0 only)."""
-        if not trainer.is_main_process:
-            return None
+        """Writes `params` (the trainable pytree) as a HF folder at `folder` (process 0 only; every
+        process calls it, since params sharded over several processes are gathered first)."""
+        from rlbolt.distributed import gather_to_host
         from rlbolt.models.hf_io import save_hf
 
         module = trainer.module
         policy = module.policy_params(params) if hasattr(module, "policy_params") else params
+        policy = gather_to_host(policy)
+        if not trainer.is_main_process:
+            return None
         model = with_params(module.model, policy)
         save_hf(model, model.config, folder, max_shard_bytes=self.max_shard_bytes,
                 tokenizer_folder=self._tokenizer_folder(module))

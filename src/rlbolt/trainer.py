@@ -19,7 +19,7 @@ import numpy as np
 from rlbolt.batch import Batch
 from rlbolt.callback import Callback, CallbackList
 from rlbolt.data.source import PromptSource
-from rlbolt.distributed import any_process, host_tree, state as placement, sum_over_processes
+from rlbolt.distributed import any_process, host_tree, host_value, state as placement, sum_over_processes
 from rlbolt.distributed.sharding import ShardingPlan
 from rlbolt.module import RLModule
 from rlbolt.plan import BatchPlan
@@ -103,7 +103,7 @@ class Trainer:
         state = self.callbacks.on_restore(self, state)  # ModelCheckpoint resumes here
         state = self.last_state = self.callbacks.on_fit_start(self, state)
         self.weights.publish(state.step, state.params, state.policy_version)
-        producer = Producer(module, self.plan, self.source, self.weights, state.rng, max_steps=self.max_steps,
+        producer = Producer(module, self.plan, self.source, self.weights, host_value(state.rng), max_steps=self.max_steps,
                             max_prompts=self._max_prompts(), share=self.sharding.share)
         validated_at = None
         try:
@@ -123,11 +123,13 @@ class Trainer:
                     if val_data is not None and self.val_every_n_steps and state.step % self.val_every_n_steps == 0:
                         self.validate(state.params, val_data, state.step)
                         validated_at = state.step
+                    self.last_state = state
+                    # Every process stops after the same step; agreed before publishing, so the
+                    # producer's next collectives cannot interleave with this one.
+                    if any_process(self.should_stop):
+                        break
                     # Publishing after the callbacks keeps the hook order deterministic in sync mode.
                     self.weights.publish(state.step, state.params, state.policy_version)
-                    self.last_state = state
-                    if any_process(self.should_stop):  # every process stops after the same step
-                        break
                     waited = time.perf_counter()
             if val_data is not None and validated_at != state.step:
                 self.validate(state.params, val_data, state.step)
@@ -152,7 +154,7 @@ class Trainer:
             raise ValueError(f"train_data has {len(self.source)} prompts x max_epochs={self.max_epochs}: fewer than "
                              f"prompts_per_step={self.plan.prompts_per_step}; lower prompts_per_step or raise max_epochs")
         self.sharding = placement.training_plan(self.mesh_spec)
-        placement.check_batch_plan(self.plan, self.sharding)
+        placement.check_batch_plan(self.plan, self.sharding, self.mode)
         module.setup(self)
         rng = jax.random.PRNGKey(self.seed)
         params = self.sharding.place(module.init_params(jax.random.fold_in(rng, 0)))
@@ -162,8 +164,8 @@ class Trainer:
         self.memory_plan = placement.memory_plan(self, params, opt_state)  # before anything compiles
         self._update = make_update_fn(module.training_step, self.optimizer, self.plan.grad_accum_steps,
                                       self.sharding, params, opt_state)
-        state = TrainState(step=0, params=params, opt_state=opt_state, rng=jax.random.fold_in(rng, 1),
-                           policy_version=0, data_position=0)
+        state = TrainState(step=0, params=params, opt_state=opt_state, policy_version=0, data_position=0,
+                           rng=self.sharding.place(jax.random.fold_in(rng, 1)))  # replicated: every process saves it
         self.last_state = state
         return state
 

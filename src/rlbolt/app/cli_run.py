@@ -87,7 +87,8 @@ def run_demo(config: DemoConfig, run_dir: str | Path, *, resume: bool = False, p
       The RunSummary (also printed and logged).
     """
     run_dir = rundir.prepare_run_dir(run_dir, resume=resume)
-    rundir.write_config(run_dir, config.to_dict())
+    if _main_process():
+        rundir.write_config(run_dir, config.to_dict())
     trainer = Trainer(BatchPlan(config.prompts_per_step, config.num_generations), max_steps=config.max_steps,
                       seed=config.seed, callbacks=standard_callbacks(config.checkpoint_every, progress=progress),
                       run_dir=run_dir)
@@ -105,8 +106,10 @@ def run_config(cfg: Any, *, resume: bool = False, out: TextIO | None = None) -> 
     Returns:
       The RunSummary.
     """
-    from rlbolt.app.build import build_run
+    from rlbolt.app.build import build_run, start_distributed
 
+    if start_distributed(cfg):  # before anything touches a device; every process runs this command
+        cfg = _same_run_dir(cfg)
     run_dir = rundir.prepare_run_dir(cfg.trainer.run_dir, resume=resume)
     if resume:
         _require_checkpoints(run_dir)
@@ -121,16 +124,34 @@ def _require_checkpoints(run_dir: Path) -> None:
                                  "the run needs callbacks.checkpoint_every_n_steps (or a finished fit)")
 
 
+def _same_run_dir(cfg: Any) -> Any:
+    """Process 0's run directory on every process (a default name holds the start time)."""
+    from rlbolt.distributed import gather_objects
+
+    run_dir = gather_objects(cfg.trainer.run_dir)[0]
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, run_dir=run_dir))
+
+
+def _main_process() -> bool:
+    import jax
+
+    return jax.process_index() == 0
+
+
 def _fit_and_report(trainer: Trainer, module: Any, train_rows: Any, val_rows: Any, run_dir: Path,
                     out: TextIO | None) -> RunSummary:
-    handler = rundir.attach_log_file(run_dir)
+    main = _main_process()  # only process 0 writes train.log, plots and the summary
+    handler = rundir.attach_log_file(run_dir) if main else None
     started = time.perf_counter()
     try:
         state = trainer.fit(module, train_rows, val_rows)
+        if not main:
+            return RunSummary(run_dir, state.step, time.perf_counter() - started, None, None, None, 0.9, ())
         summary = summarize(run_dir, state.step, time.perf_counter() - started)
         log.info("summary:\n%s", summary.text())
     finally:
-        rundir.detach_log_file(handler)
+        if handler is not None:
+            rundir.detach_log_file(handler)
     print(summary.text(), file=out or sys.stdout, flush=True)
     return summary
 

@@ -50,8 +50,29 @@ def prepare_run_dir(path: str | Path, *, resume: bool = False) -> Path:
 
     Raises:
       RunDirError: a fresh run into a non-empty folder, or a resume of a folder that is not a run.
+
+    With several processes only process 0 checks and creates the folder; every process gets
+    its verdict (the same error, or the folder).
     """
-    run_dir = Path(path)
+    import jax
+
+    if jax.process_count() == 1:
+        return _prepare(Path(path), resume)
+    from rlbolt.distributed import gather_objects
+
+    error = None
+    if jax.process_index() == 0:
+        try:
+            _prepare(Path(path), resume)
+        except RunDirError as exc:
+            error = str(exc)
+    error = gather_objects(error)[0]
+    if error is not None:
+        raise RunDirError(error)
+    return Path(path)
+
+
+def _prepare(run_dir: Path, resume: bool) -> Path:
     if resume:
         if not (run_dir / CONFIG_FILE).is_file():
             raise RunDirError(f"{run_dir} is not a run directory (no {CONFIG_FILE}); pass the folder a previous "

@@ -53,7 +53,8 @@ def gather_objects(obj: Any) -> list[Any]:
         return [obj]
     payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), np.uint8)
     sizes = _gather(np.asarray([payload.size], np.int64)).reshape(-1)
-    padded = np.zeros(int(sizes.max()), np.uint8)
+    # Power-of-two lengths: the gather compiles once per bucket, not once per payload size.
+    padded = np.zeros(1 << max(6, (int(sizes.max()) - 1).bit_length()), np.uint8)
     padded[:payload.size] = payload
     gathered = _gather(padded).reshape(len(sizes), -1)
     return [pickle.loads(gathered[i, :sizes[i]].tobytes()) for i in range(len(sizes))]

@@ -251,6 +251,20 @@ def host_tree(tree: Any) -> Any:
     return jax.tree.map(host_value, tree)
 
 
+def gather_to_host(tree: Any) -> Any:
+    """Whole NumPy copies of a pytree's arrays on every process (a collective for arrays that
+    span processes: every process must call it)."""
+
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            from jax.experimental import multihost_utils
+
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
+
+    return jax.tree.map(one, tree)
+
+
 def per_device_bytes(tree: Any) -> int:
     """Bytes one device holds of a pytree of arrays or ShapeDtypeStructs with shardings
     (the largest per-device total when shards are uneven)."""
@@ -268,4 +282,5 @@ def per_device_bytes(tree: Any) -> int:
     return shared + (max(totals.values()) if totals else 0)
 
 
-__all__ = ["AXES", "DEFAULT_RULES", "DataShare", "ShardingPlan", "host_tree", "host_value", "per_device_bytes"]
+__all__ = ["AXES", "DEFAULT_RULES", "DataShare", "ShardingPlan", "gather_to_host", "host_tree", "host_value",
+           "per_device_bytes"]

@@ -43,13 +43,18 @@ def training_plan(mesh: Any) -> ShardingPlan:
     return plan
 
 
-def check_batch_plan(plan: Any, sharding: ShardingPlan) -> None:
+def check_batch_plan(plan: Any, sharding: ShardingPlan, mode: str = "sync") -> None:
     """Every batch the Trainer places must split evenly over the batch shards and data shares.
 
     Raises:
-      MeshError naming the field, its value and the sizes that would work.
+      MeshError naming the field, its value and the sizes that would work (or the mode).
     """
     sharding.check_divides("plan.train_micro_batch_size", plan.train_micro_batch_size)
+    if mode == "async" and jax.process_count() > 1:
+        # The producer thread's collectives (rollout) would overlap the main thread's (update)
+        # in a different order on each process, and collectives must be issued in one order.
+        raise MeshError(f"mode='async' is not supported across {jax.process_count()} processes yet; use mode='sync' "
+                        "(one process on many devices runs async)")
     size = sharding.share.size
     if size == 1:
         return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -38,9 +39,17 @@ def build_model(model_cfg, vocab_size: int, seed: int, sharding=None) -> Decoder
     overrides = {"param_dtype": model_cfg.param_dtype, **model_cfg.tiny}
     overrides.setdefault("vocab_size", vocab_size)  # every sampled id must decode
     config = tiny_config(**overrides)
-    if sharding is None or sharding.mesh.size == 1:
-        return Decoder(config, rngs=nnx.Rngs(seed))
-    return sharding.build_module(lambda: Decoder(config, rngs=nnx.Rngs(seed)))
+    create = lambda: Decoder(config, rngs=nnx.Rngs(seed))  # noqa: E731
+    if sharding is None or sharding.mesh.size == 1 or _param_bytes(create) < SHARDED_INIT_BYTES:
+        return create()  # small: built on the default device in no time (the Trainer then places it)
+    return sharding.build_module(create)
+
+
+SHARDED_INIT_BYTES = 1 << 30  # larger random models are initialised shard by shard (compiling that takes seconds)
+
+
+def _param_bytes(create) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(nnx.eval_shape(create))))
 
 
 def reward_runner(reward, reward_cfg) -> RewardRunner:
