@@ -16,6 +16,11 @@ it also times the step's dense products alone at the step's shapes (benchmarks/c
     python benchmarks/grpo_step.py            # the CPU workload, 12 steps
     python benchmarks/grpo_step.py --quick    # 2 steps (CI keeps it from rotting; numbers not asserted)
     python benchmarks/grpo_step.py --preset gpu   # Qwen2.5-0.5B shape, bf16, 64x8, 256 + 512 tokens
+    python benchmarks/grpo_step.py --preset gpu --mesh '{"fsdp": 8}'    # on every GPU of the host
+    python benchmarks/grpo_step.py --devices 4 --mesh '{"fsdp": 2, "tp": 2}'   # 4 CPU "devices"
+
+`--mesh` takes rlbolt's `{data, fsdp, tp}` (-1: the rest; default: every device on fsdp);
+`--devices N` makes the CPU backend show N devices (they share the machine's cores).
 """
 
 from __future__ import annotations
@@ -47,6 +52,9 @@ def main(argv=None) -> dict:
 
     applied = configure_xla_flags(enable=not args.no_xla_flags)
     import jax
+
+    if args.devices:
+        jax.config.update("jax_num_cpu_devices", args.devices)
     import numpy as np
     from flax import nnx
 
@@ -95,7 +103,7 @@ def main(argv=None) -> dict:
     # and no slower on this CPU (RESULTS.md).
     plan = BatchPlan(prompts_per_step=p["prompts"], num_generations=p["generations"],
                      train_micro_batch_size=args.train_micro or p["train_micro"], logps_micro_batch_size=args.logps_micro)
-    trainer = Trainer(plan, max_steps=steps, seed=0, shuffle=False)
+    trainer = Trainer(plan, max_steps=steps, seed=0, shuffle=False, mesh=json.loads(args.mesh) if args.mesh else None)
     trainer.callbacks = type(trainer.callbacks)([rec])
     state = trainer.fit(module, rows)
     fit_peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before the floor loop adds its own
@@ -109,7 +117,7 @@ def main(argv=None) -> dict:
     matmul = _matmul_gflops(args.preset)
     flops = step_flops(config, p["prompts"] * p["generations"], p["prompt_len"], p["new_tokens"])
     bound = None
-    if args.preset == "cpu":  # the bound times f32 products; on a GPU, update MFU and decode bandwidth say this
+    if args.preset == "cpu" and not args.no_bound:  # f32 products; on a GPU, update MFU and decode bandwidth say this
         bound = measure_bound(config, p["prompts"] * p["generations"], p["prompt_len"], p["new_tokens"],
                               repeats=2 if args.quick else 7, matmul_gflops=matmul)
     gen_tokens = p["prompts"] * p["generations"] * p["new_tokens"]
@@ -117,6 +125,9 @@ def main(argv=None) -> dict:
         "system": "rlbolt",
         "preset": args.preset,
         "device": jax.devices()[0].device_kind,
+        "devices": jax.device_count(),
+        "mesh": dict(trainer.sharding.mesh.shape),
+        "memory_plan_bytes": trainer.memory_plan.items,
         "xla_flags": applied,
         "step_s_median": step_median,
         "step_s_all": step_s,
@@ -148,20 +159,21 @@ def _floor_step_s(module, trainer, state, produced, repeats: int) -> tuple[float
     as a step does), to set against the step's own split.
     """
     import jax
-    import jax.numpy as jnp
     import numpy as np
+
+    from rlbolt.distributed.state import micro_batches
 
     batch = produced.batch
     ids = [list(r[m]) for r, m in zip(np.asarray(batch["prompt_ids"]), np.asarray(batch["prompt_mask"]))]
     keys = np.asarray(batch["sample_keys"], np.uint32)
-    device_batch = jax.device_put(batch.numeric())
+    device_batch = micro_batches(trainer.sharding, batch.numeric().to_host(), trainer.plan.grad_accum_steps)
     rounds = []
     for i in range(repeats + 1):
         t0 = time.perf_counter()
         out = module._generate(state.params, ids, keys, module.rollout_cfg.temperature)
         t1 = time.perf_counter()
-        inputs = tuple(jnp.asarray(x) for x in (batch["prompt_ids"], batch["prompt_mask"], out.completion_ids, out.completion_mask))
-        jax.block_until_ready(module._logps(module.ref_params, *inputs))
+        rolled = batch.with_columns(completion_ids=out.completion_ids, completion_mask=out.completion_mask)
+        jax.block_until_ready(module._logps(module.ref_params, *module._rows_on_mesh(rolled)))
         t2 = time.perf_counter()
         jax.block_until_ready(trainer._update(state.params, state.opt_state, device_batch))
         t3 = time.perf_counter()
@@ -233,7 +245,7 @@ def _print_table(r: dict, flops: dict) -> None:
           for k, v in r["split"].items()],
     ]
     width = max(len(k) for k, _ in rows)
-    print(f"rlbolt GRPO step benchmark, preset {r['preset']} on {r['device']}")
+    print(f"rlbolt GRPO step benchmark, preset {r['preset']} on {r['device']} x {r['devices']}, mesh {r['mesh']}")
     for k, v in rows:
         print(f"  {k:<{width}}  {v}")
 
@@ -250,6 +262,9 @@ def _parse(argv):
     ap.add_argument("--train-micro", type=int, default=None, help="train micro batch size (default: the preset's)")
     ap.add_argument("--logps-micro", type=int, default=None, help="reference-logps micro batch size (default: all)")
     ap.add_argument("--no-xla-flags", action="store_true", help="do not apply rlbolt's CPU XLA flags")
+    ap.add_argument("--mesh", default=None, help='the device mesh as JSON, e.g. \'{"fsdp": 4, "tp": 2}\' (default: all on fsdp)')
+    ap.add_argument("--devices", type=int, default=None, help="CPU only: how many CPU devices the backend shows")
+    ap.add_argument("--no-bound", action="store_true", help="skip the matmul-only bound (benchmarks/ceiling.py)")
     return ap.parse_args(argv)
 
 

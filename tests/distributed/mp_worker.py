@@ -76,15 +76,27 @@ def main() -> None:
 
     steps: list[dict] = []
 
+    def dump(name, tree):  # the params gathered whole, by path (a collective: every process calls it)
+        flat = {".".join(map(str, path)): np.asarray(v.get_value() if isinstance(v, nnx.Variable) else v)
+                for path, v in nnx.to_flat_state(gather_to_host(tree))}
+        out_dir.mkdir(parents=True, exist_ok=True)
+        np.savez(out_dir / f"{name}_{jax.process_index()}.npz", **flat)
+
     class Record(Callback):
+        def on_fit_start(self, trainer, state):
+            if state.step:
+                dump("restored", state.params)
+
         def on_step_end(self, trainer, info):
             steps.append({k: float(v) for k, v in info.metrics.items() if not k.startswith(("time/", "throughput/"))})
+            if args.checkpoint_every and info.step % args.checkpoint_every == 0:
+                dump(f"step{info.step}", info.state.params)
             if args.die_at_step and info.step == args.die_at_step and jax.process_index() == args.die_process:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     module = GRPO({"rollout": {"max_new_tokens": 8}, "algorithm": {"lr": 1e-3, "beta": args.beta},
-                   "model": {"tiny": {"hidden_size": 32, "intermediate_size": 64, "num_heads": 4, "num_kv_heads": 2,
-                                      "head_dim": 8}}},
+                   "model": {"tiny": {"hidden_size": 32, "intermediate_size": 64, "num_heads": 4,
+                                      "num_kv_heads": 2, "head_dim": 8}}},
                   reward=digits)
     callbacks = [Record(), MetricsLogger(writer=["jsonl"])]
     if args.checkpoint_every:
@@ -92,13 +104,9 @@ def main() -> None:
     plan = BatchPlan(prompts_per_step=4, num_generations=4, train_micro_batch_size=8)
     trainer = Trainer(plan, max_steps=args.steps, mesh=json.loads(args.mesh), callbacks=callbacks, run_dir=args.run_dir)
     state = trainer.fit(module, gsm8k_style_rows(32))
-    params = gather_to_host(state.params)  # a collective: every process takes part
-    flat = {".".join(map(str, path)): np.asarray(v.get_value() if isinstance(v, nnx.Variable) else v)
-            for path, v in nnx.to_flat_state(params)}
+    dump("result", state.params)
     restored = [cb.restored_step for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)]
     pid = jax.process_index()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    np.savez(out_dir / f"result_{pid}.npz", **flat)
     (out_dir / f"result_{pid}.json").write_text(json.dumps({
         "steps": steps, "written": sorted(written), "restored_step": restored[0] if restored else None,
         "final_step": state.step, "data_position": state.data_position, "policy_version": state.policy_version,

@@ -39,7 +39,7 @@ from rlbolt.app.config import ConfigError, RunConfig, config_to_dict, load_confi
 from rlbolt.module import RLModule
 from rlbolt.modules import lm_ops
 from rlbolt.modules.prompts import PromptEncoder, builtin_tokenizer, rows_of
-from rlbolt.modules.rewarding import answer_score, build_reward
+from rlbolt.modules.rewarding import answer_score, build_reward, score_shared
 
 # Columns the framework adds; every other column of an arriving batch is a prompt-row field.
 _FRAMEWORK_COLUMNS = frozenset({
@@ -83,9 +83,8 @@ class LMPolicyModule(RLModule):
         if self.model is None:
             seed = trainer.seed if trainer is not None else 0
             self.model = lm_ops.build_model(cfg.model, self.tokenizer.vocab_size, seed, self.sharding)
-        elif self.sharding is not None:  # a model passed in: its weights move onto the mesh once
+        if self.sharding is not None:  # the weights move onto the mesh once (no copy if built there)
             nnx.update(self.model, self.sharding.place(nnx.state(self.model)))
-        if self.sharding is not None:
             self.sharding.shard_activations(self.model)
         if self.tokenizer.vocab_size > self.model.config.vocab_size:
             raise ConfigError(
@@ -221,11 +220,11 @@ class LMPolicyModule(RLModule):
         """Scores each completion with the reward runner (failure-isolated) and adds DAPO's
         overlong penalty when `algorithm.overlong_cache_length` > 0. Returns [N] float32."""
         samples = rows_of(batch, _row_fields(batch))
-        result = self.reward_runner.score(list(batch["completion_text"]), samples)
-        for name, value in result.metrics.items():
+        share = self.sharding.share if self.sharding is not None else None  # each process scores its rows
+        rewards, metrics = score_shared(self.reward_runner, list(batch["completion_text"]), samples, share)
+        for name, value in metrics.items():
             if name not in ("reward/mean", "reward/std"):  # the producer reports those after filtering
                 self.log(name, value)
-        rewards = np.asarray(result.rewards, np.float32)
         if self.algo.overlong_cache_length > 0:
             lengths = np.asarray(batch["completion_mask"]).sum(axis=1)
             penalty = np.asarray(overlong_penalty(lengths, self.rollout_cfg.max_new_tokens, self.algo.overlong_cache_length))
