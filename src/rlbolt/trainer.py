@@ -206,7 +206,7 @@ class Trainer:
             stop = min(start + self.val_batch_size, len(val_data))
             keys = np.asarray(jax.random.split(jax.random.PRNGKey(self.seed + 7919), stop - start))
             # This process's rows (all of them on one process); weight 0 for a filler row.
-            indices, weight = _val_share(start, stop, self.sharding.share)
+            indices, weight = placement.validation_rows(start, stop, self.sharding.share)
             rows = [{**val_data[i], "prompt_index": i} for i in indices]
             batch = Batch.from_rows(rows).with_columns(sample_keys=keys[np.asarray(indices) - start])
             for k, v in self.module.validation_step(params, batch).items():
@@ -235,14 +235,6 @@ def _lag_steps(mode: str, max_staleness: int | None, plan: BatchPlan) -> int:
             "(one step ahead) or mode='sync'"
         )
     return (max_staleness + 1) // ups - 1
-
-
-def _val_share(start: int, stop: int, share) -> tuple[list[int], int]:
-    """This data share's validation rows of [start, stop) and their weight: near-equal parts, and
-    a filler row of weight 0 for a share left empty (every process must call the sampler)."""
-    n = stop - start
-    lo, hi = start + share.rank * n // share.size, start + (share.rank + 1) * n // share.size
-    return (list(range(lo, hi)), hi - lo) if hi > lo else ([start], 0)
 
 
 def _add_throughput(metrics: dict[str, float], batch: Batch) -> None:

@@ -85,3 +85,12 @@ def memory_plan(trainer: Any, params: Any, opt_state: Any) -> MemoryPlan:
     log.info("%s", plan.text())
     plan.check()
     return plan
+
+
+def validation_rows(start: int, stop: int, share: Any) -> tuple[list[int], int]:
+    """This data share's rows of validation rows [start, stop), and their weight: near-equal
+    parts, and one filler row of weight 0 for a share left empty (every process must call the
+    sampler, a collective)."""
+    n = stop - start
+    lo, hi = start + share.rank * n // share.size, start + (share.rank + 1) * n // share.size
+    return (list(range(lo, hi)), hi - lo) if hi > lo else ([start], 0)
