@@ -27,6 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from rlbolt.callback import Callback, Periodic
 from rlbolt.callbacks.checkpoint_io import CheckpointIO, read_json, write_json_atomic
 from rlbolt.state import StepInfo, TrainState
@@ -51,7 +53,9 @@ class ModelCheckpoint(Callback):
       async_save: write on a background thread (training continues during the write).
       resume: "latest" (the newest usable checkpoint), a step number, or None (never restore;
         then the directory must hold no checkpoints, so a run never silently overwrites another).
-      save_on_exception: when fit stops on an exception, save the last completed step.
+      save_on_exception: when fit stops on an exception, save the last completed step (on one
+        process only: across processes a save needs all of them, and an exception may have
+        stopped one alone; a stop they agree on, such as NaNGuard's, saves by itself).
       clock: seconds clock for `every_secs` (injectable for tests).
 
     Attributes:
@@ -144,7 +148,11 @@ class ModelCheckpoint(Callback):
         if self.io is None:
             return
         if self.save_on_exception and trainer.last_state is not None:
-            self.save(trainer, trainer.last_state)
+            if jax.process_count() == 1:
+                self.save(trainer, trainer.last_state)
+            else:  # a save is a collective, and an exception may have stopped this process alone
+                log.warning("not saving on %s: with %d processes the others may not reach this save",
+                            type(exc).__name__, jax.process_count())
         self.finish()
 
     # -- actions -----------------------------------------------------------------------------------

@@ -94,7 +94,8 @@ class Producer:
                 local = self._prompt_batch(step, round_index, position, prompts, version)
                 position += prompts
                 local = self._rollout_and_logps(params, local, timings)
-                batch = Batch.concat([Batch(cols) for cols in gather_shares(dict(local), self.share.rank, self.share.size)])
+                batch = local if self.share.size == 1 else Batch.concat(
+                    [Batch(cols) for cols in gather_shares(dict(local), self.share.rank, self.share.size)])
                 t0 = time.perf_counter()
                 advantaged = check_stage(self.module.on_advantage(batch), "advantage")
                 timings["time/reward"] += time.perf_counter() - t0

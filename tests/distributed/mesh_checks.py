@@ -81,11 +81,30 @@ def train(mesh: dict) -> dict:
 
     diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
                for a, b in zip(jax.tree.leaves(ref_state.params), jax.tree.leaves(state.params)))
-    return {"mesh": dict(trainer.sharding.mesh.shape), "ref_steps": ref_steps, "steps": steps, "max_param_diff": diff,
+    return {**hf_load(trainer.sharding),
+            "mesh": dict(trainer.sharding.mesh.shape), "ref_steps": ref_steps, "steps": steps, "max_param_diff": diff,
             "completions_equal": ref_completions == completions,
             "params": leaves(state.params), "opt_state": leaves(state.opt_state),
             "params_per_device": per_device_bytes(state.params), "opt_per_device": per_device_bytes(state.opt_state),
             "memory_plan": trainer.memory_plan.items}
+
+
+def hf_load(plan: ShardingPlan) -> dict:
+    """A Hugging Face folder read straight into the plan's shardings equals the plain read."""
+    import tempfile
+
+    from rlbolt.models import Decoder, tiny_config
+    from rlbolt.models.hf_io import load_hf, save_hf
+
+    model = Decoder(tiny_config(architecture="Qwen2ForCausalLM", attention_bias=True), rngs=nnx.Rngs(1))
+    with tempfile.TemporaryDirectory() as folder:
+        save_hf(model, model.config, folder)
+        plain, _ = load_hf(folder)
+        sharded, _ = load_hf(folder, sharding=plan)
+    a, b = nnx.state(plain), nnx.state(sharded)
+    return {"hf_equal": all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))),
+            "hf_sharded_as_planned": all(x.sharding == s for x, s in zip(jax.tree.leaves(b), jax.tree.leaves(plan.param_shardings(b)))),
+            "hf_per_device": per_device_bytes(b), "hf_total": sum(x.nbytes for x in jax.tree.leaves(a))}
 
 
 def sampler(meshes: list[dict]) -> dict:
@@ -137,7 +156,18 @@ def sampler(meshes: list[dict]) -> dict:
             "cache_key_spec": [list(a) if isinstance(a, tuple) else a for a in s._layout.keys.spec],
             **compiled_memory(plan),
         })
-    return {"results": results, "distinct_sampled_rows": len({tuple(r) for r in ref["sampled"][0]})}
+    # Qwen2 (q/k/v bias) and Qwen3 (q/k norms, tied embeddings) on fsdp=4 x tp=2, greedy.
+    architectures = {}
+    for name, extra in (("Qwen2ForCausalLM", {"attention_bias": True}),
+                        ("Qwen3ForCausalLM", {"qk_norm": True, "tie_word_embeddings": True})):
+        arch = Decoder(tiny_config(vocab_size=128, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                                   head_dim=32, intermediate_size=256, architecture=name, **extra), rngs=nnx.Rngs(4))
+        plan = ShardingPlan(MeshSpec(fsdp=4, tp=2).build())
+        outs = [NativeSampler(arch, max_new_tokens=12, temperature=0.0, prompt_buckets=(16,), sharding=p)
+                .generate(prompts, keys).completion_ids for p in (None, plan)]
+        architectures[name] = bool(np.array_equal(*outs))
+    return {"results": results, "distinct_sampled_rows": len({tuple(r) for r in ref["sampled"][0]}),
+            "architectures_greedy_equal": architectures}
 
 
 if __name__ == "__main__":

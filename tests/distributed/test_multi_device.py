@@ -62,6 +62,9 @@ def check_training(result: dict) -> None:
         assert per_device <= total / mesh["fsdp"]  # (the vocabulary rows are replicated over tp)
     plan = result["memory_plan"]
     assert plan["params"] == result["params_per_device"] and plan["reference"] == plan["params"]
+    # A Hugging Face folder loads straight into the shardings, with the same values.
+    assert result["hf_equal"] and result["hf_sharded_as_planned"]
+    assert result["hf_per_device"] <= result["hf_total"] / mesh["fsdp"]
 
 
 def test_grpo_on_tp2_x_fsdp4_equals_one_device():
@@ -80,6 +83,7 @@ def test_sampler_on_meshes_is_token_identical_and_never_holds_the_whole_model():
     out = run_checks("sampler", [{"fsdp": 8}, {"fsdp": 4, "tp": 2}, {"data": 2, "fsdp": 2, "tp": 2},
                                  {"fsdp": 2, "tp": 4}])
     assert out["distinct_sampled_rows"] == 12  # the sampled comparison is not vacuous
+    assert out["architectures_greedy_equal"] == {"Qwen2ForCausalLM": True, "Qwen3ForCausalLM": True}
     for r in out["results"]:
         assert r["greedy_equal"] and r["sampled_equal"], r["mesh"]
         assert r["logp_diff"] <= 1e-5

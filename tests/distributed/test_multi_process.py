@@ -95,6 +95,15 @@ def test_two_processes_equal_one_process_and_resume_on_four_devices(tmp_path):
     assert np.allclose([s["loss"] for s in pm["steps"]], [s["loss"] for s in om["steps"]], atol=1e-6)
     assert_params_close(pp, op, atol=1e-6)
 
+    # tp=4 across the two processes: the batch is not split between them, both roll out the
+    # same prompts (one data share), and the samples are still the one-process run's.
+    tp_out = tmp_path / "tp"
+    finish(launch(tp_out, tmp_path / "tp_run", processes=2, devices=2, steps=2,
+                  extra=["--mesh", json.dumps({"fsdp": 1, "tp": 4})]), tp_out)
+    tm, _ = results(tp_out)
+    assert tm["mesh"] == {"data": 1, "fsdp": 1, "tp": 4}
+    assert [s["reward/mean"] for s in tm["steps"]] == [s["reward/mean"] for s in om["steps"][:2]]
+
     # The pair's checkpoint of step 2 restores in ONE process on 4 devices laid out fsdp=2 x tp=2.
     resumed_run = tmp_path / "resumed_run"
     resumed_run.mkdir()
