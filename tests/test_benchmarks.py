@@ -49,3 +49,10 @@ def test_sampler_benchmark_quick_mode():
     _, result = _last_json("sampler.py")
     assert result["system"] == "rlbolt-sampler" and result["gen_tokens_per_s"] > 0
     assert result["compiles_after_warmup"] == 0
+
+
+def test_reward_executors_benchmark_quick_mode():
+    out, result = _last_json("reward_executors.py")
+    assert "us/sample" in out and result["system"] == "rlbolt-reward-executors" and result["samples_per_call"] == 32
+    for executor in ("thread", "process"):
+        assert result[f"{executor}_us_per_sample"] > 0 and result[f"{executor}_first_call_s"] > 0
