@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 GRPO_FIELDS = {"system", "step_s_median", "step_s_all", "gen_tokens_per_s", "peak_rss_mb", "split",
                "compiles_after_warmup", "gflops_per_step", "achieved_gflops", "matmul_gflops", "floor_step_s",
@@ -56,3 +58,15 @@ def test_reward_executors_benchmark_quick_mode():
     assert "us/sample" in out and result["system"] == "rlbolt-reward-executors" and result["samples_per_call"] == 32
     for executor in ("thread", "process"):
         assert result[f"{executor}_us_per_sample"] > 0 and result[f"{executor}_first_call_s"] > 0
+
+
+@pytest.mark.slow
+def test_mesh_benchmark_quick_mode():
+    """Two fresh processes (1 and 2 CPU devices): slow, so outside the default tier."""
+    out, result = _last_json("mesh_step.py")
+    assert "overhead, not speedup" in out and result["system"] == "rlbolt-mesh"
+    runs = result["runs"]
+    assert [r["devices"] for r in runs] == [1, 2]
+    assert [r["mesh"]["fsdp"] for r in runs] == [1, 2]
+    assert result["same_rewards"]  # the mesh changes no sample
+    assert runs[1]["memory_plan_bytes"]["params"] * 2 == runs[0]["memory_plan_bytes"]["params"]

@@ -84,10 +84,10 @@ class ShardingPlan:
             axes = tuple(a for a in axes if self.mesh.shape[a] > 1)
             ways = math.prod(self.mesh.shape[a] for a in axes)
             if axes and size % ways:
-                note = f"{where or 'an array'}: {name}={size} does not divide {'x'.join(axes)}={ways}; replicated"
-                if note not in self.notes:
-                    self.notes.append(note)
-                    log.info("sharding: %s", note)
+                note = f"{name}={size} does not divide {'x'.join(axes)}={ways}: replicated over it"
+                if not any(n.startswith(note) for n in self.notes):  # once per dimension, not per array
+                    self.notes.append(f"{note} (e.g. {where or 'an array'})")
+                    log.info("sharding: %s", self.notes[-1])
                 axes = ()
             out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
         return P(*out)

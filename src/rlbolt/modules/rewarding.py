@@ -54,7 +54,8 @@ def score_shared(runner, texts: list[str], samples: list[Mapping[str, Any]], sha
     On several processes every one holds the whole gathered batch (its share's rows in share
     order); scoring is the expensive part (a sandbox runs code), so each scores its rows and the
     scores are gathered. The metrics are recomputed from the gathered per-term scores, so they
-    equal the one-process run's.
+    equal the one-process run's. The runner's broken-reward stop (`RewardFailureError`) counts
+    per share and is raised on every process when any share raises it.
 
     Args:
       runner: the RewardRunner.
@@ -70,16 +71,25 @@ def score_shared(runner, texts: list[str], samples: list[Mapping[str, Any]], sha
         return np.asarray(result.rewards, np.float32), result.metrics
     from rlbolt.distributed import gather_shares
 
+    from rlbolt.rewards import RewardFailureError
+
     lo, hi = share.range(len(texts))
-    mine = runner.score(texts[lo:hi], samples[lo:hi])
-    local = (np.asarray(mine.rewards, np.float32), mine.per_fn, len(mine.errors), float(mine.metrics["reward/timeouts"]))
+    try:
+        mine = runner.score(texts[lo:hi], samples[lo:hi])
+        local = (np.asarray(mine.rewards, np.float32), mine.per_fn, len(mine.errors),
+                 float(mine.metrics["reward/timeouts"]), None)
+    except RewardFailureError as error:  # told to the others: every process stops, none waits
+        local = (None, None, 0, 0.0, str(error))
     parts = gather_shares(local, share.rank, share.size)
+    failed = [p[4] for p in parts if p[4] is not None]
+    if failed:  # a share whose every sample failed for max_failed_batches batches stops the run
+        raise RewardFailureError(failed[0])
     rewards = np.concatenate([p[0] for p in parts])
     as64 = rewards.astype(np.float64)
     metrics = {"reward/mean": float(as64.mean()), "reward/std": float(as64.std()),
                "reward/failures": float(sum(p[2] for p in parts) - sum(p[3] for p in parts)),
                "reward/timeouts": float(sum(p[3] for p in parts))}
-    for name in mine.per_fn:
+    for name in parts[0][1]:
         values = np.concatenate([p[1][name] for p in parts])
         scored = values[~np.isnan(values)]
         if scored.size:
