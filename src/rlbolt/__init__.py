@@ -6,7 +6,7 @@ does not pay for importing JAX):
     from rlbolt import Trainer, RLModule, Callback, BatchPlan
 
 Layout: the core (trainer, producer, prefetch, weights, update, module, callback, state, batch,
-plan) sits in this folder; the building blocks in subpackages (algorithms, modules, models,
+plan, fit_checks) sits in this folder; the building blocks in subpackages (algorithms, modules, models,
 rollout, rewards, data, loggers); the application layer (the `rlbolt` command, config files,
 run directories, the demo, plots) in `rlbolt.app`; small shared helpers in `rlbolt.utils`.
 """

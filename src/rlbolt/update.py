@@ -7,12 +7,15 @@ and metrics. Before the scan every micro batch gets the mini-batch totals as col
 normalised by them sums to exactly the full-mini-batch loss: accumulation changes float
 rounding, not the update.
 
-With a ShardingPlan the update compiles with explicit shardings: parameters and optimizer state
-in and out on their rule-given shardings, micro batches over data x fsdp, metrics replicated.
+With a ShardingPlan the update compiles with explicit shardings: parameters, optimizer state and
+frozen parameters arrive placed on their rule-given shardings and micro batches over data x
+fsdp (jit compiles for those committed shardings); parameters and optimizer state leave on the
+same shardings and the metrics replicated (`out_shardings`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -39,14 +42,19 @@ def split_micro_batches(mini: Batch, grad_accum_steps: int) -> Batch:
     return jax.tree.map(lambda x: x.reshape(a, x.shape[0] // a, *x.shape[1:]), mini)
 
 
-def make_update_fn(training_step: Callable, optimizer: optax.GradientTransformation, grad_accum_steps: int,
-                   sharding: Any = None, params: Any = None, opt_state: Any = None) -> Callable:
+def make_update_fn(training_step: Callable, optimizer: optax.GradientTransformation, grad_accum_steps: int, *,
+                   frozen: Any = None, with_frozen: Callable | None = None, sharding: Any = None,
+                   params: Any = None, opt_state: Any = None) -> Callable:
     """Returns jitted `update(params, opt_state, micro_batches) -> (params, opt_state, metrics)`.
 
     Args:
       training_step: `(params, micro_batch) -> (loss, metrics)`.
-      optimizer: the optax transformation.
+      optimizer: the optax transformation of the trainable params.
       grad_accum_steps: A, the leading axis of `micro_batches` ([A, M/A, ...], `split_micro_batches`).
+      frozen: parameters the step uses but never trains (`RLModule.frozen_params`). They reach
+        the executable as an argument of every call, so the executable holds no copy of them,
+        and the gradient is taken with respect to `params` only, so none of theirs is formed.
+      with_frozen: `(params, frozen) -> what training_step receives` (`RLModule.with_frozen`).
       sharding: a `rlbolt.distributed.ShardingPlan`; None compiles without explicit shardings.
       params: the placed parameters (their shardings are the update's, in and out).
       opt_state: the placed optimizer state (likewise).
@@ -54,21 +62,26 @@ def make_update_fn(training_step: Callable, optimizer: optax.GradientTransformat
     Returns:
       The jitted update. `metrics` holds `loss`, `grad_norm` and the training step's own
       metrics, each summed over the micro batches (replicated device scalars: reading them is
-      the caller's host sync).
+      the caller's host sync). `.func` of the result is the jitted function itself (for
+      lowering and memory analysis; it takes `frozen` as a fourth argument).
     """
-    grad_fn = jax.value_and_grad(training_step, has_aux=True)
 
-    def update(params: Any, opt_state: Any, micro: Batch):
+    def loss(params: Any, micro: Batch, frozen: Any):
+        return training_step(params if with_frozen is None else with_frozen(params, frozen), micro)
+
+    grad_fn = jax.value_and_grad(loss, has_aux=True)
+
+    def update(params: Any, opt_state: Any, micro: Batch, frozen: Any):
         a, m = micro["completion_mask"].shape[:2]
         tokens = jnp.sum(micro["completion_mask"]).astype(jnp.float32)
         micro = micro.with_columns(mini_batch_num_tokens=jnp.full((a, m), tokens, jnp.float32),
                                    mini_batch_num_samples=jnp.full((a, m), a * m, jnp.float32))
         first = jax.tree.map(lambda x: x[0], micro)
-        out_shape = jax.eval_shape(grad_fn, params, first)
+        out_shape = jax.eval_shape(grad_fn, params, first, frozen)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape)
 
         def accumulate(total, micro_batch):
-            return jax.tree.map(jnp.add, total, grad_fn(params, micro_batch)), None
+            return jax.tree.map(jnp.add, total, grad_fn(params, micro_batch, frozen)), None
 
         ((loss, metrics), grads), _ = jax.lax.scan(accumulate, zeros, micro)
         updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -77,9 +90,11 @@ def make_update_fn(training_step: Callable, optimizer: optax.GradientTransformat
 
     # No donation: callbacks (checkpoints, offload) may still hold the previous state's arrays.
     if sharding is None:
-        return jax.jit(update)
-    p, o = _shardings_of(params), _shardings_of(opt_state)
-    return jax.jit(update, in_shardings=(p, o, sharding.batch_sharding(1)), out_shardings=(p, o, sharding.replicated))
+        jitted = jax.jit(update)
+    else:  # inputs arrive placed (their committed shardings are the compiled ones); outputs pinned
+        p, o = _shardings_of(params), _shardings_of(opt_state)
+        jitted = jax.jit(update, out_shardings=(p, o, sharding.replicated))
+    return functools.partial(jitted, frozen=frozen)
 
 
 def _shardings_of(tree: Any) -> Any:

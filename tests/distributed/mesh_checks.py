@@ -2,6 +2,7 @@
 
     python tests/distributed/mesh_checks.py train '{"fsdp": 8}'     GRPO steps: mesh vs one device
     python tests/distributed/mesh_checks.py sampler '[{"fsdp": 8}, {"tp": 4, "fsdp": 2}]'
+    python tests/distributed/mesh_checks.py lora '[{"fsdp": 4, "tp": 2}, {"rank": 4, "quantize": "int8"}]'
 
 `train` runs the same GRPO fit twice in this process, on a one-device mesh and on the given mesh,
 and reports per-step metrics, the largest parameter difference, and for every parameter and
@@ -35,7 +36,7 @@ def one_device_plan() -> ShardingPlan:
     return ShardingPlan(MeshSpec(fsdp=1).build(jax.devices()[:1]))
 
 
-def train(mesh: dict) -> dict:
+def train(mesh: dict, lora: dict | None = None) -> dict:
     from rlbolt.callback import Callback
     from rlbolt.data import gsm8k_style_rows
     from rlbolt.modules import GRPO
@@ -59,15 +60,16 @@ def train(mesh: dict) -> dict:
             def on_step_end(self, trainer, info):
                 steps.append({k: float(info.metrics[k]) for k in ("loss", "reward/mean", "grad_norm", "kl")})
 
-        module = SGDGRPO({"rollout": {"max_new_tokens": 8}, "algorithm": {"beta": 0.04},
-                          "model": {"tiny": {"hidden_size": 32, "intermediate_size": 64,
-                                                      "head_dim": 8}}}, reward=digits)
+        model = {"tiny": {"hidden_size": 32, "intermediate_size": 64, "head_dim": 8}, "lora": lora}
+        module = SGDGRPO({"rollout": {"max_new_tokens": 8}, "algorithm": {"beta": 0.04}, "model": model},
+                         reward=digits)
         plan = BatchPlan(prompts_per_step=4, num_generations=4, train_micro_batch_size=8)
         trainer = Trainer(plan, max_steps=2, mesh=plan_or_mesh, callbacks=[Record()], run_dir="unused")
         state = trainer.fit(module, gsm8k_style_rows(16))
+        trainer.frozen_per_device = per_device_bytes(module.lora.base) if module.lora is not None else None
         return trainer, state, steps, completions
 
-    _, ref_state, ref_steps, ref_completions = fit(one_device_plan())
+    ref_trainer, ref_state, ref_steps, ref_completions = fit(one_device_plan())
     trainer, state, steps, completions = fit(mesh)
 
     def leaves(tree):
@@ -81,6 +83,12 @@ def train(mesh: dict) -> dict:
 
     diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
                for a, b in zip(jax.tree.leaves(ref_state.params), jax.tree.leaves(state.params)))
+    if lora is not None:
+        return {"mesh": dict(trainer.sharding.mesh.shape), "ref_steps": ref_steps, "steps": steps,
+                "max_param_diff": diff, "completions_equal": ref_completions == completions,
+                "frozen_per_device": trainer.frozen_per_device, "frozen_one_device": ref_trainer.frozen_per_device,
+                "adapters_per_device": per_device_bytes(state.params),
+                "adapters_one_device": per_device_bytes(ref_state.params)}
     return {**hf_load(trainer.sharding),
             "mesh": dict(trainer.sharding.mesh.shape), "ref_steps": ref_steps, "steps": steps, "max_param_diff": diff,
             "completions_equal": ref_completions == completions,
@@ -172,4 +180,7 @@ def sampler(meshes: list[dict]) -> dict:
 
 if __name__ == "__main__":
     what, arg = sys.argv[1], json.loads(sys.argv[2])
-    print(json.dumps(train(arg) if what == "train" else sampler(arg)))
+    if what == "lora":  # LoRA / QLoRA adapters on the mesh: arg = [mesh, lora config]
+        print(json.dumps(train(arg[0], lora=arg[1])))
+    else:
+        print(json.dumps(train(arg) if what == "train" else sampler(arg)))

@@ -97,3 +97,17 @@ def test_sampler_on_meshes_is_token_identical_and_never_holds_the_whole_model():
     specs = {json.dumps(r["mesh"], sort_keys=True): r["cache_key_spec"] for r in out["results"]}
     assert specs[json.dumps({"data": 2, "fsdp": 2, "tp": 2}, sort_keys=True)] == [["data", "fsdp"], "tp"]
     assert specs[json.dumps({"data": 1, "fsdp": 2, "tp": 4}, sort_keys=True)] == [["data", "fsdp"], None]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_lora_and_qlora_on_a_mesh_equal_one_device(quantize):
+    """LoRA adapters (and QLoRA's int8 base) train on fsdp=4 x tp=2 as on one device; the frozen
+    base is sharded like the model it came from."""
+    r = run_checks("lora", [{"fsdp": 4, "tp": 2}, {"rank": 4, "quantize": quantize}])
+    assert r["completions_equal"]
+    for ref, got in zip(r["ref_steps"], r["steps"], strict=True):
+        assert got["reward/mean"] == ref["reward/mean"] and abs(got["loss"] - ref["loss"]) <= 1e-6
+    assert r["max_param_diff"] <= 1e-6
+    assert r["frozen_per_device"] <= r["frozen_one_device"] / 4
+    assert r["adapters_per_device"] < r["adapters_one_device"]

@@ -29,6 +29,8 @@ Attention runs over the whole static cache with a validity mask (no per-length r
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -73,11 +75,17 @@ class Dense(nnx.Module):
         self.use_bias = use_bias
         if use_bias:
             self.bias = _param(jnp.zeros((out_features,), dtype), (axes[1],))
+        # rlbolt.models.lora.apply_lora puts a LoraAdapters here when LoRA targets this kernel.
+        self.lora = nnx.data(None)
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
         # A 2-D [tokens, in] dot: with [B, T, in] XLA's CPU backward transposes the activations
         # and output gradients around the weight-gradient dot (update 0.97 -> 0.78 s, RESULTS.md).
-        y = jnp.dot(x.reshape(-1, x.shape[-1]), self.kernel[...]).reshape(*x.shape[:-1], -1)
+        x2d = x.reshape(-1, x.shape[-1])
+        y = jnp.dot(x2d, self.kernel[...])
+        if self.lora is not None:
+            y = y + self.lora(x2d).astype(y.dtype)
+        y = y.reshape(*x.shape[:-1], -1)
         return y + self.bias[...] if self.use_bias else y
 
 
@@ -89,6 +97,13 @@ class Embed(nnx.Module):
 
     def __call__(self, ids: jnp.ndarray) -> jnp.ndarray:
         return jnp.take(self.embedding[...], ids, axis=0)
+
+
+def _row_shards(sharding) -> int:
+    """How many pieces a NamedSharding cuts dimension 0 into."""
+    axes = sharding.spec[0] if len(sharding.spec) else None
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return math.prod(sharding.mesh.shape[a] for a in axes)
 
 
 def _attend(q: jnp.ndarray, keys_t: jnp.ndarray, values: jnp.ndarray, visible: jnp.ndarray) -> jnp.ndarray:
@@ -220,6 +235,16 @@ class DecoderLayer(nnx.Module):
 class Decoder(nnx.Module):
     """A causal language model: embeddings, `num_layers` blocks, final RMSNorm, output projection.
 
+    Build it from a ModelConfig (`tiny_config(...)`, or `load_hf(folder)` for a Hugging Face
+    checkpoint), then split it into the static graph and the parameter pytree the Trainer
+    trains; merge them back to call it inside a jitted function:
+
+        model = Decoder(tiny_config(vocab_size=64), rngs=nnx.Rngs(0))
+        graphdef, params = nnx.split(model, nnx.Param)      # what RLModule.init_params returns
+        ids = jnp.asarray([[5, 6, 7]], jnp.int32)            # [B, T]
+        positions = jnp.arange(3, dtype=jnp.int32)[None]     # [B, T]
+        logits, _ = nnx.merge(graphdef, params)(ids, positions)   # [B, T, V] float32
+
     Args:
       config: the model's shape; validated here.
       rngs: parameter initialisation RNG (normal std 0.02 like HF; norms start at 1).
@@ -298,9 +323,12 @@ class Decoder(nnx.Module):
 
     def _constrain(self, x: jnp.ndarray) -> jnp.ndarray:
         # Without it XLA may shard activations over the hidden axis like the fsdp weights and
-        # then reshard them through full copies.
+        # then reshard them through full copies. Rows that do not split evenly (a one-row probe,
+        # e.g. qwix tracing the model) are left to XLA.
         sharding = self.activation_sharding
-        return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+        if sharding is None or x.shape[0] % _row_shards(sharding):
+            return x
+        return jax.lax.with_sharding_constraint(x, sharding)
 
     def logits(self, hidden: jnp.ndarray) -> jnp.ndarray:
         """Output projection through lm_head, or the tied embedding table.

@@ -17,7 +17,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from rlbolt.algorithms import clipped_value_loss, gae_advantages, kl_in_reward, masked_whiten, sequence_to_token_rewards
 from rlbolt.batch import Batch
@@ -32,18 +31,24 @@ class PPO(LMPolicyModule):
     kl_in_loss = False
 
     def setup(self, trainer) -> None:
+        """The base set-up, plus a jitted value-head forward for `compute_logps`."""
         super().setup(trainer)
         rows = {} if self.sharding is None else {"out_shardings": self.sharding.batch_sharding()}
         self._values = jax.jit(lambda params, *inputs: self._hidden_outputs(params, *inputs, with_entropy=False)[2], **rows)
 
     def init_params(self, rng: jax.Array) -> dict[str, Any]:
+        """`{"policy": the model's nnx.Param state, "value_head": {"kernel": [H, 1], "bias": [1]}}`."""
         hidden = self.model.config.hidden_size
         # Small init: the first values are ~0, so early advantages are ~ the rewards themselves.
         kernel = 1e-3 * jax.random.normal(rng, (hidden, 1), jnp.float32)
-        return {"policy": nnx.state(self.model, nnx.Param), "value_head": {"kernel": kernel, "bias": jnp.zeros((1,), jnp.float32)}}
+        return {"policy": super().init_params(rng), "value_head": {"kernel": kernel, "bias": jnp.zeros((1,), jnp.float32)}}
 
     def policy_params(self, params: Any) -> Any:
+        """The language model's part of the trainable pytree: `params["policy"]`."""
         return params["policy"]
+
+    def with_frozen(self, params: Any, frozen: Any) -> Any:
+        return {**params, "policy": super().with_frozen(params["policy"], frozen)}
 
     def _hidden_outputs(self, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *, with_entropy: bool):
         hidden, weight = completion_hidden(self.graphdef, params["policy"], prompt_ids, prompt_mask,
@@ -58,9 +63,13 @@ class PPO(LMPolicyModule):
     def compute_logps(self, params: Any, batch: Batch) -> Batch:
         """Adds old_logps / ref_logps (see the base) and `old_values` [N, C] from the value head."""
         batch = super().compute_logps(params, batch)
-        return batch.with_columns(old_values=self._local(self._values(params, *self._rows_on_mesh(batch))))
+        values = self._values(self.full_params(params), *self._rows_on_mesh(batch))
+        return batch.with_columns(old_values=self._local(values))
 
     def compute_advantages(self, batch: Batch):
+        """PPO: GAE (gamma, lam) over token rewards (the sequence reward on the last token, minus
+        beta * KL_t when beta > 0) and the old values; returns {"advantages": whitened over the
+        global batch, "returns": the value targets}, both [N, C]."""
         mask = jnp.asarray(batch["completion_mask"])
         rewards = jnp.asarray(batch["rewards"])
         if self.algo.beta > 0 and "ref_logps" in batch:
@@ -73,10 +82,12 @@ class PPO(LMPolicyModule):
         return {"advantages": masked_whiten(advantages, mask), "returns": returns}
 
     def forward(self, params: Any, batch: Batch):
+        """One trunk forward: (logps [N, C], entropy [N, C], {"values": [N, C]})."""
         logps, entropy, values = self._hidden_outputs(params, *self._token_inputs(batch), with_entropy=True)
         return logps, entropy, {"values": values}
 
     def extra_loss(self, aux, batch: Batch):
+        """value_coef * the clipped value loss (clip range `value_clip`), aggregated like the policy loss."""
         per_token, info = clipped_value_loss(aux["values"], batch["old_values"], batch["returns"],
                                              batch["completion_mask"], clip=self.algo.value_clip)
         value_loss = self.aggregate(per_token, batch)
