@@ -193,9 +193,9 @@ def _mesh_layout(sharding: Any, config: Any) -> _MeshLayout | None:
 
     from rlbolt.distributed.mesh import BATCH_AXES
 
-    tp = sharding.mesh.shape["tp"]
-    heads = "tp" if tp > 1 and config.num_kv_heads % tp == 0 else None  # GQA heads that do not divide tp: replicated
-    named = lambda *spec: NamedSharding(sharding.mesh, P(*spec))
+    # The rules' kv_heads axis (tp); GQA heads that do not divide it are replicated (and noted).
+    heads = sharding.spec_for(("kv_heads",), (config.num_kv_heads,), "the KV cache")[0]
+    named = lambda *spec: NamedSharding(sharding.mesh, P(*spec))  # noqa: E731
     return _MeshLayout(rows=named(BATCH_AXES), keys=named(BATCH_AXES, heads), values=named(BATCH_AXES, heads),
                        replicated=named())
 
