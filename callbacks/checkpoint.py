@@ -36,6 +36,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from rlbolt.callback import Callback, Periodic
 from rlbolt.callbacks import checkpoint_meta, config_guard
 from rlbolt.callbacks.checkpoint_meta import FrozenParamsMismatch, check_frozen_identity  # noqa: F401 - re-exported
@@ -68,7 +70,9 @@ class ModelCheckpoint(Callback):
       resume: "latest" (the newest usable checkpoint), a step number, or None (never restore;
         then the directory must hold no checkpoints, so a run never silently overwrites another).
       save_on_exception: when fit stops on an exception, save the last completed step (a fit
-        stopped by SIGINT/SIGTERM ends normally, and its last step is always saved).
+        stopped by SIGINT/SIGTERM ends normally, and its last step is always saved). On one
+        process only: across processes a save needs all of them, and an exception may have
+        stopped one alone; a stop they agree on, such as NaNGuard's, saves by itself.
       config: the run's resolved config to record in every checkpoint (the `rlbolt` command passes
         config.yaml's content); None records the Trainer's settings, the plan and the module's
         class and `hparams`.
@@ -187,7 +191,11 @@ class ModelCheckpoint(Callback):
             self.io.close()
             return
         if self.save_on_exception and trainer.last_state is not None:
-            self.save(trainer, trainer.last_state)
+            if jax.process_count() == 1:
+                self.save(trainer, trainer.last_state)
+            else:  # a save is a collective, and an exception may have stopped this process alone
+                log.warning("not saving on %s: with %d processes the others may not reach this save",
+                            type(exc).__name__, jax.process_count())
         self.finish()
 
     # -- actions -----------------------------------------------------------------------------------

@@ -193,6 +193,10 @@ class CheckpointIO:
             target, n = self.directory / f"{step}.{reason}.{n}", n + 1
         if jax.process_index() == 0:
             source.rename(target)
+        if jax.process_count() > 1:  # nobody re-reads the folder before process 0 renamed it
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"rlbolt set_aside {step} {reason}")
         self.manager.reload()
         return target
 

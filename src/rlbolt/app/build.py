@@ -130,7 +130,19 @@ def build_trainer(cfg: RunConfig, callbacks: Sequence[Any] = ()) -> Trainer:
     return Trainer(plan, max_steps=t.max_steps, max_epochs=t.max_epochs, seed=t.seed, data_seed=t.data_seed,
                    shuffle=cfg.data.shuffle, callbacks=[*build_callbacks(cfg, run_dir), *callbacks], mode=t.mode,
                    max_staleness=t.max_staleness, val_every_n_steps=t.val_every_n_steps,
-                   val_batch_size=t.val_batch_size, run_dir=run_dir, prefetch_timeout_s=t.prefetch_timeout_s)
+                   val_batch_size=t.val_batch_size, run_dir=run_dir, prefetch_timeout_s=t.prefetch_timeout_s,
+                   mesh=dataclasses.asdict(cfg.mesh))
+
+
+def start_distributed(cfg: RunConfig) -> bool:
+    """Starts `jax.distributed` as `cfg.distributed` says (a no-op for one process); call it
+    before anything touches a device. Returns whether several processes take part."""
+    from rlbolt.distributed import initialize
+
+    d = cfg.distributed
+    return initialize(d.mode, coordinator_address=d.coordinator_address, num_processes=d.num_processes,
+                      process_id=d.process_id, heartbeat_timeout_s=d.heartbeat_timeout_s,
+                      initialization_timeout_s=d.initialization_timeout_s)
 
 
 def assemble_run(cfg: RunConfig, *, callbacks: Sequence[Any] = (), **objects: Any) -> Run:

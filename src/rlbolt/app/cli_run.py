@@ -151,7 +151,8 @@ def run_demo(config: DemoConfig, run_dir: str | Path, *, resume: bool = False, p
     module, rows = DigitsGRPO(config), demo_rows(config)
     trainer.plan = check_fit(trainer.plan, module, rows, None)
     with _opened_run_dir(run_dir, resume) as path:
-        rundir.write_config(path, config.to_dict())
+        if _main_process():
+            rundir.write_config(path, config.to_dict())
         return _fit_and_report(trainer, module, rows, None, path, out, target=DEMO_TARGET)
 
 
@@ -175,35 +176,75 @@ def run_config(cfg: Any, *, resume: bool = False, out: TextIO | None = None,
     Raises:
       RunInterrupted: SIGINT/SIGTERM stopped the run (its last step is saved).
     """
-    from rlbolt.app.build import assemble_run
+    from rlbolt.app.build import assemble_run, start_distributed
     from rlbolt.app.config import save_config
     from rlbolt.callbacks.checkpoint import ModelCheckpoint
 
-    rundir.check_run_dir(cfg.trainer.run_dir, resume=resume)
+    if start_distributed(cfg):  # before anything touches a device; every process runs this command
+        cfg = _same_run_dir(cfg)
+    _on_process_0(lambda: rundir.check_run_dir(cfg.trainer.run_dir, resume=resume))
     if resume:
         _require_checkpoints(Path(cfg.trainer.run_dir))
     run = assemble_run(cfg, callbacks=[rundir.LogFile(), ResumeNotice()])
     for checkpoint in run.trainer.callbacks.find(ModelCheckpoint):
         checkpoint.allow_config_change = allow_config_change
     with _opened_run_dir(cfg.trainer.run_dir, resume) as path:
-        save_config(run.config, path / rundir.CONFIG_FILE)
+        if _main_process():
+            save_config(run.config, path / rundir.CONFIG_FILE)
         return _fit_and_report(run.trainer, run.module, run.train_rows, run.val_rows, path, out)
 
 
 @contextlib.contextmanager
 def _opened_run_dir(run_dir: str | Path, resume: bool):
     """Creates and locks the run folder; a fresh run that fails before its first step leaves none
-    behind, and the lock is released when the run is over."""
+    behind, and the lock is released when the run is over. With several processes process 0
+    alone creates (and removes) it."""
     existed = Path(run_dir).exists()
-    path = rundir.prepare_run_dir(run_dir, resume=resume)
+    _on_process_0(lambda: rundir.prepare_run_dir(run_dir, resume=resume))
+    path = Path(run_dir)
     try:
         yield path
     except BaseException:
-        if not resume and rundir.discard_unused_run_dir(path) and existed:
+        if _main_process() and not resume and rundir.discard_unused_run_dir(path) and existed:
             path.mkdir()  # the user's empty folder stays, empty
         raise
     finally:
         rundir.release_run_dir(path)
+
+
+def _on_process_0(action) -> None:
+    """Runs a run-folder `action` on process 0 only; its RunDirError is raised on every process
+    (several processes checking and creating one shared folder would race)."""
+    import jax
+
+    if jax.process_count() == 1:
+        action()
+        return
+    from rlbolt.distributed import gather_objects
+
+    error = None
+    if jax.process_index() == 0:
+        try:
+            action()
+        except rundir.RunDirError as exc:
+            error = str(exc)
+    error = gather_objects(error)[0]  # also a barrier: nobody goes on before process 0 is done
+    if error is not None:
+        raise rundir.RunDirError(error)
+
+
+def _same_run_dir(cfg: Any) -> Any:
+    """Process 0's run directory on every process (a default name holds the start time)."""
+    from rlbolt.distributed import gather_objects
+
+    run_dir = gather_objects(cfg.trainer.run_dir)[0]
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, run_dir=run_dir))
+
+
+def _main_process() -> bool:
+    import jax
+
+    return jax.process_index() == 0
 
 
 def _require_checkpoints(run_dir: Path) -> None:
@@ -218,17 +259,21 @@ def _require_checkpoints(run_dir: Path) -> None:
 
 def _fit_and_report(trainer: Trainer, module: Any, train_rows: Any, val_rows: Any, run_dir: Path,
                     out: TextIO | None, target: float | None = None) -> RunSummary:
-    handler = rundir.attach_log_file(run_dir)
+    main = _main_process()  # only process 0 writes train.log, plots and the summary
+    handler = rundir.attach_log_file(run_dir) if main else None
     started = time.perf_counter()
     try:
         state = trainer.fit(module, train_rows, val_rows)
         if trainer.interrupted:
             saved = [cb.saved_step for cb in trainer.callbacks if getattr(cb, "saved_step", None) is not None]
             raise RunInterrupted(trainer.stop_signal or signal.SIGINT, state.step, max(saved, default=None), run_dir)
+        if not main:
+            return RunSummary(run_dir, state.step, time.perf_counter() - started, None, None, None, target, ())
         summary = summarize(run_dir, state.step, time.perf_counter() - started, target)
         log.info("summary:\n%s", summary.text())
     finally:
-        rundir.detach_log_file(handler)
+        if handler is not None:
+            rundir.detach_log_file(handler)
     print(summary.text(), file=out or sys.stdout, flush=True)
     return summary
 

@@ -198,13 +198,16 @@ def _open_folder(folder: Path, param_dtype: str | None) -> tuple[ModelConfig, _S
     return config, _SafetensorsReader(folder)
 
 
-def load_hf(folder: str | os.PathLike, *, param_dtype: str | None = None) -> tuple[Decoder, ModelConfig]:
+def load_hf(folder: str | os.PathLike, *, param_dtype: str | None = None,
+            sharding: Any = None) -> tuple[Decoder, ModelConfig]:
     """Loads a Hugging Face Llama 3 / Qwen2 / Qwen3 folder into an rlbolt Decoder.
 
     Args:
         folder: holds config.json and model.safetensors, or sharded
             model-0000x-of-0000y.safetensors files with model.safetensors.index.json.
         param_dtype: "float32" or "bfloat16"; None keeps the checkpoint's dtype.
+        sharding: a `rlbolt.distributed.ShardingPlan`: each tensor goes from host memory straight
+            to its shards (no device holds the whole model). None: the default device.
 
     Returns:
         (model, config).
@@ -226,6 +229,7 @@ def load_hf(folder: str | os.PathLike, *, param_dtype: str | None = None) -> tup
     if unmapped:  # a decoder change the converter has not caught up with
         raise RuntimeError(f"rlbolt parameters {unmapped} have no Hugging Face mapping in hf_io.hf_tensor_layout.")
     dtype = _NUMPY_DTYPES[config.param_dtype]
+    targets = _flat_params(sharding.param_shardings(state)) if sharding is not None else {}
     for path, variable in params.items():
         entry = layout[path]
         expected = variable.get_value().shape
@@ -240,7 +244,9 @@ def load_hf(folder: str | os.PathLike, *, param_dtype: str | None = None) -> tup
                 )
         value = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
         value = value.T if entry.transpose else value
-        variable.set_value(jax.numpy.asarray(value.astype(dtype, copy=False)))
+        value = value.astype(dtype, copy=False)
+        target = targets.get(path)
+        variable.set_value(sharding.place(value, target.get_value()) if target is not None else jax.numpy.asarray(value))
     return nnx.merge(graphdef, state), config
 
 
