@@ -39,17 +39,22 @@ class DataPrefetcher:
       timeout_s: the consumer raises TimeoutError if no item arrives for this long (None: wait
         forever, still waking to notice a dead producer).
       name: the thread's name.
+      should_stop: polled while the consumer waits; when it returns True, iteration ends as if
+        the data had run out (a stop request while no step is running takes effect at once).
 
     Use as a context manager: `with DataPrefetcher(fn) as items: for item in items: ...`.
     """
 
     def __init__(self, produce: Callable[[threading.Event], Iterator[Any]], *, depth: int = 1,
-                 timeout_s: float | None = None, name: str = "rlbolt-producer"):
+                 timeout_s: float | None = None, name: str = "rlbolt-producer",
+                 should_stop: Callable[[], bool] | None = None):
         if depth < 1:
             raise ValueError(f"depth={depth} must be >= 1")
         self._produce, self._timeout_s, self._name = produce, timeout_s, name
+        self._should_stop = should_stop or (lambda: False)
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self.stop_event = threading.Event()
+        self._stopped = False
         self._thread: threading.Thread | None = None
         self.produced = 0
         self.consumed = 0
@@ -64,10 +69,22 @@ class DataPrefetcher:
         return self.start()
 
     def __exit__(self, *exc_info) -> None:
-        self.stop()
+        if not self._stopped:
+            self.stop()
 
-    def stop(self, join_timeout_s: float = 10.0) -> None:
-        """Asks the producer to stop, unblocks it, and joins the thread."""
+    def stop(self, join_timeout_s: float = 10.0, *, strict: bool = True) -> bool:
+        """Asks the producer to stop, unblocks it, and joins the thread.
+
+        Args:
+          join_timeout_s: how long to wait for the thread (it stops at its next poll, after the
+            hook call it is in, e.g. a rollout).
+          strict: raise RuntimeError when the thread is still alive after the wait; with False,
+            return False instead (the daemon thread ends with the process or at its next poll).
+
+        Returns:
+          True when the thread has ended.
+        """
+        self._stopped = True
         self.stop_event.set()
         deadline = time.monotonic() + join_timeout_s
         while self._thread is not None and self._thread.is_alive() and time.monotonic() < deadline:
@@ -75,7 +92,10 @@ class DataPrefetcher:
             self._thread.join(_POLL_S)
         self._drain()
         if self._thread is not None and self._thread.is_alive():
-            raise RuntimeError(f"producer thread {self._name!r} did not stop within {join_timeout_s} s")
+            if strict:
+                raise RuntimeError(f"producer thread {self._name!r} did not stop within {join_timeout_s} s")
+            return False
+        return True
 
     @property
     def alive(self) -> bool:
@@ -101,7 +121,7 @@ class DataPrefetcher:
 
     def _get(self) -> Any:
         waited = 0.0
-        while True:
+        while not self._should_stop():
             try:
                 return self._queue.get(timeout=_POLL_S)
             except queue.Empty:
@@ -110,6 +130,7 @@ class DataPrefetcher:
                     raise RuntimeError(f"producer thread {self._name!r} died without reporting")
                 if self._timeout_s is not None and waited >= self._timeout_s:
                     raise TimeoutError(f"no item from the producer for {self._timeout_s} s (timeout_s)")
+        return _End()
 
     def _drain(self) -> None:
         try:

@@ -1,8 +1,10 @@
 """The producer side of a step: prompts -> rollout -> logps -> advantage, run on the prefetch thread.
 
     prompts (PromptSource, counter position)
+      -> this process's share of the prompts (all of them on one process)
       -> repeat each prompt G times (a a b b), tag group_ids, policy_version, sample_keys
       -> per service batch: on_rollout in rollout micro chunks, compute_logps in logps micro chunks
+      -> gather the shares: every process now holds the whole global batch
       -> on_advantage on the whole global batch (group statistics see every sample)
       -> refill (DAPO) while the module dropped samples and rounds remain
       -> ProducedStep on the queue
@@ -21,6 +23,8 @@ import numpy as np
 
 from rlbolt.batch import Batch, check_stage
 from rlbolt.data.source import PromptSource
+from rlbolt.distributed.agree import gather_shares
+from rlbolt.distributed.sharding import DataShare
 from rlbolt.module import RLModule, collect_logs
 from rlbolt.plan import BatchPlan
 from rlbolt.weights import WeightStore
@@ -49,12 +53,19 @@ class ProducedStep:
 
 
 class Producer:
-    """Makes `ProducedStep`s in order from a start step and data position."""
+    """Makes `ProducedStep`s in order from a start step and data position.
+
+    With several processes each one rolls out its `share` of every step's prompts (sample keys
+    come from the global sample index, so a sample does not depend on who made it), then the
+    shares are gathered and every process runs `on_advantage` on the same global batch.
+    """
 
     def __init__(self, module: RLModule, plan: BatchPlan, source: PromptSource, weights: WeightStore,
-                 base_rng: jax.Array, *, max_steps: int | None, max_prompts: int | None):
+                 base_rng: jax.Array, *, max_steps: int | None, max_prompts: int | None,
+                 share: DataShare | None = None):
         self.module, self.plan, self.source, self.weights = module, plan, source, weights
         self.base_rng, self.max_steps, self.max_prompts = base_rng, max_steps, max_prompts
+        self.share = share or DataShare()
 
     def run(self, start_step: int, start_position: int, stop_event: threading.Event) -> Iterator[ProducedStep]:
         position = start_position
@@ -79,9 +90,12 @@ class Producer:
             for round_index in range(plan.max_refill_rounds + 1):
                 missing = want - sum(b.num_samples for b in kept)
                 prompts = -(-missing // plan.num_generations) if round_index else plan.prompts_per_step
-                batch = self._prompt_batch(step, round_index, position, prompts, version)
+                prompts = -(-prompts // self.share.size) * self.share.size  # equal shares
+                local = self._prompt_batch(step, round_index, position, prompts, version)
                 position += prompts
-                batch = self._rollout_and_logps(params, batch, timings)
+                local = self._rollout_and_logps(params, local, timings)
+                batch = local if self.share.size == 1 else Batch.concat(
+                    [Batch(cols) for cols in gather_shares(dict(local), self.share.rank, self.share.size)])
                 t0 = time.perf_counter()
                 advantaged = check_stage(self.module.on_advantage(batch), "advantage")
                 timings["time/reward"] += time.perf_counter() - t0
@@ -103,12 +117,14 @@ class Producer:
         return ProducedStep(step, batch, position, self.weights.key_for_step(step), version, metrics)
 
     def _prompt_batch(self, step: int, round_index: int, position: int, prompts: int, version: int) -> Batch:
-        rows = self.source.take(position, prompts)
-        batch = Batch.from_rows(rows).repeat(self.plan.num_generations)
+        start, stop = self.share.range(prompts)  # this process reads only its share of the prompts
+        rows = self.source.take(position + start, stop - start)
+        g = self.plan.num_generations
+        batch = Batch.from_rows(rows).repeat(g)
         n = batch.num_samples
-        # One key per sample from (step, refill round, index): a sample's randomness does not
-        # depend on micro batch sizes or on what else is in the batch.
-        keys = sample_keys(self.base_rng, step, round_index, np.arange(n))
+        # One key per sample from (step, refill round, global index): a sample's randomness does
+        # not depend on micro batch sizes, on what else is in the batch, or on the process.
+        keys = sample_keys(self.base_rng, step, round_index, np.arange(start * g, stop * g))
         return batch.with_columns(
             group_ids=batch["prompt_index"].astype(np.int32),
             policy_version=np.full((n,), version, np.int32),
@@ -116,15 +132,16 @@ class Producer:
         )
 
     def _rollout_and_logps(self, params: Any, batch: Batch, timings: dict[str, float]) -> Batch:
-        plan, out = self.plan, []
-        service = min(plan.service_batch_size, batch.num_samples)
+        plan, out, parts = self.plan, [], self.share.size  # sizes per process: 1/parts of the plan's
+        service = min(plan.service_batch_size // parts, batch.num_samples)
         pieces = batch.chunk(service) if batch.num_samples % service == 0 else [batch]
         for piece in pieces:
             t0 = time.perf_counter()
-            rolled = _map_chunks(lambda b: self.module.on_rollout(params, b), piece, plan.rollout_micro_batch_size)
+            rolled = _map_chunks(lambda b: self.module.on_rollout(params, b), piece, plan.rollout_micro_batch_size // parts)
             check_stage(rolled, "rollout")
             t1 = time.perf_counter()
-            with_logps = _map_chunks(lambda b: self.module.compute_logps(params, b), rolled, plan.logps_micro_batch_size)
+            with_logps = _map_chunks(lambda b: self.module.compute_logps(params, b), rolled,
+                                     plan.logps_micro_batch_size // parts)
             check_stage(with_logps, "logps")
             timings["time/rollout"] += t1 - t0
             timings["time/logps"] += time.perf_counter() - t1

@@ -159,7 +159,7 @@ def grouped_completion_hidden(model: Decoder, prompt_ids: jnp.ndarray, prompt_ma
     positions = jnp.concatenate([p_pos.reshape(1, -1), c_pos.reshape(1, -1)], axis=1)  # packed [1, U*P + B*T]
     cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
     ids = jnp.concatenate([p_ids.reshape(1, -1), c_ids.reshape(1, -1)], axis=1)
-    x = model.embed(ids)  # [1, tokens, H]
+    x = model.embed_ids(ids)  # [1, tokens, H]
     p_visible = jnp.tril(jnp.ones((p, p), bool))[None] & p_mask[:, None, :]  # [U, P, P]
     c_visible = jnp.tril(jnp.ones((t, t), bool))[None] & c_mask[:, None, :]  # [B, T, T]
     for layer in model.layers:
@@ -175,7 +175,7 @@ def grouped_completion_hidden(model: Decoder, prompt_ids: jnp.ndarray, prompt_ma
         else:
             attn = out_pre.reshape(1, n_pre, -1)
         x = x + layer.attn.o_proj(attn)
-        x = x + layer.mlp(layer.mlp_norm(x))
+        x = model._constrain(x + layer.mlp(layer.mlp_norm(x)))
     hidden = model.final_norm(x)[0]  # [tokens, H]
     h = hidden.shape[-1]
     last_prompt = jnp.repeat(hidden[:n_pre].reshape(u, p, h)[:, -1], g, axis=0)[:, None]  # [B, 1, H]
@@ -208,7 +208,7 @@ def decode_with_prefix(model: Decoder, tokens: jnp.ndarray, positions: jnp.ndarr
     index, zero = own.index, jnp.zeros((), jnp.int32)
     mask = jax.lax.dynamic_update_slice(own.mask, jnp.ones((b, 1), bool), (zero, index))
     visible = mask[:, None, :read]  # [B, 1, read]
-    x = model.embed(tokens[:, None])  # [B, 1, H]
+    x = model.embed_ids(tokens[:, None])  # [B, 1, H]
     new_keys, new_values = [], []
     for i, layer in enumerate(model.layers):
         q, k, v = layer.attn.project(layer.attn_norm(x), cos, sin)
@@ -221,6 +221,6 @@ def decode_with_prefix(model: Decoder, tokens: jnp.ndarray, positions: jnp.ndarr
         out = attend_with_prefix(q, prefix.keys[i], prefix.values[i], prefix.mask, keys[..., :read],
                                  values[:, :, :read], visible)
         x = x + layer.attn.o_proj(out)
-        x = x + layer.mlp(layer.mlp_norm(x))
+        x = model._constrain(x + layer.mlp(layer.mlp_norm(x)))
     logits = model.logits(model.final_norm(x))[:, 0]
     return logits, KVCache(tuple(new_keys), tuple(new_values), mask, index + 1)

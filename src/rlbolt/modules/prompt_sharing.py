@@ -5,7 +5,9 @@ The producer lays a global batch out as `a a b b`: the G = num_generations sampl
 are consecutive, and every stage's micro batch is a consecutive slice. A stage whose micro
 batches hold whole groups (its size a multiple of G) runs each group's prompt once
 (`rlbolt.models.shared_prefix`); a stage whose micro batches would split a group falls back to
-the unshared forward (the plan is left as the user wrote it). The layout is checked on the host
+the unshared forward (the plan is left as the user wrote it). On a mesh with more than one
+batch shard (data x fsdp > 1) every stage runs unshared: the shared forward packs a micro
+batch's prompt and completion tokens into one row, which does not split over batch shards. The layout is checked on the host
 before it is trusted: a hook that reorders or drops single samples is refused with one line
 instead of training on another sample's prompt.
 """
@@ -17,18 +19,21 @@ import numpy as np
 from rlbolt.models.shared_prefix import shared_rows_mismatch
 
 
-def stage_group_size(share: bool, micro_batch_size: int, num_generations: int) -> int:
+def stage_group_size(share: bool, micro_batch_size: int, num_generations: int, batch_shards: int = 1) -> int:
     """The static group size a stage's forward shares its prompts over: G, or 1 (unshared).
 
     Args:
       share: `model.share_prompt`.
       micro_batch_size: the stage's samples per device call.
       num_generations: G.
+      batch_shards: pieces a mesh cuts the sample axis into (data x fsdp); the shared forward
+        packs a micro batch's tokens into one row, so a mesh with more than one batch shard
+        runs unshared.
 
     Returns:
-      G when sharing is on, G > 1 and every micro batch holds whole groups; else 1.
+      G when sharing is on, G > 1, one batch shard and every micro batch holds whole groups; else 1.
     """
-    if not share or num_generations < 2 or micro_batch_size % num_generations:
+    if not share or num_generations < 2 or batch_shards > 1 or micro_batch_size % num_generations:
         return 1
     return num_generations
 

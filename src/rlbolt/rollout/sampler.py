@@ -11,6 +11,12 @@ Sampling is Gumbel-max (Gumbel 1954; what `jax.random.categorical` does): the to
 sample's tokens never depend on batch composition, and drawing all steps' noise up front
 (cheaper on CPU, PERF_NOTES) gives bit-identical draws to drawing it per step (used when
 [B, C, V] noise would be large).
+
+On a mesh (`sharding=`, a `rlbolt.distributed.ShardingPlan`) the weights stay where the plan
+puts them (never gathered onto one device), the rows of a call are split over data x fsdp and
+the KV cache keeps its rows there and its key/value heads over `tp` (replicated over `tp` when
+the heads do not divide it). Each process passes only its own prompts; the processes agree on
+the call's shapes (rows, prompt bucket) first, and each gets its own rows back.
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rlbolt.models.cache import init_cache
+from rlbolt.distributed.agree import max_over_processes
+from rlbolt.distributed.sharding import host_value
+from rlbolt.models.cache import KVCache, init_cache
 from rlbolt.models.decoder import Decoder
 from rlbolt.models.shared_prefix import decode_with_prefix, prompt_group_size
 from rlbolt.rollout.engine import RolloutOutput
@@ -96,17 +104,37 @@ def _sample(logits: jnp.ndarray, noise: jnp.ndarray | None, sp: SamplingParams):
     return tokens, jnp.take_along_axis(logp_all, tokens[:, None], axis=-1)[:, 0]
 
 
+@dataclasses.dataclass(frozen=True)
+class _MeshLayout:
+    """Shardings inside one sampler call (hashable: part of the compile key)."""
+
+    rows: Any  # [B, ...] arrays: rows over data x fsdp
+    keys: Any  # cache keys [B, nKV, D, S]
+    values: Any  # cache values [B, nKV, S, D]
+    replicated: Any
+
+    def cache(self, cache: KVCache) -> KVCache:
+        constrain = jax.lax.with_sharding_constraint
+        return KVCache(tuple(constrain(k, self.keys) for k in cache.keys),
+                       tuple(constrain(v, self.values) for v in cache.values),
+                       constrain(cache.mask, self.rows), cache.index)
+
+
 def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: SamplingParams, noise_upfront: bool,
-              group: int, segments: tuple[int, ...]):
+              group: int = 1, segments: tuple[int, ...] | None = None, layout: _MeshLayout | None = None):
     """Prefill + decode for one micro batch. See NativeSampler. Returns ids, mask, logps [B, C], steps [].
 
     prompt_ids / prompt_mask are [U, P]: one row per group of `group` consecutive samples
     (B = U * group rows of rng_keys). Each group's prompt is prefilled once into a prompt cache
     that its samples' decode steps read (`rlbolt.models.shared_prefix.decode_with_prefix`);
     each sample has its own cache of C - 1 slots for the tokens it feeds back. The decode loop
-    runs in `segments` (step ends): a step of the segment ending at e reads e - 1 own slots.
+    runs in `segments` (step ends; None: one segment): a step of the segment ending at e reads
+    e - 1 own slots.
+    On a mesh (`layout`) both caches keep their rows over the batch axes; a group > 1 is only
+    passed on meshes with one batch shard.
     """
     model = nnx.merge(graphdef, params)
+    on_mesh = (lambda cache: layout.cache(cache)) if layout is not None else (lambda cache: cache)
     batch = rng_keys.shape[0]
     steps_total, vocab = sp.max_new_tokens, model.config.vocab_size
     keys = jax.random.wrap_key_data(rng_keys, impl="threefry2x32")
@@ -122,9 +150,10 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
         noise_at = lambda step: None if greedy else jax.vmap(draw, in_axes=(0, None))(keys, step)
 
     # Prefill, once per group: the prompt's last hidden state gives each sample's first token.
-    prompt_cache = init_cache(model.config, prompt_ids.shape[0], prompt_ids.shape[1])
+    prompt_cache = on_mesh(init_cache(model.config, prompt_ids.shape[0], prompt_ids.shape[1]))
     hidden, prompt_cache = model(prompt_ids, left_pad_positions(prompt_mask), attention_mask=prompt_mask,
                                  cache=prompt_cache, return_hidden=True)
+    prompt_cache = on_mesh(prompt_cache)
     tokens, logps = _sample(jnp.repeat(model.logits(hidden[:, -1]), group, axis=0), noise_at(0), sp)
     stop_ids = jnp.asarray(sp.stop_token_ids, jnp.int32)
     is_stop = lambda tok: jnp.isin(tok, stop_ids) if sp.stop_token_ids else jnp.zeros(tok.shape, bool)
@@ -133,13 +162,14 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
     out_mask = jnp.zeros((batch, steps_total), bool).at[:, 0].set(True)
     out_logps = jnp.zeros((batch, steps_total), jnp.float32).at[:, 0].set(logps)
     # The C - 1 tokens fed back (the last sampled token is never fed); one slot when C == 1.
-    own_cache = init_cache(model.config, batch, max(steps_total - 1, 1))
+    own_cache = on_mesh(init_cache(model.config, batch, max(steps_total - 1, 1)))
     next_position = jnp.repeat(prompt_mask.sum(axis=1).astype(jnp.int32), group)  # first completion token's
     carry = (jnp.ones((), jnp.int32), tokens, own_cache, is_stop(tokens), out_ids, out_mask, out_logps)
 
     def decode_step(carry, read):
         step, tokens, cache, done, out_ids, out_mask, out_logps = carry
         logits, cache = decode_with_prefix(model, tokens, next_position + step - 1, prompt_cache, cache, read)
+        cache = on_mesh(cache)
         new_tokens, new_logps = _sample(logits, noise_at(step), sp)
         alive = ~done
         new_tokens = jnp.where(alive, new_tokens, sp.pad_id)
@@ -150,7 +180,7 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
         return step + 1, new_tokens, cache, done, out_ids, out_mask, out_logps
 
     begin = 1
-    for end in segments:
+    for end in decode_segments(steps_total, None) if segments is None else segments:
         body = functools.partial(decode_step, read=end - 1)
         if sp.stop_token_ids:  # early exit once every row has stopped
             carry = jax.lax.while_loop(lambda c, end=end: (c[0] < end) & ~jnp.all(c[3]), body, carry)
@@ -158,6 +188,10 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
             carry = jax.lax.fori_loop(begin, end, lambda _, c, body=body: body(c), carry)
         begin = end
     step, _, _, _, out_ids, out_mask, out_logps = carry
+    if layout is not None:
+        constrain = jax.lax.with_sharding_constraint
+        out_ids, out_mask, out_logps = (constrain(x, layout.rows) for x in (out_ids, out_mask, out_logps))
+        step = constrain(step, layout.replicated)
     return out_ids, out_mask, out_logps, step - 1
 
 
@@ -181,7 +215,22 @@ def decode_segments(max_new_tokens: int, segment: int | None) -> tuple[int, ...]
 
 # One jit shared by all samplers: the GraphDef (hashable) is a static argument, so samplers of the
 # same architecture (policy, eval, tests) share executables.
-_generate_jit = jax.jit(_generate, static_argnames=("graphdef", "sp", "noise_upfront", "group", "segments"))
+_generate_jit = jax.jit(_generate, static_argnames=("graphdef", "sp", "noise_upfront", "group", "segments", "layout"))
+
+
+def _mesh_layout(sharding: Any, config: Any) -> _MeshLayout | None:
+    """The shardings of one call's rows and KV cache on `sharding`'s mesh (None: no mesh)."""
+    if sharding is None:
+        return None
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from rlbolt.distributed.mesh import BATCH_AXES
+
+    # The rules' kv_heads axis (tp); GQA heads that do not divide it are replicated (and noted).
+    heads = sharding.spec_for(("kv_heads",), (config.num_kv_heads,), "the KV cache")[0]
+    named = lambda *spec: NamedSharding(sharding.mesh, P(*spec))  # noqa: E731
+    return _MeshLayout(rows=named(BATCH_AXES), keys=named(BATCH_AXES, heads), values=named(BATCH_AXES, heads),
+                       replicated=named())
 
 
 def _next_power_of_two(n: int) -> int:
@@ -205,17 +254,20 @@ class NativeSampler:
         fits in this many bytes; otherwise draw per step (same values either way).
       share_prompts: when a call's rows come as consecutive groups of G rows with one prompt
         (GRPO's `a a b b`, pass@k), prefill each group's prompt once and let its G samples read
-        that one prompt cache (same samples; see `rlbolt.models.shared_prefix`).
+        that one prompt cache (same samples; see `rlbolt.models.shared_prefix`). On a mesh with
+        more than one batch shard every row keeps its own prompt cache (nothing shared).
       decode_segment: decode steps per segment; a step reads only its segment's part of the
         completion cache (None: the whole cache every step). Each segment is compiled once into
         the same executable.
+      sharding: a `rlbolt.distributed.ShardingPlan` to run on (see the module docstring); None
+        runs on the default device.
     """
 
     def __init__(self, model: Decoder, *, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, stop_token_ids: Sequence[int] = (), pad_id: int = 0,
                  prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS, micro_batch_size: int | None = None,
                  noise_upfront_max_bytes: int = 64 << 20, share_prompts: bool = True,
-                 decode_segment: int | None = 128):
+                 decode_segment: int | None = 128, sharding: Any = None):
         self.config = model.config
         self.sampling = SamplingParams(max_new_tokens, float(temperature), int(top_k), float(top_p),
                                        tuple(int(t) for t in stop_token_ids), int(pad_id)).validate(model.config.vocab_size)
@@ -229,8 +281,15 @@ class NativeSampler:
         self.noise_upfront_max_bytes = noise_upfront_max_bytes
         if decode_segment is not None and decode_segment < 1:
             raise ValueError(f"decode_segment={decode_segment} must be >= 1 or None.")
-        self.share_prompts, self.decode_segment = bool(share_prompts), decode_segment
+        self.decode_segment = decode_segment
+        # A group's rows would span batch shards: sharing needs a mesh with one batch shard.
+        self.share_prompts = bool(share_prompts) and (sharding is None or sharding.batch_shards == 1)
+        self.sharding = sharding
+        self._layout = _mesh_layout(sharding, model.config)
         self._graphdef, self._params = nnx.split(model)
+        self._shardings = sharding.param_shardings(self._params) if sharding is not None else None
+        if sharding is not None:
+            self._params = sharding.place(self._params, self._shardings)
         self.policy_version = 0
         self.last_decode_steps = 0  # decode-loop iterations of the last call (max over micro batches)
         self.last_group_size = 1  # rows per prefilled prompt in the last call (1: nothing shared)
@@ -251,7 +310,8 @@ class NativeSampler:
         for new, old in zip(jax.tree.leaves(params), jax.tree.leaves(self._params)):
             if new.shape != old.shape:
                 raise ValueError(f"update_weights: a parameter has shape {new.shape}, expected {old.shape}.")
-        self._params = params
+        # On a mesh: weights already on this plan's shardings stay put (colocated); others move here.
+        self._params = params if self.sharding is None else self.sharding.place(params, self._shardings)
         self.policy_version = int(policy_version)
 
     @staticmethod
@@ -259,7 +319,7 @@ class NativeSampler:
         """Executables compiled so far by all samplers (one per architecture x bucket x batch x options)."""
         return _generate_jit._cache_size()
 
-    def _prepare_prompts(self, prompt_ids, prompt_mask, max_new_tokens):
+    def _prepare_prompts(self, prompt_ids, prompt_mask, max_new_tokens, *, processes: bool = False):
         if prompt_mask is not None:
             ids_arr, mask_arr = np.asarray(prompt_ids), np.asarray(prompt_mask, bool)
             if ids_arr.ndim != 2 or ids_arr.shape != mask_arr.shape:
@@ -273,6 +333,9 @@ class NativeSampler:
         if lengths.min() < 1:
             raise ValueError(f"generate: prompt {int(lengths.argmin())} is empty; every prompt needs >= 1 token.")
         longest = int(lengths.max())
+        rows_max = len(rows)
+        if processes:  # every process must compile the same shapes: the largest call and bucket
+            rows_max, longest = max_over_processes([len(rows), longest])
         fitting = [b for b in self.prompt_buckets if b >= longest]
         if not fitting:
             raise ValueError(f"generate: a prompt has {longest} tokens, more than the largest of prompt_buckets="
@@ -289,7 +352,7 @@ class NativeSampler:
         for i, r in enumerate(rows):
             ids[i, bucket - len(r):] = r
             mask[i, bucket - len(r):] = True
-        return ids, mask
+        return ids, mask, rows_max
 
     def generate(self, prompt_ids, rng_keys, *, prompt_mask=None, **opts: Any) -> RolloutOutput:
         """Samples one completion per prompt (see `RolloutEngine.generate`).
@@ -309,7 +372,8 @@ class NativeSampler:
             raise TypeError(f"generate: unknown options {sorted(unknown)}; NativeSampler accepts "
                             "max_new_tokens, temperature, top_k, top_p.")
         sp = dataclasses.replace(self.sampling, **opts).validate(self.config.vocab_size) if opts else self.sampling
-        ids, mask = self._prepare_prompts(prompt_ids, prompt_mask, sp.max_new_tokens)
+        ids, mask, rows_max = self._prepare_prompts(prompt_ids, prompt_mask, sp.max_new_tokens,
+                                                    processes=self.sharding is not None)
         n = ids.shape[0]
         keys = np.asarray(rng_keys)
         if keys.shape != (n, 2) or keys.dtype != np.uint32:
@@ -317,11 +381,14 @@ class NativeSampler:
                              f"key per sample); got {keys.shape} {keys.dtype}.")
         group = prompt_group_size(ids, mask) if self.share_prompts else 1
         if self.micro_batch_size is None:  # whole groups, a power of two of them (bounded compiles)
-            micro = group * _next_power_of_two(-(-n // group))
+            micro = group * _next_power_of_two(-(-rows_max // group))
         else:
             micro = self.micro_batch_size
             group = group if micro % group == 0 else 1
-        padded = -(-n // micro) * micro
+        if self.sharding is not None:  # a call's rows split evenly over this process's batch shards
+            per_process = self.sharding.batch_shards // self.sharding.share.size
+            micro = -(-micro // per_process) * per_process
+        padded = -(-rows_max // micro) * micro
         if padded > n:  # filler rows: one pad token each; their outputs are dropped
             ids = np.concatenate([ids, np.full((padded - n, ids.shape[1]), sp.pad_id, np.int32)])
             filler_mask = np.zeros((padded - n, mask.shape[1]), bool)
@@ -333,12 +400,15 @@ class NativeSampler:
         noise_upfront = micro * sp.max_new_tokens * self.config.vocab_size * 4 <= self.noise_upfront_max_bytes
         # Filler rows are identical, and n and micro are multiples of the group: they fill whole groups.
         segments = decode_segments(sp.max_new_tokens, self.decode_segment)
-        results = [_generate_jit(self._params, ids[s:s + micro:group], mask_all[s:s + micro:group],
-                                 keys_all[s:s + micro], graphdef=self._graphdef, sp=sp, noise_upfront=noise_upfront,
-                                 group=group, segments=segments)
+        put = (lambda x: x) if self.sharding is None else self.sharding.put_local
+        results = [_generate_jit(self._params, *put((ids[s:s + micro:group], mask_all[s:s + micro:group],
+                                                     keys_all[s:s + micro])),
+                                 graphdef=self._graphdef, sp=sp, noise_upfront=noise_upfront, group=group,
+                                 segments=segments, layout=self._layout)
                    for s in range(0, padded, micro)]  # dispatched asynchronously; the host syncs below
         self.last_group_size = group
-        gather = lambda i: np.concatenate([np.asarray(r[i]) for r in results])[:n]
-        self.last_decode_steps = max(int(r[3]) for r in results)
+        rows_of = np.asarray if self.sharding is None else self.sharding.local_rows
+        gather = lambda i: np.concatenate([rows_of(r[i]) for r in results])[:n]
+        self.last_decode_steps = max(int(host_value(r[3])) for r in results)
         return RolloutOutput(prompt_ids=ids[:n], prompt_mask=mask[:n], completion_ids=gather(0),
                              completion_mask=gather(1), logps=gather(2), policy_version=self.policy_version)
