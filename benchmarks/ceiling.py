@@ -33,11 +33,13 @@ from flops import step_flops  # noqa: E402
 
 
 def measure_bound(cfg, sequences: int, prompt_len: int, new_tokens: int, repeats: int = 7,
-                  matmul_gflops: float | None = None) -> dict:
+                  matmul_gflops: float | None = None, group: int = 1) -> dict:
     """Times the step's dense products per phase; returns times, the bound and the ratios.
 
     `matmul_gflops`: the ceiling the caller already measured (grpo_step.py), so both of its
     ratios share one denominator; None times the 1024^3 matmul here, before and after the phases.
+    `group` G > 1: the products of the prompt-shared step (each group's prompt once: the prefill
+    over S / G x P tokens, ref and update over S / G x P + S x C tokens).
     """
     import jax
     import jax.numpy as jnp
@@ -69,10 +71,11 @@ def measure_bound(cfg, sequences: int, prompt_len: int, new_tokens: int, repeats
         x, logits = forward(ws, hd, x)
         return jnp.sum(logits) + jnp.sum(x)
 
-    tokens = sequences * (prompt_len + new_tokens)
+    prompt_tokens = sequences // group * prompt_len
+    tokens = prompt_tokens + sequences * new_tokens
     # Weights are arguments, not closed-over constants: XLA would constant-fold the products.
     phases = {
-        "prefill": (jax.jit(forward), normal(sequences * prompt_len, h)),
+        "prefill": (jax.jit(forward), normal(prompt_tokens, h)),
         "decode": (jax.jit(decode), normal(sequences, h)),
         "ref": (jax.jit(forward), normal(tokens, h)),
         "update": (jax.jit(jax.grad(loss, argnums=(0, 1, 2))), normal(tokens, h)),
@@ -83,7 +86,7 @@ def measure_bound(cfg, sequences: int, prompt_len: int, new_tokens: int, repeats
     times = _time_blocks(calls, repeats)
     if matmul_gflops is None:
         matmul_gflops = 2 * 1024 ** 3 / times.pop("matmul") / 1e9
-    flops = step_flops(cfg, sequences, prompt_len, new_tokens)["total"] / 1e9
+    flops = step_flops(cfg, sequences, prompt_len, new_tokens, group)["total"] / 1e9
     bound = sum(times.values())
     return {
         "times_s": times,

@@ -8,6 +8,8 @@ The update is a forward plus a backward pass: 3x the forward (6 x params per tok
     rollout: forward over prompt + generated tokens (prefill + decode)
     ref:     one forward over prompt + completion (the reference logps)
     update:  3 x forward over prompt + completion (the policy logps and their gradient)
+
+With the prompt shared (model.share_prompt) each group's prompt tokens count once.
 """
 
 from __future__ import annotations
@@ -28,12 +30,29 @@ def forward_flops(cfg, sequences: int, length: int) -> float:
     return sequences * (dense + attention)
 
 
-def step_flops(cfg, sequences: int, prompt_len: int, new_tokens: int) -> dict[str, float]:
-    total_len = prompt_len + new_tokens
-    rollout = forward_flops(cfg, sequences, total_len)
-    ref = forward_flops(cfg, sequences, total_len)
-    update = 3 * forward_flops(cfg, sequences, total_len)
+def shared_forward_flops(cfg, sequences: int, prompt_len: int, new_tokens: int, group: int) -> float:
+    """One forward over `sequences` sequences whose prompts run once per group of `group`.
+
+    The prompts' tokens (S / G x P) and every completion's tokens (S x C) pass the dense layers;
+    prompt tokens attend causally within their prompt, completion token j to P + j + 1 keys.
+    group=1 equals `forward_flops(cfg, sequences, prompt_len + new_tokens)`.
+    """
+    p, c, units = prompt_len, new_tokens, sequences / group
+    dense = 2 * matmul_params(cfg) * (units * p + sequences * c)
+    keys = units * p * (p + 1) / 2 + sequences * (c * p + c * (c + 1) / 2)
+    return dense + 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * keys
+
+
+def step_flops(cfg, sequences: int, prompt_len: int, new_tokens: int, group: int = 1) -> dict[str, float]:
+    """FLOPs of one step; `group` G > 1 counts each group's prompt once (model.share_prompt)."""
+    forward = shared_forward_flops(cfg, sequences, prompt_len, new_tokens, group)
+    rollout, ref, update = forward, forward, 3 * forward
     return {"rollout": rollout, "ref": ref, "update": update, "total": rollout + ref + update}
+
+
+def duplicate_prompt_share(sequences: int, prompt_len: int, new_tokens: int, group: int) -> float:
+    """The share of an unshared forward's tokens that are repeats of a prompt already run."""
+    return (sequences - sequences / group) * prompt_len / (sequences * (prompt_len + new_tokens))
 
 
 def decode_bytes(cfg, sequences: int, prompt_len: int, new_tokens: int) -> float:

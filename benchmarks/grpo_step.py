@@ -13,8 +13,13 @@ it also times the step's dense products alone at the step's shapes (benchmarks/c
 `bound_ratio` is the best `achieved / matmul` any implementation could reach on this machine, and
 `step_over_bound` how far this step is from that bound.
 
+The prompt runs once per group (model.share_prompt, `shared_prompt: true`) unless
+`--no-share-prompt`: the FLOPs and the bound then count the products the shared step computes
+(fewer), and `step_over_unshared_bound` sets the step against the old unshared bound too.
+
     python benchmarks/grpo_step.py            # the CPU workload, 12 steps
     python benchmarks/grpo_step.py --quick    # 2 steps (CI keeps it from rotting; numbers not asserted)
+    python benchmarks/grpo_step.py --no-share-prompt   # every sample runs its own prompt (the A/B)
     python benchmarks/grpo_step.py --preset gpu   # Qwen2.5-0.5B shape, bf16, 64x8, 256 + 512 tokens
     python benchmarks/grpo_step.py --lora 8       # LoRA rank 8 (alpha 16) on all seven projections
     python benchmarks/grpo_step.py --lora 8 --lora-quantize nf4   # QLoRA: the base stored in 4 bits by qwix
@@ -43,7 +48,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ceiling import measure_bound, time_calls  # noqa: E402
-from flops import decode_bytes, step_flops  # noqa: E402
+from flops import decode_bytes, duplicate_prompt_share, step_flops  # noqa: E402
 
 PRESETS = {
     "cpu": dict(prompts=8, generations=4, prompt_len=32, new_tokens=64, steps=12, train_micro=8, model={}),
@@ -87,7 +92,7 @@ def main(argv=None) -> dict:
     lora = None if args.lora is None else {"rank": args.lora, "alpha": 2.0 * args.lora, "quantize": args.lora_quantize,
                                            "rollout": args.lora_rollout}
     module = GRPO(
-        {"model": {"lora": lora},
+        {"model": {"lora": lora, "share_prompt": not args.no_share_prompt},
          "algorithm": {"beta": 0.04, "lr": 1e-6, "clip_low": 0.2, "clip_high": 0.2, "max_grad_norm": 0.0},
          "rollout": {"max_new_tokens": p["new_tokens"], "temperature": 1.0, "stop_at_eos": False},
          "data": {"prompt_field": "prompt", "max_prompt_tokens": p["prompt_len"], "use_chat_template": False}},
@@ -127,11 +132,16 @@ def main(argv=None) -> dict:
     split["other"] = max(step_median - sum(split.values()), 0.0)
     floor, floor_split = _floor_step_s(module, trainer, state, rec.last, repeats=max(3, len(step_s[measured])))
     matmul = _matmul_gflops(args.preset)
-    flops = step_flops(config, p["prompts"] * p["generations"], p["prompt_len"], p["new_tokens"])
-    bound = None
+    sequences, group = p["prompts"] * p["generations"], p["generations"]
+    shared = module.train_group_size > 1  # the training forward shares (so do rollout and logps here)
+    flops = step_flops(config, sequences, p["prompt_len"], p["new_tokens"], group if shared else 1)
+    unshared_flops = step_flops(config, sequences, p["prompt_len"], p["new_tokens"])
+    bound = unshared_bound = None
     if args.preset == "cpu" and not args.no_bound:  # f32 products; on a GPU, update MFU and decode bandwidth say this
-        bound = measure_bound(config, p["prompts"] * p["generations"], p["prompt_len"], p["new_tokens"],
-                              repeats=2 if args.quick else 7, matmul_gflops=matmul)
+        measure = lambda g: measure_bound(config, sequences, p["prompt_len"], p["new_tokens"],  # noqa: E731
+                                          repeats=2 if args.quick else 7, matmul_gflops=matmul, group=g)
+        bound = measure(group if shared else 1)
+        unshared_bound = measure(1) if shared else bound
     gen_tokens = p["prompts"] * p["generations"] * p["new_tokens"]
     result = {
         "system": "rlbolt",
@@ -156,6 +166,12 @@ def main(argv=None) -> dict:
         "bound_step_s": bound and bound["bound_step_s"],
         "bound_ratio": bound and bound["bound_ratio"],
         "step_over_bound": bound and step_median / bound["bound_step_s"],
+        "bound_split": bound and bound["times_s"],
+        "shared_prompt": shared,
+        "duplicate_prompt_token_share": duplicate_prompt_share(sequences, p["prompt_len"], p["new_tokens"], group),
+        "gflops_per_step_unshared": unshared_flops["total"] / 1e9,
+        "unshared_bound_step_s": unshared_bound and unshared_bound["bound_step_s"],
+        "step_over_unshared_bound": unshared_bound and step_median / unshared_bound["bound_step_s"],
         "reward_first_last": [rec.metrics[0]["reward/mean"], rec.metrics[-1]["reward/mean"]],
         "lora": lora,
         "lora_rollout": module.lora.config.rollout if lora else None,
@@ -274,7 +290,11 @@ def _print_table(r: dict, flops: dict) -> None:
         ("matmul GFLOP/s (ceiling)", f"{r['matmul_gflops']:.1f}"),
         ("achieved / matmul (target >= 0.70)", f"{r['achieved_gflops'] / r['matmul_gflops']:.2f}"),
         *([("matmul-only bound s (ceiling.py)", f"{r['bound_step_s']:.3f} (best achieved / matmul {r['bound_ratio']:.2f})"),
-           ("step / bound", f"{r['step_over_bound']:.2f}")] if r["bound_step_s"] else []),
+           ("step / bound (target <= 1.30)", f"{r['step_over_bound']:.2f}"),
+           ("step / unshared bound", f"{r['step_over_unshared_bound']:.2f} (bound {r['unshared_bound_step_s']:.3f} s)"),
+           *[(f"  bound {k}", f"{v:.3f}") for k, v in r["bound_split"].items()]] if r["bound_step_s"] else []),
+        ("shared prompt", f"{'on' if r['shared_prompt'] else 'off'} (duplicate prompt tokens of an unshared "
+                          f"forward: {100 * r['duplicate_prompt_token_share']:.0f}%)"),
         ("compiles after warm-up (target 0)", str(r["compiles_after_warmup"])),
         ("peak RSS MB of fit (target <= 1000)", f"{r['peak_rss_mb']:.0f}"),
         ("trainable params", f"{r['trainable_params']:,}" + (f" (LoRA {r['lora']}, rollout {r['lora_rollout']})" if r["lora"] else "")),
@@ -312,6 +332,8 @@ def _parse(argv):
                          "them on the fly (default: the config's, merged unless quantised)")
     ap.add_argument("--mesh", default=None, help='the device mesh as JSON, e.g. \'{"fsdp": 4, "tp": 2}\' (default: all on fsdp)')
     ap.add_argument("--devices", type=int, default=None, help="CPU only: how many CPU devices the backend shows")
+    ap.add_argument("--no-share-prompt", action="store_true",
+                    help="run every sample's prompt (model.share_prompt=false), for the A/B")
     ap.add_argument("--no-bound", action="store_true", help="skip the matmul-only bound (benchmarks/ceiling.py)")
     return ap.parse_args(argv)
 

@@ -14,7 +14,7 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 GRPO_FIELDS = {"system", "step_s_median", "step_s_all", "gen_tokens_per_s", "peak_rss_mb", "split",
                "compiles_after_warmup", "gflops_per_step", "achieved_gflops", "matmul_gflops", "floor_step_s",
-               "overhead_ratio"}
+               "overhead_ratio", "step_over_bound", "shared_prompt", "step_over_unshared_bound"}
 
 
 def _last_json(script: str) -> tuple[str, dict]:
@@ -33,12 +33,37 @@ def test_grpo_step_benchmark_quick_mode():
     assert GRPO_FIELDS <= set(result) and result["system"] == "rlbolt"
     assert set(result["split"]) == {"rollout", "logps", "reward", "update", "other"}
     assert len(result["step_s_all"]) == 2 and all(v > 0 for v in result["step_s_all"])
-    assert result["gflops_per_step"] > 90  # the workload's ~95 GFLOP (benchmarks/flops.py), not a timing
+    assert result["gflops_per_step_unshared"] > 90  # the workload's ~95 GFLOP (benchmarks/flops.py), not a timing
+    # The prompt runs once per group of 4 by default: a quarter of the unshared forward's tokens are
+    # duplicate prompt tokens (8 x 3 x 32 of 32 x 96), so the shared step computes fewer FLOPs.
+    assert result["shared_prompt"] is True and result["duplicate_prompt_token_share"] == 0.25
+    assert 0.7 * result["gflops_per_step_unshared"] < result["gflops_per_step"] < 0.8 * result["gflops_per_step_unshared"]
+    assert result["step_over_unshared_bound"] == result["step_s_median"] / result["unshared_bound_step_s"]
+    assert result["unshared_bound_step_s"] > 0 and set(result["bound_split"]) == {"prefill", "decode", "ref", "update"}
     # the matmul-only bound (benchmarks/ceiling.py) is measured in the same process and used consistently
     assert 0 < result["bound_step_s"] and 0 < result["bound_ratio"]
     assert result["step_over_bound"] == result["step_s_median"] / result["bound_step_s"]
     # both ratios share the one matmul timed in this run
     assert result["bound_ratio"] == result["gflops_per_step"] / result["bound_step_s"] / result["matmul_gflops"]
+
+
+SWEEP_FIELDS = {"system", "completion", "prompt", "group", "sequences", "shared_prompt", "step_s", "split",
+                "gen_tokens_per_s", "forward_tokens_per_s", "peak_rss_mb", "decode_attention_share",
+                "whole_cache_attention_share", "rollout_s_whole_cache", "rollout_s_segmented"}
+
+
+def test_length_sweep_quick_mode_prints_one_json_line_per_point():
+    env = {**os.environ, "XLA_FLAGS": os.environ.get("RLBOLT_TEST_USER_XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "length_sweep.py"), "--quick"], capture_output=True,
+                         text=True, timeout=600, check=True, env=env).stdout
+    point, eos = (json.loads(line) for line in out.strip().splitlines())
+    assert SWEEP_FIELDS <= set(point) and point["system"] == "rlbolt-length-sweep" and point["shared_prompt"]
+    assert set(point["split"]) == {"rollout", "logps", "reward", "update", "other"}
+    assert 0 <= point["decode_attention_share"] <= 1 and 0 <= point["whole_cache_attention_share"] <= 1
+    assert eos["eos"] is True and set(eos["with_stop"]) >= {"rollout_s", "decode_steps", "mean_length", "max_length"}
+    # Stops end rows early: every row of the no-stop call is full length, the stop call's are not all.
+    assert eos["no_stop"]["mean_length"] == eos["completion"] > eos["with_stop"]["mean_length"]
 
 
 @pytest.mark.slow
