@@ -67,6 +67,7 @@ def train(mesh: dict, lora: dict | None = None) -> dict:
         trainer = Trainer(plan, max_steps=2, mesh=plan_or_mesh, callbacks=[Record()], run_dir="unused")
         state = trainer.fit(module, gsm8k_style_rows(16))
         trainer.frozen_per_device = per_device_bytes(module.lora.base) if module.lora is not None else None
+        trainer.train_group_size = module.train_group_size  # 4: each prompt once per group; 1: unshared
         return trainer, state, steps, completions
 
     ref_trainer, ref_state, ref_steps, ref_completions = fit(one_device_plan())
@@ -92,6 +93,7 @@ def train(mesh: dict, lora: dict | None = None) -> dict:
     return {**hf_load(trainer.sharding),
             "mesh": dict(trainer.sharding.mesh.shape), "ref_steps": ref_steps, "steps": steps, "max_param_diff": diff,
             "completions_equal": ref_completions == completions,
+            "train_group_size": [ref_trainer.train_group_size, trainer.train_group_size],
             "params": leaves(state.params), "opt_state": leaves(state.opt_state),
             "params_per_device": per_device_bytes(state.params), "opt_per_device": per_device_bytes(state.opt_state),
             "memory_plan": trainer.memory_plan.items}

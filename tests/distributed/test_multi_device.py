@@ -68,8 +68,21 @@ def check_training(result: dict) -> None:
 
 
 def test_grpo_on_tp2_x_fsdp4_equals_one_device():
-    """The default tier's representative (~30 CPU-seconds, mostly compiling)."""
-    check_training(run_checks("train", {"fsdp": 4, "tp": 2}))
+    """The default tier's representative (~30 CPU-seconds, mostly compiling).
+
+    One device runs each prompt once per group of 4; fsdp=4 (four batch shards) runs every
+    sample's prompt: so this also checks the shared path against the unshared one, end to end."""
+    result = run_checks("train", {"fsdp": 4, "tp": 2})
+    check_training(result)
+    assert result["train_group_size"] == [4, 1]
+
+
+@pytest.mark.slow
+def test_grpo_on_a_tp_only_mesh_shares_the_prompt_and_equals_one_device():
+    """One batch shard (tp=2 on 2 devices): the prompt is shared on the mesh too."""
+    result = run_checks("train", {"fsdp": 1, "tp": 2}, devices=2)
+    check_training(result)
+    assert result["train_group_size"] == [4, 4]
 
 
 @pytest.mark.slow
