@@ -12,7 +12,7 @@ reports the median of steps 2-3:
     1 - time with a one-slot cache / time with the real one), and the same share had every
     step read the whole static cache (`whole_cache_attention_share`, what the decode did before
     it read only its filled segment); for completions >= 256, `rollout_s_whole_cache` vs
-    `rollout_s_segmented`: two sampler calls with decode_segment None and 128.
+    `rollout_s_segmented`: sampler calls with decode_segment None and 128, taking turns.
 
 One more line (`"eos": true`) measures completions that end early: 64 rows, 256 new tokens,
 a stop set of 8 of the 256 ids (a ~1 in 32 chance per token), against the same call without
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 MODEL = dict(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-             intermediate_size=128)
+             intermediate_size=128, max_position_embeddings=2048)
 FULL = [dict(completion=c, prompt=p, group=g) for p in (32, 512) for g in (4, 16) for c in (64, 256, 1024)]
 QUICK = [dict(completion=16, prompt=8, group=2)]
 PROMPTS_PER_STEP, STEPS = 2, 3
@@ -97,10 +97,10 @@ def run_point(point: dict, quick: bool) -> dict:
         "system": "rlbolt-length-sweep", **point, "sequences": sequences, "shared_prompt": module.train_group_size > 1,
         "step_s": step_s, "split": split, "gen_tokens_per_s": sequences * c / step_s,
         "forward_tokens_per_s": sequences * (p + c) / step_s, "peak_rss_mb": peak_rss_mb,
-        **_attention_share(module.model, sequences, g, p, c, repeats=3 if quick else 20),
+        **_attention_share(module.model, sequences, g, p, c, repeats=3 if quick else 30),
     }
     if c >= 256 or quick:
-        result.update(_segment_ab(module, rec.last.batch, c, repeats=1 if quick else 2))
+        result.update(_segment_ab(module, rec.last.batch, c, repeats=1 if quick else 3))
     return result
 
 
@@ -115,28 +115,43 @@ def _attention_share(model, sequences: int, group: int, prompt: int, completion:
 
     own_slots = max(completion - 1, 1)
     ends = decode_segments(completion, 128) or (1,)
-    # A step of the segment ending at e reads e - 1 own slots: the mean read over the rollout.
+    # A step of the segment ending at e reads a cache of e - 1 own slots: the mean over the rollout.
     begins = (1, *ends[:-1])
     segmented_read = max(1, round(sum((e - b) * (e - 1) for b, e in zip(begins, ends)) / max(completion - 1, 1)))
 
-    def step_time(prefix_len: int, read: int) -> float:
+    def step_call(prefix_len: int, slots: int):
+        """One decode step against `prefix_len` prompt slots and an own cache of `slots` slots,
+        the cache donated and fed back (updated in place, as in the sampler's loop)."""
         prefix = init_cache(model.config, sequences // group, prefix_len)
         prefix = prefix._replace(mask=jnp.ones_like(prefix.mask))  # every prompt slot real
-        own = init_cache(model.config, sequences, own_slots)
+        state = {"own": init_cache(model.config, sequences, slots)}
         tokens, positions = jnp.ones((sequences,), jnp.int32), jnp.full((sequences,), prefix_len, jnp.int32)
-        fn = jax.jit(lambda t, pos, pre, o: decode_with_prefix(model, t, pos, pre, o, read))
-        jax.block_until_ready(fn(tokens, positions, prefix, own))
-        seconds = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(tokens, positions, prefix, own))
-            seconds.append(time.perf_counter() - t0)
-        return statistics.median(seconds)
+        fn = jax.jit(lambda t, pos, pre, o: decode_with_prefix(model, t, pos, pre, o._replace(index=o.index * 0), slots),
+                     donate_argnums=3)
 
-    bare = step_time(1, 1)
-    real, whole = step_time(prompt, segmented_read), step_time(prompt, own_slots)
+        def call():
+            logits, state["own"] = fn(tokens, positions, prefix, state["own"])
+            jax.block_until_ready(logits)
+
+        call()
+        return call
+
+    # The three variants alternate call by call (medians): a busy machine slows all of them alike.
+    bare, real, whole = _alternate([step_call(1, 1), step_call(prompt, segmented_read), step_call(prompt, own_slots)],
+                                   repeats)
     return {"decode_step_s": real, "decode_attention_share": max(0.0, 1 - bare / real),
             "whole_cache_decode_step_s": whole, "whole_cache_attention_share": max(0.0, 1 - bare / whole)}
+
+
+def _alternate(calls: list, repeats: int) -> list[float]:
+    """Median seconds of each call, the calls taking turns `repeats` times."""
+    seconds = [[] for _ in calls]
+    for _ in range(repeats):
+        for i, call in enumerate(calls):
+            t0 = time.perf_counter()
+            call()
+            seconds[i].append(time.perf_counter() - t0)
+    return [statistics.median(s) for s in seconds]
 
 
 def _segment_ab(module, batch, completion: int, repeats: int) -> dict:
@@ -147,18 +162,14 @@ def _segment_ab(module, batch, completion: int, repeats: int) -> dict:
 
     ids = [list(r[m]) for r, m in zip(np.asarray(batch["prompt_ids"]), np.asarray(batch["prompt_mask"]))]
     keys = np.asarray(batch["sample_keys"], np.uint32)
-    out = {}
-    for name, segment in (("whole_cache", None), ("segmented", 128)):
+    calls = []
+    for segment in (None, 128):
         sampler = NativeSampler(module.model, max_new_tokens=completion, temperature=1.0,
                                 prompt_buckets=(len(ids[0]),), decode_segment=segment)
         sampler.generate(ids, keys)  # compile
-        seconds = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            sampler.generate(ids, keys)
-            seconds.append(time.perf_counter() - t0)
-        out[f"rollout_s_{name}"] = statistics.median(seconds)
-    return out
+        calls.append(lambda sampler=sampler: sampler.generate(ids, keys))
+    whole, segmented = _alternate(calls, repeats)
+    return {"rollout_s_whole_cache": whole, "rollout_s_segmented": segmented}
 
 
 def run_eos(quick: bool) -> dict:

@@ -161,8 +161,10 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
     out_ids = jnp.full((batch, steps_total), sp.pad_id, jnp.int32).at[:, 0].set(tokens)
     out_mask = jnp.zeros((batch, steps_total), bool).at[:, 0].set(True)
     out_logps = jnp.zeros((batch, steps_total), jnp.float32).at[:, 0].set(logps)
-    # The C - 1 tokens fed back (the last sampled token is never fed); one slot when C == 1.
-    own_cache = on_mesh(init_cache(model.config, batch, max(steps_total - 1, 1)))
+    # The C - 1 tokens fed back (the last sampled token is never fed), in a cache that grows at
+    # each segment's start to the slots that segment fills (one slot when C == 1).
+    segments = decode_segments(steps_total, None) if segments is None else segments
+    own_cache = on_mesh(init_cache(model.config, batch, segments[0] - 1 if segments else 1))
     next_position = jnp.repeat(prompt_mask.sum(axis=1).astype(jnp.int32), group)  # first completion token's
     carry = (jnp.ones((), jnp.int32), tokens, own_cache, is_stop(tokens), out_ids, out_mask, out_logps)
 
@@ -180,7 +182,10 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
         return step + 1, new_tokens, cache, done, out_ids, out_mask, out_logps
 
     begin = 1
-    for end in decode_segments(steps_total, None) if segments is None else segments:
+    for end in segments:
+        # Every step of this segment reads the whole (grown) cache: a static shape, no slicing of
+        # the buffer the step writes into (a slice copied it every step: 2x slower on CPU).
+        carry = carry[:2] + (on_mesh(_grow(carry[2], end - 1)),) + carry[3:]
         body = functools.partial(decode_step, read=end - 1)
         if sp.stop_token_ids:  # early exit once every row has stopped
             carry = jax.lax.while_loop(lambda c, end=end: (c[0] < end) & ~jnp.all(c[3]), body, carry)
@@ -193,6 +198,16 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
         out_ids, out_mask, out_logps = (constrain(x, layout.rows) for x in (out_ids, out_mask, out_logps))
         step = constrain(step, layout.replicated)
     return out_ids, out_mask, out_logps, step - 1
+
+
+def _grow(cache: KVCache, slots: int) -> KVCache:
+    """`cache` with empty slots appended up to `slots` (keys [B, nKV, D, S], values [B, nKV, S, D])."""
+    extra = slots - cache.mask.shape[1]
+    if extra <= 0:
+        return cache
+    pad = lambda x, axis: jnp.pad(x, [(0, extra) if a == axis else (0, 0) for a in range(x.ndim)])  # noqa: E731
+    return KVCache(tuple(pad(k, 3) for k in cache.keys), tuple(pad(v, 2) for v in cache.values),
+                   pad(cache.mask, 1), cache.index)
 
 
 def decode_segments(max_new_tokens: int, segment: int | None) -> tuple[int, ...]:
@@ -256,9 +271,9 @@ class NativeSampler:
         (GRPO's `a a b b`, pass@k), prefill each group's prompt once and let its G samples read
         that one prompt cache (same samples; see `rlbolt.models.shared_prefix`). On a mesh with
         more than one batch shard every row keeps its own prompt cache (nothing shared).
-      decode_segment: decode steps per segment; a step reads only its segment's part of the
-        completion cache (None: the whole cache every step). Each segment is compiled once into
-        the same executable.
+      decode_segment: decode steps per segment; the completion cache grows at each segment's
+        start to the slots that segment fills, so a step reads only those (None: the whole
+        C - 1 slots every step). Each segment is compiled once into the same executable.
       sharding: a `rlbolt.distributed.ShardingPlan` to run on (see the module docstring); None
         runs on the default device.
     """
