@@ -38,10 +38,10 @@ def main(argv=None) -> dict:
     from rlbolt.models import Decoder, workload_config
     from rlbolt.rollout import NativeSampler, token_logps
 
-    config = workload_config()
+    g, p, c = args.group, args.prompt_len, args.new_tokens
+    config = workload_config(max_position_embeddings=max(512, p + c))  # positions only: same weights
     model = Decoder(config, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
-    g, p, c = args.group, args.prompt_len, args.new_tokens
     n = args.prompts * g
     rng = np.random.default_rng(0)
     prompts = [row for row in rng.integers(2, config.vocab_size, (args.prompts, p)).tolist() for _ in range(g)]
