@@ -170,7 +170,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     def _setup(self, module: RLModule, train_data: Any, val_data: Sequence[dict] | None) -> TrainState:
         self.module, module.trainer = module, self
-        self.plan = check_fit(self.plan, module, train_data, val_data, val_every_n_steps=self.val_every_n_steps)
+        self.plan = check_fit(self.plan, module, train_data, val_data, val_every_n_steps=self.val_every_n_steps,
+                              callbacks=self.callbacks)
         self.source = train_data if isinstance(train_data, PromptSource) else PromptSource(train_data, shuffle=self.shuffle, seed=self.data_seed)
         self.sharding = placement.training_plan(self.mesh_spec)
         placement.check_batch_plan(self.plan, self.sharding, self.mode)
