@@ -12,6 +12,7 @@ thread and the training thread never race on weights.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from typing import Any
 
@@ -101,7 +102,8 @@ class RLModule:
     # -- logging from host hooks --------------------------------------------------------------
     def log(self, name: str, value: float) -> None:
         """Records a scalar from a host hook (on_rollout/compute_logps/on_advantage); it joins
-        the step's metrics. Values logged twice in one step are averaged."""
+        the step's metrics. Values logged twice in one step are averaged (an exactly rounded
+        sum, so the mean does not depend on the order the stages logged them in)."""
         sink = getattr(_SINK, "metrics", None)
         if sink is not None:
             sink.setdefault(name, []).append(float(value))
@@ -119,5 +121,5 @@ def collect_logs():
     try:
         yield out
     finally:
-        out.update({k: sum(v) / len(v) for k, v in _SINK.metrics.items()})
+        out.update({k: math.fsum(v) / len(v) for k, v in _SINK.metrics.items()})
         _SINK.metrics = previous
