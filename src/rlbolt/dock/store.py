@@ -1,0 +1,526 @@
+"""ExperienceDock: a column store over the samples in flight, between pipeline stages.
+
+Producers write columns for samples; each stage takes the samples whose input columns are all
+written and which it has not taken yet, at its own dispatch size. Samples enter with `add`
+(their first columns, e.g. the prompts), gain columns with `put`, leave a stage's queue with
+`get` (taken) or `discard` (dropped), and are forgotten once every stage took or skipped them.
+
+Locking (the contract the multi-host backends in docs/architecture.md keep):
+  - `add` takes the registry lock (sample indices and batches are handed out in order);
+  - `put` takes only the locks of the columns it writes, for dictionary updates (arrays are
+    converted before); writers of different columns never wait for each other;
+  - `get` takes its stage's lock to choose indices and mark them taken, then copies the data
+    with no lock held; a writer rings each stage's doorbell (a notify) after it wrote;
+  - no call holds two kinds of lock at once, so no lock order can deadlock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import time
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from rlbolt.batch import Batch
+from rlbolt.dock.selection import Choice, DockError, balance_units, choose
+
+
+class DockClosed(RuntimeError):
+    """The dock was closed (the pipeline is stopping or failed): no call can be served."""
+
+
+@dataclasses.dataclass
+class StageStats:
+    """Per-stage counters since the last `ExperienceDock.stats(reset=True)`.
+
+    Attributes:
+      gets: `get` calls served.
+      waits: calls that had to block for samples.
+      wait_s: seconds spent blocked.
+      timeouts: calls that returned because their time-out passed.
+      samples: samples taken.
+      window_s: seconds the counters cover.
+    """
+
+    gets: int = 0
+    waits: int = 0
+    wait_s: float = 0.0
+    timeouts: int = 0
+    samples: int = 0
+    window_s: float = 0.0
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.window_s if self.window_s > 0 else 0.0
+
+
+class _Sample:
+    __slots__ = ("batch", "group", "columns", "owed")
+
+    def __init__(self, batch: "_Batch", group: Hashable, stages: Sequence[str]):
+        self.batch, self.group = batch, group
+        self.columns: set[str] = set()  # grows by whole puts (set.update is one atomic call)
+        self.owed = set(stages)  # stages that have not finished with this sample
+
+
+class _Batch:
+    __slots__ = ("key", "seq", "groups")
+
+    def __init__(self, key: Hashable, seq: int):
+        self.key, self.seq = key, seq
+        self.groups: dict[Hashable, list[int]] = {}  # group id -> members, in index order
+
+
+class _Column:
+    __slots__ = ("lock", "chunks", "live", "where")
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.chunks: list[np.ndarray | None] = []  # one array per put; freed when no row is live
+        self.live: list[int] = []
+        self.where: dict[int, tuple[int, int]] = {}  # sample -> (chunk, row)
+
+
+class _Stage:
+    __slots__ = ("name", "inputs", "cond", "pending", "stats", "window_start")
+
+    def __init__(self, name: str, inputs: tuple[str, ...], now: float):
+        self.name, self.inputs = name, inputs
+        self.cond = threading.Condition(threading.Lock())
+        self.pending: dict[int, dict[int, None]] = {}  # batch seq -> samples not taken, in order
+        self.stats, self.window_start = StageStats(), now
+
+
+class ExperienceDock:
+    """Named columns over the samples of the global batches in flight.
+
+    Args:
+      stages: stage name -> its input columns: a sample is ready for a stage once all of them
+        (and any extra column a `get` asks for) are written.
+      columns: every column name the dock may hold; None: any column a `put`/`add` writes
+        (a `get` still refuses a name that no stage declares and nobody wrote).
+      clock: seconds, for the wait and rate counters (injectable in tests).
+
+    Example:
+      dock = ExperienceDock({"score": ("text",), "train": ("text", "score")})
+      idx = dock.add({"text": texts, "group_ids": groups}, key=step)
+      batch, idx = dock.get("score", n=8)
+      dock.put({"score": scores(batch)}, idx)
+    """
+
+    def __init__(self, stages: Mapping[str, Sequence[str]], *, columns: Sequence[str] | None = None,
+                 clock=time.monotonic):
+        if not stages:
+            raise DockError("stages is empty; name at least one stage and its input columns")
+        self._clock = clock
+        self._allowed = None if columns is None else frozenset(columns)
+        self._stages = {name: _Stage(name, tuple(inputs), clock()) for name, inputs in stages.items()}
+        if self._allowed is not None:
+            for stage in self._stages.values():
+                self._check_known(stage.inputs, f"stage {stage.name!r}'s inputs")
+        self._declared = frozenset(c for s in self._stages.values() for c in s.inputs) | (self._allowed or frozenset())
+        self._columns: dict[str, _Column] = {}
+        self._samples: dict[int, _Sample] = {}
+        self._batches: dict[Hashable, _Batch] = {}
+        self._registry = threading.Lock()
+        self._next_index, self._batch_seq = 0, itertools.count()
+        self._finished = self._closed = False
+
+    # -- writing ------------------------------------------------------------------------------
+    def add(self, columns: Mapping[str, Any], *, key: Hashable = None, group_ids: Any = None) -> np.ndarray:
+        """New samples, one per row of `columns`, with those columns written.
+
+        Args:
+          columns: the samples' first columns (e.g. prompts), all with the same leading size.
+          key: the batch the samples join (a global step); adds with the same key extend it,
+            so a refill round joins its step. None: a new batch of their own.
+          group_ids: [N] ids; samples of one batch with the same id form a group (default: the
+            `group_ids` column if written, else every sample is its own group).
+
+        Returns:
+          [N] int64 indices of the new samples.
+        """
+        arrays = _as_arrays(columns, "add")
+        n = _common_size(arrays, "add")
+        if self._allowed is not None:
+            self._check_known(list(arrays), "add")
+        if group_ids is None:
+            group_ids = arrays.get("group_ids", np.arange(n))
+        groups = np.asarray(group_ids)
+        if groups.shape != (n,):
+            raise DockError(f"add: group_ids has shape {list(groups.shape)}, expected [{n}]")
+        with self._registry:
+            self._check_open("add")
+            if self._finished:
+                raise DockError("add after finish(): the dock was told no more samples would come")
+            batch = self._batches.get(key) if key is not None else None
+            if batch is None:
+                batch = _Batch(key, next(self._batch_seq))
+                self._batches[key if key is not None else ("_anon", batch.seq)] = batch
+            indices = np.arange(self._next_index, self._next_index + n, dtype=np.int64)
+            self._next_index += n
+            for i, g in zip(indices.tolist(), groups.tolist()):
+                self._samples[i] = _Sample(batch, g, self._stages)
+                batch.groups.setdefault(g, []).append(i)
+        for stage in self._stages.values():
+            with stage.cond:
+                stage.pending.setdefault(batch.seq, {}).update(dict.fromkeys(indices.tolist()))
+        if arrays:
+            self._write(arrays, indices, "add")
+        else:
+            self._ring()
+        return indices
+
+    def put(self, columns: Mapping[str, Any], indices: Any) -> None:
+        """Writes columns for existing samples.
+
+        Args:
+          columns: name -> array with one row per index.
+          indices: [N] sample indices (from `add` or `get`), no repeats.
+
+        Raises:
+          DockError: a sample that does not exist (never added, or already forgotten), a column
+            already written for one of the samples (a double write), or a shape mismatch.
+        """
+        idx = _as_indices(indices, "put")
+        self._check_open("put")
+        missing = [i for i in idx.tolist() if i not in self._samples]
+        if missing:
+            raise DockError(f"put: sample(s) {_few(missing)} do not exist (never added, or every stage is done with "
+                            f"them); write only indices that add() or get() returned")
+        arrays = _as_arrays(columns, "put")
+        n = _common_size(arrays, "put")
+        if n != len(idx):
+            raise DockError(f"put: the columns have {n} rows for {len(idx)} indices")
+        self._write(arrays, idx, "put")
+
+    def discard(self, indices: Any) -> None:
+        """Drops samples from every stage that has not taken them (e.g. groups a filter removed)."""
+        idx = _as_indices(indices, "discard").tolist()
+        never = [i for i in idx if not 0 <= i < self._next_index]
+        if never:
+            raise DockError(f"discard: sample(s) {_few(never)} were never added")
+        for stage in self._stages.values():
+            with stage.cond:
+                for i in idx:
+                    sample = self._samples.get(i)
+                    if sample is not None and stage.pending.get(sample.batch.seq, {}).pop(i, "taken") is None:
+                        sample.owed.discard(stage.name)
+                self._drop_empty(stage)
+                stage.cond.notify_all()
+        self._forget_done(idx)
+
+    def finish(self) -> None:
+        """No more samples will be added: a blocked `get` returns what remains instead of waiting."""
+        with self._registry:
+            self._finished = True
+        self._ring()
+
+    def close(self) -> None:
+        """Stops the dock: every blocked and later call raises DockClosed."""
+        with self._registry:
+            self._closed = True
+        self._ring()
+
+    # -- reading ------------------------------------------------------------------------------
+    def get(self, stage: str, columns: Sequence[str] | None = None, n: int | None = None, *,
+            whole_groups: bool = False, one_batch: bool = False, balance: int | None = None,
+            lengths: str = "completion_mask", block: bool = True,
+            timeout: float | None = None) -> tuple[Batch, np.ndarray]:
+        """Takes up to `n` samples that are ready for `stage`, marking them taken by it.
+
+        Ready means every input column of the stage (and every column asked for) is written.
+        Samples are taken in dock order (batches in the order they were added, then index
+        order), skipping those not ready yet.
+
+        Args:
+          stage: a stage named at construction.
+          columns: the columns to return (also required to be written); None: every column
+            written for all of the taken samples.
+          n: the most samples to take; None: no limit.
+          whole_groups: take only whole groups (a group is taken when all its pending samples
+            are ready, and never split); a group larger than `n` is an error.
+          one_batch: take from one batch only: the oldest with samples this stage has not
+            taken. A blocking call then also returns when that batch has nothing left to wait
+            for, with fewer than `n` samples (the end of a round).
+          balance: a micro batch size: order the taken samples so consecutive micro batches of
+            this size have near-equal total `lengths` (max - min <= the longest unit - the
+            shortest; with whole_groups, groups move whole).
+          lengths: the column giving a sample's length: [N] numbers, or an [N, L] mask (its
+            row sums).
+          block: wait until `n` samples are taken (or, with one_batch, the batch is done; or
+            `finish()` left nothing to wait for). False: take what is ready now.
+          timeout: the most seconds to wait; then what is ready is returned (maybe nothing).
+
+        Returns:
+          (batch, indices): the taken samples' columns and their [K] int64 indices, K <= n.
+          K == 0 after a time-out, a non-blocking call with nothing ready, or `finish()`.
+
+        Raises:
+          DockError: an unknown stage or column, n < 1, or a group larger than n.
+          DockClosed: the dock was closed before or while waiting.
+        """
+        st = self._stage(stage)
+        if columns is not None:
+            columns = list(columns)
+            self._check_known(columns, "get")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1):
+            raise DockError(f"get: n={n!r} must be a positive integer or None")
+        if balance is not None and (not isinstance(balance, int) or balance < 1):
+            raise DockError(f"get: balance={balance!r} must be a positive micro batch size or None")
+        need = frozenset(st.inputs) | frozenset(columns or ())
+        start = self._clock()
+        deadline = None if timeout is None else start + max(0.0, timeout)
+        waited = timed_out = False
+        with st.cond:
+            while True:
+                self._check_open("get")
+                choice = self._choose(st, need, n, whole_groups, one_batch)
+                if choice.full or not block:
+                    break
+                if choice.unready == 0 and ((one_batch and choice.indices) or self._finished):
+                    break
+                remaining = None if deadline is None else deadline - self._clock()
+                if remaining is not None and remaining <= 0:
+                    timed_out = True
+                    break
+                waited = True
+                st.cond.wait(remaining)
+            chosen = choice.indices
+            for i in chosen:
+                st.pending[self._samples[i].batch.seq].pop(i)
+            self._drop_empty(st)
+            names = columns if columns is not None else _common_columns(self._samples[i] for i in chosen)
+            units = self._units(chosen, whole_groups) if balance is not None else []
+            stats = st.stats
+            stats.gets += 1
+            stats.samples += len(chosen)
+            stats.waits += waited
+            stats.timeouts += timed_out
+            stats.wait_s += (self._clock() - start) if waited else 0.0
+        try:
+            batch = self._gather(chosen, names)
+        finally:
+            for i in chosen:
+                self._samples[i].owed.discard(stage)
+            self._forget_done(chosen)
+        idx = np.asarray(chosen, np.int64)
+        if balance is not None and len(chosen):
+            order = balance_units(units, _lengths(batch, lengths), balance)
+            batch, idx = batch.select(np.asarray(order)), idx[order]
+        return batch, idx
+
+    def key_of(self, index: int) -> Hashable:
+        """The batch key a sample was added with (while the dock still holds it)."""
+        sample = self._samples.get(int(index))
+        if sample is None:
+            raise DockError(f"key_of: sample {index} does not exist (never added, or already forgotten)")
+        return sample.batch.key
+
+    def stats(self, reset: bool = True) -> dict[str, StageStats]:
+        """Per-stage counters since the last reset (then start a new window when reset)."""
+        out = {}
+        now = self._clock()
+        for stage in self._stages.values():
+            with stage.cond:
+                s = dataclasses.replace(stage.stats, window_s=now - stage.window_start)
+                if reset:
+                    stage.stats, stage.window_start = StageStats(), now
+            out[stage.name] = s
+        return out
+
+    def __len__(self) -> int:
+        """Samples the dock holds (added and not yet finished with by every stage)."""
+        return len(self._samples)
+
+    # -- internals ------------------------------------------------------------------------------
+    def _stage(self, name: str) -> _Stage:
+        try:
+            return self._stages[name]
+        except (KeyError, TypeError):
+            raise DockError(f"unknown stage {name!r}; stages: {list(self._stages)}") from None
+
+    def _check_known(self, names: Sequence[str], where: str) -> None:
+        known = self._allowed if self._allowed is not None else self._declared | set(self._columns)
+        unknown = [c for c in names if c not in known]
+        if unknown:
+            raise DockError(f"{where}: unknown column(s) {unknown}; columns: {sorted(known)}")
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise DockClosed(f"{what}: the dock is closed (the pipeline stopped)")
+
+    def _write(self, arrays: dict[str, np.ndarray], idx: np.ndarray, what: str) -> None:
+        if self._allowed is not None:
+            self._check_known(list(arrays), what)
+        cols = [(name, self._columns.setdefault(name, _Column())) for name in sorted(arrays)]
+        keys = idx.tolist()
+        for _, col in cols:  # sorted order: two writers sharing columns cannot deadlock
+            col.lock.acquire()
+        try:
+            for name, col in cols:
+                doubles = [i for i in keys if i in col.where]
+                if doubles:
+                    raise DockError(f"{what}: column {name!r} of sample(s) {_few(doubles)} is already written "
+                                    "(a double write); a stage adds columns, it never rewrites one")
+            for name, col in cols:
+                chunk = len(col.chunks)
+                col.chunks.append(arrays[name])
+                col.live.append(len(keys))
+                col.where.update(zip(keys, ((chunk, row) for row in range(len(keys)))))
+        finally:
+            for _, col in cols:
+                col.lock.release()
+        names = list(arrays)
+        for i in keys:
+            sample = self._samples.get(i)
+            if sample is not None:
+                sample.columns.update(names)  # one call: readers see all of this put or none of it
+        self._ring()
+
+    def _ring(self) -> None:
+        for stage in self._stages.values():
+            with stage.cond:
+                stage.cond.notify_all()
+
+    def _choose(self, st: _Stage, need: frozenset, n: int | None, whole_groups: bool, one_batch: bool) -> Choice:
+        seqs = sorted(st.pending)
+        if one_batch:
+            seqs = seqs[:1]
+        ready = lambda i: need <= self._samples[i].columns
+
+        def units():
+            for seq in seqs:
+                pending = st.pending[seq]
+                if not whole_groups:
+                    yield from ([i] for i in pending)
+                    continue
+                seen = set()
+                for i in pending:
+                    sample = self._samples[i]
+                    if sample.group in seen:
+                        continue
+                    seen.add(sample.group)
+                    # tuple(): one atomic copy; the list may lose forgotten members meanwhile
+                    members = [j for j in tuple(sample.batch.groups[sample.group]) if j in pending]
+                    if n is not None and len(members) > n:
+                        raise DockError(f"get({st.name!r}): a group of {len(members)} samples does not fit n={n} "
+                                        "with whole_groups=True; ask for n >= the group size")
+                    yield members
+
+        return choose(units(), ready, n)
+
+    def _units(self, chosen: list[int], whole_groups: bool) -> list[list[int]]:
+        """The chosen samples as positions grouped into units (groups when whole_groups)."""
+        if not whole_groups:
+            return [[p] for p in range(len(chosen))]
+        units: dict[tuple, list[int]] = {}
+        for p, i in enumerate(chosen):
+            sample = self._samples[i]
+            units.setdefault((sample.batch.seq, sample.group), []).append(p)
+        return list(units.values())
+
+    @staticmethod
+    def _drop_empty(st: _Stage) -> None:
+        for seq in [s for s, pending in st.pending.items() if not pending]:
+            del st.pending[seq]
+
+    def _gather(self, chosen: list[int], names: Sequence[str]) -> Batch:
+        if not chosen:
+            return Batch()
+        out = {}
+        for name in names:
+            col = self._columns[name]
+            locs = [col.where[i] for i in chosen]
+            chunk_ids = np.fromiter((c for c, _ in locs), np.int64, len(locs))
+            rows = np.fromiter((r for _, r in locs), np.int64, len(locs))
+            if (chunk_ids == chunk_ids[0]).all():
+                out[name] = col.chunks[chunk_ids[0]][rows]
+                continue
+            order = np.argsort(chunk_ids, kind="stable")
+            parts = [col.chunks[c][rows[order][chunk_ids[order] == c]] for c in np.unique(chunk_ids)]
+            merged = np.concatenate(parts)
+            out[name] = merged[np.argsort(order, kind="stable")]
+        return Batch(out)
+
+    def _forget_done(self, indices: Sequence[int]) -> None:
+        """Forgets samples every stage is done with (taken and copied, or discarded)."""
+        gone = []
+        for i in indices:
+            sample = self._samples.get(i)
+            if sample is not None and not sample.owed and self._samples.pop(i, None) is not None:
+                gone.append((i, sample))
+        if not gone:
+            return
+        for col in list(self._columns.values()):
+            with col.lock:
+                for i, _ in gone:
+                    loc = col.where.pop(i, None)
+                    if loc is not None:
+                        col.live[loc[0]] -= 1
+                        if col.live[loc[0]] == 0:
+                            col.chunks[loc[0]] = None
+        with self._registry:
+            for i, sample in gone:
+                members = sample.batch.groups.get(sample.group)
+                if members is not None:
+                    members.remove(i)
+                    if not members:
+                        del sample.batch.groups[sample.group]
+                if not sample.batch.groups:
+                    self._batches = {k: b for k, b in self._batches.items() if b is not sample.batch}
+
+
+def _as_arrays(columns: Mapping[str, Any], what: str) -> dict[str, np.ndarray]:
+    if not isinstance(columns, Mapping):
+        raise DockError(f"{what}: columns must be a mapping name -> array, got {type(columns).__name__}")
+    out = {}
+    for name, value in columns.items():
+        if not isinstance(name, str):
+            raise DockError(f"{what}: column names must be strings, got {name!r}")
+        arr = np.asarray(value)
+        if arr.ndim == 0:
+            raise DockError(f"{what}: column {name!r} is a scalar; every column needs a leading sample axis")
+        out[name] = arr
+    return out
+
+
+def _common_size(arrays: dict[str, np.ndarray], what: str) -> int:
+    sizes = {name: len(a) for name, a in arrays.items()}
+    if len(set(sizes.values())) > 1:
+        raise DockError(f"{what}: columns have different numbers of rows: {sizes}")
+    return next(iter(sizes.values()), 0)
+
+
+def _as_indices(indices: Any, what: str) -> np.ndarray:
+    idx = np.asarray(indices)
+    if idx.ndim != 1 or (idx.size and idx.dtype.kind not in "iu"):
+        raise DockError(f"{what}: indices must be a 1-D integer array, got dtype {idx.dtype} shape {list(idx.shape)}")
+    idx = idx.astype(np.int64)
+    if len(np.unique(idx)) != len(idx):
+        raise DockError(f"{what}: indices repeat a sample; each sample may appear once")
+    return idx
+
+
+def _common_columns(samples) -> list[str]:
+    sets = [s.columns for s in samples]
+    if not sets:
+        return []
+    common = set.intersection(*(set(s) for s in sets))
+    return sorted(common)
+
+
+def _lengths(batch: Batch, name: str) -> np.ndarray:
+    if name not in batch:
+        raise DockError(f"get: balance needs the lengths column {name!r}, which the taken samples lack; "
+                        f"pass lengths=<a column of them>")
+    values = np.asarray(batch[name])
+    return values.reshape(len(values), -1).sum(axis=1) if values.ndim > 1 else values
+
+
+def _few(items: list[int]) -> str:
+    return str(items[:5])[:-1] + (", ...]" if len(items) > 5 else "]")
