@@ -113,13 +113,28 @@ _SINK = threading.local()
 
 
 @contextlib.contextmanager
+def collect_log_values():
+    """Collects `RLModule.log` calls made on this thread; yields a dict name -> list of values
+    (the producer merges the lists of one step's stage calls before averaging)."""
+    previous = getattr(_SINK, "metrics", None)
+    _SINK.metrics = values = {}
+    try:
+        yield values
+    finally:
+        _SINK.metrics = previous
+
+
+def mean_logs(values: dict[str, list[float]]) -> dict[str, float]:
+    """name -> mean of its values (an exactly rounded sum: independent of the values' order)."""
+    return {k: math.fsum(v) / len(v) for k, v in values.items() if v}
+
+
+@contextlib.contextmanager
 def collect_logs():
     """Collects `RLModule.log` calls made on this thread; yields a dict name -> mean value."""
-    previous = getattr(_SINK, "metrics", None)
-    _SINK.metrics = {}
     out: dict[str, float] = {}
-    try:
-        yield out
-    finally:
-        out.update({k: math.fsum(v) / len(v) for k, v in _SINK.metrics.items()})
-        _SINK.metrics = previous
+    with collect_log_values() as values:
+        try:
+            yield out
+        finally:
+            out.update(mean_logs(values))

@@ -1,30 +1,56 @@
-"""The producer side of a step: prompts -> rollout -> logps -> advantage, run on the prefetch thread.
+"""The producer: stage threads around an ExperienceDock, each pulling at its own dispatch size.
 
-    prompts (PromptSource, counter position)
-      -> repeat each prompt G times (a a b b), tag group_ids, policy_version, sample_keys
-      -> per service batch: on_rollout in rollout micro chunks, compute_logps in logps micro chunks
-      -> on_advantage on the whole global batch (group statistics see every sample)
-      -> refill (DAPO) while the module dropped samples and rounds remain
-      -> ProducedStep on the queue
+    feeder     per step: the weights for the step, the prompts repeated G times (a a b b) with
+               group_ids, policy_version, prompt_index, sample_keys -> dock.add(key=step);
+               refill rounds (DAPO) join the same step
+    rollout    dock.get("rollout",   n=rollout_micro_batch_size) -> on_rollout    -> dock.put
+    logps      dock.get("logps",     n=logps_micro_batch_size)   -> compute_logps -> dock.put
+    advantage  dock.get("advantage", the whole round, whole groups) -> on_advantage; when the
+               step is full: put rewards/advantages of the kept samples, discard the rest;
+               else ask the feeder for a refill round
+    train      the consumer (the Trainer's thread): dock.get("train", n=global batch) -> ProducedStep
+
+Each stage takes the oldest step's samples first (`one_batch`), so a dispatch never mixes
+steps (their weights differ) or rounds, and its last dispatch of a round may be short. Stages
+hand over as soon as their inputs are ready: the logps of the first rollout micro batch run
+while the second is generated, and the lcm of the micro sizes (the plan's service batch) is
+simply where the stages' dispatches line up again. Every sample's result depends only on its
+own key, its step's weights and the dispatch it was in, which are those of the sequential
+producer, so the results are the same bit for bit (tests/core/test_producer_equivalence.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import queue
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import jax
 import numpy as np
 
-from rlbolt.batch import Batch, check_stage
+from rlbolt.batch import STAGE_SCHEMAS, Batch, check_stage
 from rlbolt.data.source import PromptSource
-from rlbolt.module import RLModule, collect_logs
+from rlbolt.dock import DockClosed, ExperienceDock
+from rlbolt.module import RLModule, collect_log_values, mean_logs
 from rlbolt.plan import BatchPlan
-from rlbolt.weights import WeightStore
+from rlbolt.prefetch import _POLL_S, ProducerStopped, StageThreads
+from rlbolt.timeline import Timeline
 from rlbolt.utils.xla_flags import release_freed_host_memory
+from rlbolt.weights import WeightStore
+
+# The columns a sample needs before each stage may take it.
+STAGE_INPUTS = {
+    "rollout": ("sample_keys", "group_ids", "policy_version", "prompt_index"),
+    "logps": tuple(STAGE_SCHEMAS["rollout"]),
+    "advantage": tuple(STAGE_SCHEMAS["logps"]),
+    "train": tuple(STAGE_SCHEMAS["advantage"]),
+}
+# What runs each stage, in placement terms (a placement maps roles to devices).
+STAGE_ROLES = {"rollout": "rollout", "logps": "train", "advantage": "host", "update": "train", "validate": "rollout"}
+INDEX_COLUMN = "dock_index"  # on_advantage's batch carries it, so the kept samples are known
+_TIMES = {"rollout": "time/rollout", "logps": "time/logps", "advantage": "time/reward"}
 
 
 @dataclasses.dataclass
@@ -37,7 +63,8 @@ class ProducedStep:
       data_position: the prompt counter after this step's prompts (refills included).
       weights_step: the weights used were those after this many steps.
       policy_version: the policy version of those weights.
-      metrics: producer metrics (reward/*, response_length/*, time/rollout, time/logps, time/reward, ...).
+      metrics: producer metrics (reward/*, response_length/*, time/rollout, time/logps,
+        time/reward, the dock's time/dock_wait/<stage>, ...).
     """
 
     step: int
@@ -48,88 +75,260 @@ class ProducedStep:
     metrics: dict[str, float]
 
 
+@dataclasses.dataclass
+class _Step:
+    """What the stages know about one step in flight (each field has one writing thread)."""
+
+    params: Any
+    version: int
+    position: int = 0
+    times: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(_TIMES.values(), 0.0))
+    logs: dict[str, dict[str, list[float]]] = dataclasses.field(default_factory=dict)
+    rounds: list[tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]] = dataclasses.field(default_factory=list)
+    decisions: queue.Queue = dataclasses.field(default_factory=queue.Queue)  # advantage -> feeder
+
+    def note(self, stage: str, seconds: float, logged: dict[str, list[float]]) -> None:
+        self.times[_TIMES[stage]] += seconds
+        for name, values in logged.items():
+            self.logs.setdefault(stage, {}).setdefault(name, []).extend(values)
+
+
 class Producer:
-    """Makes `ProducedStep`s in order from a start step and data position."""
+    """Makes `ProducedStep`s in order from a start step and data position, on stage threads.
+
+    Args:
+      module: the RLModule whose producer hooks run (on_rollout, compute_logps, on_advantage).
+      plan: the batch sizes; each stage pulls at its micro size.
+      source: the prompts.
+      weights: the WeightStore the feeder takes each step's weights from (it bounds how far
+        the producer runs ahead).
+      base_rng: the run's key; sample keys are derived from it, the step and the sample.
+      max_steps: steps to produce (None: until the prompts run out).
+      max_prompts: prompt counter limit (max_epochs x prompts), or None.
+      timeline: where stage events go (None: a private one).
+    """
 
     def __init__(self, module: RLModule, plan: BatchPlan, source: PromptSource, weights: WeightStore,
-                 base_rng: jax.Array, *, max_steps: int | None, max_prompts: int | None):
+                 base_rng: jax.Array, *, max_steps: int | None, max_prompts: int | None,
+                 timeline: Timeline | None = None):
         self.module, self.plan, self.source, self.weights = module, plan, source, weights
         self.base_rng, self.max_steps, self.max_prompts = base_rng, max_steps, max_prompts
+        self.timeline = timeline if timeline is not None else Timeline()
 
-    def run(self, start_step: int, start_position: int, stop_event: threading.Event) -> Iterator[ProducedStep]:
-        position = start_position
-        step = start_step
-        while self.max_steps is None or step < self.max_steps:
-            if self.max_prompts is not None and position + self.plan.prompts_per_step > self.max_prompts:
-                return  # max_epochs reached: not enough prompts left for a full step
-            params, version = self.weights.get(step, stop_event)
-            if step == start_step + 1:  # in sync mode the first step's compilations are over
+    def start(self, start_step: int, start_position: int, *, timeout_s: float | None = None) -> "_Run":
+        """Starts the stage threads; use as `with producer.start(...) as steps: for produced in steps`.
+
+        Args:
+          start_step: the first step to produce.
+          start_position: the prompt counter to start reading at.
+          timeout_s: the consumer raises TimeoutError when no step arrives for this long.
+        """
+        return _Run(self, start_step, start_position, timeout_s)
+
+
+class _Run:
+    """One running pipeline: the dock, the steps in flight, the stage threads."""
+
+    def __init__(self, producer: Producer, start_step: int, start_position: int, timeout_s: float | None):
+        self.p, self.start_step, self.start_position, self.timeout_s = producer, start_step, start_position, timeout_s
+        self.dock = ExperienceDock(STAGE_INPUTS)
+        self.steps: dict[int, _Step] = {}
+        self.threads = StageThreads(self.dock.close, quiet=(DockClosed,))
+
+    def __enter__(self) -> Iterator[ProducedStep]:
+        plan, module = self.p.plan, self.p.module
+        self.threads.start("feeder", self._feed)
+        self.threads.start("rollout", lambda stop: self._stage(
+            "rollout", plan.rollout_micro_batch_size, lambda s, b: check_stage(module.on_rollout(s.params, b), "rollout")))
+        self.threads.start("logps", lambda stop: self._stage(
+            "logps", plan.logps_micro_batch_size, lambda s, b: check_stage(module.compute_logps(s.params, b), "logps")))
+        self.threads.start("advantage", self._advantage)
+        return self._consume()
+
+    def __exit__(self, *exc_info) -> None:
+        self.threads.stop()
+
+    # -- the stages ------------------------------------------------------------------------------
+    def _feed(self, stop: threading.Event) -> None:
+        p, plan = self.p, self.p.plan
+        step, position = self.start_step, self.start_position
+        while p.max_steps is None or step < p.max_steps:
+            if p.max_prompts is not None and position + plan.prompts_per_step > p.max_prompts:
+                break  # max_epochs reached: not enough prompts left for a full step
+            params, version = p.weights.get(step, stop)
+            if step == self.start_step + 1:  # in sync mode the first step's compilations are over
                 release_freed_host_memory()
-            produced = self.produce_step(step, position, params, version)
-            position = produced.data_position
-            yield produced
-            step += 1
-
-    def produce_step(self, step: int, position: int, params: Any, version: int) -> ProducedStep:
-        plan, want = self.plan, self.plan.global_batch_size
-        timings = {"time/rollout": 0.0, "time/logps": 0.0, "time/reward": 0.0}
-        kept: list[Batch] = []
-        dropped_samples = 0
-        with collect_logs() as logged:
-            for round_index in range(plan.max_refill_rounds + 1):
-                missing = want - sum(b.num_samples for b in kept)
-                prompts = -(-missing // plan.num_generations) if round_index else plan.prompts_per_step
+            record = self.steps[step] = _Step(params, version)
+            prompts, round_index = plan.prompts_per_step, 0
+            while True:
                 batch = self._prompt_batch(step, round_index, position, prompts, version)
                 position += prompts
-                batch = self._rollout_and_logps(params, batch, timings)
-                t0 = time.perf_counter()
-                advantaged = check_stage(self.module.on_advantage(batch), "advantage")
-                timings["time/reward"] += time.perf_counter() - t0
-                dropped_samples += batch.num_samples - advantaged.num_samples
-                kept.append(advantaged)
-                if sum(b.num_samples for b in kept) >= want:
+                record.position = position
+                self.dock.add(batch, key=step)
+                if not plan.max_refill_rounds:
                     break
-        batch = Batch.concat(kept)
-        if batch.num_samples < want:
-            raise RuntimeError(
-                f"step {step}: on_advantage kept {batch.num_samples} of {want} samples after "
-                f"{plan.max_refill_rounds} refill round(s) (max_refill_rounds); raise max_refill_rounds "
-                "or make the module keep more samples"
-            )
-        batch = _trim_to_groups(batch, want)
-        metrics = {**batch_metrics(batch), **timings, **logged}
-        if plan.max_refill_rounds:
-            metrics["refill/dropped_samples"] = float(dropped_samples)
-        return ProducedStep(step, batch, position, self.weights.key_for_step(step), version, metrics)
+                missing = _wait_for(record.decisions, stop)
+                if not missing:
+                    break
+                round_index, prompts = round_index + 1, -(-missing // plan.num_generations)
+            step += 1
+        self.dock.finish()
 
     def _prompt_batch(self, step: int, round_index: int, position: int, prompts: int, version: int) -> Batch:
-        rows = self.source.take(position, prompts)
-        batch = Batch.from_rows(rows).repeat(self.plan.num_generations)
+        rows = self.p.source.take(position, prompts)
+        batch = Batch.from_rows(rows).repeat(self.p.plan.num_generations)
         n = batch.num_samples
         # One key per sample from (step, refill round, index): a sample's randomness does not
         # depend on micro batch sizes or on what else is in the batch.
-        keys = sample_keys(self.base_rng, step, round_index, np.arange(n))
-        return batch.with_columns(
-            group_ids=batch["prompt_index"].astype(np.int32),
-            policy_version=np.full((n,), version, np.int32),
-            sample_keys=np.asarray(keys),
-        )
+        keys = sample_keys(self.p.base_rng, step, round_index, np.arange(n))
+        return batch.with_columns(group_ids=batch["prompt_index"].astype(np.int32),
+                                  policy_version=np.full((n,), version, np.int32), sample_keys=np.asarray(keys))
 
-    def _rollout_and_logps(self, params: Any, batch: Batch, timings: dict[str, float]) -> Batch:
-        plan, out = self.plan, []
-        service = min(plan.service_batch_size, batch.num_samples)
-        pieces = batch.chunk(service) if batch.num_samples % service == 0 else [batch]
-        for piece in pieces:
-            t0 = time.perf_counter()
-            rolled = _map_chunks(lambda b: self.module.on_rollout(params, b), piece, plan.rollout_micro_batch_size)
-            check_stage(rolled, "rollout")
-            t1 = time.perf_counter()
-            with_logps = _map_chunks(lambda b: self.module.compute_logps(params, b), rolled, plan.logps_micro_batch_size)
-            check_stage(with_logps, "logps")
-            timings["time/rollout"] += t1 - t0
-            timings["time/logps"] += time.perf_counter() - t1
-            out.append(with_logps)
-        return Batch.concat(out)
+    def _stage(self, stage: str, size: int, hook) -> None:
+        """rollout / logps: take `size` samples of the oldest step, run the hook, write what it added."""
+        while True:
+            taken = self.dock.get(stage, n=size, one_batch=True)
+            batch, idx = taken
+            if not len(idx):
+                return  # the feeder finished and every step went through
+            step = taken.keys[0]
+            record = self.steps[step]
+            out, seconds, logged = self._timed(stage, step, len(idx), lambda: hook(record, batch))
+            added = _added_columns(stage, batch, out, np.arange(len(idx)))
+            record.note(stage, seconds, logged)  # before the put: the step may complete right after
+            self.dock.put(added, idx)
+
+    def _advantage(self, stop: threading.Event) -> None:
+        plan, want = self.p.plan, self.p.plan.global_batch_size
+        while True:
+            taken = self.dock.get("advantage", one_batch=True, whole_groups=True)  # a whole round
+            batch, idx = taken
+            if not len(idx):
+                return
+            step = taken.keys[0]
+            record = self.steps[step]
+            hook = lambda: check_stage(self.p.module.on_advantage(batch.with_columns({INDEX_COLUMN: idx})), "advantage")
+            out, seconds, logged = self._timed("advantage", step, len(idx), hook)
+            kept, positions = _kept_samples(out, idx)
+            record.rounds.append((idx, kept, _added_columns("advantage", batch, out.drop(INDEX_COLUMN), positions)))
+            record.note("advantage", seconds, logged)
+            total = sum(len(k) for _, k, _ in record.rounds)
+            if total >= want:
+                self._complete(record, want)
+            elif len(record.rounds) <= plan.max_refill_rounds:
+                record.decisions.put(want - total)
+            else:
+                raise RuntimeError(
+                    f"step {step}: on_advantage kept {total} of {want} samples after {plan.max_refill_rounds} refill "
+                    "round(s) (max_refill_rounds); raise max_refill_rounds or make the module keep more samples")
+
+    def _complete(self, record: _Step, want: int) -> None:
+        """The step is full: its first `want` kept samples get their columns, the rest are dropped."""
+        budget, writes, dropped = want, [], []
+        for idx, kept, columns in record.rounds:
+            use = min(budget, len(kept))  # refills over-fill by whole groups; trim the tail
+            budget -= use
+            writes.append(({k: v[:use] for k, v in columns.items()}, kept[:use]))
+            dropped.append(np.setdiff1d(idx, kept[:use]))
+        self.dock.discard(np.concatenate(dropped))
+        for columns, kept in writes:
+            if len(kept):
+                self.dock.put(columns, kept)
+        record.decisions.put(0)
+
+    def _timed(self, stage: str, step: int, samples: int, fn):
+        timeline = self.p.timeline
+        start = timeline.clock()
+        with collect_log_values() as logged:
+            out = fn()
+        end = timeline.clock()
+        timeline.record(stage, step, start, end, samples=samples, role=STAGE_ROLES[stage])
+        return out, end - start, logged
+
+    # -- the consumer -----------------------------------------------------------------------------
+    def _consume(self) -> Iterator[ProducedStep]:
+        want, p = self.p.plan.global_batch_size, self.p
+        while True:
+            try:
+                taken = self.dock.get("train", n=want, one_batch=True, timeout=self.timeout_s)
+            except DockClosed:
+                self.threads.check()
+                raise
+            batch, idx = taken
+            if taken.timed_out:
+                self.threads.check()
+                raise TimeoutError(f"no step from the producer for {self.timeout_s} s (prefetch_timeout_s)")
+            if not len(idx):
+                self.threads.check()
+                return  # the feeder finished and every step went through
+            if len(idx) < want:
+                raise RuntimeError(f"step {taken.keys[0]}: the dock held {len(idx)} of {want} samples for training")
+            step = taken.keys[0]
+            record = self.steps.pop(step)
+            metrics = {**batch_metrics(batch), **record.times, **mean_logs(_merged_logs(record))}
+            if p.plan.max_refill_rounds:
+                metrics["refill/dropped_samples"] = float(sum(len(i) - len(k) for i, k, _ in record.rounds))
+            for stage, s in self.dock.stats().items():
+                metrics[f"time/dock_wait/{stage}"] = s.wait_s
+                metrics[f"time/dock_waits/{stage}"] = float(s.waits)
+                metrics[f"throughput/dock/{stage}/samples_per_s"] = s.samples_per_s
+            yield ProducedStep(step, batch, record.position, p.weights.key_for_step(step), record.version, metrics)
+
+
+def _wait_for(decisions: queue.Queue, stop: threading.Event) -> int:
+    while True:
+        try:
+            return decisions.get(timeout=_POLL_S)
+        except queue.Empty:
+            if stop.is_set():
+                raise ProducerStopped() from None
+
+
+def _merged_logs(record: _Step) -> dict[str, list[float]]:
+    merged: dict[str, list[float]] = {}
+    for stage in _TIMES:
+        for name, values in record.logs.get(stage, {}).items():
+            merged.setdefault(name, []).extend(values)
+    return merged
+
+
+def _kept_samples(out: Batch, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(kept indices, their positions in idx) from on_advantage's output."""
+    if INDEX_COLUMN not in out:
+        if out.num_samples == len(idx):
+            return idx, np.arange(len(idx))
+        raise ValueError(f"on_advantage dropped samples and the {INDEX_COLUMN!r} column with them; keep the columns "
+                         "it receives (drop samples with batch.select)")
+    kept = np.asarray(out[INDEX_COLUMN]).astype(np.int64)
+    positions = np.searchsorted(idx, kept)
+    valid = (positions < len(idx)) & (idx[np.minimum(positions, len(idx) - 1)] == kept)
+    if not valid.all() or (np.diff(kept) <= 0).any():
+        raise ValueError(f"on_advantage returned samples that are not a subset of its input in input order "
+                         f"({INDEX_COLUMN}={kept.tolist()[:8]}...); it may drop samples, not add or reorder them")
+    return kept, positions
+
+
+def _added_columns(stage: str, before: Batch, after: Batch, positions: np.ndarray) -> dict[str, Any]:
+    """The columns a hook added; a hook must not change the ones it received."""
+    hook = {"rollout": "on_rollout", "logps": "compute_logps", "advantage": "on_advantage"}[stage]
+    if after.num_samples != len(positions):
+        raise ValueError(f"{hook} returned {after.num_samples} samples for {before.num_samples}; it must return one "
+                         "row per sample (only on_advantage may drop samples)")
+    for name in after:
+        if name in before and not _same(np.asarray(before[name])[positions] if len(positions) != before.num_samples
+                                        else before[name], after[name]):
+            raise ValueError(f"{hook} changed column {name!r}, which an earlier stage wrote; a stage adds columns and "
+                             "leaves the ones it received as they are (write the result under a new name)")
+    return {name: after[name] for name in after if name not in before}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
 
 
 @jax.jit
@@ -139,17 +338,6 @@ def sample_keys(base_rng: jax.Array, step: int, round_index: int, indices: jax.A
     step_key = jax.random.fold_in(jax.random.fold_in(base_rng, step), round_index)
     keys = jax.vmap(lambda i: jax.random.fold_in(step_key, i))(indices)
     return jax.random.key_data(keys) if jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key) else keys
-
-
-def _map_chunks(fn, batch: Batch, size: int) -> Batch:
-    if batch.num_samples % size:  # a refill round may be smaller than a micro batch
-        return fn(batch)
-    return Batch.concat([fn(chunk) for chunk in batch.chunk(size)])
-
-
-def _trim_to_groups(batch: Batch, want: int) -> Batch:
-    """Keeps the first `want` samples (refills over-fill by whole groups)."""
-    return batch if batch.num_samples == want else batch.slice(0, want)
 
 
 def batch_metrics(batch: Batch) -> dict[str, float]:

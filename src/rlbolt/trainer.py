@@ -1,6 +1,7 @@
 """Trainer: the generic fit loop. Read `fit` top to bottom; everything else is a helper.
 
-    producer thread (DataPrefetcher):  prompts -> on_rollout -> compute_logps -> on_advantage
+    producer threads (Producer, around an ExperienceDock): prompts -> on_rollout -> compute_logps
+                                       -> on_advantage, each stage at its own dispatch size
     main thread (fit):                 for each iteration, for each mini batch: one jitted update
                                        (grad accumulation over train micro batches inside it)
                                        -> publish weights -> callbacks.on_step_end(StepInfo)
@@ -21,9 +22,9 @@ from rlbolt.callback import Callback, CallbackList
 from rlbolt.data.source import PromptSource
 from rlbolt.module import RLModule
 from rlbolt.plan import BatchPlan
-from rlbolt.prefetch import DataPrefetcher
-from rlbolt.producer import ProducedStep, Producer
+from rlbolt.producer import STAGE_ROLES, ProducedStep, Producer
 from rlbolt.state import StepInfo, TrainState
+from rlbolt.timeline import Timeline
 from rlbolt.update import make_update_fn
 from rlbolt.weights import WeightStore
 
@@ -73,6 +74,7 @@ class Trainer:
         self.run_dir = Path(run_dir) if run_dir is not None else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
         self.prefetch_timeout_s = prefetch_timeout_s
         self.weights = WeightStore(self.lag_steps)
+        self.timeline = Timeline()  # stage start/end events; TimelineLogger writes them to the run dir
         self.should_stop = False  # a callback sets it to end fit after the current step
         self.interrupted = False
         self.module: RLModule | None = None
@@ -90,11 +92,10 @@ class Trainer:
         state = self.last_state = self.callbacks.on_fit_start(self, state)
         self.weights.publish(state.step, state.params, state.policy_version)
         producer = Producer(module, self.plan, self.source, self.weights, state.rng,
-                            max_steps=self.max_steps, max_prompts=self._max_prompts())
+                            max_steps=self.max_steps, max_prompts=self._max_prompts(), timeline=self.timeline)
         validated_at = None
         try:
-            with DataPrefetcher(lambda stop: producer.run(state.step, state.data_position, stop),
-                                depth=self.lag_steps + 1, timeout_s=self.prefetch_timeout_s) as produced_steps:
+            with producer.start(state.step, state.data_position, timeout_s=self.prefetch_timeout_s) as produced_steps:
                 waited = time.perf_counter()
                 for produced in produced_steps:
                     data_wait = time.perf_counter() - waited
@@ -150,7 +151,7 @@ class Trainer:
 
     def _train_on(self, state: TrainState, produced: ProducedStep) -> tuple[TrainState, dict[str, float]]:
         """num_iterations passes of mini-batch updates over one global batch."""
-        t0 = time.perf_counter()
+        t0, start = time.perf_counter(), self.timeline.clock()
         state = self.callbacks.on_update_start(self, state)
         host_batch = produced.batch.numeric()
         versions = np.asarray(host_batch["policy_version"])
@@ -173,13 +174,15 @@ class Trainer:
                               policy_version=version, data_position=produced.data_position)
         state = self.callbacks.on_update_end(self, state)
         metrics["time/update"] = time.perf_counter() - t0
+        self.timeline.record("update", produced.step, start, self.timeline.clock(), samples=produced.batch.num_samples,
+                             role=STAGE_ROLES["update"])
         metrics.update(produced.metrics)
         return state, metrics
 
     def validate(self, params: Any, val_data: Sequence[dict], step: int) -> dict[str, float]:
         """Runs `validation_step` over `val_data` in batches; returns `val/*` means (sample-weighted)."""
         totals: dict[str, float] = {}
-        count = 0
+        count, began = 0, self.timeline.clock()
         for start in range(0, len(val_data), self.val_batch_size):
             chunk = [val_data[i] for i in range(start, min(start + self.val_batch_size, len(val_data)))]
             rows = [{**r, "prompt_index": start + i} for i, r in enumerate(chunk)]
@@ -190,6 +193,7 @@ class Trainer:
                 totals[k] = totals.get(k, 0.0) + float(v) * batch.num_samples
             count += batch.num_samples
         metrics = {(k if k.startswith("val/") else f"val/{k}"): v / max(count, 1) for k, v in totals.items()}
+        self.timeline.record("validate", step, began, self.timeline.clock(), samples=count, role=STAGE_ROLES["validate"])
         self.callbacks.on_validation_end(self, step, metrics)
         return metrics
 

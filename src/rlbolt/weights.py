@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from rlbolt.prefetch import DataPrefetcher
+from rlbolt.prefetch import StageThreads
 
 
 class WeightStore:
@@ -40,7 +40,7 @@ class WeightStore:
     def get(self, step: int, stop_event: threading.Event) -> tuple[Any, int]:
         """Blocks until the weights that produce `step` are published; returns (params, version)."""
         key = self.key_for_step(step)
-        DataPrefetcher.wait(lambda: key in self._weights, stop_event, self._cond)
+        StageThreads.wait(lambda: key in self._weights, stop_event, self._cond)
         with self._cond:
             return self._weights[key]
 

@@ -8,6 +8,6 @@
 """
 
 from rlbolt.dock.selection import DockError, balanced_order
-from rlbolt.dock.store import DockClosed, ExperienceDock, StageStats
+from rlbolt.dock.store import DockClosed, ExperienceDock, StageStats, Taken
 
-__all__ = ["DockClosed", "DockError", "ExperienceDock", "StageStats", "balanced_order"]
+__all__ = ["DockClosed", "DockError", "ExperienceDock", "StageStats", "Taken", "balanced_order"]

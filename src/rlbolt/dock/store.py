@@ -58,6 +58,31 @@ class StageStats:
         return self.samples / self.window_s if self.window_s > 0 else 0.0
 
 
+class Taken(tuple):
+    """What `get` returns: the pair (batch, indices), which unpacks as such, plus `keys`.
+
+    Attributes:
+      batch: the taken samples' columns.
+      indices: [K] int64 sample indices.
+      keys: the batch key of each taken sample (the samples may be forgotten by the time the
+        caller asks, once every stage is done with them).
+      timed_out: the call returned because its time-out passed.
+    """
+
+    def __new__(cls, batch: Batch, indices: np.ndarray, keys: list, timed_out: bool = False):
+        taken = super().__new__(cls, (batch, indices))
+        taken.keys, taken.timed_out = keys, timed_out
+        return taken
+
+    @property
+    def batch(self) -> Batch:
+        return self[0]
+
+    @property
+    def indices(self) -> np.ndarray:
+        return self[1]
+
+
 class _Sample:
     __slots__ = ("batch", "group", "columns", "owed")
 
@@ -230,7 +255,7 @@ class ExperienceDock:
     def get(self, stage: str, columns: Sequence[str] | None = None, n: int | None = None, *,
             whole_groups: bool = False, one_batch: bool = False, balance: int | None = None,
             lengths: str = "completion_mask", block: bool = True,
-            timeout: float | None = None) -> tuple[Batch, np.ndarray]:
+            timeout: float | None = None) -> Taken:
         """Takes up to `n` samples that are ready for `stage`, marking them taken by it.
 
         Ready means every input column of the stage (and every column asked for) is written.
@@ -257,8 +282,9 @@ class ExperienceDock:
           timeout: the most seconds to wait; then what is ready is returned (maybe nothing).
 
         Returns:
-          (batch, indices): the taken samples' columns and their [K] int64 indices, K <= n.
-          K == 0 after a time-out, a non-blocking call with nothing ready, or `finish()`.
+          (batch, indices) as a `Taken` (also holding each sample's batch key): the taken
+          samples' columns and their [K] int64 indices, K <= n. K == 0 after a time-out, a
+          non-blocking call with nothing ready, or `finish()`.
 
         Raises:
           DockError: an unknown stage or column, n < 1, or a group larger than n.
@@ -296,6 +322,7 @@ class ExperienceDock:
             self._drop_empty(st)
             names = columns if columns is not None else _common_columns(self._samples[i] for i in chosen)
             units = self._units(chosen, whole_groups) if balance is not None else []
+            keys = [self._samples[i].batch.key for i in chosen]
             stats = st.stats
             stats.gets += 1
             stats.samples += len(chosen)
@@ -311,15 +338,8 @@ class ExperienceDock:
         idx = np.asarray(chosen, np.int64)
         if balance is not None and len(chosen):
             order = balance_units(units, _lengths(batch, lengths), balance)
-            batch, idx = batch.select(np.asarray(order)), idx[order]
-        return batch, idx
-
-    def key_of(self, index: int) -> Hashable:
-        """The batch key a sample was added with (while the dock still holds it)."""
-        sample = self._samples.get(int(index))
-        if sample is None:
-            raise DockError(f"key_of: sample {index} does not exist (never added, or already forgotten)")
-        return sample.batch.key
+            batch, idx, keys = batch.select(np.asarray(order)), idx[order], [keys[p] for p in order]
+        return Taken(batch, idx, keys, timed_out)
 
     def stats(self, reset: bool = True) -> dict[str, StageStats]:
         """Per-stage counters since the last reset (then start a new window when reset)."""
