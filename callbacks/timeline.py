@@ -7,6 +7,7 @@ torn last line, which `rlbolt.timeline.read_timeline` skips. `rlbolt plot` draws
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from rlbolt.callback import Callback
@@ -27,8 +28,10 @@ class TimelineLogger(Callback):
     def __init__(self, filename: str = "timeline.jsonl"):
         self.filename = filename
         self.path: Path | None = None
+        self.run = 0.0
 
     def on_fit_start(self, trainer, state) -> None:
+        self.run = time.time()  # stamps this fit's events: a resumed run appends its own
         if trainer.is_main_process:
             self.path = Path(trainer.run_dir) / self.filename
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -48,4 +51,4 @@ class TimelineLogger(Callback):
     def _flush(self, trainer) -> None:
         events = trainer.timeline.drain()
         if self.path is not None and events:
-            append_events(self.path, events)
+            append_events(self.path, [{**e, "run": self.run} for e in events])

@@ -151,7 +151,7 @@ class Trainer:
 
     def _train_on(self, state: TrainState, produced: ProducedStep) -> tuple[TrainState, dict[str, float]]:
         """num_iterations passes of mini-batch updates over one global batch."""
-        t0, start = time.perf_counter(), self.timeline.clock()
+        t0, began = time.perf_counter(), self.timeline.clock()
         state = self.callbacks.on_update_start(self, state)
         host_batch = produced.batch.numeric()
         versions = np.asarray(host_batch["policy_version"])
@@ -174,7 +174,7 @@ class Trainer:
                               policy_version=version, data_position=produced.data_position)
         state = self.callbacks.on_update_end(self, state)
         metrics["time/update"] = time.perf_counter() - t0
-        self.timeline.record("update", produced.step, start, self.timeline.clock(), samples=produced.batch.num_samples,
+        self.timeline.record("update", produced.step, began, self.timeline.clock(), samples=produced.batch.num_samples,
                              role=STAGE_ROLES["update"])
         metrics.update(produced.metrics)
         return state, metrics
@@ -193,7 +193,8 @@ class Trainer:
                 totals[k] = totals.get(k, 0.0) + float(v) * batch.num_samples
             count += batch.num_samples
         metrics = {(k if k.startswith("val/") else f"val/{k}"): v / max(count, 1) for k, v in totals.items()}
-        self.timeline.record("validate", step, began, self.timeline.clock(), samples=count, role=STAGE_ROLES["validate"])
+        # step - 1: the 0-based step it follows, like the other stages' events of that step
+        self.timeline.record("validate", step - 1, began, self.timeline.clock(), samples=count, role=STAGE_ROLES["validate"])
         self.callbacks.on_validation_end(self, step, metrics)
         return metrics
 

@@ -68,6 +68,8 @@ def build_callbacks(cfg: RunConfig, run_dir: str | Path) -> list:
         out.append(cb.MetricsLogger(writer=list(c.metrics), every_n_steps=c.log_every_n_steps, wandb_project=c.wandb_project))
     if c.progress:
         out.append(cb.ProgressBar())
+    if c.timeline:
+        out.append(cb.TimelineLogger())
     if c.early_stopping_metric:
         out.append(cb.EarlyStopping(c.early_stopping_metric, mode=c.early_stopping_mode, patience=c.early_stopping_patience))
     if c.export_hf:

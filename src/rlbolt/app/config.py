@@ -148,6 +148,7 @@ class CallbacksSection:
     metrics: tuple = _f(("console", "jsonl"), f"metric writers, any of {METRIC_WRITERS}")
     log_every_n_steps: int = _f(1, "write metrics every n steps")
     progress: bool = _f(True, "show a progress bar")
+    timeline: bool = _f(True, "append every stage's start and end to timeline.jsonl (rlbolt plot draws it)")
     export_hf: bool = _f(False, "write a Hugging Face folder (safetensors + config + tokenizer) at the end")
     nan_guard: bool = _f(True, "stop with a clear error when the loss or grad norm is not finite")
     lr_monitor: bool = _f(True, "log the learning rate of each step's last update as `lr`")
