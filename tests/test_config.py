@@ -138,7 +138,7 @@ def test_callbacks_section_builds_the_configured_callbacks(tmp_path):
                              "callbacks.early_stopping_metric=val/accuracy", "callbacks.progress=false"])
     kinds = [type(c) for c in build_callbacks(cfg, tmp_path)]
     assert kinds == [cb.NaNGuard, cb.LearningRateMonitor, cb.Throughput, cb.CPUOffload, cb.ModelCheckpoint,
-                     cb.MetricsLogger, cb.EarlyStopping]
+                     cb.MetricsLogger, cb.TimelineLogger, cb.EarlyStopping]
     plain = load_config(None, ["callbacks.nan_guard=false", "callbacks.lr_monitor=false", "callbacks.throughput=false",
-                               "callbacks.metrics=[]", "callbacks.progress=false"])
+                               "callbacks.metrics=[]", "callbacks.progress=false", "callbacks.timeline=false"])
     assert build_callbacks(plain, tmp_path) == []
