@@ -79,9 +79,18 @@ class RLModule:
             "forward pass for old_logps; override compute_logps(params, batch)"
         )
 
+    def on_reward(self, batch: Batch) -> Batch:
+        """Adds `rewards` [N], sample by sample, per reward micro batch
+        (`plan.reward_micro_batch_size`), so scoring overlaps the rollout of later samples.
+
+        Optional: only a module that overrides it gets a reward stage; otherwise
+        `on_advantage` computes the rewards itself (on the whole global batch)."""
+        return batch
+
     def on_advantage(self, batch: Batch) -> Batch:
-        """Adds `rewards` [N] and `advantages` [N] or [N, C] for the whole global batch. May drop
-        samples (whole groups); the producer then refills up to `plan.max_refill_rounds` times."""
+        """Adds `rewards` [N] (unless `on_reward` did) and `advantages` [N] or [N, C] for the whole
+        global batch. May drop samples (whole groups, keeping their order); the producer then
+        refills up to `plan.max_refill_rounds` times."""
         raise NotImplementedError(f"{type(self).__name__} must implement on_advantage(batch)")
 
     # -- training (jitted by the Trainer: pure, arrays in, arrays out) -----------------------

@@ -5,6 +5,8 @@
                refill rounds (DAPO) join the same step
     rollout    dock.get("rollout",   n=rollout_micro_batch_size) -> on_rollout    -> dock.put
     logps      dock.get("logps",     n=logps_micro_batch_size)   -> compute_logps -> dock.put
+    reward     dock.get("reward",    n=reward_micro_batch_size)  -> on_reward     -> dock.put
+               (only for a module that overrides on_reward)
     advantage  dock.get("advantage", the whole round, whole groups) -> on_advantage; when the
                step is full: put rewards/advantages of the kept samples, discard the rest;
                else ask the feeder for a refill round
@@ -40,17 +42,21 @@ from rlbolt.timeline import Timeline
 from rlbolt.utils.xla_flags import release_freed_host_memory
 from rlbolt.weights import WeightStore
 
-# The columns a sample needs before each stage may take it.
+# The columns a sample needs before each stage may take it ("reward" runs only for a module
+# that overrides on_reward; "advantage" then also waits for its rewards).
 STAGE_INPUTS = {
     "rollout": ("sample_keys", "group_ids", "policy_version", "prompt_index"),
     "logps": tuple(STAGE_SCHEMAS["rollout"]),
+    "reward": tuple(STAGE_SCHEMAS["logps"]),
     "advantage": tuple(STAGE_SCHEMAS["logps"]),
     "train": tuple(STAGE_SCHEMAS["advantage"]),
 }
 # What runs each stage, in placement terms (a placement maps roles to devices).
-STAGE_ROLES = {"rollout": "rollout", "logps": "train", "advantage": "host", "update": "train", "validate": "rollout"}
+STAGE_ROLES = {"rollout": "rollout", "logps": "train", "reward": "host", "advantage": "host", "update": "train",
+               "validate": "rollout"}
 INDEX_COLUMN = "dock_index"  # on_advantage's batch carries it, so the kept samples are known
-_TIMES = {"rollout": "time/rollout", "logps": "time/logps", "advantage": "time/reward"}
+_TIMES = {"rollout": "time/rollout", "logps": "time/logps", "reward": "time/reward", "advantage": "time/reward"}
+_HOOKS = {"rollout": "on_rollout", "logps": "compute_logps", "reward": "on_reward", "advantage": "on_advantage"}
 
 
 @dataclasses.dataclass
@@ -82,15 +88,21 @@ class _Step:
     params: Any
     version: int
     position: int = 0
-    times: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(_TIMES.values(), 0.0))
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # stage -> seconds in its hook
     logs: dict[str, dict[str, list[float]]] = dataclasses.field(default_factory=dict)
     rounds: list[tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]] = dataclasses.field(default_factory=list)
     decisions: queue.Queue = dataclasses.field(default_factory=queue.Queue)  # advantage -> feeder
 
     def note(self, stage: str, seconds: float, logged: dict[str, list[float]]) -> None:
-        self.times[_TIMES[stage]] += seconds
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds  # a key per stage: one writing thread
         for name, values in logged.items():
             self.logs.setdefault(stage, {}).setdefault(name, []).extend(values)
+
+    def times(self) -> dict[str, float]:
+        out = dict.fromkeys(_TIMES.values(), 0.0)
+        for stage, seconds in self.seconds.items():
+            out[_TIMES[stage]] += seconds
+        return out
 
 
 class Producer:
@@ -131,7 +143,13 @@ class _Run:
 
     def __init__(self, producer: Producer, start_step: int, start_position: int, timeout_s: float | None):
         self.p, self.start_step, self.start_position, self.timeout_s = producer, start_step, start_position, timeout_s
-        self.dock = ExperienceDock(STAGE_INPUTS)
+        self.rewards = type(producer.module).on_reward is not RLModule.on_reward  # a reward stage
+        stages = dict(STAGE_INPUTS)
+        if self.rewards:
+            stages["advantage"] += ("rewards",)
+        else:
+            del stages["reward"]
+        self.dock = ExperienceDock(stages)
         self.steps: dict[int, _Step] = {}
         self.threads = StageThreads(self.dock.close, quiet=(DockClosed,))
 
@@ -142,6 +160,9 @@ class _Run:
             "rollout", plan.rollout_micro_batch_size, lambda s, b: check_stage(module.on_rollout(s.params, b), "rollout")))
         self.threads.start("logps", lambda stop: self._stage(
             "logps", plan.logps_micro_batch_size, lambda s, b: check_stage(module.compute_logps(s.params, b), "logps")))
+        if self.rewards:
+            self.threads.start("reward", lambda stop: self._stage(
+                "reward", plan.reward_micro_batch_size, lambda s, b: _with_rewards(module.on_reward(b))))
         self.threads.start("advantage", self._advantage)
         return self._consume()
 
@@ -265,7 +286,7 @@ class _Run:
                 raise RuntimeError(f"step {taken.keys[0]}: the dock held {len(idx)} of {want} samples for training")
             step = taken.keys[0]
             record = self.steps.pop(step)
-            metrics = {**batch_metrics(batch), **record.times, **mean_logs(_merged_logs(record))}
+            metrics = {**batch_metrics(batch), **record.times(), **mean_logs(_merged_logs(record))}
             if p.plan.max_refill_rounds:
                 metrics["refill/dropped_samples"] = float(sum(len(i) - len(k) for i, k, _ in record.rounds))
             for stage, s in self.dock.stats().items():
@@ -273,6 +294,13 @@ class _Run:
                 metrics[f"time/dock_waits/{stage}"] = float(s.waits)
                 metrics[f"throughput/dock/{stage}/samples_per_s"] = s.samples_per_s
             yield ProducedStep(step, batch, record.position, p.weights.key_for_step(step), record.version, metrics)
+
+
+def _with_rewards(batch: Batch) -> Batch:
+    if "rewards" not in batch or np.shape(batch["rewards"]) != (batch.num_samples,):
+        raise ValueError(f"on_reward must add a `rewards` column of shape [{batch.num_samples}]; got "
+                         f"{list(np.shape(batch['rewards'])) if 'rewards' in batch else 'none'}")
+    return batch
 
 
 def _wait_for(decisions: queue.Queue, stop: threading.Event) -> int:
@@ -310,7 +338,7 @@ def _kept_samples(out: Batch, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def _added_columns(stage: str, before: Batch, after: Batch, positions: np.ndarray) -> dict[str, Any]:
     """The columns a hook added; a hook must not change the ones it received."""
-    hook = {"rollout": "on_rollout", "logps": "compute_logps", "advantage": "on_advantage"}[stage]
+    hook = _HOOKS[stage]
     if after.num_samples != len(positions):
         raise ValueError(f"{hook} returned {after.num_samples} samples for {before.num_samples}; it must return one "
                          "row per sample (only on_advantage may drop samples)")

@@ -8,15 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from sequential_producer import SequentialProducer
+from sequential_producer import assert_same_fit, fit_both
 from toy_module import ToyModule, prompt_rows
 
-import rlbolt.trainer
-from rlbolt.callback import Callback
 from rlbolt.plan import BatchPlan
 from rlbolt.trainer import Trainer
-
-TIMING_PREFIXES = ("time/", "throughput/")
 
 
 class DroppingToy(ToyModule):
@@ -33,12 +29,18 @@ class DroppingToy(ToyModule):
         return out.select(keep)
 
 
-class Capture(Callback):
-    def __init__(self):
-        self.steps = []
+class ScoringToy(ToyModule):
+    """Scores each sample in a reward stage (on_reward, at the plan's reward micro size); the
+    reference, which predates that stage, gets the same rewards from on_advantage."""
 
-    def on_step_end(self, trainer, info):
-        self.steps.append((dict(info.metrics), info.batch))
+    def on_reward(self, batch):
+        rewards = (np.asarray(batch["completion_ids"]) == self.target).mean(axis=1).astype(np.float32)
+        return batch.with_columns(rewards=rewards)
+
+    def on_advantage(self, batch):
+        if "rewards" not in batch:
+            batch = self.on_reward(batch)
+        return super().on_advantage(batch)  # recomputes the same rewards: an unchanged column
 
 
 SETTINGS = {
@@ -48,43 +50,20 @@ SETTINGS = {
     "async-ahead": (ToyModule, dict(
         plan=dict(mini_batch_size=8, rollout_micro_batch_size=8, logps_micro_batch_size=4),
         trainer=dict(mode="async", max_staleness=3))),
+    "reward-stage": (ScoringToy, dict(
+        plan=dict(rollout_micro_batch_size=8, logps_micro_batch_size=4, reward_micro_batch_size=4), trainer={})),
     "refills": (DroppingToy, dict(
         plan=dict(rollout_micro_batch_size=4, logps_micro_batch_size=4, max_refill_rounds=6), trainer={})),
 }
 
 
-def fit(module_cls, setting, monkeypatch=None):
-    if monkeypatch is not None:
-        monkeypatch.setattr(rlbolt.trainer, "Producer", SequentialProducer)
-    capture = Capture()
-    plan = BatchPlan(prompts_per_step=4, num_generations=4, **setting["plan"])
-    trainer = Trainer(plan, max_steps=5, seed=11, callbacks=[capture], **setting["trainer"])
-    state = trainer.fit(module_cls(), prompt_rows(40))
-    if monkeypatch is not None:
-        monkeypatch.undo()
-    return state, capture.steps
-
-
 @pytest.mark.parametrize("name", SETTINGS)
 def test_fit_through_the_pipeline_equals_the_sequential_reference(name, monkeypatch):
     module_cls, setting = SETTINGS[name]
-    state, steps = fit(module_cls, setting)
-    ref_state, ref_steps = fit(module_cls, setting, monkeypatch)
-    assert len(steps) == len(ref_steps) == 5
-    for s, ((metrics, batch), (ref_metrics, ref_batch)) in enumerate(zip(steps, ref_steps)):
-        keys = {k for k in metrics if not k.startswith(TIMING_PREFIXES)}
-        assert keys == {k for k in ref_metrics if not k.startswith(TIMING_PREFIXES)}, f"step {s}: metric names"
-        for k in keys:
-            assert metrics[k] == ref_metrics[k], f"step {s}: {k} = {metrics[k]!r}, reference {ref_metrics[k]!r}"
-        assert sorted(batch) == sorted(ref_batch)
-        for col in batch:
-            a, b = np.asarray(batch[col]), np.asarray(ref_batch[col])
-            assert a.dtype == b.dtype and a.shape == b.shape, f"step {s}: column {col}"
-            assert (a == b).all(), f"step {s}: column {col} differs"
-    np.testing.assert_array_equal(state.params["table"], ref_state.params["table"])
-    assert state.params["table"].tobytes() == ref_state.params["table"].tobytes()
-    assert (state.step, state.policy_version, state.data_position) == (
-        ref_state.step, ref_state.policy_version, ref_state.data_position)
+    plan = BatchPlan(prompts_per_step=4, num_generations=4, **setting["plan"])
+    make_trainer = lambda callbacks: Trainer(plan, max_steps=5, seed=11, callbacks=callbacks, **setting["trainer"])
+    run, reference = fit_both(make_trainer, module_cls, prompt_rows(40), monkeypatch)
+    assert_same_fit(run, reference, lambda state: [state.params["table"]])
     if name == "refills":
-        dropped = [m["refill/dropped_samples"] for m, _ in steps]
-        assert sum(dropped) > 0 and state.data_position > 5 * 4  # refill rounds happened
+        state, steps = run
+        assert sum(m["refill/dropped_samples"] for m, _ in steps) > 0 and state.data_position > 5 * 4

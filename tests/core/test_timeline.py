@@ -41,6 +41,12 @@ def test_a_torn_last_line_is_skipped_and_the_next_append_starts_a_new_line(tmp_p
     assert [(e["stage"], e["step"]) for e in read_timeline(path)] == [("rollout", 0), ("update", 1)]
 
 
+class ScoringToy(ToyModule):
+    def on_reward(self, batch):  # a reward stage, at the plan's reward micro size
+        rewards = (np.asarray(batch["completion_ids"]) == self.target).mean(axis=1).astype(np.float32)
+        return batch.with_columns(rewards=rewards)
+
+
 class SlowUpdate(Callback):
     def on_update_start(self, trainer, state):
         time.sleep(0.15)  # a long update: async rollout of the next step runs meanwhile
@@ -48,10 +54,10 @@ class SlowUpdate(Callback):
 
 def test_fit_writes_every_stage_call_and_async_rollout_overlaps_the_update(tmp_path):
     plan = BatchPlan(prompts_per_step=4, num_generations=4, mini_batch_size=8, rollout_micro_batch_size=8,
-                     logps_micro_batch_size=4)
+                     logps_micro_batch_size=4, reward_micro_batch_size=8)
     trainer = Trainer(plan, max_steps=4, mode="async", max_staleness=3, run_dir=tmp_path,
                       callbacks=[TimelineLogger(), SlowUpdate()])
-    trainer.fit(ToyModule(), prompt_rows(16), val_data=prompt_rows(2, seed=1))
+    trainer.fit(ScoringToy(), prompt_rows(16), val_data=prompt_rows(2, seed=1))
     events = read_timeline(tmp_path / "timeline.jsonl")
     lines = (tmp_path / "timeline.jsonl").read_text().splitlines()
     assert len(lines) == len(events) and all(json.loads(line)["run"] for line in lines)
@@ -60,10 +66,12 @@ def test_fit_writes_every_stage_call_and_async_rollout_overlaps_the_update(tmp_p
         # each stage's dispatches: 16 samples in rollout micro batches of 8, logps ones of 4
         assert [e["samples"] for e in by("rollout", step)] == [8, 8]
         assert [e["samples"] for e in by("logps", step)] == [4, 4, 4, 4]
+        assert [e["samples"] for e in by("reward", step)] == [8, 8]
+        assert max(e["end"] for e in by("reward", step)) <= min(e["start"] for e in by("advantage", step))
         assert [e["samples"] for e in by("advantage", step)] == [16]
         (update,) = by("update", step)
         assert update["role"] == "train" and update["start"] >= max(e["end"] for e in by("advantage", step))
-        for e in by("rollout", step) + by("logps", step) + by("advantage", step) + [update]:
+        for e in by("rollout", step) + by("logps", step) + by("reward", step) + by("advantage", step) + [update]:
             assert e["end"] >= e["start"] and e["thread"].startswith("rlbolt-producer") == (e["stage"] != "update")
     assert len(by("validate", 3)) == 1  # after the last step
     overlaps = [k for k in range(3)

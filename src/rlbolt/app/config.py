@@ -68,6 +68,8 @@ class PlanSection:
     train_micro_batch_size: int | None = _f(None, "samples per gradient call; None: the mini batch")
     logps_micro_batch_size: int | None = _f(None, "samples per logps forward; None: train_micro_batch_size")
     rollout_micro_batch_size: int | None = _f(None, "samples per sampler call; None: the global batch")
+    reward_micro_batch_size: int | None = _f(None, "samples per reward call (scored while later samples still "
+                                                 "generate); None: the global batch")
     num_iterations: int = _f(1, "update passes over each global batch (mu)")
     max_refill_rounds: int | None = _f(None, "extra prompt draws when groups are dropped (DAPO); None: 4 with dynamic sampling, else 0")
 

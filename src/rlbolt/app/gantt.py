@@ -15,7 +15,7 @@ from typing import Any
 
 from rlbolt.timeline import read_timeline
 
-ROWS = ("rollout", "logps", "advantage", "update", "validate")
+ROWS = ("rollout", "logps", "reward", "advantage", "update", "validate")
 LABELS = {"advantage": "reward/advantage"}
 
 

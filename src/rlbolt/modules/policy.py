@@ -178,9 +178,16 @@ class LMPolicyModule(RLModule):
         return batch.with_columns(cols)
 
     # -- rewards and advantages ------------------------------------------------------------------------
+    def on_reward(self, batch: Batch) -> Batch:
+        """Adds `rewards` [N] (`compute_rewards`), per reward micro batch: each sample is scored
+        on its own, so scoring runs while later samples are still generated."""
+        return batch.with_columns(rewards=np.asarray(self.compute_rewards(batch), np.float32))
+
     def on_advantage(self, batch: Batch) -> Batch:
-        """Rewards [N] -> `filter_groups` -> advantages, on the whole global batch."""
-        batch = batch.with_columns(rewards=np.asarray(self.compute_rewards(batch), np.float32))
+        """Rewards [N] (from `on_reward`, or computed here when called directly) -> `filter_groups`
+        -> advantages, on the whole global batch."""
+        if "rewards" not in batch:
+            batch = self.on_reward(batch)
         batch = self.filter_groups(batch)
         if batch.num_samples == 0:
             return batch.with_columns(advantages=np.zeros((0,), np.float32))
