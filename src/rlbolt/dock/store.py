@@ -101,11 +101,12 @@ class _Batch:
 
 
 class _Column:
-    __slots__ = ("lock", "chunks", "live", "where")
+    __slots__ = ("lock", "chunks", "first", "live", "where")
 
     def __init__(self):
         self.lock = threading.Lock()
         self.chunks: list[np.ndarray | None] = []  # one array per put; freed when no row is live
+        self.first: list[int | None] = []  # a chunk's first sample when its samples are consecutive
         self.live: list[int] = []
         self.where: dict[int, tuple[int, int]] = {}  # sample -> (chunk, row)
 
@@ -387,9 +388,11 @@ class ExperienceDock:
                 if doubles:
                     raise DockError(f"{what}: column {name!r} of sample(s) {_few(doubles)} is already written "
                                     "(a double write); a stage adds columns, it never rewrites one")
+            consecutive = bool(keys) and keys[-1] - keys[0] == len(keys) - 1 and bool((np.diff(idx) == 1).all())
             for name, col in cols:
                 chunk = len(col.chunks)
                 col.chunks.append(arrays[name])
+                col.first.append(keys[0] if consecutive else None)
                 col.live.append(len(keys))
                 col.where.update(zip(keys, ((chunk, row) for row in range(len(keys)))))
         finally:
@@ -453,8 +456,14 @@ class ExperienceDock:
         if not chosen:
             return Batch()
         out = {}
+        consecutive = chosen == list(range(chosen[0], chosen[0] + len(chosen)))
         for name in names:
             col = self._columns[name]
+            if consecutive:  # the usual case: a stage's dispatch of one batch, in order
+                value = _consecutive_rows(col, chosen[0], len(chosen))
+                if value is not None:
+                    out[name] = value
+                    continue
             locs = [col.where[i] for i in chosen]
             chunk_ids = np.fromiter((c for c, _ in locs), np.int64, len(locs))
             rows = np.fromiter((r for _, r in locs), np.int64, len(locs))
@@ -528,10 +537,22 @@ def _as_indices(indices: Any, what: str) -> np.ndarray:
 
 def _common_columns(samples) -> list[str]:
     sets = [s.columns for s in samples]
-    if not sets:
-        return []
-    common = set.intersection(*(set(s) for s in sets))
-    return sorted(common)
+    return sorted(sets[0].intersection(*sets[1:])) if sets else []
+
+
+def _consecutive_rows(col: _Column, start: int, count: int) -> np.ndarray | None:
+    """Rows of samples start..start+count-1 as slices of the chunks that hold them (a view when
+    one chunk does); None when a chunk's samples are not consecutive."""
+    parts, i, end = [], start, start + count
+    while i < end:
+        chunk, row = col.where[i]
+        if col.first[chunk] is None:
+            return None
+        array = col.chunks[chunk]
+        take = min(len(array) - row, end - i)  # rows row.. hold samples i.. (consecutive chunk)
+        parts.append(array[row:row + take])
+        i += take
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def _lengths(batch: Batch, name: str) -> np.ndarray:
