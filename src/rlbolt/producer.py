@@ -328,9 +328,9 @@ def _kept_samples(out: Batch, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError(f"on_advantage dropped samples and the {INDEX_COLUMN!r} column with them; keep the columns "
                          "it receives (drop samples with batch.select)")
     kept = np.asarray(out[INDEX_COLUMN]).astype(np.int64)
-    positions = np.searchsorted(idx, kept)
-    valid = (positions < len(idx)) & (idx[np.minimum(positions, len(idx) - 1)] == kept)
-    if not valid.all() or (np.diff(kept) <= 0).any():
+    where = {i: p for p, i in enumerate(idx.tolist())}
+    positions = np.array([where.get(i, -1) for i in kept.tolist()], np.int64)
+    if (positions < 0).any() or (np.diff(positions) <= 0).any():
         raise ValueError(f"on_advantage returned samples that are not a subset of its input in input order "
                          f"({INDEX_COLUMN}={kept.tolist()[:8]}...); it may drop samples, not add or reorder them")
     return kept, positions
@@ -356,7 +356,16 @@ def _same(a: Any, b: Any) -> bool:
     a, b = np.asarray(a), np.asarray(b)
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
+    if a.dtype == object:  # selecting rows copies references: unchanged items are the same objects
+        return all(x is y or _same_item(x, y) for x, y in zip(a.ravel(), b.ravel()))
     return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
+
+
+def _same_item(x: Any, y: Any) -> bool:
+    try:
+        return bool(x == y)
+    except ValueError:  # arrays inside an object column
+        return bool(np.array_equal(np.asarray(x), np.asarray(y)))
 
 
 @jax.jit

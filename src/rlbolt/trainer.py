@@ -50,6 +50,10 @@ class Trainer:
       val_batch_size: prompts per validation batch (default prompts_per_step).
       run_dir: where callbacks write (metrics, checkpoints); default runs/<time>.
       prefetch_timeout_s: fail if the producer yields nothing for this long (None: wait).
+
+    Attributes:
+      timeline: every stage call and update as start/end events (`rlbolt.timeline.Timeline`);
+        `rlbolt.callbacks.TimelineLogger` writes them to the run directory.
     """
 
     def __init__(self, plan: BatchPlan, *, max_steps: int | None = None, max_epochs: int | None = None,
