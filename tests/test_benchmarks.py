@@ -57,3 +57,10 @@ def test_dock_benchmark_quick_mode():
     (size,) = result["sizes"].values()
     assert size["dock_ms"] > 0 and size["concat_ms"] > 0
     assert abs(size["dock_us_per_sample"] - 1e3 * size["dock_ms"] / 64) < 1e-9
+
+
+def test_reward_executors_benchmark_quick_mode():
+    out, result = _last_json("reward_executors.py")
+    assert "us/sample" in out and result["system"] == "rlbolt-reward-executors" and result["samples_per_call"] == 32
+    for executor in ("thread", "process"):
+        assert result[f"{executor}_us_per_sample"] > 0 and result[f"{executor}_first_call_s"] > 0

@@ -130,16 +130,20 @@ def test_reinforcepp_by_hand():
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_reinforcepp_group_baseline_and_token_rewards_agree():
+def test_reinforcepp_group_baseline_divides_by_the_std_without_recentring():
     mask = jnp.array([[1, 1], [1, 0], [1, 1]], bool)
     rewards = jnp.array([1.0, 0.0, 3.0])
     got = reinforcepp_advantages(rewards, mask, group_ids=jnp.array([4, 4, 8]))
-    # centred rewards .5, -.5, 0 on the last tokens; returns [.5,.5], [-.5], [0, 0].
-    token_rewards = jnp.array([[0.0, 0.5], [-0.5, 0.0], [0.0, 0.0]])
-    np.testing.assert_allclose(got, reinforcepp_advantages(token_rewards, mask), atol=1e-6)
+    # centred rewards .5, -.5, 0 on the last tokens; returns [.5,.5], [-.5], [0, 0]. The baseline
+    # already centred each group, so the batch step only divides by the (population) std: the
+    # singleton group 8 keeps advantage 0 instead of -mean/std.
     returns = np.array([0.5, 0.5, -0.5, 0.0, 0.0])
-    expected = (returns - returns.mean()) / returns.std()
-    np.testing.assert_allclose(np.asarray(got)[np.asarray(mask)], expected, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got)[np.asarray(mask)], returns / returns.std(), rtol=1e-5)
+    assert np.all(np.asarray(got)[2] == 0.0)
+    # Without the baseline the same token rewards are centred on the batch mean (Eq. 3).
+    token_rewards = jnp.array([[0.0, 0.5], [-0.5, 0.0], [0.0, 0.0]])
+    plain = reinforcepp_advantages(token_rewards, mask)
+    np.testing.assert_allclose(np.asarray(plain)[np.asarray(mask)], (returns - returns.mean()) / returns.std(), rtol=1e-5)
 
 
 def test_discounted_returns_skip_mask_holes():

@@ -157,6 +157,27 @@ def test_clipped_value_loss_by_hand():
     np.testing.assert_allclose(grad, [[-1.0, 2.0, -0.5, 0.0]], rtol=1e-6)
 
 
+def test_value_clip_frac_counts_only_values_that_moved_past_the_clip():
+    """old + clip(V - old) can be one ulp off V; such a token is not clipped (issue: ~0.6 % were)."""
+    rng = np.random.default_rng(0)
+    shape = (64, 512)
+    old = rng.normal(size=shape).astype(np.float32) * 3
+    returns = rng.normal(size=shape).astype(np.float32) * 3
+    mask = jnp.ones(shape, bool)
+    inside = (old + rng.uniform(-0.19, 0.19, size=shape)).astype(np.float32)
+    loss, info = clipped_value_loss(inside, old, returns, mask, clip=0.2)
+    assert int(np.count_nonzero(info["clipped"])) == 0
+    np.testing.assert_allclose(loss, 0.5 * (inside.astype(np.float64) - returns) ** 2, rtol=1e-6)
+    # Values that moved further: clipped exactly where float64 says the clipped error is larger.
+    moved = (old + rng.uniform(-0.6, 0.6, size=shape)).astype(np.float32)
+    _, info = clipped_value_loss(moved, old, returns, mask, clip=0.2)
+    v, o, r = (x.astype(np.float64) for x in (moved, old, returns))
+    outside = np.abs(v - o) > 0.2
+    expected = outside & ((o + np.clip(v - o, -0.2, 0.2) - r) ** 2 > (v - r) ** 2)
+    assert expected.sum() > 1000
+    np.testing.assert_array_equal(info["clipped"], expected)
+
+
 def test_shape_mismatch_names_field():
     with pytest.raises(ValueError, match="old_logps"):
         clipped_surrogate(LOGPS, OLD[:, :2], ADV, MASK)

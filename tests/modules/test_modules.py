@@ -180,6 +180,11 @@ def test_ppo_gae_value_head_and_value_loss(grpo, model, tokenizer):
     err = np.where(mask, 0.5 * (batch["old_values"] - out["returns"]) ** 2, 0.0)
     np.testing.assert_allclose(float(metrics["loss/value"]), 0.5 * err.sum() / mask.sum(), rtol=1e-3)
     assert float(jnp.abs(grads["value_head"]["kernel"]).max()) > 0 and np.isfinite(float(loss))
+    assert float(metrics["value/clip_frac"]) == 0.0
+    # Values that moved, but less than value_clip: nothing is clipped (no ulp-sized false positives).
+    moved = batch["old_values"] + np.random.default_rng(0).uniform(-0.19, 0.19, mask.shape).astype(np.float32)
+    _, value_metrics = module.extra_loss({"values": jnp.asarray(moved)}, add_mini_batch_totals(out.numeric()))
+    assert float(value_metrics["value/clip_frac"]) == 0.0
 
 
 def test_user_can_override_one_hook(grpo, model, tokenizer):

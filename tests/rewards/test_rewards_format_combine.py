@@ -4,9 +4,10 @@ import functools
 import math
 import pickle
 
+import numpy as np
 import pytest
 
-from rlbolt.rewards import RewardFn, WeightedReward, as_weighted, format_reward, make_format_reward
+from rlbolt.rewards import RewardFn, RewardTermError, WeightedReward, as_weighted, format_reward, make_format_reward
 
 
 @pytest.mark.parametrize(
@@ -80,10 +81,32 @@ def test_weighted_reward_rejects_bad_terms_and_bad_values():
         WeightedReward([("a b", _exact, 1.0)])
     with pytest.raises(ValueError, match="empty"):
         WeightedReward([])
-    with pytest.raises(ValueError, match="finite"):
+    with pytest.raises(RewardTermError, match="'nan' returned nan, not a finite number"):
         WeightedReward([("nan", lambda c, s: float("nan"), 1.0)]).raw_scores("", {})
-    with pytest.raises(TypeError, match="not a number"):
+    with pytest.raises(RewardTermError, match="not a number"):
         WeightedReward([("text", lambda c, s: "high", 1.0)]).raw_scores("", {})
+
+
+@pytest.mark.parametrize("value", ["0.75", b"1", None, [1.0], 1j, np.array([0.5]), float("inf")])
+def test_a_reward_that_returns_a_non_number_fails_instead_of_being_converted(value):
+    reward = WeightedReward([("parsed", lambda c, s: value, 1.0), ("exact", _exact, 1.0)])
+    with pytest.raises(RewardTermError, match="reward 'parsed' returned") as caught:
+        reward.raw_scores("x", {"answer": "x"})
+    assert caught.value.term == "parsed"
+
+
+def test_real_numbers_of_any_flavour_are_scores():
+    for value, expected in ((True, 1.0), (np.float32(0.25), 0.25), (np.int64(3), 3.0), (np.array(0.5), 0.5), (2, 2.0)):
+        assert WeightedReward([("v", lambda c, s, v=value: v, 1.0)]).raw_scores("", {}) == {"v": expected}
+
+
+def test_a_raising_term_is_named_and_its_exception_chained():
+    def broken(completion, sample):
+        raise KeyError("answer")
+
+    with pytest.raises(RewardTermError, match="reward 'broken' raised KeyError: 'answer'") as caught:
+        WeightedReward([("exact", _exact, 1.0), ("broken", broken, 0.5)]).raw_scores("x", {"answer": "x"})
+    assert isinstance(caught.value.__cause__, KeyError)
 
 
 def test_as_weighted_names_single_functions():

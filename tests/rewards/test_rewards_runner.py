@@ -79,7 +79,7 @@ def test_raise_and_hang_get_the_penalty_and_the_call_stays_bounded(executor, cap
 
 def test_identical_failures_are_logged_once(caplog):
     caplog.set_level(logging.WARNING, logger="rlbolt.rewards.runner")
-    with RewardRunner(flaky_reward, timeout_s=5.0, max_workers=2) as runner:
+    with RewardRunner(flaky_reward, timeout_s=5.0, max_workers=2, max_failed_batches=0) as runner:
         for _ in range(3):
             runner.score(["a", "b"], [{"id": 1}, {"id": 1}])
     messages = [r.getMessage() for r in caplog.records if "boom on sample one" in r.getMessage()]
@@ -128,9 +128,51 @@ def test_empty_batch_and_bad_arguments():
             runner.score(["a", "b"], [{"id": 0}])
     with pytest.raises(ValueError, match="executor"):
         RewardRunner(parity_reward, executor="fork")
-    with pytest.raises(ValueError, match="forkserver"):
-        RewardRunner(parity_reward, executor="process", mp_context="fork")
     with pytest.raises(TypeError, match="picklable"):
         RewardRunner(lambda c, s: 1.0, executor="process")
     with pytest.raises(ValueError, match="timeout_s"):
         RewardRunner(parity_reward, timeout_s=0)
+
+
+def test_a_fit_survives_hostile_rewards_and_stops_on_one_that_always_fails(tmp_path, caplog):
+    """Steps 1-3: os._exit, a GIL-holding regex, a hang, a string and a NaN reward cost only their
+    samples, with the worker pool bounded. Then the reward raises for every sample (issue 15: that
+    used to give one warning and a whole run of reward, loss and grad_norm 0, exit 0); after
+    reward.max_failed_batches such steps the run stops with an error naming it."""
+    from hostile_rewards import staged_reward
+
+    from rlbolt.callback import Callback
+    from rlbolt.data import gsm8k_style_rows
+    from rlbolt.modules import GRPO
+    from rlbolt.plan import BatchPlan
+    from rlbolt.rewards import RewardFailureError
+    from rlbolt.trainer import Trainer
+
+    class Steps(Callback):
+        def __init__(self):
+            self.metrics, self.live = [], []
+
+        def on_step_end(self, trainer, info):
+            self.metrics.append(info.metrics)
+            self.live.append(trainer.module.reward_runner.live_workers())
+
+    tiny = dict(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=32)
+    module = GRPO({"model": {"tiny": tiny}, "rollout": {"max_new_tokens": 4}, "data": {"max_prompt_tokens": 16},
+                   "reward": {"max_failed_batches": 2, "timeout_s": 1.0}}, reward=staged_reward)
+    steps = Steps()
+    trainer = Trainer(BatchPlan(prompts_per_step=3, num_generations=2), max_steps=8, run_dir=tmp_path,
+                      callbacks=[steps])
+    caplog.set_level(logging.WARNING, logger="rlbolt.rewards.runner")
+    with pytest.raises(RewardFailureError, match=r"2 consecutive batches \(reward.max_failed_batches=2\).*"
+                                                 r"reward 'staged' raised RuntimeError: the grader is down"):
+        trainer.fit(module, gsm8k_style_rows(30))
+    assert module.reward_runner.executor == "process"
+    first, second, third, fourth = steps.metrics  # step 5's rewards stopped the run
+    # Each prompt's 2 samples: exit failed, regex timed out, the third scored.
+    assert (first["reward/failures"], first["reward/timeouts"]) == (2.0, 2.0) and first["reward/staged/mean"] > 0
+    # hang timed out, the string failed, the third scored; then NaN failed and two scored.
+    assert (second["reward/failures"], second["reward/timeouts"]) == (2.0, 2.0) and second["reward/staged/mean"] > 0
+    assert (third["reward/failures"], third["reward/timeouts"]) == (2.0, 0.0) and third["reward/staged/mean"] > 0
+    assert fourth["reward/failures"] == 6.0 and fourth["loss"] == 0.0
+    assert max(steps.live) <= module.config.reward.max_workers
+    assert sum("the grader is down" in r.getMessage() for r in caplog.records) == 1

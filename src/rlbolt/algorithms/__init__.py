@@ -13,6 +13,7 @@ from rlbolt.algorithms.advantages import (
 from rlbolt.algorithms.aggregation import LossAggregation, aggregate_loss
 from rlbolt.algorithms.groups import (
     dense_group_index,
+    group_centred,
     group_count,
     group_mean,
     group_range,
@@ -47,6 +48,7 @@ __all__ = [
     "drgrpo_advantages",
     "gae_advantages",
     "get_advantage_estimator",
+    "group_centred",
     "group_count",
     "group_mean",
     "group_range",

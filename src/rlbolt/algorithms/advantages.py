@@ -19,6 +19,16 @@ from rlbolt.algorithms.masked import (
     masked_whiten,
     sequence_to_token_rewards,
 )
+from rlbolt.algorithms.moments import segment_centre, segment_rms
+
+
+def _group_moments(rewards: jax.Array, group_ids: jax.Array, ddof: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(centred [N], std [N], size [N]) of each sample's group; centred is exactly 0 in a tied group."""
+    groups._check_rewards(rewards, group_ids)
+    index = groups.dense_group_index(group_ids)
+    n = index.shape[0]
+    centred, counts = segment_centre(rewards, index, n)
+    return centred, segment_rms(centred, index, n, counts - ddof)[index], counts[index]
 
 
 # The group estimators are jitted here: modules call them eagerly on the host once per step, where
@@ -39,7 +49,8 @@ def grpo_advantages(
 
     The paper does not say which std; we default to the unbiased one (``ddof=1``), the choice of
     the widely used TRL and verl implementations, so results line up with theirs. A group of one
-    sample gets advantage 0. A group of identical rewards gets 0 (``0 / (0 + eps)``).
+    sample gets advantage 0. A group of identical rewards gets exactly 0, whatever the value and
+    the group size (the centring is exact for ties, see ``moments.py``).
 
     Args:
         rewards: ``[N]`` float, one scalar reward per sample.
@@ -53,10 +64,10 @@ def grpo_advantages(
         ``[N]`` float32 advantages.
     """
     rewards = jax.lax.stop_gradient(jnp.asarray(rewards, jnp.float32))
-    centred = rewards - groups.group_mean(rewards, group_ids)
+    centred, std, _ = _group_moments(rewards, group_ids, ddof)
     if not scale_by_std:
         return centred
-    return centred / (groups.group_std(rewards, group_ids, ddof=ddof) + eps)
+    return centred / (std + eps)
 
 
 @functools.partial(jax.jit, static_argnames=("eps",))
@@ -85,15 +96,14 @@ def grpo_process_advantages(
         ``[N, C]`` float32 advantages.
     """
     r = jnp.asarray(step_rewards, jnp.float32)
-    m = jnp.ones_like(r) if mask is None else jnp.asarray(mask, jnp.float32)
+    m = jnp.ones(r.shape, bool) if mask is None else jnp.asarray(mask, bool)
+    check_token_shapes("step_rewards", r, m)
     idx = groups.dense_group_index(group_ids)
     n = r.shape[0]
-    count = jax.ops.segment_sum(m.sum(axis=1), idx, n)
-    mean = jax.ops.segment_sum((r * m).sum(axis=1), idx, n) / jnp.maximum(count, 1.0)
-    centred = (r - mean[idx][:, None]) * m
-    std = jnp.sqrt(jax.ops.segment_sum((centred ** 2).sum(axis=1), idx, n) / jnp.maximum(count, 1.0))
+    centred, count = segment_centre(r, idx, n, m)  # row i's steps all belong to i's group
+    std = segment_rms(centred, idx, n, count)
     normed = centred / (std[idx][:, None] + eps)
-    return jnp.flip(jnp.cumsum(jnp.flip(normed, axis=1), axis=1), axis=1) * m
+    return jnp.flip(jnp.cumsum(jnp.flip(normed, axis=1), axis=1), axis=1) * m.astype(jnp.float32)
 
 
 @jax.jit
@@ -130,11 +140,10 @@ def rloo_advantages(rewards: jax.Array, group_ids: jax.Array) -> jax.Array:
     Returns:
         ``[N]`` float32 advantages.
     """
+    # The k/(k-1) form: centring is exact for ties, while r_i - (sum - r_i)/(k-1) rounds twice.
     rewards = jax.lax.stop_gradient(jnp.asarray(rewards, jnp.float32))
-    size = groups.group_count(group_ids)
-    total = groups.group_mean(rewards, group_ids) * size
-    others = jnp.maximum(size - 1.0, 1.0)
-    return jnp.where(size > 1, rewards - (total - rewards) / others, 0.0)
+    centred, _, size = _group_moments(rewards, group_ids, 0)
+    return jnp.where(size > 1, centred * (size / jnp.maximum(size - 1.0, 1.0)), 0.0)
 
 
 def _discounted_returns(token_rewards: jax.Array, mask: jax.Array, gamma: float) -> jax.Array:
@@ -167,7 +176,10 @@ def reinforcepp_advantages(
     ``A_t = sum_{s >= t} gamma^(s-t) r_s`` and it is normalised with the mean and std of all
     valid tokens in the batch (Eq. 3; population std). Call it on the whole global batch so
     the statistics are global, not per micro batch. With ``group_ids`` the sequence reward
-    first has its group mean removed ("REINFORCE++-baseline").
+    first has its group mean removed ("REINFORCE++-baseline") and the batch step then only
+    divides by the std: the baseline has already centred every group, and a second centring
+    on the token-weighted batch mean would give a group whose samples all scored the same a
+    non-zero, length-driven advantage (the paper's Eq. subtracts it; we do not).
 
     Masked tokens (padding or holes such as tool output) receive no reward, are skipped by the
     discount, and come back as 0.
@@ -193,7 +205,7 @@ def reinforcepp_advantages(
                 "reinforcepp_advantages: group_ids (the group baseline) needs sequence "
                 f"rewards [N], got rewards of shape {rewards.shape}"
             )
-        rewards = rewards - groups.group_mean(rewards, group_ids)
+        rewards = _group_moments(rewards, group_ids, 0)[0]
     if rewards.ndim == 1:
         token_rewards = sequence_to_token_rewards(rewards, mask)
     else:
@@ -204,7 +216,7 @@ def reinforcepp_advantages(
         kl = jax.lax.stop_gradient(jnp.asarray(kl, jnp.float32))
         token_rewards = token_rewards - kl_coef * jnp.where(mask, kl, 0.0)
     returns = _discounted_returns(token_rewards, mask, gamma)
-    return masked_whiten(returns, mask, eps=eps)
+    return masked_whiten(returns, mask, eps=eps, centre=group_ids is None)
 
 
 def gae_advantages(

@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from rlbolt.algorithms.moments import segment_centre, segment_mean, segment_rms
+
 
 def dense_group_index(group_ids: jax.Array) -> jax.Array:
     """Maps arbitrary group ids to dense segment indices.
@@ -58,6 +60,9 @@ def group_count(group_ids: jax.Array) -> jax.Array:
 def group_mean(values: jax.Array, group_ids: jax.Array) -> jax.Array:
     """Mean of each sample's group, broadcast back to the samples.
 
+    A group of equal values gets exactly that value (see ``moments.segment_mean``), even when
+    float32 cannot represent their average (16 x 1.1).
+
     Args:
         values: ``[N]`` float.
         group_ids: ``[N]`` int.
@@ -68,16 +73,30 @@ def group_mean(values: jax.Array, group_ids: jax.Array) -> jax.Array:
     values = jnp.asarray(values)
     _check_rewards(values, group_ids)
     index = dense_group_index(group_ids)
-    n = index.shape[0]
-    sums = jax.ops.segment_sum(values, index, num_segments=n)
-    counts = jax.ops.segment_sum(jnp.ones_like(values), index, num_segments=n)
-    return (sums / jnp.maximum(counts, 1.0))[index]
+    return segment_mean(values, index, index.shape[0])[0][index]
+
+
+def group_centred(values: jax.Array, group_ids: jax.Array) -> jax.Array:
+    """Each value minus its group's mean: exactly 0 for every member of a tied group.
+
+    Args:
+        values: ``[N]`` float.
+        group_ids: ``[N]`` int.
+
+    Returns:
+        ``[N]``: ``values_i - mean(group of i)``.
+    """
+    values = jnp.asarray(values)
+    _check_rewards(values, group_ids)
+    index = dense_group_index(group_ids)
+    return segment_centre(values, index, index.shape[0])[0]
 
 
 def group_std(values: jax.Array, group_ids: jax.Array, *, ddof: int = 0) -> jax.Array:
     """Standard deviation of each sample's group, broadcast back to the samples.
 
-    Two-pass (centre first, then square) for accuracy when rewards share a large offset.
+    Two-pass (centre first, then square) for accuracy when rewards share a large offset;
+    exactly 0 for a group of equal values; no overflow for a single huge value.
 
     Args:
         values: ``[N]`` float.
@@ -92,13 +111,8 @@ def group_std(values: jax.Array, group_ids: jax.Array, *, ddof: int = 0) -> jax.
     _check_rewards(values, group_ids)
     index = dense_group_index(group_ids)
     n = index.shape[0]
-    counts = jax.ops.segment_sum(jnp.ones_like(values), index, num_segments=n)
-    means = jax.ops.segment_sum(values, index, num_segments=n) / jnp.maximum(counts, 1.0)
-    centred = values - means[index]
-    sq = jax.ops.segment_sum(centred * centred, index, num_segments=n)
-    divisor = counts - ddof
-    var = jnp.where(divisor > 0, sq / jnp.maximum(divisor, 1.0), 0.0)
-    return jnp.sqrt(var)[index]
+    centred, counts = segment_centre(values, index, n)
+    return segment_rms(centred, index, n, counts - ddof)[index]
 
 
 def group_range(values: jax.Array, group_ids: jax.Array) -> jax.Array:

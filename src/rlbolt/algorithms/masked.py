@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from rlbolt.algorithms.moments import segment_centre, segment_rms
+
 
 def check_token_shapes(name: str, values: jax.Array, mask: jax.Array) -> None:
     """Raises a ValueError naming ``name`` unless ``values`` and ``mask`` are both ``[N, C]``."""
@@ -34,23 +36,32 @@ def masked_mean(values: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
     return total / jnp.maximum(count, 1.0)
 
 
-def masked_whiten(values: jax.Array, mask: jax.Array, *, eps: float = 1e-8) -> jax.Array:
+def masked_whiten(values: jax.Array, mask: jax.Array, *, eps: float = 1e-8, centre: bool = True) -> jax.Array:
     """Normalises valid entries to zero mean and unit std over all valid positions.
 
-    Uses the population std (ddof 0). Masked positions come back as 0.
+    Uses the population std (ddof 0). Masked positions come back as 0. Equal valid entries
+    come back exactly 0 (the mean is exact for ties, see ``moments.py``), and a single huge
+    entry cannot overflow the std.
 
     Args:
         values: ``[N, C]`` float.
         mask: ``[N, C]`` bool.
         eps: added to the std so a constant input does not divide by zero.
+        centre: subtract the mean first; False only divides by the std (about the mean), for
+            inputs that are already centred (REINFORCE++ with a group baseline).
 
     Returns:
-        ``[N, C]``: ``(values - mean) / (std + eps)`` on valid positions, 0 elsewhere.
+        ``[N, C]``: ``(values - mean) / (std + eps)`` on valid positions (``values / (std +
+        eps)`` when not ``centre``), 0 elsewhere.
     """
-    mean = masked_mean(values, mask)
-    centred = jnp.where(mask, values - mean, 0.0)
-    std = jnp.sqrt(masked_mean(centred * centred, mask))
-    return jnp.where(mask, centred / (std + eps), 0.0)
+    values = jnp.asarray(values)
+    mask = jnp.asarray(mask, bool)
+    flat, valid = values.reshape(1, -1), mask.reshape(1, -1)  # one segment holding every token
+    index = jnp.zeros((1,), jnp.int32)
+    centred, count = segment_centre(flat, index, 1, valid)
+    std = segment_rms(centred, index, 1, count)[0]
+    scaled = (centred.reshape(values.shape) if centre else values) / (std + eps)
+    return jnp.where(mask, scaled, 0.0)
 
 
 def last_token_one_hot(mask: jax.Array) -> jax.Array:

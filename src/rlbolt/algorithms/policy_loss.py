@@ -200,16 +200,21 @@ def clipped_value_loss(
         clip: c, the value clip range.
 
     Returns:
-        ``(per_token_loss [N, C], info)``; info has ``clipped`` ``[N, C]`` bool (the clipped
-        error was the larger, so the token has no gradient).
+        ``(per_token_loss [N, C], info)``; info has ``clipped`` ``[N, C]`` bool: the value moved
+        more than ``c`` from its old value and the clipped error was the larger, so the token
+        has no gradient (a token within the clip range is never counted).
     """
     mask = jnp.asarray(mask, bool)
     for name, array in (("values", values), ("old_values", old_values), ("returns", returns)):
         check_token_shapes(name, array, mask)
     old_values = jax.lax.stop_gradient(old_values)
     returns = jax.lax.stop_gradient(returns)
-    clipped_values = old_values + jnp.clip(values - old_values, -clip, clip)
+    # Where |V - old_V| <= c the clipped value *is* V; computing old_V + (V - old_V) instead
+    # can land one ulp off V and count an unclipped token as clipped (value/clip_frac).
+    moved = values - old_values
+    outside = jnp.abs(moved) > clip
+    clipped_values = jnp.where(outside, old_values + jnp.clip(moved, -clip, clip), values)
     error = jnp.square(values - returns)
     clipped_error = jnp.square(clipped_values - returns)
     loss = jnp.where(mask, 0.5 * jnp.maximum(error, clipped_error), 0.0)
-    return loss, {"clipped": (clipped_error > error) & mask}
+    return loss, {"clipped": outside & (clipped_error > error) & mask}

@@ -121,7 +121,8 @@ class RewardSection:
     timeout_s: float = _f(10.0, "seconds one sample's reward may run before it gets the penalty")
     penalty: float = _f(0.0, "reward of a sample whose reward function failed or timed out")
     max_workers: int = _f(4, "concurrent reward workers")
-    executor: str = _f("thread", "where rewards run", ("thread", "process"))
+    executor: str = _f("auto", "where rewards run: process (a worker process per slot: a reward that exits, holds the GIL or hangs costs only its sample), thread (no isolation from those), auto (process, or thread with a warning when the reward cannot be pickled)", ("auto", "process", "thread"))
+    max_failed_batches: int = _f(3, "stop with an error naming the reward when every sample's reward failed in this many consecutive batches; 0: never stop")
 
 
 @dataclass(frozen=True)
@@ -315,6 +316,8 @@ def _check_rules(cfg: RunConfig) -> None:
     unknown_terms = [t for t in cfg.reward.weights if t not in REWARD_TERMS]
     if unknown_terms:
         raise ConfigError(f"reward.weights has unknown term(s) {unknown_terms}; known terms: {list(REWARD_TERMS)}")
+    if cfg.reward.max_failed_batches < 0:
+        raise ConfigError(f"reward.max_failed_batches={cfg.reward.max_failed_batches} must be >= 0 (0: never stop)")
 
 
 def config_to_dict(cfg: RunConfig) -> dict[str, dict[str, Any]]:

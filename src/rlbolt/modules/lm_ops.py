@@ -41,7 +41,8 @@ def build_model(model_cfg, vocab_size: int, seed: int) -> Decoder:
 def reward_runner(reward, reward_cfg) -> RewardRunner:
     """A failure-isolated RewardRunner configured from the Reward section."""
     return RewardRunner(reward, timeout_s=reward_cfg.timeout_s, penalty=reward_cfg.penalty,
-                        max_workers=reward_cfg.max_workers, executor=reward_cfg.executor)
+                        max_workers=reward_cfg.max_workers, executor=reward_cfg.executor,
+                        max_failed_batches=reward_cfg.max_failed_batches)
 
 
 def token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,

@@ -45,7 +45,7 @@ from rlbolt.modules.rewarding import answer_score, build_reward
 _FRAMEWORK_COLUMNS = frozenset({
     "group_ids", "policy_version", "sample_keys", "prompt_ids", "prompt_mask", "completion_ids",
     "completion_mask", "sampler_logps", "old_logps", "ref_logps", "rewards", "advantages", "completion_text",
-    "old_values", "returns", "importance_weights", "mini_batch_num_tokens", "mini_batch_num_samples",
+    "old_values", "returns", "importance_weights", "mini_batch_num_tokens", "mini_batch_num_samples", "dock_index",
 })
 
 

@@ -7,19 +7,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from rlbolt.rewards import WeightedReward, gsm8k_reward, make_format_reward
+from rlbolt.rewards.format import digit_fraction_reward  # noqa: F401 - defined there so worker processes import it without JAX
 
 REWARD_TERMS = ("answer", "format", "digits")
-
-
-def digit_fraction_reward(completion: str, sample: Mapping[str, Any] | None = None) -> float:
-    """Fraction of the completion's non-space characters that are digits, in [0, 1].
-
-    A dense, always-varying signal: the tiny random model never answers a GSM8K question, so a
-    CPU smoke run needs something its samples differ on. Keep its weight small (or 0) for real
-    runs; a policy can raise it by printing numbers.
-    """
-    chars = [c for c in completion if not c.isspace()]
-    return sum(c.isdigit() for c in chars) / len(chars) if chars else 0.0
 
 
 def build_reward(weights: Mapping[str, float], *, answer_field: str = "answer") -> WeightedReward:

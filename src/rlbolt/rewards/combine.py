@@ -3,13 +3,56 @@
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rlbolt.rewards.base import RewardFn, reward_name
 
-__all__ = ["WeightedReward", "as_weighted"]
+__all__ = ["RewardTermError", "WeightedReward", "as_weighted", "as_score"]
+
+
+class RewardTermError(Exception):
+    """A reward term raised, or returned something that is not a finite number.
+
+    Attributes:
+        term: the name of the term (as in `reward/<name>/mean`).
+    """
+
+    def __init__(self, term: str, message: str):
+        super().__init__(message)
+        self.term = term
+
+    def __reduce__(self):  # picklable, so a worker process can send it back
+        return (type(self), (self.term, self.args[0]))
+
+
+def as_score(value: Any, name: str = "reward") -> float:
+    """A reward function's return value as a float, refusing anything that is not a real number.
+
+    Accepted: Python and NumPy reals (bools included: a pass/fail reward) and 0-d real arrays.
+    Refused: strings (``"0.75"`` is a bug in the reward, not a score), containers, complex
+    numbers, None, and NaN or infinities.
+
+    Args:
+        value: what the reward returned.
+        name: the reward's name, for the message.
+
+    Returns:
+        ``float(value)``.
+
+    Raises:
+        RewardTermError: naming the reward, the value and its type.
+    """
+    kind = getattr(getattr(value, "dtype", None), "kind", None)
+    is_array = getattr(value, "shape", None) == () and kind is not None and kind in "biuf"
+    if not (isinstance(value, numbers.Real) or is_array) or isinstance(value, (str, bytes)):
+        raise RewardTermError(name, f"reward {name!r} returned {value!r} ({type(value).__name__}), not a number")
+    score = float(value)
+    if not math.isfinite(score):
+        raise RewardTermError(name, f"reward {name!r} returned {score}, not a finite number")
+    return score
 
 
 class WeightedReward:
@@ -73,18 +116,19 @@ class WeightedReward:
             sample: the prompt row.
 
         Returns:
-            `{name: score}`; raises if any term raises or returns a non-finite or non-numeric value.
+            `{name: score}`.
+
+        Raises:
+            RewardTermError: a term raised (chained to its exception) or returned something
+                that is not a finite real number (see `as_score`).
         """
         scores = {}
         for name, fn, _ in self.terms:
-            value = fn(completion, sample)
             try:
-                value = float(value)
-            except (TypeError, ValueError):
-                raise TypeError(f"reward {name!r} returned {value!r}, not a number") from None
-            if not math.isfinite(value):
-                raise ValueError(f"reward {name!r} returned {value}, not a finite number")
-            scores[name] = value
+                value = fn(completion, sample)
+            except Exception as error:  # name the term; the traceback stays chained
+                raise RewardTermError(name, f"reward {name!r} raised {type(error).__name__}: {error}") from error
+            scores[name] = as_score(value, name)
         return scores
 
     def combine(self, scores: Mapping[str, float]) -> float:

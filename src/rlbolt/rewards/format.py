@@ -27,7 +27,7 @@ from typing import Any
 
 from rlbolt.rewards.base import RewardFn
 
-__all__ = ["format_reward", "make_format_reward"]
+__all__ = ["digit_fraction_reward", "format_reward", "make_format_reward"]
 
 
 def _blocks(text: str, tag: str) -> tuple[int, int, str] | None:
@@ -111,3 +111,21 @@ def make_format_reward(
         strict=strict,
         think_prefilled=think_prefilled,
     )
+
+
+def digit_fraction_reward(completion: str, sample: Mapping[str, Any] | None = None) -> float:
+    """Fraction of the completion's non-space characters that are digits, in [0, 1].
+
+    A dense, always-varying signal: the tiny random model never answers a GSM8K question, so a
+    CPU smoke run needs something its samples differ on. Keep its weight small (or 0) for real
+    runs; a policy can raise it by printing numbers.
+
+    Args:
+        completion: the generated text.
+        sample: unused (the reward needs only the text).
+
+    Returns:
+        digits / non-space characters, 0.0 for an empty completion.
+    """
+    chars = [c for c in completion if not c.isspace()]
+    return sum(c.isdigit() for c in chars) / len(chars) if chars else 0.0

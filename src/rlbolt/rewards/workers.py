@@ -1,42 +1,63 @@
-"""Reward workers for `RewardRunner`: daemon threads or spawned processes, one task at a time.
+"""Reward workers for `RewardRunner`: worker processes (the default) or daemon threads.
 
 Both kinds share one small interface so the runner's scheduler is written once:
-`submit(index, completion, sample)`, `discard()` (give up on a stuck worker) and `stop()`;
-finished tasks arrive through the pool's `poll(busy, timeout_s)` as
-`(worker, index, ok, payload)` with `payload` the raw scores (ok) or the error text.
+`start_worker()` (returns at once; a process worker is `ready` only after it has loaded the
+reward), `worker.submit(index, completion, sample)`, `poll(workers, timeout_s)` (events
+`(worker, kind, payload)`: "ready", "boot_error" with the text, "result" with `(index, ok,
+scores or error text)`, "died" with the text), `discard` (give up on a stuck or dead worker),
+`stop`, and `live()` (how many threads or processes exist).
 
-Threads cannot be killed, so a stuck thread worker is *abandoned*: it is a daemon thread (it
-never blocks interpreter exit), whatever it eventually returns is ignored, and a fresh worker
-takes its place. A stuck process worker is killed (SIGKILL). Processes start with "spawn" or
-"forkserver", never "fork": forking a process that runs JAX's threads can deadlock the child.
+A process worker (`_reward_worker.py`) that is stuck, or that dies (a reward calling
+`os._exit`, a segfault in a native extension), is killed and reaped, and a fresh one takes its
+place: the pool never holds more than `max_workers` processes. Workers are plain subprocesses
+(fork + exec, safe from a process running JAX's threads) talking over a socket; unlike
+`multiprocessing`, they never re-import the trainer's `__main__`. They die with the trainer,
+even when it is SIGKILLed (PR_SET_PDEATHSIG on Linux).
+
+A thread cannot be killed: a stuck thread worker is abandoned (a daemon thread, so it never
+blocks interpreter exit; whatever it returns later is ignored). At most `max_stuck` abandoned
+threads are tolerated; beyond that no new thread starts and samples fail fast with a message
+that says to use processes. A thread also cannot protect the run from a reward that calls
+`os._exit` (the whole process ends) or holds the GIL in C code (the whole process freezes).
 """
 
 from __future__ import annotations
 
-import multiprocessing
-import multiprocessing.connection
 import pickle
 import queue
+import socket
+import subprocess
+import sys
 import threading
-import traceback
+import time
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any
 
+from rlbolt.rewards._reward_worker import describe as describe_exception
 from rlbolt.rewards.combine import WeightedReward
 
-__all__ = ["ProcessPool", "ThreadPool", "describe_exception"]
+__all__ = ["ProcessPool", "RewardWorkerError", "ThreadPool", "describe_exception"]
 
 
-def describe_exception(error: BaseException) -> str:
-    """`Type: message` followed by the traceback, for one log line per distinct failure."""
-    return "".join(traceback.format_exception(type(error), error, error.__traceback__)).rstrip()
+class RewardWorkerError(RuntimeError):
+    """A reward worker process could not start or could not load the reward function."""
+
+
+def _score(reward: WeightedReward, completion: str, sample: Any) -> tuple[bool, Any]:
+    try:
+        return True, reward.raw_scores(completion, sample)
+    except BaseException as error:  # noqa: BLE001 - a reward's sys.exit() must not end the worker silently
+        return False, describe_exception(error)
 
 
 class _ThreadWorker:
+    ready = True
+
     def __init__(self, reward: WeightedReward, outbox: queue.SimpleQueue, number: int):
         self._reward, self._outbox = reward, outbox
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.abandoned = False
-        self.dead = False
         self.thread = threading.Thread(target=self._loop, name=f"rlbolt-reward-{number}", daemon=True)
         self.thread.start()
 
@@ -46,138 +67,137 @@ class _ThreadWorker:
             if task is None:
                 return
             index, completion, sample = task
-            try:
-                result = (True, self._reward.raw_scores(completion, sample))
-            except BaseException as error:  # a reward's sys.exit() must not end the worker silently
-                result = (False, describe_exception(error))
-            self._outbox.put((self, index, *result))
+            self._outbox.put((self, "result", (index, *_score(self._reward, completion, sample))))
             if self.abandoned:
                 return
 
     def submit(self, index: int, completion: str, sample: Any) -> None:
         self._inbox.put((index, completion, sample))
 
-    def discard(self) -> None:
-        self.abandoned = True
-        self._inbox.put(None)  # lets it exit if it ever returns
-
     def stop(self) -> None:
         self._inbox.put(None)
 
 
 class ThreadPool:
-    """Daemon-thread reward workers sharing one result queue."""
+    """Daemon-thread reward workers sharing one result queue; abandoned threads are capped.
 
-    def __init__(self, reward: WeightedReward):
+    Args:
+        reward: the reward to run.
+        max_stuck: how many abandoned (stuck) threads may exist before no new thread starts.
+    """
+
+    kind = "thread"
+
+    def __init__(self, reward: WeightedReward, max_stuck: int):
         self._reward = reward
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._count = 0
-        self.abandoned: list[_ThreadWorker] = []
+        self._max_stuck = max_stuck
+        self._abandoned: list[_ThreadWorker] = []
+        self._running: list[_ThreadWorker] = []
 
-    def start_worker(self) -> _ThreadWorker:
+    def start_worker(self) -> _ThreadWorker | None:
+        """A new thread, or None once `max_stuck` abandoned threads are still running."""
+        if self.stuck() >= self._max_stuck:
+            return None
         self._count += 1
-        return _ThreadWorker(self._reward, self._outbox, self._count)
+        worker = _ThreadWorker(self._reward, self._outbox, self._count)
+        self._running.append(worker)
+        return worker
 
-    def poll(self, busy: list, timeout_s: float) -> list[tuple]:
-        del busy  # every thread reports through the shared queue
+    def poll(self, workers: list, timeout_s: float) -> list[tuple]:
+        del workers  # every thread reports through the shared queue
         try:
             first = self._outbox.get(timeout=max(timeout_s, 0.0))
         except queue.Empty:
             return []
-        done = [first]
+        events = [first]
         while True:
             try:
-                done.append(self._outbox.get_nowait())
+                events.append(self._outbox.get_nowait())
             except queue.Empty:
-                return done
+                return events
 
     def discard(self, worker: _ThreadWorker) -> None:
-        worker.discard()
-        self.abandoned = [w for w in self.abandoned if w.thread.is_alive()] + [worker]
+        worker.abandoned = True
+        worker.stop()  # lets it exit if it ever returns
+        self._running.remove(worker)
+        self._abandoned = [w for w in self._abandoned if w.thread.is_alive()] + [worker]
 
-    def still_stuck(self) -> int:
+    def stop(self, worker: _ThreadWorker) -> None:
+        worker.stop()
+        self._running.remove(worker)
+
+    def stuck(self) -> int:
         """How many abandoned threads are still running a reward."""
-        return sum(w.thread.is_alive() for w in self.abandoned)
+        return sum(w.thread.is_alive() for w in self._abandoned)
+
+    def live(self) -> int:
+        """Threads of this pool that are alive (working, idle or stuck)."""
+        return self.stuck() + sum(w.thread.is_alive() for w in self._running)
+
+    def no_worker_reason(self) -> str:
+        return (f"no reward thread is free: {self.stuck()} threads are stuck in a reward that never "
+                "returned (threads cannot be killed); use reward.executor=process")
 
 
-def _process_worker_main(connection, reward_bytes: bytes) -> None:
-    try:
-        reward = pickle.loads(reward_bytes)
-    except BaseException as error:
-        connection.send(("boot_error", describe_exception(error)))
-        return
-    connection.send(("ready", None))
-    while True:
-        try:
-            task = connection.recv()
-        except (EOFError, OSError):
-            return
-        if task is None:
-            return
-        index, completion, sample = task
-        try:
-            connection.send((index, True, reward.raw_scores(completion, sample)))
-        except BaseException as error:
-            connection.send((index, False, describe_exception(error)))
+_WORKER_SCRIPT = Path(__file__).with_name("_reward_worker.py")
 
 
 class _ProcessWorker:
-    def __init__(self, context, reward_bytes: bytes, boot_timeout_s: float):
-        self.connection, child_end = context.Pipe()
-        self.process = context.Process(
-            target=_process_worker_main, args=(child_end, reward_bytes), daemon=True
-        )
-        self.process.start()
-        child_end.close()
-        self.dead = False
-        # Wait for the handshake so a slow start (imports) is never charged to a task's time-out.
-        if not self.connection.poll(boot_timeout_s):
-            self.discard()
-            raise RuntimeError(
-                f"RewardRunner(executor='process'): a worker did not start within {boot_timeout_s} s"
-            )
+    def __init__(self, reward_bytes: bytes, boot_timeout_s: float):
+        ours, theirs = socket.socketpair()
         try:
-            kind, detail = self.connection.recv()
-        except (EOFError, OSError):
-            kind, detail = "boot_error", f"the worker exited with code {self.process.exitcode}"
-        if kind != "ready":
-            self.discard()
-            raise RuntimeError(
-                "RewardRunner(executor='process'): the worker could not load the reward function "
-                "(define rewards at module level in an importable module, or use "
-                f"executor='thread'):\n{detail}"
+            self.process = subprocess.Popen(
+                [sys.executable, "-I", str(_WORKER_SCRIPT), str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, close_fds=True,
             )
+        finally:
+            theirs.close()
+        self.connection = Connection(ours.detach())
+        self.connection.send((list(sys.path), reward_bytes))
+        self.ready = False
+        self.boot_deadline = time.monotonic() + boot_timeout_s
 
     def submit(self, index: int, completion: str, sample: Any) -> None:
         self.connection.send((index, completion, sample))
 
-    def discard(self) -> None:
-        self.dead = True
+    def exit_code(self) -> int | None:
+        try:
+            return self.process.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self) -> None:
         self.process.kill()
-        self.process.join(timeout=5.0)
+        self.process.wait()
         self.connection.close()
 
     def stop(self) -> None:
         try:
             self.connection.send(None)
-        except (OSError, ValueError):
-            pass
-        self.process.join(timeout=1.0)
-        if self.process.is_alive():
+            self.process.wait(timeout=1.0)
+        except (OSError, ValueError, subprocess.TimeoutExpired):
             self.process.kill()
-            self.process.join(timeout=5.0)
+            self.process.wait()
         self.connection.close()
 
 
 class ProcessPool:
-    """Spawned reward worker processes, one pipe each; stuck or crashed ones are killed."""
+    """Reward worker processes, one socket each; stuck or crashed ones are killed and replaced.
 
-    def __init__(self, reward: WeightedReward, start_method: str, boot_timeout_s: float = 120.0):
-        if start_method not in ("spawn", "forkserver"):
-            raise ValueError(
-                f"RewardRunner: mp_context={start_method!r} is not allowed; use 'spawn' or "
-                "'forkserver' (forking a process with JAX threads can deadlock the child)"
-            )
+    Args:
+        reward: the reward to run; must pickle (module-level functions, `functools.partial`
+            of them, `WeightedReward` of those) and import in a fresh interpreter.
+        boot_timeout_s: how long a new worker may take to import and load the reward.
+
+    Raises:
+        TypeError: the reward does not pickle.
+    """
+
+    kind = "process"
+
+    def __init__(self, reward: WeightedReward, boot_timeout_s: float = 120.0):
         try:
             self._reward_bytes = pickle.dumps(reward)
         except Exception as error:
@@ -186,33 +206,48 @@ class ProcessPool:
                 f"({error}); use module-level functions or functools.partial of them, or "
                 "executor='thread'"
             ) from error
-        self._context = multiprocessing.get_context(start_method)
-        self._boot_timeout_s = boot_timeout_s
-        self.abandoned: list = []
+        self.boot_timeout_s = boot_timeout_s
+        self._running: list[_ProcessWorker] = []
 
     def start_worker(self) -> _ProcessWorker:
-        return _ProcessWorker(self._context, self._reward_bytes, self._boot_timeout_s)
+        """Starts a worker; it reports "ready" (or "boot_error") through `poll`."""
+        worker = _ProcessWorker(self._reward_bytes, self.boot_timeout_s)
+        self._running.append(worker)
+        return worker
 
-    def poll(self, busy: list, timeout_s: float) -> list[tuple]:
-        by_connection = {worker.connection: worker for worker, _ in busy}
-        ready = multiprocessing.connection.wait(list(by_connection), timeout=max(timeout_s, 0.0))
-        done = []
-        for connection in ready:
+    def poll(self, workers: list, timeout_s: float) -> list[tuple]:
+        by_connection = {worker.connection: worker for worker in workers}
+        events = []
+        for connection in wait(list(by_connection), timeout=max(timeout_s, 0.0)):
             worker = by_connection[connection]
-            index = dict(busy)[worker]
             try:
                 message = connection.recv()
             except (EOFError, OSError):
-                worker.dead = True
-                worker.process.join(timeout=5.0)
-                done.append((worker, index, False, f"reward worker process died (exit code "
-                                                   f"{worker.process.exitcode})"))
+                events.append((worker, "died", f"the reward worker process died (exit code {worker.exit_code()})"))
                 continue
-            done.append((worker, *message))
-        return done
+            if worker.ready:
+                events.append((worker, "result", message))
+            elif message[0] == "ready":
+                worker.ready = True
+                events.append((worker, "ready", None))
+            else:
+                events.append((worker, "boot_error", message[1]))
+        return events
 
     def discard(self, worker: _ProcessWorker) -> None:
-        worker.discard()
+        worker.kill()
+        self._running.remove(worker)
 
-    def still_stuck(self) -> int:
-        return 0
+    def stop(self, worker: _ProcessWorker) -> None:
+        worker.stop()
+        self._running.remove(worker)
+
+    def stuck(self) -> int:
+        return 0  # stuck processes are killed
+
+    def live(self) -> int:
+        """Worker processes of this pool that are alive."""
+        return sum(w.process.poll() is None for w in self._running)
+
+    def no_worker_reason(self) -> str:
+        return "no reward worker process could be started"
