@@ -26,7 +26,8 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -127,22 +128,27 @@ class Producer:
         self.base_rng, self.max_steps, self.max_prompts = base_rng, max_steps, max_prompts
         self.timeline = timeline if timeline is not None else Timeline()
 
-    def start(self, start_step: int, start_position: int, *, timeout_s: float | None = None) -> "_Run":
+    def start(self, start_step: int, start_position: int, *, timeout_s: float | None = None,
+              should_stop: Callable[[], bool] | None = None) -> "_Run":
         """Starts the stage threads; use as `with producer.start(...) as steps: for produced in steps`.
 
         Args:
           start_step: the first step to produce.
           start_position: the prompt counter to start reading at.
           timeout_s: the consumer raises TimeoutError when no step arrives for this long.
+          should_stop: polled while the consumer waits for a step; True ends the iteration as if
+            the data had run out (a stop request while no step is running takes effect at once).
         """
-        return _Run(self, start_step, start_position, timeout_s)
+        return _Run(self, start_step, start_position, timeout_s, should_stop or (lambda: False))
 
 
 class _Run:
     """One running pipeline: the dock, the steps in flight, the stage threads."""
 
-    def __init__(self, producer: Producer, start_step: int, start_position: int, timeout_s: float | None):
+    def __init__(self, producer: Producer, start_step: int, start_position: int, timeout_s: float | None,
+                 should_stop: Callable[[], bool]):
         self.p, self.start_step, self.start_position, self.timeout_s = producer, start_step, start_position, timeout_s
+        self.should_stop = should_stop
         self.rewards = type(producer.module).on_reward is not RLModule.on_reward  # a reward stage
         stages = dict(STAGE_INPUTS)
         if self.rewards:
@@ -267,21 +273,32 @@ class _Run:
         return out, end - start, logged
 
     # -- the consumer -----------------------------------------------------------------------------
-    def _consume(self) -> Iterator[ProducedStep]:
-        want, p = self.p.plan.global_batch_size, self.p
-        while True:
+    def _next_step(self, want: int):
+        """The next step's samples (a Taken), or None at the end; waits in slices (taking nothing
+        until the whole step is ready) so `should_stop` is polled."""
+        for wait in _slices(self.timeout_s):
+            if self.should_stop():
+                return None
             try:
-                taken = self.dock.get("train", n=want, one_batch=True, timeout=self.timeout_s)
+                taken = self.dock.get("train", n=want, one_batch=True, timeout=wait, partial=False)
             except DockClosed:
                 self.threads.check()
                 raise
+            if len(taken.indices):
+                return taken
+            if not taken.timed_out:
+                self.threads.check()
+                return None
+        self.threads.check()
+        raise TimeoutError(f"no step from the producer for {self.timeout_s} s (prefetch_timeout_s)")
+
+    def _consume(self) -> Iterator[ProducedStep]:
+        want, p = self.p.plan.global_batch_size, self.p
+        while True:
+            taken = self._next_step(want)
+            if taken is None:
+                return  # the feeder finished and every step went through, or should_stop
             batch, idx = taken
-            if taken.timed_out:
-                self.threads.check()
-                raise TimeoutError(f"no step from the producer for {self.timeout_s} s (prefetch_timeout_s)")
-            if not len(idx):
-                self.threads.check()
-                return  # the feeder finished and every step went through
             if len(idx) < want:
                 raise RuntimeError(f"step {taken.keys[0]}: the dock held {len(idx)} of {want} samples for training")
             step = taken.keys[0]
@@ -301,6 +318,13 @@ def _with_rewards(batch: Batch) -> Batch:
         raise ValueError(f"on_reward must add a `rewards` column of shape [{batch.num_samples}]; got "
                          f"{list(np.shape(batch['rewards'])) if 'rewards' in batch else 'none'}")
     return batch
+
+
+def _slices(timeout_s: float | None) -> Iterator[float]:
+    """Wait slices of at most _POLL_S that add up to timeout_s (forever when None)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while deadline is None or time.monotonic() < deadline:
+        yield _POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - time.monotonic()))
 
 
 def _wait_for(decisions: queue.Queue, stop: threading.Event) -> int:

@@ -99,7 +99,8 @@ class Trainer:
                             max_steps=self.max_steps, max_prompts=self._max_prompts(), timeline=self.timeline)
         validated_at = None
         try:
-            with producer.start(state.step, state.data_position, timeout_s=self.prefetch_timeout_s) as produced_steps:
+            with producer.start(state.step, state.data_position, timeout_s=self.prefetch_timeout_s,
+                                should_stop=lambda: self.should_stop) as produced_steps:
                 waited = time.perf_counter()
                 for produced in produced_steps:
                     data_wait = time.perf_counter() - waited

@@ -114,3 +114,26 @@ def test_prefetch_timeout_ends_a_stuck_producer():
         Trainer(BatchPlan(prompts_per_step=2, num_generations=2), max_steps=2, prefetch_timeout_s=0.3).fit(
             StuckRollout(), prompt_rows(4))
     assert time.monotonic() - start < 10  # the stuck hook finished and its thread was joined
+
+
+def test_should_stop_ends_the_wait_for_a_step_at_once():
+    import threading
+
+    import jax
+
+    from rlbolt.data.source import PromptSource
+    from rlbolt.producer import Producer
+    from rlbolt.weights import WeightStore
+
+    module = StuckRollout()
+    module.trainer = type("T", (), {"plan": BatchPlan(prompts_per_step=2, num_generations=2)})()
+    weights = WeightStore(0)
+    weights.publish(0, module.init_params(jax.random.key(0)), 0)
+    producer = Producer(module, module.trainer.plan, PromptSource(prompt_rows(4)), weights, jax.random.key(1),
+                        max_steps=2, max_prompts=None)
+    stop = threading.Event()
+    with producer.start(0, 0, should_stop=stop.is_set) as steps:
+        threading.Timer(0.2, stop.set).start()
+        start = time.monotonic()
+        assert list(steps) == []  # the rollout is still sleeping: no step, and no waiting for one
+        assert time.monotonic() - start < 1.0

@@ -91,6 +91,16 @@ def test_timeout_returns_what_is_ready_and_counts_it():
     assert (stats.timeouts, stats.waits, stats.samples) == (1, 1, 1) and stats.wait_s >= 0.2
 
 
+def test_partial_false_takes_nothing_until_the_whole_request_is_ready():
+    dock, _ = dock_with(4)
+    dock.put({"score": np.ones(3)}, [0, 1, 2])
+    taken = dock.get("train", n=4, timeout=0.05, partial=False)
+    assert taken.timed_out and taken.indices.tolist() == []  # 3 of 4: nothing taken
+    assert dock.get("train", n=4, block=False, partial=False).indices.tolist() == []
+    dock.put({"score": np.ones(1)}, [3])
+    assert dock.get("train", n=4, timeout=1, partial=False).indices.tolist() == [0, 1, 2, 3]
+
+
 def test_finish_ends_waiting_and_close_raises():
     dock, _ = dock_with(2)
     out = {}

@@ -256,7 +256,7 @@ class ExperienceDock:
     def get(self, stage: str, columns: Sequence[str] | None = None, n: int | None = None, *,
             whole_groups: bool = False, one_batch: bool = False, balance: int | None = None,
             lengths: str = "completion_mask", block: bool = True,
-            timeout: float | None = None) -> Taken:
+            timeout: float | None = None, partial: bool = True) -> Taken:
         """Takes up to `n` samples that are ready for `stage`, marking them taken by it.
 
         Ready means every input column of the stage (and every column asked for) is written.
@@ -281,6 +281,9 @@ class ExperienceDock:
           block: wait until `n` samples are taken (or, with one_batch, the batch is done; or
             `finish()` left nothing to wait for). False: take what is ready now.
           timeout: the most seconds to wait; then what is ready is returned (maybe nothing).
+          partial: False: a time-out (or block=False) takes nothing unless `n` samples (or,
+            with one_batch, the rest of the batch) are ready, so a consumer can wait in slices
+            without splitting what it waits for.
 
         Returns:
           (batch, indices) as a `Taken` (also holding each sample's batch key): the taken
@@ -317,7 +320,8 @@ class ExperienceDock:
                     break
                 waited = True
                 st.cond.wait(remaining)
-            chosen = choice.indices
+            complete = choice.full or (choice.unready == 0 and ((one_batch and choice.indices) or self._finished))
+            chosen = choice.indices if partial or complete else []
             for i in chosen:
                 st.pending[self._samples[i].batch.seq].pop(i)
             self._drop_empty(st)
