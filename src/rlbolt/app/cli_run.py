@@ -2,7 +2,7 @@
 
 Every run goes through the same steps: prepare the run directory (refusing a non-empty one
 unless resuming), write the resolved config, log to train.log, fit with MetricsLogger(jsonl),
-ProgressBar and ModelCheckpoint, then draw the plots and print a summary.
+TimelineLogger, ProgressBar and ModelCheckpoint, then draw the plots and print a summary.
 """
 
 from __future__ import annotations
@@ -60,12 +60,13 @@ class RunSummary:
 
 
 def standard_callbacks(checkpoint_every: int | None, *, progress: bool = True) -> list:
-    """MetricsLogger(jsonl), ProgressBar, ModelCheckpoint (resuming the latest) and LogFile."""
+    """MetricsLogger(jsonl), TimelineLogger, ProgressBar, ModelCheckpoint (resuming the latest) and LogFile."""
     from rlbolt.callbacks.checkpoint import ModelCheckpoint
     from rlbolt.callbacks.metrics import MetricsLogger
     from rlbolt.callbacks.progress import ProgressBar
+    from rlbolt.callbacks.timeline import TimelineLogger
 
-    callbacks: list[Any] = [MetricsLogger(writer=["jsonl"])]
+    callbacks: list[Any] = [MetricsLogger(writer=["jsonl"]), TimelineLogger()]
     if progress:
         callbacks.append(ProgressBar())
     callbacks.append(ModelCheckpoint(every_n_steps=checkpoint_every, keep=2, resume="latest"))
