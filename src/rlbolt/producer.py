@@ -36,6 +36,7 @@ import numpy as np
 from rlbolt.batch import STAGE_SCHEMAS, Batch, check_stage
 from rlbolt.data.source import PromptSource
 from rlbolt.dock import DockClosed, ExperienceDock
+from rlbolt.handoff import INDEX_COLUMN, added_columns, kept_samples, with_rewards
 from rlbolt.module import RLModule, collect_log_values, mean_logs
 from rlbolt.plan import BatchPlan
 from rlbolt.prefetch import _POLL_S, ProducerStopped, StageThreads
@@ -55,9 +56,7 @@ STAGE_INPUTS = {
 # What runs each stage, in placement terms (a placement maps roles to devices).
 STAGE_ROLES = {"rollout": "rollout", "logps": "train", "reward": "host", "advantage": "host", "update": "train",
                "validate": "rollout"}
-INDEX_COLUMN = "dock_index"  # on_advantage's batch carries it, so the kept samples are known
 _TIMES = {"rollout": "time/rollout", "logps": "time/logps", "reward": "time/reward", "advantage": "time/reward"}
-_HOOKS = {"rollout": "on_rollout", "logps": "compute_logps", "reward": "on_reward", "advantage": "on_advantage"}
 
 
 @dataclasses.dataclass
@@ -168,7 +167,7 @@ class _Run:
             "logps", plan.logps_micro_batch_size, lambda s, b: check_stage(module.compute_logps(s.params, b), "logps")))
         if self.rewards:
             self.threads.start("reward", lambda stop: self._stage(
-                "reward", plan.reward_micro_batch_size, lambda s, b: _with_rewards(module.on_reward(b))))
+                "reward", plan.reward_micro_batch_size, lambda s, b: with_rewards(module.on_reward(b))))
         self.threads.start("advantage", self._advantage)
         return self._consume()
 
@@ -221,7 +220,7 @@ class _Run:
             step = taken.keys[0]
             record = self.steps[step]
             out, seconds, logged = self._timed(stage, step, len(idx), lambda: hook(record, batch))
-            added = _added_columns(stage, batch, out, np.arange(len(idx)))
+            added = added_columns(stage, batch, out, np.arange(len(idx)))
             record.note(stage, seconds, logged)  # before the put: the step may complete right after
             self.dock.put(added, idx)
 
@@ -236,8 +235,8 @@ class _Run:
             record = self.steps[step]
             hook = lambda: check_stage(self.p.module.on_advantage(batch.with_columns({INDEX_COLUMN: idx})), "advantage")
             out, seconds, logged = self._timed("advantage", step, len(idx), hook)
-            kept, positions = _kept_samples(out, idx)
-            record.rounds.append((idx, kept, _added_columns("advantage", batch, out.drop(INDEX_COLUMN), positions)))
+            kept, positions = kept_samples(out, idx)
+            record.rounds.append((idx, kept, added_columns("advantage", batch, out.drop(INDEX_COLUMN), positions)))
             record.note("advantage", seconds, logged)
             total = sum(len(k) for _, k, _ in record.rounds)
             if total >= want:
@@ -313,13 +312,6 @@ class _Run:
             yield ProducedStep(step, batch, record.position, p.weights.key_for_step(step), record.version, metrics)
 
 
-def _with_rewards(batch: Batch) -> Batch:
-    if "rewards" not in batch or np.shape(batch["rewards"]) != (batch.num_samples,):
-        raise ValueError(f"on_reward must add a `rewards` column of shape [{batch.num_samples}]; got "
-                         f"{list(np.shape(batch['rewards'])) if 'rewards' in batch else 'none'}")
-    return batch
-
-
 def _slices(timeout_s: float | None) -> Iterator[float]:
     """Wait slices of at most _POLL_S that add up to timeout_s (forever when None)."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -342,54 +334,6 @@ def _merged_logs(record: _Step) -> dict[str, list[float]]:
         for name, values in record.logs.get(stage, {}).items():
             merged.setdefault(name, []).extend(values)
     return merged
-
-
-def _kept_samples(out: Batch, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(kept indices, their positions in idx) from on_advantage's output."""
-    if INDEX_COLUMN not in out:
-        if out.num_samples == len(idx):
-            return idx, np.arange(len(idx))
-        raise ValueError(f"on_advantage dropped samples and the {INDEX_COLUMN!r} column with them; keep the columns "
-                         "it receives (drop samples with batch.select)")
-    kept = np.asarray(out[INDEX_COLUMN]).astype(np.int64)
-    where = {i: p for p, i in enumerate(idx.tolist())}
-    positions = np.array([where.get(i, -1) for i in kept.tolist()], np.int64)
-    if (positions < 0).any() or (np.diff(positions) <= 0).any():
-        raise ValueError(f"on_advantage returned samples that are not a subset of its input in input order "
-                         f"({INDEX_COLUMN}={kept.tolist()[:8]}...); it may drop samples, not add or reorder them")
-    return kept, positions
-
-
-def _added_columns(stage: str, before: Batch, after: Batch, positions: np.ndarray) -> dict[str, Any]:
-    """The columns a hook added; a hook must not change the ones it received."""
-    hook = _HOOKS[stage]
-    if after.num_samples != len(positions):
-        raise ValueError(f"{hook} returned {after.num_samples} samples for {before.num_samples}; it must return one "
-                         "row per sample (only on_advantage may drop samples)")
-    for name in after:
-        if name in before and not _same(np.asarray(before[name])[positions] if len(positions) != before.num_samples
-                                        else before[name], after[name]):
-            raise ValueError(f"{hook} changed column {name!r}, which an earlier stage wrote; a stage adds columns and "
-                             "leaves the ones it received as they are (write the result under a new name)")
-    return {name: after[name] for name in after if name not in before}
-
-
-def _same(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    a, b = np.asarray(a), np.asarray(b)
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.dtype == object:  # selecting rows copies references: unchanged items are the same objects
-        return all(x is y or _same_item(x, y) for x, y in zip(a.ravel(), b.ravel()))
-    return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
-
-
-def _same_item(x: Any, y: Any) -> bool:
-    try:
-        return bool(x == y)
-    except ValueError:  # arrays inside an object column
-        return bool(np.array_equal(np.asarray(x), np.asarray(y)))
 
 
 @jax.jit

@@ -166,7 +166,7 @@ def test_samples_are_forgotten_once_every_stage_is_done_and_then_refuse_writes()
     batch, got = dock.get("train", n=4, one_batch=True)  # 3 remain: the batch's end
     assert got.tolist() == [0, 1, 2]
     assert len(dock) == 0
-    assert all(chunk is None for col in dock._columns.values() for chunk in col.chunks)  # memory released
+    assert all(chunk is None for col in dock._rows.columns.values() for chunk in col.chunks)  # memory released
     with pytest.raises(DockError, match="do not exist"):
         dock.put({"other": np.ones(1)}, [0])
 
@@ -186,7 +186,7 @@ def test_writers_of_different_columns_never_wait_for_each_other():
     dock = ExperienceDock({"a_stage": ("a",), "b_stage": ("b",)})
     dock.add({"x": np.arange(4)})
     dock.put({"a": np.ones(1)}, [0])
-    column_a = dock._columns["a"]
+    column_a = dock._rows.columns["a"]
     column_a.lock.acquire()  # a writer of column "a" is mid-write
     try:
         done = threading.Event()
@@ -208,7 +208,7 @@ def test_copying_happens_outside_the_stage_lock():
     dock = ExperienceDock({"train": ("x",)})
     dock.add({"x": np.arange(8)})
     inside, release = threading.Event(), threading.Event()
-    real_gather = dock._gather
+    real_gather = dock._rows.gather
 
     def slow_gather(chosen, names):
         if 0 in chosen:
@@ -216,7 +216,7 @@ def test_copying_happens_outside_the_stage_lock():
             release.wait(5)
         return real_gather(chosen, names)
 
-    dock._gather = slow_gather
+    dock._rows.gather = slow_gather
     slow = threading.Thread(target=lambda: dock.get("train", n=4))
     slow.start()
     assert inside.wait(2)

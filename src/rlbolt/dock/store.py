@@ -7,10 +7,10 @@ written and which it has not taken yet, at its own dispatch size. Samples enter 
 
 Locking (the contract the multi-host backends in docs/architecture.md keep):
   - `add` takes the registry lock (sample indices and batches are handed out in order);
-  - `put` takes only the locks of the columns it writes, for dictionary updates (arrays are
-    converted before); writers of different columns never wait for each other;
-  - `get` takes its stage's lock to choose indices and mark them taken, then copies the data
-    with no lock held; a writer rings each stage's doorbell (a notify) after it wrote;
+  - `put` takes only the locks of the columns it writes (columns.py), for dictionary updates
+    (arrays are converted before); writers of different columns never wait for each other;
+  - `get` takes its stage's lock to choose indices and mark them taken (queues.py), then copies
+    the data with no lock held; a writer rings each stage's doorbell (a notify) after it wrote;
   - no call holds two kinds of lock at once, so no lock order can deadlock.
 """
 
@@ -26,36 +26,13 @@ from typing import Any
 import numpy as np
 
 from rlbolt.batch import Batch
-from rlbolt.dock.selection import Choice, DockError, balance_units, choose
+from rlbolt.dock.columns import ColumnStore, as_arrays, common_size, few
+from rlbolt.dock.queues import StageQueue, StageStats, units_of
+from rlbolt.dock.selection import DockError, balance_units
 
 
 class DockClosed(RuntimeError):
     """The dock was closed (the pipeline is stopping or failed): no call can be served."""
-
-
-@dataclasses.dataclass
-class StageStats:
-    """Per-stage counters since the last `ExperienceDock.stats(reset=True)`.
-
-    Attributes:
-      gets: `get` calls served.
-      waits: calls that had to block for samples.
-      wait_s: seconds spent blocked.
-      timeouts: calls that returned because their time-out passed.
-      samples: samples taken.
-      window_s: seconds the counters cover.
-    """
-
-    gets: int = 0
-    waits: int = 0
-    wait_s: float = 0.0
-    timeouts: int = 0
-    samples: int = 0
-    window_s: float = 0.0
-
-    @property
-    def samples_per_s(self) -> float:
-        return self.samples / self.window_s if self.window_s > 0 else 0.0
 
 
 class Taken(tuple):
@@ -100,27 +77,6 @@ class _Batch:
         self.groups: dict[Hashable, list[int]] = {}  # group id -> members, in index order
 
 
-class _Column:
-    __slots__ = ("lock", "chunks", "first", "live", "where")
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.chunks: list[np.ndarray | None] = []  # one array per put; freed when no row is live
-        self.first: list[int | None] = []  # a chunk's first sample when its samples are consecutive
-        self.live: list[int] = []
-        self.where: dict[int, tuple[int, int]] = {}  # sample -> (chunk, row)
-
-
-class _Stage:
-    __slots__ = ("name", "inputs", "cond", "pending", "stats", "window_start")
-
-    def __init__(self, name: str, inputs: tuple[str, ...], now: float):
-        self.name, self.inputs = name, inputs
-        self.cond = threading.Condition(threading.Lock())
-        self.pending: dict[int, dict[int, None]] = {}  # batch seq -> samples not taken, in order
-        self.stats, self.window_start = StageStats(), now
-
-
 class ExperienceDock:
     """Named columns over the samples of the global batches in flight.
 
@@ -144,12 +100,12 @@ class ExperienceDock:
             raise DockError("stages is empty; name at least one stage and its input columns")
         self._clock = clock
         self._allowed = None if columns is None else frozenset(columns)
-        self._stages = {name: _Stage(name, tuple(inputs), clock()) for name, inputs in stages.items()}
+        self._stages = {name: StageQueue(name, tuple(inputs), clock()) for name, inputs in stages.items()}
         if self._allowed is not None:
             for stage in self._stages.values():
                 self._check_known(stage.inputs, f"stage {stage.name!r}'s inputs")
         self._declared = frozenset(c for s in self._stages.values() for c in s.inputs) | (self._allowed or frozenset())
-        self._columns: dict[str, _Column] = {}
+        self._rows = ColumnStore()
         self._samples: dict[int, _Sample] = {}
         self._batches: dict[Hashable, _Batch] = {}
         self._registry = threading.Lock()
@@ -170,8 +126,8 @@ class ExperienceDock:
         Returns:
           [N] int64 indices of the new samples.
         """
-        arrays = _as_arrays(columns, "add")
-        n = _common_size(arrays, "add")
+        arrays = as_arrays(columns, "add")
+        n = common_size(arrays, "add")
         if self._allowed is not None:
             self._check_known(list(arrays), "add")
         if group_ids is None:
@@ -216,10 +172,10 @@ class ExperienceDock:
         self._check_open("put")
         missing = [i for i in idx.tolist() if i not in self._samples]
         if missing:
-            raise DockError(f"put: sample(s) {_few(missing)} do not exist (never added, or every stage is done with "
+            raise DockError(f"put: sample(s) {few(missing)} do not exist (never added, or every stage is done with "
                             f"them); write only indices that add() or get() returned")
-        arrays = _as_arrays(columns, "put")
-        n = _common_size(arrays, "put")
+        arrays = as_arrays(columns, "put")
+        n = common_size(arrays, "put")
         if n != len(idx):
             raise DockError(f"put: the columns have {n} rows for {len(idx)} indices")
         self._write(arrays, idx, "put")
@@ -229,14 +185,14 @@ class ExperienceDock:
         idx = _as_indices(indices, "discard").tolist()
         never = [i for i in idx if not 0 <= i < self._next_index]
         if never:
-            raise DockError(f"discard: sample(s) {_few(never)} were never added")
+            raise DockError(f"discard: sample(s) {few(never)} were never added")
         for stage in self._stages.values():
             with stage.cond:
                 for i in idx:
                     sample = self._samples.get(i)
                     if sample is not None and stage.pending.get(sample.batch.seq, {}).pop(i, "taken") is None:
                         sample.owed.discard(stage.name)
-                self._drop_empty(stage)
+                stage.drop_empty()
                 stage.cond.notify_all()
         self._forget_done(idx)
 
@@ -309,7 +265,7 @@ class ExperienceDock:
         with st.cond:
             while True:
                 self._check_open("get")
-                choice = self._choose(st, need, n, whole_groups, one_batch)
+                choice = st.choose(self._samples, need, n, whole_groups, one_batch)
                 if choice.full or not block:
                     break
                 if choice.unready == 0 and ((one_batch and choice.indices) or self._finished):
@@ -322,11 +278,9 @@ class ExperienceDock:
                 st.cond.wait(remaining)
             complete = choice.full or (choice.unready == 0 and ((one_batch and choice.indices) or self._finished))
             chosen = choice.indices if partial or complete else []
-            for i in chosen:
-                st.pending[self._samples[i].batch.seq].pop(i)
-            self._drop_empty(st)
+            st.take(self._samples, chosen)
             names = columns if columns is not None else _common_columns(self._samples[i] for i in chosen)
-            units = self._units(chosen, whole_groups) if balance is not None else []
+            units = units_of(self._samples, chosen, whole_groups) if balance is not None else []
             keys = [self._samples[i].batch.key for i in chosen]
             stats = st.stats
             stats.gets += 1
@@ -335,7 +289,7 @@ class ExperienceDock:
             stats.timeouts += timed_out
             stats.wait_s += (self._clock() - start) if waited else 0.0
         try:
-            batch = self._gather(chosen, names)
+            batch = self._rows.gather(chosen, names)
         finally:
             for i in chosen:
                 self._samples[i].owed.discard(stage)
@@ -363,14 +317,14 @@ class ExperienceDock:
         return len(self._samples)
 
     # -- internals ------------------------------------------------------------------------------
-    def _stage(self, name: str) -> _Stage:
+    def _stage(self, name: str) -> StageQueue:
         try:
             return self._stages[name]
         except (KeyError, TypeError):
             raise DockError(f"unknown stage {name!r}; stages: {list(self._stages)}") from None
 
     def _check_known(self, names: Sequence[str], where: str) -> None:
-        known = self._allowed if self._allowed is not None else self._declared | set(self._columns)
+        known = self._allowed if self._allowed is not None else self._declared | self._rows.names()
         unknown = [c for c in names if c not in known]
         if unknown:
             raise DockError(f"{where}: unknown column(s) {unknown}; columns: {sorted(known)}")
@@ -382,28 +336,9 @@ class ExperienceDock:
     def _write(self, arrays: dict[str, np.ndarray], idx: np.ndarray, what: str) -> None:
         if self._allowed is not None:
             self._check_known(list(arrays), what)
-        cols = [(name, self._columns.setdefault(name, _Column())) for name in sorted(arrays)]
-        keys = idx.tolist()
-        for _, col in cols:  # sorted order: two writers sharing columns cannot deadlock
-            col.lock.acquire()
-        try:
-            for name, col in cols:
-                doubles = [i for i in keys if i in col.where]
-                if doubles:
-                    raise DockError(f"{what}: column {name!r} of sample(s) {_few(doubles)} is already written "
-                                    "(a double write); a stage adds columns, it never rewrites one")
-            consecutive = bool(keys) and keys[-1] - keys[0] == len(keys) - 1 and bool((np.diff(idx) == 1).all())
-            for name, col in cols:
-                chunk = len(col.chunks)
-                col.chunks.append(arrays[name])
-                col.first.append(keys[0] if consecutive else None)
-                col.live.append(len(keys))
-                col.where.update(zip(keys, ((chunk, row) for row in range(len(keys)))))
-        finally:
-            for _, col in cols:
-                col.lock.release()
+        self._rows.write(arrays, idx, what)
         names = list(arrays)
-        for i in keys:
+        for i in idx.tolist():
             sample = self._samples.get(i)
             if sample is not None:
                 sample.columns.update(names)  # one call: readers see all of this put or none of it
@@ -414,72 +349,6 @@ class ExperienceDock:
             with stage.cond:
                 stage.cond.notify_all()
 
-    def _choose(self, st: _Stage, need: frozenset, n: int | None, whole_groups: bool, one_batch: bool) -> Choice:
-        seqs = sorted(st.pending)
-        if one_batch:
-            seqs = seqs[:1]
-        ready = lambda i: need <= self._samples[i].columns
-
-        def units():
-            for seq in seqs:
-                pending = st.pending[seq]
-                if not whole_groups:
-                    yield from ([i] for i in pending)
-                    continue
-                seen = set()
-                for i in pending:
-                    sample = self._samples[i]
-                    if sample.group in seen:
-                        continue
-                    seen.add(sample.group)
-                    # tuple(): one atomic copy; the list may lose forgotten members meanwhile
-                    members = [j for j in tuple(sample.batch.groups[sample.group]) if j in pending]
-                    if n is not None and len(members) > n:
-                        raise DockError(f"get({st.name!r}): a group of {len(members)} samples does not fit n={n} "
-                                        "with whole_groups=True; ask for n >= the group size")
-                    yield members
-
-        return choose(units(), ready, n)
-
-    def _units(self, chosen: list[int], whole_groups: bool) -> list[list[int]]:
-        """The chosen samples as positions grouped into units (groups when whole_groups)."""
-        if not whole_groups:
-            return [[p] for p in range(len(chosen))]
-        units: dict[tuple, list[int]] = {}
-        for p, i in enumerate(chosen):
-            sample = self._samples[i]
-            units.setdefault((sample.batch.seq, sample.group), []).append(p)
-        return list(units.values())
-
-    @staticmethod
-    def _drop_empty(st: _Stage) -> None:
-        for seq in [s for s, pending in st.pending.items() if not pending]:
-            del st.pending[seq]
-
-    def _gather(self, chosen: list[int], names: Sequence[str]) -> Batch:
-        if not chosen:
-            return Batch()
-        out = {}
-        consecutive = chosen == list(range(chosen[0], chosen[0] + len(chosen)))
-        for name in names:
-            col = self._columns[name]
-            if consecutive:  # the usual case: a stage's dispatch of one batch, in order
-                value = _consecutive_rows(col, chosen[0], len(chosen))
-                if value is not None:
-                    out[name] = value
-                    continue
-            locs = [col.where[i] for i in chosen]
-            chunk_ids = np.fromiter((c for c, _ in locs), np.int64, len(locs))
-            rows = np.fromiter((r for _, r in locs), np.int64, len(locs))
-            if (chunk_ids == chunk_ids[0]).all():
-                out[name] = col.chunks[chunk_ids[0]][rows]
-                continue
-            order = np.argsort(chunk_ids, kind="stable")
-            parts = [col.chunks[c][rows[order][chunk_ids[order] == c]] for c in np.unique(chunk_ids)]
-            merged = np.concatenate(parts)
-            out[name] = merged[np.argsort(order, kind="stable")]
-        return Batch(out)
-
     def _forget_done(self, indices: Sequence[int]) -> None:
         """Forgets samples every stage is done with (taken and copied, or discarded)."""
         gone = []
@@ -489,14 +358,7 @@ class ExperienceDock:
                 gone.append((i, sample))
         if not gone:
             return
-        for col in list(self._columns.values()):
-            with col.lock:
-                for i, _ in gone:
-                    loc = col.where.pop(i, None)
-                    if loc is not None:
-                        col.live[loc[0]] -= 1
-                        if col.live[loc[0]] == 0:
-                            col.chunks[loc[0]] = None
+        self._rows.forget([i for i, _ in gone])
         with self._registry:
             for i, sample in gone:
                 members = sample.batch.groups.get(sample.group)
@@ -506,27 +368,6 @@ class ExperienceDock:
                         del sample.batch.groups[sample.group]
                 if not sample.batch.groups:
                     self._batches = {k: b for k, b in self._batches.items() if b is not sample.batch}
-
-
-def _as_arrays(columns: Mapping[str, Any], what: str) -> dict[str, np.ndarray]:
-    if not isinstance(columns, Mapping):
-        raise DockError(f"{what}: columns must be a mapping name -> array, got {type(columns).__name__}")
-    out = {}
-    for name, value in columns.items():
-        if not isinstance(name, str):
-            raise DockError(f"{what}: column names must be strings, got {name!r}")
-        arr = np.asarray(value)
-        if arr.ndim == 0:
-            raise DockError(f"{what}: column {name!r} is a scalar; every column needs a leading sample axis")
-        out[name] = arr
-    return out
-
-
-def _common_size(arrays: dict[str, np.ndarray], what: str) -> int:
-    sizes = {name: len(a) for name, a in arrays.items()}
-    if len(set(sizes.values())) > 1:
-        raise DockError(f"{what}: columns have different numbers of rows: {sizes}")
-    return next(iter(sizes.values()), 0)
 
 
 def _as_indices(indices: Any, what: str) -> np.ndarray:
@@ -544,28 +385,9 @@ def _common_columns(samples) -> list[str]:
     return sorted(sets[0].intersection(*sets[1:])) if sets else []
 
 
-def _consecutive_rows(col: _Column, start: int, count: int) -> np.ndarray | None:
-    """Rows of samples start..start+count-1 as slices of the chunks that hold them (a view when
-    one chunk does); None when a chunk's samples are not consecutive."""
-    parts, i, end = [], start, start + count
-    while i < end:
-        chunk, row = col.where[i]
-        if col.first[chunk] is None:
-            return None
-        array = col.chunks[chunk]
-        take = min(len(array) - row, end - i)  # rows row.. hold samples i.. (consecutive chunk)
-        parts.append(array[row:row + take])
-        i += take
-    return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-
 def _lengths(batch: Batch, name: str) -> np.ndarray:
     if name not in batch:
         raise DockError(f"get: balance needs the lengths column {name!r}, which the taken samples lack; "
                         f"pass lengths=<a column of them>")
     values = np.asarray(batch[name])
     return values.reshape(len(values), -1).sum(axis=1) if values.ndim > 1 else values
-
-
-def _few(items: list[int]) -> str:
-    return str(items[:5])[:-1] + (", ...]" if len(items) > 5 else "]")
