@@ -55,6 +55,36 @@ def test_int_is_accepted_for_float_and_comma_list_for_tuple():
     assert cfg.callbacks.metrics == ("console", "jsonl")
 
 
+def test_numbers_as_people_type_them(tmp_path):
+    # YAML 1.1 reads 1e-4 (no dot) as a string; the config reads it as the number it obviously is,
+    # from the command line and from a file alike.
+    cfg = load_config(None, ["algorithm.lr=1e-4", "algorithm.weight_decay=+2E-3", "trainer.max_steps=1e3",
+                             "algorithm.max_grad_norm=1_000.5"])
+    assert cfg.algorithm.lr == 1e-4 and cfg.algorithm.weight_decay == 2e-3 and cfg.algorithm.max_grad_norm == 1000.5
+    assert cfg.trainer.max_steps == 1000 and isinstance(cfg.trainer.max_steps, int)
+    path = tmp_path / "c.yaml"
+    path.write_text("algorithm:\n  lr: 5e-6\n")
+    assert load_config(path).algorithm.lr == 5e-6
+    with pytest.raises(ConfigError, match=r"trainer.max_steps=1.5 has type float; expected int"):
+        load_config(None, ["trainer.max_steps=1.5"])
+    with pytest.raises(ConfigError, match="has type str"):
+        load_config(None, ["algorithm.lr=1e-4x"])  # not a number: still named
+    for bad in (".nan", ".inf", "-.inf"):
+        with pytest.raises(ConfigError, match=r"algorithm.lr=.* is not a finite number"):
+            load_config(None, [f"algorithm.lr={bad}"])
+
+
+def test_ranges_are_checked_when_read_and_listed():
+    for override, message in [("trainer.max_steps=0", r"trainer.max_steps=0 must be >= 1 \(or null\)"),
+                              ("algorithm.lr=0", r"algorithm.lr=0.0 must be > 0"),
+                              ("rollout.top_p=1.5", r"rollout.top_p=1.5 must be <= 1"),
+                              ("algorithm.gamma=-0.1", r"algorithm.gamma=-0.1 must be >= 0"),
+                              ("plan.max_refill_rounds=-1", r"plan.max_refill_rounds=-1 must be >= 0")]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, [override])
+    assert "trainer.max_steps = None: global steps to run; None: until max_epochs (>= 1)" in describe_fields()
+
+
 def test_unknown_key_names_it_suggests_and_lists_allowed():
     with pytest.raises(ConfigError) as err:
         load_config(None, ["trainer.max_step=3"])
@@ -109,6 +139,23 @@ def test_cross_field_rules():
         load_config(None, ["algorithm.dual_clip=0.5"])
     with pytest.raises(ConfigError, match="reward.weights"):
         load_config(None, ["reward.weights={length: 1.0}"])
+    with pytest.raises(ConfigError, match="non-zero weight"):
+        load_config(None, ["reward.weights={answer: 0, format: 0}"])
+    with pytest.raises(ConfigError, match=r"trainer.mode=async needs trainer.max_staleness >= 3 \(got None\)"):
+        load_config(None, ["trainer.mode=async", "plan.mini_batch_size=8"])  # 2 updates per step
+    with pytest.raises(ConfigError, match=r"trainer.max_staleness=2 is only used with trainer.mode=async"):
+        load_config(None, ["trainer.max_staleness=2"])
+    with pytest.raises(ConfigError, match=r"trainer.val_every_n_steps=5 but the run has no validation rows"):
+        load_config(None, ["trainer.val_every_n_steps=5"])
+    assert load_config(None, ["trainer.val_every_n_steps=5", "data.builtin_val_rows=4"]).trainer.val_every_n_steps == 5
+    # Settings that would silently do nothing:
+    with pytest.raises(ConfigError, match=r"early_stopping_metric=val/accuracy .* validates never"):
+        load_config(None, ["callbacks.early_stopping_metric=val/accuracy"])
+    with pytest.raises(ConfigError, match=r"validates only after the last step; set trainer.val_every_n_steps"):
+        load_config(None, ["callbacks.early_stopping_metric=val/accuracy", "data.builtin_val_rows=2"])
+    assert load_config(None, ["callbacks.early_stopping_metric=reward/mean"]).callbacks.early_stopping_metric
+    with pytest.raises(ConfigError, match=r"plan.max_refill_rounds=0 cannot refill"):
+        load_config(None, ["algorithm.name=dapo", "plan.max_refill_rounds=0"])
 
 
 def test_save_then_load_round_trips_the_resolved_config(tmp_path):
@@ -135,7 +182,8 @@ def test_callbacks_section_builds_the_configured_callbacks(tmp_path):
     from rlbolt.app.config import load_config
 
     cfg = load_config(None, ["callbacks.checkpoint_every_n_steps=5", "callbacks.offload=true",
-                             "callbacks.early_stopping_metric=val/accuracy", "callbacks.progress=false"])
+                             "callbacks.early_stopping_metric=val/accuracy", "callbacks.progress=false",
+                             "data.builtin_val_rows=2", "trainer.val_every_n_steps=5"])
     kinds = [type(c) for c in build_callbacks(cfg, tmp_path)]
     assert kinds == [cb.NaNGuard, cb.LearningRateMonitor, cb.Throughput, cb.CPUOffload, cb.ModelCheckpoint,
                      cb.MetricsLogger, cb.TimelineLogger, cb.EarlyStopping]

@@ -2,7 +2,7 @@
 
 Hook order for one global step (docs/architecture.md pins it with a golden trace test):
 
-    producer thread:  on_rollout -> compute_logps -> on_advantage      (per service batch / global batch)
+    producer stages:  on_rollout -> compute_logps -> (on_reward) -> on_advantage   (per micro batch / global batch)
     main thread:      training_step (jitted; once per train micro batch, summed per mini batch)
 
 Hooks receive parameters explicitly (`params`) rather than reading shared state, so the producer
@@ -52,6 +52,13 @@ class RLModule:
         from flax import nnx
 
         return nnx.state(model, nnx.Param)
+
+    def check_plan(self, plan: Any) -> None:
+        """Refuses a BatchPlan this module cannot learn with (raise `rlbolt.plan.PlanError`).
+
+        Called by `fit` before `setup`, so nothing is built or compiled for a run that would
+        train silently wrong; e.g. a group-relative advantage needs `num_generations >= 2`.
+        Default: every plan is fine."""
 
     def configure_optimizers(self) -> optax.GradientTransformation:
         """The optimizer (schedules live inside it). Default: AdamW, lr 1e-6, grad-norm clip 1.0."""

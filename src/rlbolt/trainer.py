@@ -20,6 +20,7 @@ import numpy as np
 from rlbolt.batch import Batch
 from rlbolt.callback import Callback, CallbackList
 from rlbolt.data.source import PromptSource
+from rlbolt.fit_checks import check_fit
 from rlbolt.module import RLModule
 from rlbolt.plan import BatchPlan
 from rlbolt.producer import STAGE_ROLES, ProducedStep, Producer
@@ -46,7 +47,8 @@ class Trainer:
         (the producer runs ahead with older weights, bounded by `max_staleness`).
       max_staleness: async only: the most policy versions a trained sample may lag the policy.
         The producer then runs `(max_staleness + 1) // updates_per_step - 1` steps ahead.
-      val_every_n_steps: validate every n steps (and always after the last step when val_data is given).
+      val_every_n_steps: validate every n steps (and always after the last step when val_data is
+        given); `fit` refuses it without val_data (see `rlbolt.fit_checks`).
       val_batch_size: prompts per validation batch (default prompts_per_step).
       run_dir: where callbacks write (metrics, checkpoints); default runs/<time>.
       prefetch_timeout_s: fail if the producer yields nothing for this long (None: wait).
@@ -91,7 +93,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     def fit(self, module: RLModule, train_data: Any, val_data: Sequence[dict] | None = None) -> TrainState:
         """Trains `module` on `train_data` (dict rows or a grain MapDataset); returns the final state."""
-        state = self._setup(module, train_data)
+        state = self._setup(module, train_data, val_data)
         state = self.callbacks.on_restore(self, state)  # ModelCheckpoint resumes here
         state = self.last_state = self.callbacks.on_fit_start(self, state)
         self.weights.publish(state.step, state.params, state.policy_version)
@@ -134,15 +136,10 @@ class Trainer:
         return state
 
     # ------------------------------------------------------------------------------------------
-    def _setup(self, module: RLModule, train_data: Any) -> TrainState:
+    def _setup(self, module: RLModule, train_data: Any, val_data: Sequence[dict] | None) -> TrainState:
         self.module, module.trainer = module, self
-        if module.whole_groups:  # the module's group statistics constrain the micro sizes
-            self.plan = self.plan.require_whole_groups(*module.whole_groups)
+        self.plan = check_fit(self.plan, module, train_data, val_data, val_every_n_steps=self.val_every_n_steps)
         self.source = train_data if isinstance(train_data, PromptSource) else PromptSource(train_data, shuffle=self.shuffle, seed=self.data_seed)
-        max_prompts = self._max_prompts()
-        if max_prompts is not None and max_prompts < self.plan.prompts_per_step:
-            raise ValueError(f"train_data has {len(self.source)} prompts x max_epochs={self.max_epochs}: fewer than "
-                             f"prompts_per_step={self.plan.prompts_per_step}; lower prompts_per_step or raise max_epochs")
         module.setup(self)
         rng = jax.random.PRNGKey(self.seed)
         params = module.init_params(jax.random.fold_in(rng, 0))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 import yaml
 
@@ -192,3 +194,22 @@ def test_log_file_receives_rlbolt_records_and_detaches(tmp_path):
     assert "rlbolt.run: hello 7" in text
     assert "not ours" not in text and "after detach" not in text
     assert logging.getLogger("rlbolt").propagate is True
+
+
+def test_parameter_table_names_every_array_and_counts_them():
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from rlbolt.models import Decoder, tiny_config
+
+    model = Decoder(tiny_config(vocab_size=40, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                                head_dim=8, intermediate_size=24), rngs=nnx.Rngs(0))
+    params = {"policy": nnx.state(model, nnx.Param), "value_head": {"kernel": jnp.zeros((16, 1)), "bias": jnp.zeros(1)}}
+    text = rundir.parameter_table(params)
+    expected = {"policy/embed/embedding": (40, 16), "policy/layers/0/mlp/down_proj/kernel": (24, 16),
+                "value_head/kernel": (16, 1), "value_head/bias": (1,)}
+    for name, shape in expected.items():
+        assert f"| {name} " in text and str(shape) in text
+    assert "/value " not in text
+    total = sum(int(np.prod(leaf.shape)) for leaf in jax.tree_util.tree_leaves(params))
+    assert f"Total: {total:,}" in text

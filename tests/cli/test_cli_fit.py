@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 
 from rlbolt.app.cli import main
+from rlbolt.data import gsm8k_style_rows
 from rlbolt.loggers import read_jsonl
 
 RECIPE = "recipes/configs/grpo_gsm8k.yaml"
@@ -14,10 +17,15 @@ RECIPE = "recipes/configs/grpo_gsm8k.yaml"
 @pytest.fixture(scope="module")
 def fit_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("fit") / "run"
-    code = main(["fit", RECIPE, "--trainer.max_steps=2", f"--trainer.run_dir={run_dir}",
-                 "--callbacks.checkpoint_every_n_steps=1", "--trainer.val_every_n_steps=null",
-                 "--data.builtin_val_rows=0", "--callbacks.progress=false", "--callbacks.metrics=[jsonl]"])
-    assert code == 0
+    data = run_dir.parent / "rows.jsonl"
+    rows = [json.dumps(r) for r in gsm8k_style_rows(8)]
+    data.write_text("\n".join(rows[:-1]) + "\n" + rows[-1][:20])  # a torn last line
+    command = ["fit", RECIPE, "--trainer.max_steps=2", f"--trainer.run_dir={run_dir}", f"--data.train={data}",
+               "--callbacks.checkpoint_every_n_steps=1", "--trainer.val_every_n_steps=null",
+               "--data.builtin_val_rows=0", "--callbacks.progress=false", "--callbacks.metrics=[jsonl]"]
+    assert main(command) == 2 and not run_dir.exists()  # refused, nothing left behind...
+    data.write_text("\n".join(rows) + "\n")
+    assert main(command) == 0  # ...so the fixed command runs
     return run_dir
 
 
@@ -32,7 +40,9 @@ def test_fit_writes_the_resolved_config_and_metrics(fit_run):
     assert all(0.0 <= r["reward/mean"] <= 1.1 for r in records)
     assert sorted(int(p.name) for p in (fit_run / "checkpoints").iterdir() if p.name.isdigit())[-1] == 2
     assert (fit_run / "plots" / "reward.png").is_file()
-    assert "step 2 reward/mean=" in (fit_run / "train.log").read_text()
+    log = (fit_run / "train.log").read_text()
+    assert "step 2 reward/mean=" in log
+    assert "trainable parameters:" in log and "| embed/embedding " in log and "Total: " in log
 
 
 def test_fit_into_the_same_run_dir_again_is_refused(fit_run, capsys):

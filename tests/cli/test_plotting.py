@@ -70,10 +70,21 @@ def test_unknown_topic_is_an_error(tmp_path):
 def test_summary_condenses_the_reward_curve(tmp_path):
     rewards = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.95, 0.7, 0.92, 0.99]
     write_metrics(tmp_path / "metrics.jsonl", rewards)
-    summary = summarize(tmp_path, steps=11, seconds=90.0)
-    assert summary.start_reward == pytest.approx(np.mean(rewards[:5]))
+    summary = summarize(tmp_path, steps=11, seconds=90.0, target=0.9)
+    assert summary.start_reward == pytest.approx(rewards[0])
     assert summary.end_reward == pytest.approx(np.mean(rewards[-5:]))
     assert summary.first_step_at_target == 8  # 0.95 is the 8th step
     assert (tmp_path / "plots" / "reward.png").is_file()
     text = summary.text()
     assert "11 steps in 1.5 min" in text and "first reached 0.9 at step 8" in text
+
+
+def test_summary_start_survives_a_resume_and_names_no_target_unless_asked(tmp_path):
+    write_metrics(tmp_path / "metrics.jsonl", [0.25, 0.5])
+    before = summarize(tmp_path, steps=2, seconds=1.0)
+    write_metrics(tmp_path / "metrics.jsonl", [0.25, 0.5, 0.75, 0.8, 0.85, 0.9, 0.95])  # the resumed run's file
+    after = summarize(tmp_path, steps=7, seconds=1.0)
+    assert before.start_reward == after.start_reward == 0.25
+    # A fit run has no target level: its summary must not claim one was missed.
+    assert "reach" not in after.text() and "0.250 at the start" in after.text()
+    assert "did not reach 0.99" in summarize(tmp_path, steps=7, seconds=1.0, target=0.99).text()

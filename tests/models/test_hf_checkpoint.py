@@ -228,3 +228,16 @@ def test_index_referencing_missing_shard(tmp_path):
     (out / "model-00002-of-" f"{len(list(out.glob('model-*'))):05d}.safetensors").unlink()
     message = _error(out, FileNotFoundError)
     assert "model.safetensors.index.json" in message and "model-00002-of-" in message
+
+
+def test_read_hf_config_checks_the_folder_without_loading_weights(tmp_path):
+    from rlbolt.models import read_hf_config
+
+    folder = _saved_hf(tmp_path / "m")
+    _, loaded_config = load_hf(folder)
+    assert read_hf_config(folder) == loaded_config
+    (folder / "model.safetensors").rename(folder / "elsewhere.bin")
+    with pytest.raises(FileNotFoundError, match="neither model.safetensors"):
+        read_hf_config(folder)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        read_hf_config(tmp_path / "nope")

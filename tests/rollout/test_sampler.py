@@ -93,17 +93,18 @@ def test_early_exit_when_every_row_stops_at_first_token(model):
 
 def test_samples_depend_only_on_their_own_key(model):
     prompts, keys = _prompts(6, seed=3), _keys(6, seed=3)
-    outs = [NativeSampler(model, max_new_tokens=MAX_NEW, micro_batch_size=m, prompt_buckets=(16,),
-                          noise_upfront_max_bytes=upfront).generate(prompts, keys)
-            for m, upfront in [(1, 64 << 20), (4, 64 << 20), (None, 64 << 20), (4, 0)]]
+    samplers = [NativeSampler(model, max_new_tokens=MAX_NEW, micro_batch_size=m, prompt_buckets=(16,),
+                              noise_upfront_max_bytes=upfront)
+                for m, upfront in [(1, 64 << 20), (4, 64 << 20), (None, 64 << 20), (4, 0)]]
+    outs = [sampler.generate(prompts, keys) for sampler in samplers]
     for other in outs[1:]:
         np.testing.assert_array_equal(outs[0].completion_ids, other.completion_ids)
         np.testing.assert_allclose(outs[0].logps, other.logps, atol=1e-5)
-    # A sample keeps its tokens when it moves within the batch next to different samples.
-    moved = NativeSampler(model, max_new_tokens=MAX_NEW, micro_batch_size=4, prompt_buckets=(16,)).generate(
-        [prompts[5], prompts[0], prompts[2]], keys[[5, 0, 2]])
+    # A sample keeps its tokens when it moves within the batch next to different samples
+    # (the micro-batch-4 sampler again: its programs are compiled already).
+    moved = samplers[1].generate([prompts[5], prompts[0], prompts[2]], keys[[5, 0, 2]])
     np.testing.assert_array_equal(moved.completion_ids, outs[0].completion_ids[[5, 0, 2]])
-    different = NativeSampler(model, max_new_tokens=MAX_NEW, prompt_buckets=(16,)).generate(prompts, _keys(6, 7))
+    different = samplers[2].generate(prompts, _keys(6, 7))
     assert (different.completion_ids != outs[0].completion_ids).any()
 
 

@@ -26,7 +26,8 @@ EXIT_BAD_INPUT = 2
 DESCRIPTION = """rlbolt: RL post-training of language models in JAX.
 
 Start with `rlbolt demo`: a tiny model learns a digit task from scratch with GRPO on your CPU
-(a few minutes), with a progress bar, a summary and a reward plot in the run directory."""
+(about 20 seconds on a 2-core CPU), with a progress bar, a summary and a reward plot in the run
+directory."""
 
 
 class CLIError(Exception):
@@ -180,7 +181,10 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     if not run_dir.is_dir():
         raise CLIError(f"run directory {run_dir} does not exist")
     out = Path(args.out) if args.out else run_dir / "plots"
-    written = plot_metrics(run_dir / "metrics.jsonl", out)
+    try:
+        written = plot_metrics(run_dir / "metrics.jsonl", out)
+    except ValueError as error:  # a malformed metrics line, named by read_jsonl
+        raise CLIError(f"{error}; fix or remove that line") from None
     for path in written.values():
         print(path)
     if (run_dir / "timeline.jsonl").is_file():

@@ -33,8 +33,11 @@ def _module_for(run_dir: Path) -> tuple[Any, Any]:
     from rlbolt.app.build import build_module, build_trainer
     from rlbolt.app.config import load_config
 
+    from rlbolt.app import objects
+
     cfg = load_config(data, [f"trainer.run_dir={run_dir}"])
-    module = build_module(cfg)
+    # The model and tokenizer objects the run was built with (a reward is not needed to export).
+    module = build_module(cfg, **objects.resolve_all({k: getattr(cfg.objects, k) for k in ("model", "tokenizer")}))
     module.trainer = build_trainer(cfg)
     module.setup(module.trainer)
     return module, cfg

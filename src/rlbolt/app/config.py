@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from rlbolt.app.config_fields import ConfigError, closest as _closest, coerce as _coerce, option as _f
+from rlbolt.app.config_fields import ConfigError, closest as _closest, coerce as _coerce, describe_bounds, option as _f
 from rlbolt.utils.files import to_plain, write_text_atomic
 
 ALGORITHMS = ("grpo", "dapo", "drgrpo", "rloo", "reinforcepp", "gspo", "ppo")
@@ -51,10 +51,10 @@ class DataSection:
     answer_field: str = _f("answer", "row field holding the gold answer ('... #### 42' or '42')")
     system_prompt: str | None = _f(None, "system message put before each prompt when the tokenizer has a chat template")
     use_chat_template: bool = _f(True, "format prompts with the tokenizer's chat template when it has one")
-    max_prompt_tokens: int = _f(256, "longer prompts keep their last max_prompt_tokens tokens (the question's end)")
+    max_prompt_tokens: int = _f(256, "longer prompts keep their last max_prompt_tokens tokens (the question's end)", at_least=1)
     shuffle: bool = _f(True, "reshuffle the train rows every epoch")
-    builtin_train_rows: int = _f(256, "how many built-in rows to generate when data.train is None")
-    builtin_val_rows: int = _f(0, "how many built-in validation rows to generate when data.val is None")
+    builtin_train_rows: int = _f(256, "how many built-in rows to generate when data.train is None", at_least=1)
+    builtin_val_rows: int = _f(0, "how many built-in validation rows to generate when data.val is None", at_least=0)
     builtin_seed: int = _f(0, "seed of the built-in row generator")
 
 
@@ -62,29 +62,29 @@ class DataSection:
 class PlanSection:
     """Batch sizes, in samples unless the name says prompts (see rlbolt.plan.BatchPlan)."""
 
-    prompts_per_step: int = _f(4, "prompts per global step")
-    num_generations: int = _f(4, "completions sampled per prompt (the group size G)")
-    mini_batch_size: int | None = _f(None, "samples per optimizer update; None: the whole global batch")
-    train_micro_batch_size: int | None = _f(None, "samples per gradient call; None: the mini batch")
-    logps_micro_batch_size: int | None = _f(None, "samples per logps forward; None: train_micro_batch_size")
-    rollout_micro_batch_size: int | None = _f(None, "samples per sampler call; None: the global batch")
+    prompts_per_step: int = _f(4, "prompts per global step", at_least=1)
+    num_generations: int = _f(4, "completions sampled per prompt (the group size G)", at_least=1)
+    mini_batch_size: int | None = _f(None, "samples per optimizer update; None: the whole global batch", at_least=1)
+    train_micro_batch_size: int | None = _f(None, "samples per gradient call; None: the mini batch", at_least=1)
+    logps_micro_batch_size: int | None = _f(None, "samples per logps forward; None: train_micro_batch_size", at_least=1)
+    rollout_micro_batch_size: int | None = _f(None, "samples per sampler call; None: the global batch", at_least=1)
     reward_micro_batch_size: int | None = _f(None, "samples per reward call (scored while later samples still "
-                                                 "generate); None: the global batch")
-    num_iterations: int = _f(1, "update passes over each global batch (mu)")
-    max_refill_rounds: int | None = _f(None, "extra prompt draws when groups are dropped (DAPO); None: 4 with dynamic sampling, else 0")
+                                                 "generate); None: the global batch", at_least=1)
+    num_iterations: int = _f(1, "update passes over each global batch (mu)", at_least=1)
+    max_refill_rounds: int | None = _f(None, "extra prompt draws when groups are dropped (DAPO); None: 4 with dynamic sampling, else 0", at_least=0)
 
 
 @dataclass(frozen=True)
 class RolloutSection:
     """Sampling."""
 
-    max_new_tokens: int = _f(32, "completion budget in tokens (also the Dr.GRPO length constant)")
-    temperature: float = _f(1.0, "sampling temperature; 0 = greedy")
-    top_k: int = _f(0, "keep the k most likely tokens; 0 = off")
-    top_p: float = _f(1.0, "nucleus sampling mass; 1.0 = off")
+    max_new_tokens: int = _f(32, "completion budget in tokens (also the Dr.GRPO length constant)", at_least=1)
+    temperature: float = _f(1.0, "sampling temperature; 0 = greedy", at_least=0)
+    top_k: int = _f(0, "keep the k most likely tokens; 0 = off", at_least=0)
+    top_p: float = _f(1.0, "nucleus sampling mass; 1.0 = off", above=0, at_most=1)
     stop_at_eos: bool = _f(True, "stop a completion at the tokenizer's eos token")
-    val_temperature: float = _f(1.0, "temperature of the pass@k samples in validation (accuracy is always greedy)")
-    val_num_samples: int = _f(4, "k of pass@k in validation; 1 = greedy accuracy only")
+    val_temperature: float = _f(1.0, "temperature of the pass@k samples in validation (accuracy is always greedy)", at_least=0)
+    val_num_samples: int = _f(4, "k of pass@k in validation; 1 = greedy accuracy only", at_least=1)
 
 
 @dataclass(frozen=True)
@@ -92,25 +92,25 @@ class AlgorithmSection:
     """The RL algorithm. Fields left None take the algorithm's own default (see ALGORITHM_DEFAULTS)."""
 
     name: str = _f("grpo", "which ready module to train with", ALGORITHMS)
-    lr: float = _f(1e-6, "AdamW learning rate")
-    weight_decay: float = _f(0.0, "AdamW weight decay")
-    warmup_steps: int = _f(0, "linear learning-rate warm-up, in optimizer updates")
-    max_grad_norm: float = _f(1.0, "clip gradients to this global norm; 0 = off")
-    beta: float = _f(0.0, "KL coefficient to a frozen reference copy; > 0 builds the reference model")
+    lr: float = _f(1e-6, "AdamW learning rate", above=0)
+    weight_decay: float = _f(0.0, "AdamW weight decay", at_least=0)
+    warmup_steps: int = _f(0, "linear learning-rate warm-up, in optimizer updates", at_least=0)
+    max_grad_norm: float = _f(1.0, "clip gradients to this global norm; 0 = off", at_least=0)
+    beta: float = _f(0.0, "KL coefficient to a frozen reference copy; > 0 builds the reference model", at_least=0)
     kl_kind: str = _f("k3", "KL estimator (Schulman 2020)", ("k1", "k2", "k3"))
-    kl_clamp: float | None = _f(None, "clamp the per-token KL to [-kl_clamp, kl_clamp]; None = off")
-    clip_low: float | None = _f(None, "lower ratio clip epsilon; None: algorithm default (GSPO 3e-4, else 0.2)")
-    clip_high: float | None = _f(None, "upper ratio clip epsilon; None: algorithm default (DAPO 0.28, GSPO 4e-4, else 0.2)")
-    dual_clip: float | None = _f(None, "dual-clip constant c > 1 bounding the loss for negative advantages; None = off")
+    kl_clamp: float | None = _f(None, "clamp the per-token KL to [-kl_clamp, kl_clamp]; None = off", above=0)
+    clip_low: float | None = _f(None, "lower ratio clip epsilon; None: algorithm default (GSPO 3e-4, else 0.2)", at_least=0)
+    clip_high: float | None = _f(None, "upper ratio clip epsilon; None: algorithm default (DAPO 0.28, GSPO 4e-4, else 0.2)", at_least=0)
+    dual_clip: float | None = _f(None, "dual-clip constant c > 1 bounding the loss for negative advantages; None = off", above=1)
     loss_aggregation: str | None = _f(None, "how per-token losses become one scalar; None: algorithm default", LOSS_AGGREGATIONS)
     dynamic_sampling: bool | None = _f(None, "drop groups whose rewards are all equal and refill (DAPO); None: on for dapo only")
-    overlong_cache_length: int | None = _f(None, "DAPO soft overlong ramp width L_cache in tokens (0 = off); None: max_new_tokens // 4 for dapo, else 0")
-    entropy_coef: float = _f(0.0, "entropy bonus coefficient (subtracted from the loss)")
-    importance_cap: float | None = _f(None, "truncate sampler/policy importance weights at this cap (async staleness correction); None = off")
-    gamma: float = _f(1.0, "discount for REINFORCE++ returns and PPO GAE")
-    lam: float = _f(0.95, "GAE lambda (PPO)")
-    value_coef: float = _f(0.5, "value loss coefficient (PPO)")
-    value_clip: float = _f(0.2, "value clip range (PPO)")
+    overlong_cache_length: int | None = _f(None, "DAPO soft overlong ramp width L_cache in tokens (0 = off); None: max_new_tokens // 4 for dapo, else 0", at_least=0)
+    entropy_coef: float = _f(0.0, "entropy bonus coefficient (subtracted from the loss)", at_least=0)
+    importance_cap: float | None = _f(None, "truncate sampler/policy importance weights at this cap (async staleness correction); None = off", above=0)
+    gamma: float = _f(1.0, "discount for REINFORCE++ returns and PPO GAE", at_least=0, at_most=1)
+    lam: float = _f(0.95, "GAE lambda (PPO)", at_least=0, at_most=1)
+    value_coef: float = _f(0.5, "value loss coefficient (PPO)", at_least=0)
+    value_clip: float = _f(0.2, "value clip range (PPO)", above=0)
 
 
 @dataclass(frozen=True)
@@ -118,38 +118,38 @@ class RewardSection:
     """Reward functions, scored per sample with failure isolation."""
 
     weights: dict = _f({"answer": 1.0, "format": 0.0}, "reward term -> weight; terms: answer (GSM8K final answer), format (think/answer tags), digits (fraction of digit characters: a dense signal for tiny-model smoke runs); weight 0 drops a term")
-    timeout_s: float = _f(10.0, "seconds one sample's reward may run before it gets the penalty")
+    timeout_s: float = _f(10.0, "seconds one sample's reward may run before it gets the penalty", above=0)
     penalty: float = _f(0.0, "reward of a sample whose reward function failed or timed out")
-    max_workers: int = _f(4, "concurrent reward workers")
+    max_workers: int = _f(4, "concurrent reward workers", at_least=1)
     executor: str = _f("auto", "where rewards run: process (a worker process per slot: a reward that exits, holds the GIL or hangs costs only its sample), thread (no isolation from those), auto (process, or thread with a warning when the reward cannot be pickled)", ("auto", "process", "thread"))
-    max_failed_batches: int = _f(3, "stop with an error naming the reward when every sample's reward failed in this many consecutive batches; 0: never stop")
+    max_failed_batches: int = _f(3, "stop with an error naming the reward when every sample's reward failed in this many consecutive batches; 0: never stop", at_least=0)
 
 
 @dataclass(frozen=True)
 class TrainerSection:
     """The fit loop (see rlbolt.trainer.Trainer)."""
 
-    max_steps: int | None = _f(None, "global steps to run; None: until max_epochs")
-    max_epochs: int | None = _f(None, "passes over the train rows; None: 1 when max_steps is None")
+    max_steps: int | None = _f(None, "global steps to run; None: until max_epochs", at_least=1)
+    max_epochs: int | None = _f(None, "passes over the train rows; None: 1 when max_steps is None", at_least=1)
     seed: int = _f(0, "seeds parameter init and every rollout key")
     data_seed: int | None = _f(None, "seeds the per-epoch shuffle; None: trainer.seed")
     mode: str = _f("sync", "sync: on-policy; async: the producer runs ahead, bounded by max_staleness", ("sync", "async"))
-    max_staleness: int | None = _f(None, "async only: most policy versions a trained sample may lag")
-    val_every_n_steps: int | None = _f(None, "validate every n steps (and after the last step when there are val rows)")
-    val_batch_size: int | None = _f(None, "prompts per validation batch; None: plan.prompts_per_step")
+    max_staleness: int | None = _f(None, "async only: most policy versions a trained sample may lag", at_least=1)
+    val_every_n_steps: int | None = _f(None, "validate every n steps (and after the last step when there are val rows)", at_least=1)
+    val_batch_size: int | None = _f(None, "prompts per validation batch; None: plan.prompts_per_step", at_least=1)
     run_dir: str | None = _f(None, "where metrics and checkpoints go; None: runs/<algorithm>-<time>")
-    prefetch_timeout_s: float | None = _f(None, "fail if the producer yields nothing for this long; None: wait")
+    prefetch_timeout_s: float | None = _f(None, "fail if the producer yields nothing for this long; None: wait", above=0)
 
 
 @dataclass(frozen=True)
 class CallbacksSection:
     """Built-in callbacks."""
 
-    checkpoint_every_n_steps: int | None = _f(None, "save a checkpoint every n steps (and at the end); None: no checkpoints")
-    keep: int = _f(3, "checkpoints to keep")
+    checkpoint_every_n_steps: int | None = _f(None, "save a checkpoint every n steps (and at the end); None: no checkpoints", at_least=1)
+    keep: int = _f(3, "checkpoints to keep", at_least=1)
     resume: bool = _f(True, "resume from the newest checkpoint in run_dir when there is one")
     metrics: tuple = _f(("console", "jsonl"), f"metric writers, any of {METRIC_WRITERS}")
-    log_every_n_steps: int = _f(1, "write metrics every n steps")
+    log_every_n_steps: int = _f(1, "write metrics every n steps", at_least=1)
     progress: bool = _f(True, "show a progress bar")
     timeline: bool = _f(True, "append every stage's start and end to timeline.jsonl (rlbolt plot draws it)")
     export_hf: bool = _f(False, "write a Hugging Face folder (safetensors + config + tokenizer) at the end")
@@ -159,8 +159,17 @@ class CallbacksSection:
     offload: bool = _f(False, "keep the optimizer state and the reference model in host memory outside the stages that use them")
     early_stopping_metric: str | None = _f(None, "stop when this metric (e.g. val/accuracy) stops improving; None: off")
     early_stopping_mode: str = _f("max", "whether the early-stopping metric should go up or down", ("max", "min"))
-    early_stopping_patience: int = _f(3, "checks without improvement before stopping")
+    early_stopping_patience: int = _f(3, "checks without improvement before stopping", at_least=1)
     wandb_project: str | None = _f(None, "Weights & Biases project when metrics include wandb")
+
+
+@dataclass(frozen=True)
+class ObjectsSection:
+    """Python objects the run uses instead of building them from the other sections."""
+
+    model: str | None = _f(None, "an nnx Decoder to train, as an importable reference 'package.module:name'; replaces model.path / model.tiny")
+    tokenizer: str | None = _f(None, "a tokenizer, as 'package.module:name'; replaces model.tokenizer")
+    reward: str | None = _f(None, "a reward function fn(completion, sample) -> float (or a WeightedReward), as 'package.module:name'; replaces reward.weights. build_run(cfg, reward=fn) records it here")
 
 
 @dataclass(frozen=True)
@@ -175,6 +184,7 @@ class RunConfig:
     reward: RewardSection = field(default_factory=RewardSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
     callbacks: CallbacksSection = field(default_factory=CallbacksSection)
+    objects: ObjectsSection = field(default_factory=ObjectsSection)
 
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)}
@@ -202,7 +212,8 @@ def _build_section(name: str, values: Mapping[str, Any]) -> Any:
             raise ConfigError(
                 f"unknown key {name}.{key}{_closest(str(key), list(fields))}; allowed keys in [{name}]: {sorted(fields)}"
             )
-        kwargs[key] = _coerce(f"{name}.{key}", value, hints[key], fields[key].metadata.get("choices"))
+        meta = fields[key].metadata
+        kwargs[key] = _coerce(f"{name}.{key}", value, hints[key], meta.get("choices"), meta.get("bounds"))
     return cls(**kwargs)
 
 
@@ -291,33 +302,56 @@ def resolve(cfg: RunConfig) -> RunConfig:
 
 
 def _check_rules(cfg: RunConfig) -> None:
-    a, r = cfg.algorithm, cfg.rollout
-    for name in ("lr", "clip_low", "clip_high"):
-        if getattr(a, name) is not None and getattr(a, name) < 0:
-            raise ConfigError(f"algorithm.{name}={getattr(a, name)} must be >= 0")
-    if a.beta < 0:
-        raise ConfigError(f"algorithm.beta={a.beta} must be >= 0 (0 turns the KL term and the reference model off)")
+    """Rules across fields (each field's own type and range were checked when it was read)."""
+    a, r, t = cfg.algorithm, cfg.rollout, cfg.trainer
     if not 0 <= a.overlong_cache_length <= r.max_new_tokens:
         raise ConfigError(
             f"algorithm.overlong_cache_length={a.overlong_cache_length} must lie in [0, rollout.max_new_tokens="
             f"{r.max_new_tokens}]"
         )
-    if a.dual_clip is not None and a.dual_clip <= 1:
-        raise ConfigError(f"algorithm.dual_clip={a.dual_clip} must be > 1 (e.g. 3.0) or null")
-    if r.max_new_tokens < 1:
-        raise ConfigError(f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1")
-    if r.temperature < 0:
-        raise ConfigError(f"rollout.temperature={r.temperature} must be >= 0 (0 = greedy)")
-    if not 0 < r.top_p <= 1:
-        raise ConfigError(f"rollout.top_p={r.top_p} must lie in (0, 1] (1 = off)")
     bad = [m for m in cfg.callbacks.metrics if m not in METRIC_WRITERS]
     if bad:
         raise ConfigError(f"callbacks.metrics has unknown writer(s) {bad}; choose from {list(METRIC_WRITERS)}")
-    unknown_terms = [t for t in cfg.reward.weights if t not in REWARD_TERMS]
-    if unknown_terms:
-        raise ConfigError(f"reward.weights has unknown term(s) {unknown_terms}; known terms: {list(REWARD_TERMS)}")
-    if cfg.reward.max_failed_batches < 0:
-        raise ConfigError(f"reward.max_failed_batches={cfg.reward.max_failed_batches} must be >= 0 (0: never stop)")
+    if cfg.objects.reward is None:
+        unknown_terms = [t for t in cfg.reward.weights if t not in REWARD_TERMS]
+        if unknown_terms:
+            raise ConfigError(f"reward.weights has unknown term(s) {unknown_terms}; known terms: {list(REWARD_TERMS)}")
+        if not any(w != 0 for w in cfg.reward.weights.values()):
+            raise ConfigError(f"reward.weights={dict(cfg.reward.weights)} gives no term a non-zero weight; "
+                              "e.g. reward.weights={answer: 1.0}")
+    has_val = cfg.data.val is not None or cfg.data.builtin_val_rows > 0
+    metric = cfg.callbacks.early_stopping_metric
+    if metric and metric.startswith("val/") and not (has_val and t.val_every_n_steps):
+        raise ConfigError(f"callbacks.early_stopping_metric={metric} is checked at each validation, but the run "
+                          "validates " + ("only after the last step; set trainer.val_every_n_steps" if has_val else
+                                          "never; set data.val (or data.builtin_val_rows) and trainer.val_every_n_steps"))
+    if a.dynamic_sampling and cfg.plan.max_refill_rounds == 0:
+        raise ConfigError("algorithm.dynamic_sampling drops groups whose rewards are all equal, but "
+                          "plan.max_refill_rounds=0 cannot refill the batch; set plan.max_refill_rounds >= 1 (e.g. 4)")
+    if t.val_every_n_steps is not None and not has_val:
+        raise ConfigError(f"trainer.val_every_n_steps={t.val_every_n_steps} but the run has no validation rows; "
+                          "set data.val (or data.builtin_val_rows > 0), or trainer.val_every_n_steps=null")
+    _check_mode(cfg)
+
+
+def _check_mode(cfg: RunConfig) -> None:
+    """mode=async needs a max_staleness that lets the producer run at least one step ahead."""
+    t = cfg.trainer
+    if t.mode == "sync":
+        if t.max_staleness is not None:
+            raise ConfigError(f"trainer.max_staleness={t.max_staleness} is only used with trainer.mode=async; "
+                              "set trainer.mode=async or trainer.max_staleness=null")
+        return
+    from rlbolt.plan import BatchPlan, PlanError
+
+    try:
+        updates = BatchPlan(**dataclasses.asdict(cfg.plan)).updates_per_step
+    except PlanError:
+        return  # the plan's own error is reported when the run is built
+    if t.max_staleness is None or t.max_staleness < 2 * updates - 1:
+        raise ConfigError(
+            f"trainer.mode=async needs trainer.max_staleness >= {2 * updates - 1} (got {t.max_staleness}): with "
+            f"{updates} update(s) per step that lets the producer run one step ahead; or use trainer.mode=sync")
 
 
 def config_to_dict(cfg: RunConfig) -> dict[str, dict[str, Any]]:
@@ -350,6 +384,6 @@ def describe_fields() -> str:
         for f in dataclasses.fields(cls):
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             choices = f.metadata.get("choices")
-            extra = f" (one of {list(choices)})" if choices else ""
+            extra = (f" (one of {list(choices)})" if choices else "") + describe_bounds(f.metadata.get("bounds", {}))
             lines.append(f"  {name}.{f.name} = {default!r}: {f.metadata['help']}{extra}")
     return "\n".join(lines)

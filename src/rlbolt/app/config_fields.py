@@ -6,6 +6,8 @@ Generic over any frozen dataclass; `rlbolt.app.config` declares the sections wit
 from __future__ import annotations
 
 import difflib
+import math
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -17,11 +19,24 @@ class ConfigError(ValueError):
     """A config file or override is invalid; the message names the field and the fix."""
 
 
-def option(default: Any, help: str, choices: Sequence[Any] | None = None):
-    """A dataclass field with help text (and allowed values for enum-like fields)."""
-    meta = {"help": help}
+def option(default: Any, help: str, choices: Sequence[Any] | None = None, *, at_least: float | None = None,
+           above: float | None = None, at_most: float | None = None):
+    """A dataclass field with help text, and what values it allows.
+
+    Args:
+      default: the default value (a dict or list is copied per instance).
+      help: one line for `rlbolt fit --list-fields`.
+      choices: the allowed values of an enum-like field.
+      at_least: numbers must be >= this.
+      above: numbers must be > this.
+      at_most: numbers must be <= this.
+    """
+    meta: dict[str, Any] = {"help": help}
     if choices is not None:
         meta["choices"] = tuple(choices)
+    bounds = {k: v for k, v in (("at_least", at_least), ("above", above), ("at_most", at_most)) if v is not None}
+    if bounds:
+        meta["bounds"] = bounds
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -39,9 +54,21 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def coerce(where: str, value: Any, tp: Any, choices: tuple | None) -> Any:
-    """`value` checked against the annotation `tp` (and `choices`), converted where YAML and the
-    command line differ (int -> float, list -> tuple, "a,b" -> tuple, `token_mean` -> `token-mean`).
+# What people type for a number that YAML 1.1 reads as a string: `1e-4`, `+2E3` (YAML wants `1.0e-4`).
+_NUMBER = re.compile(r"[+-]?(\d[\d_]*\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
+def _as_number(value: Any) -> Any:
+    """`value` as a float when it is a string holding a number in exponent form; else unchanged."""
+    if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+        return float(value.strip().replace("_", ""))
+    return value
+
+
+def coerce(where: str, value: Any, tp: Any, choices: tuple | None, bounds: Mapping[str, float] | None = None) -> Any:
+    """`value` checked against the annotation `tp` (and `choices`, `bounds`), converted where YAML
+    and the command line differ (int -> float, "1e-4" -> 0.0001, 1e4 -> 10000 for an int,
+    list -> tuple, "a,b" -> tuple, `token_mean` -> `token-mean`).
 
     Raises:
       ConfigError naming `where` (e.g. "trainer.max_steps"), the value, and what is expected.
@@ -52,12 +79,16 @@ def coerce(where: str, value: Any, tp: Any, choices: tuple | None) -> Any:
         if nullable:
             return None
         raise ConfigError(f"{where}=null is not allowed; expected {expected}")
+    if int in types_ or float in types_:
+        value = _as_number(value)
     out = _NOT_MATCHED
     for t in types_:
         if t is bool and isinstance(value, bool):
             out = value
         elif t is int and isinstance(value, int) and not isinstance(value, bool):
             out = value
+        elif t is int and float not in types_ and isinstance(value, float) and value.is_integer():
+            out = int(value)  # `1e4` steps
         elif t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
             out = float(value)
         elif t is str and isinstance(value, str):
@@ -76,7 +107,31 @@ def coerce(where: str, value: Any, tp: Any, choices: tuple | None) -> Any:
         out = out.replace("_", "-")  # `token_mean` reads as `token-mean`
     if choices is not None and out not in choices:
         raise ConfigError(f"{where}={out!r} is not allowed; choose one of {list(choices)}" + closest(str(out), choices))
+    if isinstance(out, float) and not math.isfinite(out):
+        raise ConfigError(f"{where}={out!r} is not a finite number; give a number" + (" or null" if nullable else ""))
+    if bounds and isinstance(out, (int, float)) and not isinstance(out, bool):
+        check_bounds(where, out, bounds, nullable)
     return out
+
+
+def check_bounds(where: str, value: float, bounds: Mapping[str, float], nullable: bool = False) -> None:
+    """Raises ConfigError when `value` lies outside `bounds` (at_least / above / at_most)."""
+    problems = []
+    if "at_least" in bounds and value < bounds["at_least"]:
+        problems.append(f">= {bounds['at_least']}")
+    if "above" in bounds and value <= bounds["above"]:
+        problems.append(f"> {bounds['above']}")
+    if "at_most" in bounds and value > bounds["at_most"]:
+        problems.append(f"<= {bounds['at_most']}")
+    if problems:
+        raise ConfigError(f"{where}={value!r} must be {' and '.join(problems)}" + (" (or null)" if nullable else ""))
+
+
+def describe_bounds(bounds: Mapping[str, float]) -> str:
+    """' (>= 1)' style text for `--list-fields`, or ''."""
+    parts = [f"{sign} {bounds[key]}" for key, sign in (("at_least", ">="), ("above", ">"), ("at_most", "<="))
+             if key in bounds]
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 _NOT_MATCHED = object()

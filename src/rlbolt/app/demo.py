@@ -32,6 +32,7 @@ from rlbolt.batch import Batch
 from rlbolt.data.tokenizers import CharTokenizer
 from rlbolt.models import Decoder, tiny_config
 from rlbolt.module import RLModule
+from rlbolt.plan import PlanError
 from rlbolt.rollout.sampler import NativeSampler
 
 DIGITS = "0123456789"
@@ -189,7 +190,14 @@ class DigitsGRPO(RLModule):
                                          prompt_mask=np.ones_like(prompt_ids, bool))
         return prompt_ids, np.asarray(out.completion_ids, np.int32), np.asarray(out.logps, np.float32)
 
+    def check_plan(self, plan) -> None:
+        """Refuses groups of one: the process advantages are relative to the group, so they would all be 0."""
+        if plan.num_generations < 2:
+            raise PlanError(f"num_generations={plan.num_generations}: the demo's GRPO advantages compare samples of "
+                            "the same prompt; use num_generations >= 2")
+
     def configure_optimizers(self) -> optax.GradientTransformation:
+        """AdamW at `config.learning_rate` with global-norm clipping at 1.0."""
         return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(self.config.learning_rate, weight_decay=0.0))
 
     # -- model calls (pure) ---------------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -38,18 +39,12 @@ class RunDirError(ValueError):
     """A run directory cannot be used as asked (non-empty for a fresh run, missing for resume)."""
 
 
-def prepare_run_dir(path: str | Path, *, resume: bool = False) -> Path:
-    """Creates (or, for resume, checks) a run directory and its `checkpoints/` and `plots/`.
-
-    Args:
-      path: the run directory.
-      resume: continue an existing run: the folder must exist and hold `config.yaml`.
-
-    Returns:
-      The run directory as a Path.
+def check_run_dir(path: str | Path, *, resume: bool = False, allow_existing: bool = False) -> Path:
+    """Checks that a run may use `path`, without creating anything (see `prepare_run_dir`).
 
     Raises:
-      RunDirError: a fresh run into a non-empty folder, or a resume of a folder that is not a run.
+      RunDirError: a fresh run into a non-empty folder or onto a file, or a resume of a folder
+        that is not a run.
     """
     run_dir = Path(path)
     if resume:
@@ -59,12 +54,53 @@ def prepare_run_dir(path: str | Path, *, resume: bool = False) -> Path:
     elif run_dir.exists():
         if not run_dir.is_dir():
             raise RunDirError(f"run directory {run_dir} exists and is a file; choose another --run-dir")
-        if any(run_dir.iterdir()):
+        if not allow_existing and any(run_dir.iterdir()):
             raise RunDirError(f"run directory {run_dir} is not empty; continue it with `rlbolt resume {run_dir}` "
                               "or choose a new --run-dir (nothing was overwritten)")
+    return run_dir
+
+
+def prepare_run_dir(path: str | Path, *, resume: bool = False, allow_existing: bool = False) -> Path:
+    """Creates (or, for resume, checks) a run directory and its `checkpoints/` and `plots/`.
+
+    The one place a run folder is created: every entry point checks its inputs first and calls
+    this last, so a refused run leaves nothing behind.
+
+    Args:
+      path: the run directory.
+      resume: continue an existing run: the folder must exist and hold `config.yaml`.
+      allow_existing: accept a non-empty folder (a script run again continues its own run).
+
+    Returns:
+      The run directory as a Path.
+
+    Raises:
+      RunDirError: a fresh run into a non-empty folder, or a resume of a folder that is not a run.
+    """
+    run_dir = check_run_dir(path, resume=resume, allow_existing=allow_existing)
     for sub in (CHECKPOINTS_DIR, PLOTS_DIR):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
     return run_dir
+
+
+def discard_unused_run_dir(run_dir: str | Path) -> bool:
+    """Removes a run folder that holds nothing of a run: no checkpoint and no logged step.
+
+    For a fresh run that failed before its first step: leaving the folder would make the
+    corrected command refuse it as "not empty" while `rlbolt resume` finds nothing to resume.
+
+    Returns:
+      True when the folder was removed.
+    """
+    run_dir = Path(run_dir)
+    checkpoints = run_dir / CHECKPOINTS_DIR
+    metrics = run_dir / METRICS_FILE
+    if not run_dir.is_dir() or (checkpoints.is_dir() and any(checkpoints.iterdir())):
+        return False
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        return False
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return not run_dir.exists()
 
 
 def write_config(run_dir: str | Path, config: Mapping[str, Any]) -> Path:
@@ -137,6 +173,7 @@ class LogFile(Callback):
     def on_fit_start(self, trainer, state) -> None:
         self.log.info("fit starts at step %d: %s, max_steps=%s, run_dir=%s", state.step, trainer.plan,
                       trainer.max_steps, trainer.run_dir)
+        self.log.info("trainable parameters:\n%s", parameter_table(state.params))
 
     def on_step_end(self, trainer, info) -> None:
         if info.step % self.every_n_steps == 0 or info.step == trainer.max_steps:
@@ -151,6 +188,27 @@ class LogFile(Callback):
 
     def on_exception(self, trainer, exc: BaseException) -> None:
         self.log.error("fit stopped: %s: %s", type(exc).__name__, exc)
+
+
+def parameter_table(params: Any) -> str:
+    """A table of every trainable array (name, shape, dtype, size) and the total, via CLU.
+
+    Args:
+      params: any pytree of arrays (nnx.State, nested dicts, PPO's {"policy", "value_head"}).
+
+    Returns:
+      The table text; names are the pytree paths joined with "/".
+    """
+    import jax
+    from clu import parameter_overview
+
+    flat = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        names = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+        if len(names) > 1 and names[-1] == "value":  # an nnx Variable's own field, not a name
+            names.pop()
+        flat["/".join(names) or "params"] = leaf
+    return parameter_overview.get_parameter_overview(flat, include_stats=False)
 
 
 def _fmt(value: float) -> str:

@@ -235,8 +235,7 @@ class HFTokenizer:
         tokenizer_file = folder / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise FileNotFoundError(
-                f"Tokenizer folder {folder} has no tokenizer.json (found: "
-                f"{sorted(p.name for p in folder.iterdir()) or 'nothing'}); rlbolt needs a fast tokenizer: "
+                f"Tokenizer folder {folder} has no tokenizer.json (found: {_listing(folder)}); rlbolt needs a fast tokenizer: "
                 "save one with transformers' `tokenizer.save_pretrained(folder)`."
             )
         try:
@@ -302,6 +301,13 @@ class HFTokenizer:
             special_tokens=self.special_tokens,
             **template_kwargs,
         )
+
+
+def _listing(folder: Path, limit: int = 8) -> str:
+    names = sorted(p.name for p in folder.iterdir())
+    if not names:
+        return "nothing"
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def _plain_chat(messages: Sequence[Message], add_generation_prompt: bool) -> str:

@@ -220,6 +220,16 @@ class DecoderLayer(nnx.Module):
 class Decoder(nnx.Module):
     """A causal language model: embeddings, `num_layers` blocks, final RMSNorm, output projection.
 
+    Build it from a ModelConfig (`tiny_config(...)`, or `load_hf(folder)` for a Hugging Face
+    checkpoint), then split it into the static graph and the parameter pytree the Trainer
+    trains; merge them back to call it inside a jitted function:
+
+        model = Decoder(tiny_config(vocab_size=64), rngs=nnx.Rngs(0))
+        graphdef, params = nnx.split(model, nnx.Param)      # what RLModule.init_params returns
+        ids = jnp.asarray([[5, 6, 7]], jnp.int32)            # [B, T]
+        positions = jnp.arange(3, dtype=jnp.int32)[None]     # [B, T]
+        logits, _ = nnx.merge(graphdef, params)(ids, positions)   # [B, T, V] float32
+
     Args:
       config: the model's shape; validated here.
       rngs: parameter initialisation RNG (normal std 0.02 like HF; norms start at 1).

@@ -33,7 +33,7 @@ from rlbolt.models.config import ModelConfig
 from rlbolt.models.decoder import Decoder
 from rlbolt.models.hf_config import CONFIG_FILE, config_from_hf, config_to_hf
 
-__all__ = ["config_from_hf", "config_to_hf", "load_hf", "save_hf", "hf_tensor_layout"]
+__all__ = ["config_from_hf", "config_to_hf", "load_hf", "read_hf_config", "save_hf", "hf_tensor_layout"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -163,6 +163,40 @@ def _read_bf16(path: Path, name: str) -> np.ndarray:
     return np.frombuffer(data, dtype=ml_dtypes.bfloat16).reshape(entry["shape"])
 
 
+def read_hf_config(folder: str | os.PathLike, *, param_dtype: str | None = None) -> ModelConfig:
+    """The ModelConfig of a Hugging Face folder, after checking its weight files are there.
+
+    Reads config.json and the safetensors headers (or the shard index), not the weights: a
+    cheap check that `load_hf` will find what it needs.
+
+    Args:
+        folder: a Hugging Face model folder.
+        param_dtype: as in `load_hf`.
+
+    Returns:
+        The validated ModelConfig.
+
+    Raises:
+        FileNotFoundError: the folder, config.json, the weights or a shard is missing.
+        ValueError: unsupported architecture or an unreadable file.
+    """
+    return _open_folder(Path(folder), param_dtype)[0]
+
+
+def _open_folder(folder: Path, param_dtype: str | None) -> tuple[ModelConfig, _SafetensorsReader]:
+    if not folder.is_dir():
+        raise FileNotFoundError(f"model folder {folder} does not exist")
+    config_path = folder / CONFIG_FILE
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{folder} has no {CONFIG_FILE}; is it a Hugging Face model folder?")
+    try:
+        hf_config = json.loads(config_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{config_path} is not valid JSON: {error}") from error
+    config = config_from_hf(hf_config, config_path, param_dtype=param_dtype)
+    return config, _SafetensorsReader(folder)
+
+
 def load_hf(folder: str | os.PathLike, *, param_dtype: str | None = None) -> tuple[Decoder, ModelConfig]:
     """Loads a Hugging Face Llama 3 / Qwen2 / Qwen3 folder into an rlbolt Decoder.
 
@@ -181,14 +215,7 @@ def load_hf(folder: str | os.PathLike, *, param_dtype: str | None = None) -> tup
     """
     folder = Path(folder)
     config_path = folder / CONFIG_FILE
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{folder} has no {CONFIG_FILE}; is it a Hugging Face model folder?")
-    try:
-        hf_config = json.loads(config_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{config_path} is not valid JSON: {error}") from error
-    config = config_from_hf(hf_config, config_path, param_dtype=param_dtype)
-    reader = _SafetensorsReader(folder)
+    config, reader = _open_folder(folder, param_dtype)
 
     abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)

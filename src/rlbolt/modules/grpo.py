@@ -29,6 +29,7 @@ class DrGRPO(LMPolicyModule):
     algorithm_name = "drgrpo"
 
     def compute_advantages(self, batch: Batch):
+        """Dr.GRPO: each reward minus its group's mean, not divided by the group's std ([N])."""
         return drgrpo_advantages(jnp.asarray(batch["rewards"]), jnp.asarray(batch["group_ids"]))
 
 
@@ -41,6 +42,8 @@ class RLOO(LMPolicyModule):
     kl_in_loss = False
 
     def compute_rewards(self, batch: Batch) -> np.ndarray:
+        """RLOO: the reward runner's scores minus beta * the sequence's summed KL to the reference
+        (when beta > 0), so the KL enters through the reward, not the loss. Returns [N] float32."""
         rewards = super().compute_rewards(batch)
         if self.algo.beta > 0 and "ref_logps" in batch:
             rewards = np.asarray(kl_in_reward(rewards, batch["old_logps"], batch["ref_logps"], batch["completion_mask"],
@@ -49,6 +52,7 @@ class RLOO(LMPolicyModule):
         return rewards
 
     def compute_advantages(self, batch: Batch):
+        """RLOO: each reward minus the mean reward of the other samples of its group ([N])."""
         return rloo_advantages(jnp.asarray(batch["rewards"]), jnp.asarray(batch["group_ids"]))
 
 
@@ -59,5 +63,7 @@ class GSPO(LMPolicyModule):
     algorithm_name = "gspo"
 
     def policy_loss(self, logps: jax.Array, batch: Batch):
+        """GSPO: the clipped surrogate on the length-normalised sequence importance ratio
+        (GSPO-token form), per token [N, C], with the configured clip_low / clip_high."""
         return gspo_surrogate(logps, batch["old_logps"], batch["advantages"], batch["completion_mask"],
                               clip_low=self.algo.clip_low, clip_high=self.algo.clip_high)

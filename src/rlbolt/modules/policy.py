@@ -38,6 +38,7 @@ from rlbolt.batch import Batch
 from rlbolt.app.config import ConfigError, RunConfig, config_to_dict, load_config
 from rlbolt.module import RLModule
 from rlbolt.modules import lm_ops
+from rlbolt.plan import PlanError
 from rlbolt.modules.prompts import PromptEncoder, builtin_tokenizer, rows_of
 from rlbolt.modules.rewarding import answer_score, build_reward
 
@@ -98,6 +99,31 @@ class LMPolicyModule(RLModule):
             # pytree is a frozen copy without a copy.
             self.ref_params = nnx.state(self.model, nnx.Param)
         self._logps = jax.jit(functools.partial(self._forward_logps, with_entropy=False))
+
+    def check_plan(self, plan) -> None:
+        """Refuses `num_generations=1` when this algorithm's advantages are group-relative.
+
+        Found by what the algorithm computes, not by name: `compute_advantages` is probed with
+        four groups of one sample and four different rewards. If every advantage comes back 0
+        (a baseline from the sample's own group: GRPO, Dr.GRPO, RLOO, GSPO, DAPO), no sample
+        would ever get a gradient. Batch-level estimators (REINFORCE++, PPO's GAE) pass.
+        """
+        if plan.num_generations > 1:
+            return
+        n, c = 4, 3
+        probe = Batch(rewards=np.asarray([0.0, 1.0, 0.25, 0.5], np.float32), group_ids=np.arange(n),
+                      completion_mask=np.ones((n, c), bool), old_logps=np.zeros((n, c), np.float32),
+                      sampler_logps=np.zeros((n, c), np.float32), old_values=np.zeros((n, c), np.float32))
+        try:
+            out = self.compute_advantages(probe)
+        except KeyError:  # a subclass reading columns the probe lacks: it cannot be judged this way
+            return
+        advantages = np.asarray(out["advantages"] if isinstance(out, Mapping) else out)
+        if not np.any(advantages):
+            raise PlanError(
+                f"num_generations=1 with {type(self).__name__}: its advantage compares each sample with the other "
+                "samples of the same prompt, so with one sample per prompt every advantage is 0 and nothing learns; "
+                "use num_generations >= 2 (plan.num_generations)")
 
     def lr_schedule(self, count: int) -> float:
         """The learning rate of optimizer update `count` (0-based): linear warm-up, then constant.

@@ -32,16 +32,19 @@ class PPO(LMPolicyModule):
     kl_in_loss = False
 
     def setup(self, trainer) -> None:
+        """The base set-up, plus a jitted value-head forward for `compute_logps`."""
         super().setup(trainer)
         self._values = jax.jit(lambda params, *inputs: self._hidden_outputs(params, *inputs, with_entropy=False)[2])
 
     def init_params(self, rng: jax.Array) -> dict[str, Any]:
+        """`{"policy": the model's nnx.Param state, "value_head": {"kernel": [H, 1], "bias": [1]}}`."""
         hidden = self.model.config.hidden_size
         # Small init: the first values are ~0, so early advantages are ~ the rewards themselves.
         kernel = 1e-3 * jax.random.normal(rng, (hidden, 1), jnp.float32)
         return {"policy": nnx.state(self.model, nnx.Param), "value_head": {"kernel": kernel, "bias": jnp.zeros((1,), jnp.float32)}}
 
     def policy_params(self, params: Any) -> Any:
+        """The language model's part of the trainable pytree: `params["policy"]`."""
         return params["policy"]
 
     def _hidden_outputs(self, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *, with_entropy: bool):
@@ -60,6 +63,9 @@ class PPO(LMPolicyModule):
         return batch.with_columns(old_values=np.asarray(self._values(params, *self._token_inputs(batch)), np.float32))
 
     def compute_advantages(self, batch: Batch):
+        """PPO: GAE (gamma, lam) over token rewards (the sequence reward on the last token, minus
+        beta * KL_t when beta > 0) and the old values; returns {"advantages": whitened over the
+        global batch, "returns": the value targets}, both [N, C]."""
         mask = jnp.asarray(batch["completion_mask"])
         rewards = jnp.asarray(batch["rewards"])
         if self.algo.beta > 0 and "ref_logps" in batch:
@@ -72,10 +78,12 @@ class PPO(LMPolicyModule):
         return {"advantages": masked_whiten(advantages, mask), "returns": returns}
 
     def forward(self, params: Any, batch: Batch):
+        """One trunk forward: (logps [N, C], entropy [N, C], {"values": [N, C]})."""
         logps, entropy, values = self._hidden_outputs(params, *self._token_inputs(batch), with_entropy=True)
         return logps, entropy, {"values": values}
 
     def extra_loss(self, aux, batch: Batch):
+        """value_coef * the clipped value loss (clip range `value_clip`), aggregated like the policy loss."""
         per_token, info = clipped_value_loss(aux["values"], batch["old_values"], batch["returns"],
                                              batch["completion_mask"], clip=self.algo.value_clip)
         value_loss = self.aggregate(per_token, batch)

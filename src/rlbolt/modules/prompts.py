@@ -11,6 +11,7 @@ import string
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jinja2
 import numpy as np
 
 from rlbolt.data.tokenizers import CharTokenizer, Tokenizer
@@ -51,25 +52,32 @@ class PromptEncoder:
             raise KeyError(
                 f"prompt row has no field {self.prompt_field!r} (fields: {sorted(row)}); set data.prompt_field"
             )
-        value = row[self.prompt_field]
-        if isinstance(value, (list, tuple)) and value and isinstance(value[0], Mapping):
-            messages = list(value)  # already chat messages
-        else:
-            messages = [{"role": "user", "content": str(value)}]
+        messages = _messages(row[self.prompt_field], self.prompt_field)
         if not self.chat:
             return "\n".join(str(m["content"]) for m in messages)
         if self.system_prompt and messages[0].get("role") != "system":
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except jinja2.TemplateError as error:  # e.g. a template that refuses a system message
+            raise ValueError(f"the tokenizer's chat template refused the prompt ({error}); set "
+                             "data.use_chat_template=false, or data.system_prompt=null if it rejects system messages") from None
 
     def encode(self, row: Mapping[str, Any]) -> list[int]:
-        """Token ids of one row's prompt, truncated on the left to `max_prompt_tokens`."""
+        """Token ids of one row's prompt, truncated on the left to `max_prompt_tokens`.
+
+        Raises:
+          KeyError: the row has no prompt field.
+          TypeError: the prompt is not text (nor a list of chat messages).
+          ValueError: the tokenizer cannot encode it, or it encodes to no tokens.
+        """
         text = self.text(row)
         ids = self._cache.get(text)
         if ids is None:
             ids = list(self.tokenizer.encode(text))[-self.width:]
             if not ids:
-                raise ValueError(f"prompt {text[:60]!r} encodes to no tokens; check data.prompt_field")
+                raise ValueError(f"the prompt {text[:60]!r} encodes to no tokens; give every row a non-empty "
+                                 f"{self.prompt_field!r}")
             if len(self._cache) < 100_000:
                 self._cache[text] = ids
         return ids
@@ -90,6 +98,19 @@ class PromptEncoder:
                 out[i, -len(row):] = row
                 mask[i, -len(row):] = True
         return out, mask
+
+
+def _messages(value: Any, field: str) -> list[Mapping[str, Any]]:
+    """A prompt value as chat messages: a string is one user message; a message list is kept."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if (isinstance(value, (list, tuple)) and value
+            and all(isinstance(m, Mapping) and "role" in m and isinstance(m.get("content"), str) for m in value)):
+        return list(value)
+    shown = "null" if value is None else f"{type(value).__name__} " + (
+        repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "...")
+    raise TypeError(f"the prompt field {field!r} holds {shown}; a prompt is a string or a list of chat messages "
+                    "[{'role': 'user', 'content': '...'}]")
 
 
 def rows_of(batch: Mapping[str, Any], fields: Sequence[str]) -> list[dict[str, Any]]:

@@ -22,6 +22,8 @@ class ReinforcePP(LMPolicyModule):
     kl_in_loss = False
 
     def compute_advantages(self, batch: Batch):
+        """REINFORCE++: returns-to-go of the KL-shaped token rewards (KL from old vs reference logps
+        when beta > 0), whitened over every valid token of the global batch ([N, C])."""
         mask = jnp.asarray(batch["completion_mask"])
         kl = None
         if self.algo.beta > 0 and "ref_logps" in batch:

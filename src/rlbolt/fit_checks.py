@@ -1,0 +1,50 @@
+"""What `Trainer.fit` refuses before it builds a model or compiles anything.
+
+Each check stops a run that would otherwise train silently wrong: micro batches that split
+the groups a module computes statistics over, an algorithm that cannot learn with the plan
+(a group-relative advantage with one sample per group is always 0), fewer prompts than one
+step draws (the step would repeat prompts), and periodic validation without validation data.
+The application layer (`rlbolt.app.build`) runs the same checks before it opens a run folder.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rlbolt.plan import BatchPlan
+
+
+def check_fit(plan: BatchPlan, module: Any, train_data: Any, val_data: Sequence | None, *,
+              val_every_n_steps: int | None = None) -> BatchPlan:
+    """Checks a fit's inputs; returns the plan with the module's whole-group stages added.
+
+    Args:
+      plan: the Trainer's batch plan.
+      module: the RLModule (its `whole_groups` and `check_plan` are consulted).
+      train_data: the training prompts (anything with a length).
+      val_data: the validation rows, or None.
+      val_every_n_steps: the Trainer's validation period, or None.
+
+    Returns:
+      `plan.require_whole_groups(*module.whole_groups)`.
+
+    Raises:
+      PlanError: the plan splits groups the module needs whole, or the module cannot learn with it.
+      ValueError: fewer training prompts than `prompts_per_step`, empty validation data, or
+        `val_every_n_steps` without validation data.
+    """
+    if module.whole_groups:  # the module's group statistics constrain the micro sizes
+        plan = plan.require_whole_groups(*module.whole_groups)
+    module.check_plan(plan)
+    num_prompts = len(train_data)
+    if num_prompts < plan.prompts_per_step:
+        raise ValueError(
+            f"train_data has {num_prompts} prompt(s), fewer than prompts_per_step={plan.prompts_per_step}: every "
+            "step would repeat prompts; add rows or lower prompts_per_step")
+    if val_data is not None and len(val_data) == 0:
+        raise ValueError("val_data is empty; pass validation rows or val_data=None")
+    if val_every_n_steps is not None and val_data is None:
+        raise ValueError(f"val_every_n_steps={val_every_n_steps} but fit got no val_data, so nothing would be "
+                         "validated; pass val_data=... or drop val_every_n_steps")
+    return plan
