@@ -16,6 +16,15 @@ it also times the step's dense products alone at the step's shapes (benchmarks/c
     python benchmarks/grpo_step.py            # the CPU workload, 12 steps
     python benchmarks/grpo_step.py --quick    # 2 steps (CI keeps it from rotting; numbers not asserted)
     python benchmarks/grpo_step.py --preset gpu   # Qwen2.5-0.5B shape, bf16, 64x8, 256 + 512 tokens
+    python benchmarks/grpo_step.py --lora 8       # LoRA rank 8 (alpha 16) on all seven projections
+    python benchmarks/grpo_step.py --lora 8 --lora-quantize nf4   # QLoRA: the base stored in 4 bits by qwix
+    python benchmarks/grpo_step.py --lora 8 --lora-rollout adapters  # adapters on the fly in the sampler
+
+With --lora the GFLOP figures still count the full fine-tuning update (the base's weight gradients
+a LoRA step skips), so compare LoRA and full fine-tuning by seconds and bytes. Memory fields:
+`live_mb`, the distinct device buffers alive after fit (weights, reference, optimizer state),
+and `update_temp_mb` / `update_arg_mb`, the update executable's scratch and argument bytes
+(XLA's compiled memory analysis).
 """
 
 from __future__ import annotations
@@ -68,8 +77,11 @@ def main(argv=None) -> dict:
         ids = completion.split()
         return sum(int(t) % 2 == 0 for t in ids) / max(len(ids), 1)
 
+    lora = None if args.lora is None else {"rank": args.lora, "alpha": 2.0 * args.lora, "quantize": args.lora_quantize,
+                                           "rollout": args.lora_rollout}
     module = GRPO(
-        {"algorithm": {"beta": 0.04, "lr": 1e-6, "clip_low": 0.2, "clip_high": 0.2, "max_grad_norm": 0.0},
+        {"model": {"lora": lora},
+         "algorithm": {"beta": 0.04, "lr": 1e-6, "clip_low": 0.2, "clip_high": 0.2, "max_grad_norm": 0.0},
          "rollout": {"max_new_tokens": p["new_tokens"], "temperature": 1.0, "stop_at_eos": False},
          "data": {"prompt_field": "prompt", "max_prompt_tokens": p["prompt_len"], "use_chat_template": False}},
         model=Decoder(config, rngs=nnx.Rngs(0)), tokenizer=IntTokenizer(vocab), reward=even_fraction)
@@ -99,6 +111,7 @@ def main(argv=None) -> dict:
     trainer.callbacks = type(trainer.callbacks)([rec])
     state = trainer.fit(module, rows)
     fit_peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before the floor loop adds its own
+    memory = _memory(trainer, state, rec.last)
 
     measured = slice(2, None) if steps > 2 else slice(0, None)  # steps 3..12 (1-based)
     step_s = [m["time/step"] for m in rec.metrics]
@@ -134,6 +147,10 @@ def main(argv=None) -> dict:
         "bound_ratio": bound and bound["bound_ratio"],
         "step_over_bound": bound and step_median / bound["bound_step_s"],
         "reward_first_last": [rec.metrics[0]["reward/mean"], rec.metrics[-1]["reward/mean"]],
+        "lora": lora,
+        "lora_rollout": module.lora.config.rollout if lora else None,
+        "trainable_params": sum(x.size for x in jax.tree.leaves(state.params)),
+        **memory,
         **_utilisation(config, p, flops, split),
     }
     _print_table(result, flops)
@@ -161,7 +178,10 @@ def _floor_step_s(module, trainer, state, produced, repeats: int) -> tuple[float
         out = module._generate(state.params, ids, keys, module.rollout_cfg.temperature)
         t1 = time.perf_counter()
         inputs = tuple(jnp.asarray(x) for x in (batch["prompt_ids"], batch["prompt_mask"], out.completion_ids, out.completion_mask))
-        jax.block_until_ready(module._logps(module.ref_params, *inputs))
+        if module.lora is None:
+            jax.block_until_ready(module._logps(module.ref_params, *inputs))
+        else:  # the reference is the base with the adapters off
+            jax.block_until_ready(module._ref_logps(module.lora.base, *inputs))
         t2 = time.perf_counter()
         jax.block_until_ready(trainer._update(state.params, state.opt_state, device_batch))
         t3 = time.perf_counter()
@@ -169,6 +189,22 @@ def _floor_step_s(module, trainer, state, produced, repeats: int) -> tuple[float
             rounds.append((t3 - t0, t1 - t0, t2 - t1, t3 - t2))
     total, rollout, logps, update = (_median(column) for column in zip(*rounds))
     return total, {"rollout": rollout, "logps": logps, "update": update}
+
+
+def _memory(trainer, state, produced) -> dict:
+    """Device bytes: distinct live buffers after fit, and the update executable's own figures."""
+    import gc
+
+    import jax
+
+    gc.collect()
+    live = {x.unsafe_buffer_pointer(): x.nbytes for x in jax.live_arrays() if not x.is_deleted()}
+    batch = jax.device_put(produced.batch.numeric())
+    compiled = trainer._update.func.lower(state.params, state.opt_state, batch,
+                                          frozen=trainer._update.keywords["frozen"]).compile()
+    stats = compiled.memory_analysis()
+    return {"live_mb": sum(live.values()) / 2 ** 20, "update_temp_mb": stats.temp_size_in_bytes / 2 ** 20,
+            "update_arg_mb": stats.argument_size_in_bytes / 2 ** 20}
 
 
 def _utilisation(config, p: dict, flops: dict, split: dict) -> dict:
@@ -227,6 +263,9 @@ def _print_table(r: dict, flops: dict) -> None:
            ("step / bound", f"{r['step_over_bound']:.2f}")] if r["bound_step_s"] else []),
         ("compiles after warm-up (target 0)", str(r["compiles_after_warmup"])),
         ("peak RSS MB of fit (target <= 1000)", f"{r['peak_rss_mb']:.0f}"),
+        ("trainable params", f"{r['trainable_params']:,}" + (f" (LoRA {r['lora']}, rollout {r['lora_rollout']})" if r["lora"] else "")),
+        ("live device MB after fit", f"{r['live_mb']:.1f}"),
+        ("update MB: scratch / arguments", f"{r['update_temp_mb']:.1f} / {r['update_arg_mb']:.1f}"),
         ("update GFLOP/s (MFU)", f"{r['update_gflops']:.1f} ({_pct(r['update_mfu'])})"),
         ("decode GB/s (of bandwidth peak)", f"{r['decode_gb_per_s']:.1f} ({_pct(r['decode_bw_util'])})"),
         *[(f"  time/{k} (floor)", f"{v:.3f} ({r['floor_split'][k]:.3f})" if k in r["floor_split"] else f"{v:.3f}")
@@ -250,6 +289,13 @@ def _parse(argv):
     ap.add_argument("--train-micro", type=int, default=None, help="train micro batch size (default: the preset's)")
     ap.add_argument("--logps-micro", type=int, default=None, help="reference-logps micro batch size (default: all)")
     ap.add_argument("--no-xla-flags", action="store_true", help="do not apply rlbolt's CPU XLA flags")
+    ap.add_argument("--lora", type=int, default=None, metavar="RANK",
+                    help="train LoRA adapters of this rank (alpha 2 * rank) on all seven projections")
+    ap.add_argument("--lora-quantize", choices=("int8", "int4", "nf4"), default=None,
+                    help="with --lora: store the frozen base quantised by qwix (QLoRA)")
+    ap.add_argument("--lora-rollout", choices=("adapters", "merged"), default=None,
+                    help="with --lora: merge the adapters into a transient copy before each rollout, or apply "
+                         "them on the fly (default: the config's, merged unless quantised)")
     return ap.parse_args(argv)
 
 

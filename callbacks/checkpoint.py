@@ -8,7 +8,10 @@ A checkpoint of step s holds everything the run needs to continue as if it never
   with the same keys and weights, and no rollout of a trained step is redone;
 - the producer's settings (mode, lag) and, in async mode, the retained weights it will still
   roll out with (steps s - lag .. s - 1);
-- every callback's `state_dict()`.
+- every callback's `state_dict()`;
+- what identifies the module's frozen params, when it has some (`RLModule.frozen_identity`: a
+  LoRA run's base folder and a fingerprint of its weights): a resume against another base is
+  refused (`FrozenParamsMismatch`), since the saved adapters mean nothing on top of it.
 
 When to save (`every_n_steps`, `every_secs`, always at fit end) is a `Periodic`; what is saved
 and how it is read back lives in `checkpoint_io.py`.
@@ -34,6 +37,41 @@ from rlbolt.state import StepInfo, TrainState
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 BEST_FILE = "best.json"
+
+
+class FrozenParamsMismatch(ValueError):
+    """A checkpoint was trained on other frozen params (a LoRA base) than this run loads."""
+
+
+def check_frozen_identity(saved: dict | None, current: dict | None, directory: Path) -> None:
+    """Refuses to restore a checkpoint whose frozen params differ from this run's.
+
+    Args:
+      saved: the `frozen` record of the checkpoint's meta (None: it had no frozen params).
+      current: `module.frozen_identity()` now. Its "path" key is informational (a copied base
+        may move); every other key must be equal.
+      directory: named in the message.
+
+    Raises:
+      FrozenParamsMismatch: one line naming both bases and the fix.
+    """
+    if saved is None and current is None:
+        return
+    if saved is None or current is None:
+        has = lambda x: "with a frozen base (LoRA)" if x else "without frozen params (full fine-tuning)"
+        raise FrozenParamsMismatch(f"checkpoint in {directory} was written {has(saved)} but this run is {has(current)}; "
+                                   "resume with the same model.lora setting or use a fresh run directory")
+    differ = sorted(k for k in set(saved) | set(current) if k != "path" and saved.get(k) != current.get(k))
+    if differ:
+        show = lambda x: ", ".join(f"{k}={str(x.get(k))[:16]}" for k in ["path", *differ])
+        raise FrozenParamsMismatch(f"checkpoint in {directory} was trained on the base {show(saved)} but this run loads "
+                                   f"{show(current)}; point model.path at the base the run was trained on, or use a "
+                                   "fresh run directory")
+
+
+def _frozen_identity(trainer) -> dict | None:
+    module = getattr(trainer, "module", None)
+    return module.frozen_identity() if hasattr(module, "frozen_identity") else None
 
 
 class ModelCheckpoint(Callback):
@@ -86,10 +124,10 @@ class ModelCheckpoint(Callback):
             raise RuntimeError("ModelCheckpoint.directory is known once fit has started")
         return self.io.directory
 
-    # -- the LoRA seam ---------------------------------------------------------------------------
+    # -- what part of the params is saved ------------------------------------------------------------
     def params_to_save(self, params: Any) -> Any:
-        """The part of the params a checkpoint holds. All of them today; with LoRA on, return only
-        the adapter params here (the frozen base is reloaded from its own weights)."""
+        """The part of the params a checkpoint holds: all of the trainable pytree (a LoRA module's
+        trainable pytree is its adapters; the frozen base is reloaded from its own folder)."""
         return params
 
     def params_from_checkpoint(self, fresh_params: Any, saved: Any) -> Any:
@@ -168,6 +206,9 @@ class ModelCheckpoint(Callback):
             "retained_weights": [[k, int(version)] for k, (_, version) in sorted(retained.items())],
             "callbacks": trainer.callbacks.state_dict(),
         }
+        frozen = _frozen_identity(trainer)
+        if frozen is not None:
+            meta["frozen"] = frozen
         arrays = {"params": self.params_to_save(state.params), "opt_state": state.opt_state, "rng": state.rng}
         saved = {str(k): self.params_to_save(params) for k, (params, _) in retained.items()}
         self.io.save(state.step, arrays, meta, saved or None)
@@ -199,9 +240,17 @@ class ModelCheckpoint(Callback):
         else:
             raise ValueError(f"ModelCheckpoint(resume={self.resume}): no such checkpoint in {self.io.directory}; "
                              f"available steps: {steps}")
+        # Before any array is read, so a LoRA/full mismatch is named rather than failing to restore.
+        try:
+            newest = self.io.read_meta(max(candidates))
+        except Exception:  # noqa: BLE001 - an unreadable step is restore_usable's to report and skip
+            newest = None
+        if newest is not None:
+            check_frozen_identity(newest.get("frozen"), _frozen_identity(trainer), self.io.directory)
         template = {"params": self.params_to_save(state.params), "opt_state": state.opt_state, "rng": state.rng}
         step, arrays, meta, retained = self.io.restore_usable(candidates, template, template["params"])
         self._check_producer(trainer, meta)
+        check_frozen_identity(meta.get("frozen"), _frozen_identity(trainer), self.io.directory)
         for later in [s for s in self.io.steps() if s > step]:  # the resumed run writes these steps anew
             moved = self.io.set_aside(later, "discarded")
             log.warning("resuming from step %d: later checkpoint %d moved to %s", step, later, moved)

@@ -66,6 +66,10 @@ class CheckpointIO:
         # force: ModelCheckpoint decides when to save, not Orbax's save-interval policy.
         self.manager.save(step, args=ocp.args.Composite(**items), force=True)
 
+    def read_meta(self, step: int) -> dict:
+        """The JSON meta item of one step (cheap: no array is read)."""
+        return self.manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+
     def restore(self, step: int, abstract_arrays: Any, abstract_params: Any) -> tuple[dict, dict, dict]:
         """Restores one step into the structure, dtypes and shardings of the abstract targets.
 
@@ -77,7 +81,7 @@ class CheckpointIO:
         Returns:
           (arrays, meta, retained) with retained = {steps completed: params}.
         """
-        meta = self.manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+        meta = self.read_meta(step)
         keys = [int(k) for k, _ in meta.get("retained_weights", [])]
         items = {STATE: ocp.args.StandardRestore(abstract(abstract_arrays))}
         if keys:

@@ -12,7 +12,9 @@ name and renamed into place, so a crash never leaves a half-written folder, and
 
 The module must hold its network as `module.model` (an `rlbolt.models.Decoder`); the trained
 params are put into a view of that model (no copy of the module's own model is changed). A module
-whose trainable pytree nests the policy (PPO's value head) exposes `policy_params(params)`.
+whose trainable pytree nests the policy (PPO's value head) exposes `policy_params(params)`; one
+with `hf_model(params)` (the LM modules) builds the exported Decoder itself (a LoRA run's
+adapters merged into its base).
 Only process 0 writes.
 """
 
@@ -74,8 +76,10 @@ class HFExport(Callback):
         from rlbolt.models.hf_io import save_hf
 
         module = trainer.module
-        policy = module.policy_params(params) if hasattr(module, "policy_params") else params
-        model = with_params(module.model, policy)
+        if hasattr(module, "hf_model"):  # LMPolicyModule: LoRA adapters come merged into the base
+            model = module.hf_model(params)
+        else:
+            model = with_params(module.model, module.policy_params(params) if hasattr(module, "policy_params") else params)
         save_hf(model, model.config, folder, max_shard_bytes=self.max_shard_bytes,
                 tokenizer_folder=self._tokenizer_folder(module))
         self.exported.append((step, folder))

@@ -68,6 +68,14 @@ def test_dock_benchmark_quick_mode():
     assert abs(size["dock_us_per_sample"] - 1e3 * size["dock_ms"] / 64) < 1e-9
 
 
+def test_lora_ab_benchmark_quick_mode():
+    out, result = _last_json("lora_ab.py")
+    assert "merged" in out and result["system"] == "rlbolt-lora-ab"
+    assert all(result[f"{k}_s"] > 0 for k in ("full", "adapters", "merged", "update_full", "update_lora"))
+    # neither LoRA rollout keeps weights on the device after it: merging makes a transient copy
+    assert result["adapters_held_mb"] == 0 and result["merged_held_mb"] == 0 and result["merged_transient_mb"] > 0
+
+
 def test_reward_executors_benchmark_quick_mode():
     out, result = _last_json("reward_executors.py")
     assert "us/sample" in out and result["system"] == "rlbolt-reward-executors" and result["samples_per_call"] == 32

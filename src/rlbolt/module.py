@@ -60,6 +60,27 @@ class RLModule:
         train silently wrong; e.g. a group-relative advantage needs `num_generations >= 2`.
         Default: every plan is fine."""
 
+    def frozen_params(self) -> Any:
+        """Parameters the model uses but never trains (a LoRA run's base weights), or None.
+
+        The Trainer passes them into the jitted update as an argument (a captured constant would
+        be copied into the executable) and differentiates only the `init_params` pytree, so no
+        gradient of them is ever formed; `with_frozen` joins the two for `training_step`.
+        """
+        return None
+
+    def with_frozen(self, params: Any, frozen: Any) -> Any:
+        """What `training_step` receives: the trainable `params` joined with `frozen_params()`.
+
+        Called inside the jitted update on traced arrays. Default: `params` (nothing frozen).
+        """
+        return params
+
+    def frozen_identity(self) -> dict | None:
+        """What identifies `frozen_params()`, as JSON data (e.g. its folder and a fingerprint of its
+        weights). ModelCheckpoint records it and refuses to resume against a different one."""
+        return None
+
     def configure_optimizers(self) -> optax.GradientTransformation:
         """The optimizer (schedules live inside it). Default: AdamW, lr 1e-6, grad-norm clip 1.0."""
         return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-6))

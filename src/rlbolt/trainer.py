@@ -145,7 +145,8 @@ class Trainer:
         params = module.init_params(jax.random.fold_in(rng, 0))
         self.optimizer = module.configure_optimizers()
         self.optimizer = self.callbacks.wrap_optimizer(self, self.optimizer)  # e.g. NaNGuard(action="skip")
-        self._update = make_update_fn(module.training_step, self.optimizer, self.plan.grad_accum_steps)
+        self._update = make_update_fn(module.training_step, self.optimizer, self.plan.grad_accum_steps,
+                                      frozen=module.frozen_params(), with_frozen=module.with_frozen)
         state = TrainState(step=0, params=params, opt_state=self.optimizer.init(params), rng=jax.random.fold_in(rng, 1),
                            policy_version=0, data_position=0)
         self.last_state = state

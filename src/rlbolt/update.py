@@ -8,6 +8,7 @@ exactly the full-mini-batch loss: accumulation changes float rounding, not the u
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -28,23 +29,37 @@ def add_mini_batch_totals(mini: Batch) -> Batch:
     )
 
 
-def make_update_fn(training_step: Callable, optimizer: optax.GradientTransformation, grad_accum_steps: int) -> Callable:
+def make_update_fn(training_step: Callable, optimizer: optax.GradientTransformation, grad_accum_steps: int, *,
+                   frozen: Any = None, with_frozen: Callable | None = None) -> Callable:
     """Returns jitted `update(params, opt_state, mini_batch) -> (params, opt_state, metrics)`.
 
     `metrics` holds `loss`, `grad_norm` and the training step's own metrics, each summed over
     the micro batches (device scalars: reading them is the caller's host sync).
-    """
-    grad_fn = jax.value_and_grad(training_step, has_aux=True)
 
-    def update(params: Any, opt_state: Any, mini: Batch):
+    Args:
+      training_step: `(params, micro_batch) -> (loss, metrics)`.
+      optimizer: the optax transformation of the trainable params.
+      grad_accum_steps: train micro batches per mini batch.
+      frozen: parameters the step uses but never trains (`RLModule.frozen_params`). They reach
+        the executable as an argument of every call, so the executable holds no copy of them,
+        and the gradient is taken with respect to `params` only, so none of theirs is formed.
+      with_frozen: `(params, frozen) -> what training_step receives` (`RLModule.with_frozen`).
+    """
+
+    def loss(params: Any, micro: Batch, frozen: Any):
+        return training_step(params if with_frozen is None else with_frozen(params, frozen), micro)
+
+    grad_fn = jax.value_and_grad(loss, has_aux=True)
+
+    def update(params: Any, opt_state: Any, mini: Batch, frozen: Any):
         mini = add_mini_batch_totals(mini)
         micro = jax.tree.map(lambda x: x.reshape(grad_accum_steps, x.shape[0] // grad_accum_steps, *x.shape[1:]), mini)
         first = jax.tree.map(lambda x: x[0], micro)
-        out_shape = jax.eval_shape(grad_fn, params, first)
+        out_shape = jax.eval_shape(grad_fn, params, first, frozen)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape)
 
         def accumulate(total, micro_batch):
-            return jax.tree.map(jnp.add, total, grad_fn(params, micro_batch)), None
+            return jax.tree.map(jnp.add, total, grad_fn(params, micro_batch, frozen)), None
 
         ((loss, metrics), grads), _ = jax.lax.scan(accumulate, zeros, micro)
         updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -52,4 +67,5 @@ def make_update_fn(training_step: Callable, optimizer: optax.GradientTransformat
         return params, opt_state, {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads)}
 
     # No donation: callbacks (checkpoints, offload) may still hold the previous state's arrays.
-    return jax.jit(update)
+    # `.func` of the result is the jitted function itself (for lowering and memory analysis).
+    return functools.partial(jax.jit(update), frozen=frozen)

@@ -8,7 +8,8 @@ again with the same flags resumes from the newest usable checkpoint.
 
 Test-only flags: --step_sleep slows each step down (room for a kill), --kill_in_save N SIGKILLs
 the process itself after step N's files are written but before Orbax renames its directory, and
---nan_at_step K makes the advantages of step K (1-based) NaN.
+--nan_at_step K makes the advantages of step K (1-based) NaN. --lora trains GRPO with LoRA adapters
+(model.lora, KL to the base with adapters off) on a tiny random base instead of the toy module.
 """
 
 from __future__ import annotations
@@ -121,6 +122,7 @@ def main(argv=None) -> None:
     p.add_argument("--step_sleep", type=float, default=0.0)
     p.add_argument("--kill_in_save", type=int, default=None)
     p.add_argument("--nan_at_step", type=int, default=None)
+    p.add_argument("--lora", action="store_true", help="GRPO with model.lora on a tiny random base")
     args = p.parse_args(argv)
 
     if args.kill_in_save is not None:
@@ -134,8 +136,20 @@ def main(argv=None) -> None:
         callbacks.append(Sleep(args.step_sleep))
     trainer = Trainer(plan, max_steps=args.steps, max_epochs=None, seed=3, shuffle=args.shuffle, callbacks=callbacks,
                       mode=args.mode, max_staleness=args.max_staleness, run_dir=args.run_dir)
-    module = ResumeToy(nan_at_step=args.nan_at_step, prompts_per_step=args.prompts_per_step)
-    state = trainer.fit(module, prompt_rows(args.num_prompts))
+    if args.lora:
+        from rlbolt.data import gsm8k_style_rows
+        from rlbolt.modules import GRPO
+
+        module = GRPO({"model": {"tiny": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
+                                          "head_dim": 16, "intermediate_size": 64},
+                                 "lora": {"rank": 2, "alpha": 4, "targets": ["q", "v", "down"]}},
+                       "algorithm": {"lr": 0.05, "beta": 0.04}, "rollout": {"max_new_tokens": 4},
+                       "data": {"max_prompt_tokens": 16}, "reward": {"weights": {"digits": 1.0}}})
+        rows = gsm8k_style_rows(args.num_prompts)
+    else:
+        module = ResumeToy(nan_at_step=args.nan_at_step, prompts_per_step=args.prompts_per_step)
+        rows = prompt_rows(args.num_prompts)
+    state = trainer.fit(module, rows)
     np.savez(Path(args.run_dir) / "final_params.npz", **flat_params(state.params))
     print(f"finished step={state.step} policy_version={state.policy_version} data_position={state.data_position}")
 

@@ -41,6 +41,9 @@ SETTINGS = {
     "async_accumulation_iterations": ("--mode", "async", "--max_staleness", "7", "--num_iterations", "2",
                                       "--mini_batch_size", "8", "--train_micro_batch_size", "4"),
     "sync_save": ("--sync_save", "--shuffle"),
+    # LoRA: the checkpoint holds the adapters, the base is rebuilt and checked by its fingerprint
+    "lora": ("--lora", "--num_iterations", "2", "--mini_batch_size", "8", "--train_micro_batch_size", "4",
+             "--shuffle", "--num_prompts", "10"),
 }
 # The default run kills at a random moment in the combined sync setting and mid-save in async
 # mode (test_sigkill_during_save_...); everything else is marked slow.

@@ -1,10 +1,11 @@
 """The `rlbolt` command.
 
     rlbolt demo   [--run-dir D] [--max-steps N] [--checkpoint-every K] [--seed S] [--task T]
+                  [--lora-rank R] [--base-run D]
     rlbolt fit    CONFIG [--section.key=value ...]
     rlbolt resume D [--max-steps N]
     rlbolt plot   D [--out DIR]
-    rlbolt export D OUT [--overwrite]
+    rlbolt export D OUT [--overwrite] [--adapter]
 
 Bad input (an unknown config key, a wrong type, a missing or non-empty run directory) ends with
 exit status 2 and one line on stderr that names the problem and the fix, no traceback. Set
@@ -51,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, help="seed of the model, the prompts and sampling (default: 0)")
     demo.add_argument("--task", choices=("copy", "reverse", "increment"),
                       help="the digit task (default: copy; reverse and increment are harder)")
+    demo.add_argument("--lora-rank", type=_positive_int,
+                      help="train only LoRA adapters of this rank on a frozen base (default: every parameter)")
+    demo.add_argument("--base-run", help="start from the policy of another demo run's latest checkpoint, e.g. a "
+                                         "copy-trained run that --lora-rank then adapts to --task reverse")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     fit = sub.add_parser("fit", help="train from a recipe config (YAML) with dotted overrides",
@@ -74,10 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export", help="write a Hugging Face folder from the latest checkpoint",
                             description="Write OUT (config.json + model.safetensors, and the tokenizer when "
-                                        "the run used a tokenizer folder) from RUN_DIR's latest checkpoint.")
+                                        "the run used a tokenizer folder) from RUN_DIR's latest checkpoint. "
+                                        "A LoRA run writes its adapters merged into the base, or with --adapter "
+                                        "the adapters alone in PEFT's layout.")
     export.add_argument("run_dir")
     export.add_argument("out")
     export.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
+    export.add_argument("--adapter", action="store_true",
+                        help="LoRA runs: write adapter_config.json + adapter_model.safetensors (PEFT, vLLM) "
+                             "instead of the merged model")
     return parser
 
 
@@ -120,7 +130,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from rlbolt.app.demo import DemoConfig
 
     changes = {k: v for k, v in (("max_steps", args.max_steps), ("checkpoint_every", args.checkpoint_every),
-                                 ("seed", args.seed), ("task", args.task)) if v is not None}
+                                 ("seed", args.seed), ("task", args.task), ("lora_rank", args.lora_rank),
+                                 ("base_run", args.base_run)) if v is not None}
     config = dataclasses.replace(DemoConfig(), **changes)
     run_dir = args.run_dir or str(Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}")
     print(f"rlbolt demo: task={config.task}, {config.max_steps} steps, run directory {run_dir}", flush=True)
@@ -204,7 +215,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     if not Path(args.run_dir).is_dir():
         raise CLIError(f"run directory {args.run_dir} does not exist")
-    out, step = export_run(args.run_dir, args.out, overwrite=args.overwrite)
+    out, step = export_run(args.run_dir, args.out, overwrite=args.overwrite, adapter=args.adapter)
     print(f"wrote {out} (checkpoint step {step})")
     return 0
 
@@ -216,6 +227,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
     errors: list[type[BaseException]] = [CLIError, RunDirError, PlanError, DemoConfigError, FileNotFoundError,
                                          FileExistsError]
+    from rlbolt.callbacks.checkpoint import FrozenParamsMismatch  # a LoRA resume or export on another base
+
+    errors.append(FrozenParamsMismatch)
     try:
         from rlbolt.app.config import ConfigError
 

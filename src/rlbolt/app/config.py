@@ -39,6 +39,7 @@ class ModelSection:
     tiny: dict = _f({}, "ModelConfig overrides for the tiny random model, e.g. {hidden_size: 128, num_layers: 4}")
     param_dtype: str = _f("float32", "parameter dtype (compute stays float32 where it matters)", ("float32", "bfloat16"))
     tokenizer: str | None = _f(None, "tokenizer folder; None: model.path, or a built-in character tokenizer for the tiny model")
+    lora: dict | None = _f(None, "train LoRA adapters on a frozen base: {rank: 8, alpha: 16, targets: [q, k, v, o, gate, up, down], quantize: null|int8|int4|nf4, rollout: merged|adapters} (omitted keys take these defaults; rollout defaults to adapters when quantized); None: train every parameter")
 
 
 @dataclass(frozen=True)
@@ -296,7 +297,10 @@ def resolve(cfg: RunConfig) -> RunConfig:
     plan = cfg.plan
     if plan.max_refill_rounds is None:
         plan = dataclasses.replace(plan, max_refill_rounds=4 if algo.dynamic_sampling else 0)
-    cfg = dataclasses.replace(cfg, algorithm=algo, plan=plan)
+    model = cfg.model
+    if model.lora is not None:  # written back in full, so config.yaml shows every LoRA setting
+        model = dataclasses.replace(model, lora=_resolve_lora(model.lora))
+    cfg = dataclasses.replace(cfg, model=model, algorithm=algo, plan=plan)
     _check_rules(cfg)
     return cfg
 
@@ -352,6 +356,15 @@ def _check_mode(cfg: RunConfig) -> None:
         raise ConfigError(
             f"trainer.mode=async needs trainer.max_staleness >= {2 * updates - 1} (got {t.max_staleness}): with "
             f"{updates} update(s) per step that lets the producer run one step ahead; or use trainer.mode=sync")
+
+
+def _resolve_lora(values: dict) -> dict:
+    from rlbolt.models.lora import LoraConfig  # imports JAX: only when LoRA is asked for
+
+    try:
+        return LoraConfig.from_mapping(values, where="model.lora").to_dict()
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def config_to_dict(cfg: RunConfig) -> dict[str, dict[str, Any]]:

@@ -54,6 +54,13 @@ class DemoConfig:
       temperature: sampling temperature.
       hidden_size: model width (2 layers, 4 query / 2 kv heads).
       checkpoint_every: save a checkpoint every this many steps (None: only at the end).
+      task: "copy", "reverse" or "increment".
+      lora_rank: None trains every parameter; r trains only LoRA adapters of rank r (alpha 2r) on
+        all seven projections of the frozen base (`rlbolt.models.lora`).
+      base_run: start from the policy of another demo run's latest checkpoint (same hidden_size
+        and num_digits) instead of a random model, e.g. a copy-trained base that LoRA then adapts
+        to "reverse". A random base cannot be adapted far: its frozen lm_head (std 0.02) after
+        the frozen final norm caps every logit near 1.3, so no digit gets much above p = 0.3.
     """
 
     seed: int = 0
@@ -68,19 +75,22 @@ class DemoConfig:
     hidden_size: int = 64
     checkpoint_every: int | None = None
     task: str = "copy"
+    lora_rank: int | None = None
+    base_run: str | None = None
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value, kind = getattr(self, f.name), _FIELD_KINDS[f.name]
-            ok = (value is None and f.name == "checkpoint_every") or (
+            ok = (value is None and f.name in ("checkpoint_every", "lora_rank", "base_run")) or (
                 isinstance(value, kind) and not isinstance(value, bool)) or (kind is float and isinstance(value, int)
                                                                             and not isinstance(value, bool))
             if not ok:
                 raise DemoConfigError(f"demo.{f.name}={value!r} must be of type {kind.__name__}")
         if self.task not in TASKS:
             raise DemoConfigError(f"demo.task={self.task!r}; allowed: {list(TASKS)}")
-        for name in ("max_steps", "num_digits", "num_prompts", "prompts_per_step", "num_generations", "hidden_size"):
-            if getattr(self, name) < 1:
+        for name in ("max_steps", "num_digits", "num_prompts", "prompts_per_step", "num_generations", "hidden_size",
+                     "lora_rank"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise DemoConfigError(f"demo.{name}={getattr(self, name)} must be >= 1")
         if self.num_generations < 2:
             raise DemoConfigError(f"demo.num_generations={self.num_generations}: GRPO needs >= 2 samples per group")
@@ -110,6 +120,21 @@ class DemoConfig:
         return cls(**section)
 
 
+def _base_from_run(run_dir: str, model_config) -> Decoder:
+    """The policy of a demo run's latest checkpoint (LoRA adapters merged), checked to fit this demo."""
+    from rlbolt.app.cli_export import latest_params  # imports this module: import here, not at the top
+
+    module, _, _ = latest_params(run_dir)
+    if not isinstance(module, DigitsGRPO):
+        raise DemoConfigError(f"demo.base_run={run_dir!r} is not a demo run (its config.yaml has no demo section)")
+    if module.model_config != model_config:
+        raise DemoConfigError(f"demo.base_run={run_dir!r} trained a model of another shape (hidden_size="
+                              f"{module.config.hidden_size}, num_digits={module.config.num_digits}); use the same ones")
+    if module.lora is None:
+        return module.model
+    return module.lora.merged_model(nnx.state(module.model, nnx.LoRAParam))
+
+
 class DemoConfigError(ValueError):
     """A demo setting is unknown or out of range (the message names it and the allowed values)."""
 
@@ -117,7 +142,7 @@ class DemoConfigError(ValueError):
 TASKS = ("copy", "reverse", "increment")
 _FIELD_KINDS = {"seed": int, "max_steps": int, "num_digits": int, "num_prompts": int, "prompts_per_step": int,
                 "num_generations": int, "learning_rate": float, "clip": float, "temperature": float,
-                "hidden_size": int, "checkpoint_every": int, "task": str}
+                "hidden_size": int, "checkpoint_every": int, "task": str, "lora_rank": int, "base_run": str}
 
 
 def demo_rows(config: DemoConfig) -> list[dict[str, str]]:
@@ -156,6 +181,7 @@ class DigitsGRPO(RLModule):
                                         intermediate_size=2 * config.hidden_size, head_dim=config.hidden_size // 4,
                                         max_position_embeddings=2 * config.num_digits + 2)
         self.graphdef = None
+        self.lora = None  # a LoraPolicy when config.lora_rank is set
         self._sampler: NativeSampler | None = None
         self._sampler_lock = threading.Lock()  # rollout (producer thread) and validation share it
 
@@ -166,11 +192,36 @@ class DigitsGRPO(RLModule):
 
     def init_params(self, rng: jax.Array) -> nnx.State:
         self._model = Decoder(self.model_config, rngs=nnx.Rngs(params=rng))
+        if self.config.base_run is not None:
+            self._model = _base_from_run(self.config.base_run, self.model_config)
+        if self.config.lora_rank:
+            from rlbolt.models.lora import LoraConfig
+            from rlbolt.modules.lora_policy import LoraPolicy
+
+            rank = self.config.lora_rank
+            self.lora = LoraPolicy(self._model, LoraConfig(rank=rank, alpha=2.0 * rank),
+                                   rngs=nnx.Rngs(params=jax.random.fold_in(rng, 1)), path=self.config.base_run)
+            self._model = self.lora.policy_model
         self.graphdef, params = nnx.split(self._model, nnx.Param)
         prompt_len = self.config.num_digits + 1  # every prompt has this length: one bucket, no padding
         self._sampler = NativeSampler(self._model, max_new_tokens=self.config.num_digits,
                                       temperature=self.config.temperature, prompt_buckets=(prompt_len,))
-        return params
+        return self.lora.adapters if self.lora is not None else params
+
+    def frozen_params(self) -> nnx.State | None:
+        return self.lora.base if self.lora is not None else None
+
+    def with_frozen(self, params: nnx.State, frozen: nnx.State | None) -> nnx.State:
+        return self.lora.join(params, frozen) if self.lora is not None else params
+
+    def frozen_identity(self) -> dict | None:
+        return self.lora.identity if self.lora is not None else None
+
+    def hf_model(self, params: nnx.State) -> Decoder:
+        """The policy as a plain Decoder (LoRA adapters merged into the base), for HFExport."""
+        if self.lora is not None:
+            return self.lora.merged_model(params)
+        return nnx.merge(self.graphdef, params)
 
     def generate(self, params: nnx.State, prompts: list[str], sample_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Samples one completion per prompt with the NativeSampler.
@@ -185,7 +236,7 @@ class DigitsGRPO(RLModule):
         """
         prompt_ids = np.asarray([self.tokenizer.encode(p) for p in prompts], np.int32)
         with self._sampler_lock:
-            self._sampler.update_weights(params, 0)
+            self._sampler.update_weights(self.with_frozen(params, self.frozen_params()), 0)
             out = self._sampler.generate(prompt_ids, np.asarray(sample_keys, np.uint32),
                                          prompt_mask=np.ones_like(prompt_ids, bool))
         return prompt_ids, np.asarray(out.completion_ids, np.int32), np.asarray(out.logps, np.float32)

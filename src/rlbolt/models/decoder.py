@@ -73,11 +73,17 @@ class Dense(nnx.Module):
         self.use_bias = use_bias
         if use_bias:
             self.bias = _param(jnp.zeros((out_features,), dtype), (axes[1],))
+        # rlbolt.models.lora.apply_lora puts a LoraAdapters here when LoRA targets this kernel.
+        self.lora = nnx.data(None)
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
         # A 2-D [tokens, in] dot: with [B, T, in] XLA's CPU backward transposes the activations
         # and output gradients around the weight-gradient dot (update 0.97 -> 0.78 s, RESULTS.md).
-        y = jnp.dot(x.reshape(-1, x.shape[-1]), self.kernel[...]).reshape(*x.shape[:-1], -1)
+        x2d = x.reshape(-1, x.shape[-1])
+        y = jnp.dot(x2d, self.kernel[...])
+        if self.lora is not None:
+            y = y + self.lora(x2d).astype(y.dtype)
+        y = y.reshape(*x.shape[:-1], -1)
         return y + self.bias[...] if self.use_bias else y
 
 

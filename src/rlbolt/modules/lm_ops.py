@@ -63,12 +63,18 @@ class SamplerHandle:
 
         self.sampler = NativeSampler(model, **options)
         self._params = None
+        self._template = self.sampler._params  # the model's own arrays: holding them costs nothing
 
-    def generate(self, params: Any, prompt_ids: list[list[int]], keys: np.ndarray, **opts: Any):
+    def generate(self, params: Any, prompt_ids: list[list[int]], keys: np.ndarray, *, keep: bool = True, **opts: Any):
+        """Samples with `params`; `keep=False` lets go of them afterwards (transient merged weights)."""
         if params is not self._params:  # a new params pytree: hand it over (held, so `is` stays valid)
             self.sampler.update_weights(params, 0)
             self._params = params
-        return self.sampler.generate(prompt_ids, keys, **opts)
+        out = self.sampler.generate(prompt_ids, keys, **opts)
+        if not keep:
+            self.sampler.update_weights(self._template, 0)
+            self._params = None
+        return out
 
 
 def make_sampler(model: Decoder, *, prompt_width: int, **options: Any) -> SamplerHandle:

@@ -70,6 +70,7 @@ class LMPolicyModule(RLModule):
         self.hparams = {k: v for k, v in config_to_dict(self.config).items() if k in ("algorithm", "rollout", "reward")}
         self.model, self.tokenizer, self.reward = model, tokenizer, reward
         self.ref_params = None
+        self.lora = None  # a LoraPolicy when config.model.lora is set
         self._sampler_lock = threading.Lock()  # validation (main thread) and rollout (producer) share it
         self._sampler = None
 
@@ -87,6 +88,14 @@ class LMPolicyModule(RLModule):
                 f"the tokenizer has {self.tokenizer.vocab_size} ids but the model's vocab_size is "
                 f"{self.model.config.vocab_size}; use the tokenizer that belongs to model.path"
             )
+        if cfg.model.lora is not None and self.lora is None:
+            from rlbolt.models.lora import LoraConfig
+            from rlbolt.modules.lora_policy import LoraPolicy
+
+            seed = trainer.seed if trainer is not None else 0
+            self.lora = LoraPolicy(self.model, LoraConfig.from_mapping(cfg.model.lora), rngs=nnx.Rngs(seed),
+                                   path=cfg.model.path)
+            self.model = self.lora.policy_model  # the float base is no longer held here (QLoRA frees it)
         self.graphdef, _ = nnx.split(self.model)
         self.encoder = PromptEncoder(
             self.tokenizer, prompt_field=cfg.data.prompt_field, max_prompt_tokens=cfg.data.max_prompt_tokens,
@@ -94,11 +103,44 @@ class LMPolicyModule(RLModule):
         if self.reward is None:
             self.reward = build_reward(cfg.reward.weights, answer_field=cfg.data.answer_field)
         self.reward_runner = lm_ops.reward_runner(self.reward, cfg.reward)
-        if self.algo.beta > 0:
+        if self.algo.beta > 0 and self.lora is None:
             # Parameters are immutable arrays and updates are functional, so holding the initial
             # pytree is a frozen copy without a copy.
             self.ref_params = nnx.state(self.model, nnx.Param)
         self._logps = jax.jit(functools.partial(self._forward_logps, with_entropy=False))
+        if self.lora is not None:  # the reference is the base with the adapters off: no second copy
+            self._ref_logps = jax.jit(functools.partial(
+                lm_ops.token_logps, self.lora.base_graphdef, temperature=self._train_temperature, with_entropy=False))
+
+    def init_params(self, rng: jax.Array) -> Any:
+        """The trainable pytree: the model's parameters, or only the LoRA adapters (model.lora)."""
+        return self.lora.adapters if self.lora is not None else super().init_params(rng)
+
+    def frozen_params(self) -> Any:
+        """With LoRA, the base (trained never, differentiated never); else None."""
+        return self.lora.base if self.lora is not None else None
+
+    def with_frozen(self, params: Any, frozen: Any) -> Any:
+        """With LoRA, the adapters joined with the base into the adapted model's State."""
+        return self.lora.join(params, frozen) if self.lora is not None else params
+
+    def frozen_identity(self) -> dict | None:
+        """With LoRA: the base's folder, a fingerprint of its weights and its quantisation."""
+        return self.lora.identity if self.lora is not None else None
+
+    def full_params(self, params: Any) -> Any:
+        """`params` as the producer-side hooks get them (the trainable pytree) joined with the
+        frozen base: what the forward passes run on. Identity without LoRA."""
+        return self.with_frozen(params, self.frozen_params())
+
+    def hf_model(self, params: Any):
+        """The policy as a plain Decoder holding `params` (LoRA adapters merged into the base),
+        ready for `rlbolt.models.hf_io.save_hf`."""
+        policy = self.policy_params(params)
+        if self.lora is not None:
+            return self.lora.merged_model(policy)
+        graphdef, _, rest = nnx.split(self.model, nnx.Param, ...)
+        return nnx.merge(graphdef, policy, rest)
 
     def check_plan(self, plan) -> None:
         """Refuses `num_generations=1` when this algorithm's advantages are group-relative.
@@ -161,11 +203,15 @@ class LMPolicyModule(RLModule):
             if self._sampler is None:
                 r = self.rollout_cfg
                 self._sampler = lm_ops.make_sampler(
-                    self.model, max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
-                    top_p=r.top_p, stop_token_ids=(self.tokenizer.eos_id,) if r.stop_at_eos else (),
+                    self.model if self.lora is None else self.lora.rollout_model(), max_new_tokens=r.max_new_tokens,
+                    temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
+                    stop_token_ids=(self.tokenizer.eos_id,) if r.stop_at_eos else (),
                     pad_id=self.tokenizer.pad_id, prompt_width=self.encoder.width)
-            return self._sampler.generate(self.policy_params(params), ids, np.asarray(keys, np.uint32),
-                                          temperature=temperature)
+            lm_params = self.policy_params(self.full_params(params))
+            if self.lora is not None:  # merged kernels are a transient copy: the sampler lets go of them
+                return self._sampler.generate(self.lora.rollout_params(lm_params), ids, np.asarray(keys, np.uint32),
+                                              temperature=temperature, keep=not self.lora.merge_for_rollout)
+            return self._sampler.generate(lm_params, ids, np.asarray(keys, np.uint32), temperature=temperature)
 
     def _decode(self, completion_ids: np.ndarray, completion_mask: np.ndarray) -> np.ndarray:
         texts = np.empty(len(completion_ids), dtype=object)
@@ -194,13 +240,16 @@ class LMPolicyModule(RLModule):
         inputs = self._token_inputs(batch)
         cols: dict[str, Any] = {}
         forward_old = self.trainer.plan.num_iterations > 1 or self.algo.importance_cap is not None
-        old = self._logps(self.policy_params(params), *inputs) if forward_old else jnp.asarray(batch["sampler_logps"])
+        lm_params = self.policy_params(self.full_params(params))
+        old = self._logps(lm_params, *inputs) if forward_old else jnp.asarray(batch["sampler_logps"])
         cols["old_logps"] = np.asarray(old, np.float32)
         if self.algo.importance_cap is not None:
             cols["importance_weights"] = np.asarray(truncated_importance_weights(
                 old, batch["sampler_logps"], inputs[3], self.algo.importance_cap), np.float32)
         if self.ref_params is not None:
             cols["ref_logps"] = np.asarray(self._logps(self.ref_params, *inputs), np.float32)
+        elif self.lora is not None and self.algo.beta > 0:
+            cols["ref_logps"] = np.asarray(self._ref_logps(self.lora.base, *inputs), np.float32)
         return batch.with_columns(cols)
 
     # -- rewards and advantages ------------------------------------------------------------------------

@@ -17,7 +17,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from rlbolt.algorithms import clipped_value_loss, gae_advantages, kl_in_reward, masked_whiten, sequence_to_token_rewards
 from rlbolt.batch import Batch
@@ -41,11 +40,14 @@ class PPO(LMPolicyModule):
         hidden = self.model.config.hidden_size
         # Small init: the first values are ~0, so early advantages are ~ the rewards themselves.
         kernel = 1e-3 * jax.random.normal(rng, (hidden, 1), jnp.float32)
-        return {"policy": nnx.state(self.model, nnx.Param), "value_head": {"kernel": kernel, "bias": jnp.zeros((1,), jnp.float32)}}
+        return {"policy": super().init_params(rng), "value_head": {"kernel": kernel, "bias": jnp.zeros((1,), jnp.float32)}}
 
     def policy_params(self, params: Any) -> Any:
         """The language model's part of the trainable pytree: `params["policy"]`."""
         return params["policy"]
+
+    def with_frozen(self, params: Any, frozen: Any) -> Any:
+        return {**params, "policy": super().with_frozen(params["policy"], frozen)}
 
     def _hidden_outputs(self, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *, with_entropy: bool):
         hidden, weight = completion_hidden(self.graphdef, params["policy"], prompt_ids, prompt_mask,
@@ -60,7 +62,8 @@ class PPO(LMPolicyModule):
     def compute_logps(self, params: Any, batch: Batch) -> Batch:
         """Adds old_logps / ref_logps (see the base) and `old_values` [N, C] from the value head."""
         batch = super().compute_logps(params, batch)
-        return batch.with_columns(old_values=np.asarray(self._values(params, *self._token_inputs(batch)), np.float32))
+        values = self._values(self.full_params(params), *self._token_inputs(batch))
+        return batch.with_columns(old_values=np.asarray(values, np.float32))
 
     def compute_advantages(self, batch: Batch):
         """PPO: GAE (gamma, lam) over token rewards (the sequence reward on the last token, minus

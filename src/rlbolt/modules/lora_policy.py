@@ -1,0 +1,101 @@
+"""LoraPolicy: what an LM module needs to train LoRA adapters on a frozen (optionally quantised) base.
+
+One copy of the base exists. The policy forward is the adapted graph over `base + adapters`; the
+KL reference is the graph without adapters over the same `base` arrays (the base "with adapters
+off"), so beta > 0 costs a forward pass and no memory. The sampler either rolls out with the
+adapters merged into a transient copy of the targeted kernels (`rollout="merged"`, the default:
+faster on the benchmark workload, benchmarks/RESULTS.md; the copy is dropped after the rollout)
+or applies them on the fly (`rollout="adapters"`: no copy; the default with a quantised base).
+
+    lora = LoraPolicy(model, LoraConfig(rank=8, alpha=16, targets=("q", "v")), rngs=nnx.Rngs(0), path=folder)
+    trainable = lora.adapters                  # what init_params returns; the optimizer sees only these
+    full = lora.join(trainable, lora.base)     # what the policy forward runs on
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+from flax import nnx
+
+from rlbolt.models.decoder import Decoder
+from rlbolt.models.lora import LoraConfig, adapted_denses, apply_lora, merge_adapters
+from rlbolt.utils.fingerprint import fingerprint
+
+
+class LoraPolicy:
+    """A base Decoder with LoRA adapters: the frozen base, the adapter layout, their joins.
+
+    Args:
+      model: the base Decoder (its arrays become the frozen base; with `lora.quantize` the float
+        kernels are replaced by qwix-quantised ones and this model's kernels are no longer used).
+      lora: rank, alpha, targets, quantisation.
+      rngs: initialises the adapters' A matrices.
+      path: the base's folder (recorded in checkpoints; None for a random tiny base).
+
+    Attributes:
+      config: the LoraConfig.
+      graphdef: the adapted model's GraphDef (base + adapters): the policy.
+      base_graphdef: the GraphDef without adapters: the reference (adapters off).
+      base: the frozen base (nnx.State): shared by the policy, the reference and the sampler.
+      adapters: the initial adapters (nnx.State of nnx.LoRAParam): B = 0, so policy = base.
+      policy_model: the adapted Decoder holding `base` and `adapters` (the sampler's template).
+      identity: `{"path", "fingerprint", "quantize"}`: checkpoints record it, resume checks it.
+    """
+
+    def __init__(self, model: Decoder, lora: LoraConfig, *, rngs: nnx.Rngs, path: str | os.PathLike | None):
+        self.config = lora
+        # The fingerprint is of the weights as loaded (before quantisation): the base's identity.
+        self.identity = {"path": os.path.abspath(path) if path else None,
+                         "fingerprint": fingerprint(nnx.state(model, nnx.Param)), "quantize": lora.quantize}
+        adapted = apply_lora(model, lora, rngs=rngs)
+        if lora.quantize:
+            from rlbolt.models.quantize import quantize_base
+
+            adapted = quantize_base(adapted, lora.quantize)
+        self.graphdef, self.adapters, self.base = nnx.split(adapted, nnx.LoRAParam, ...)
+        self.policy_model = adapted
+        plain = nnx.clone(adapted)
+        for _, dense in adapted_denses(plain):
+            dense.lora = None
+        self.base_graphdef = nnx.graphdef(plain)
+
+    def join(self, adapters: nnx.State, base: nnx.State) -> nnx.State:
+        """One State of the adapted model from its two parts (no array is copied; jittable)."""
+        return nnx.merge_state(base, adapters)
+
+    def merged_model(self, adapters: nnx.State) -> Decoder:
+        """The policy as a plain Decoder: `W + (alpha / r) A B` in every targeted kernel.
+
+        A quantised base is dequantised first, so the result computes what the trained policy
+        computes (up to float rounding): what `rlbolt export` writes.
+        """
+        adapted = nnx.merge(self.graphdef, self.base, adapters)
+        if self.config.quantize:
+            from rlbolt.models.quantize import dequantize_model
+
+            adapted = dequantize_model(adapted)
+        return merge_adapters(adapted)
+
+    # -- rollout: merged weights vs adapters on the fly (benchmarks/RESULTS.md) ------------------------
+    @property
+    def merge_for_rollout(self) -> bool:
+        """Whether the sampler runs merged kernels (a transient copy) rather than the adapters."""
+        return self.config.rollout == "merged"
+
+    def rollout_model(self) -> Decoder:
+        """The Decoder the sampler is built from."""
+        return nnx.merge(self.base_graphdef, self.base) if self.merge_for_rollout else self.policy_model
+
+    def rollout_params(self, full: nnx.State) -> nnx.State:
+        """What the sampler runs on: the adapted State, or its adapters merged into new kernels."""
+        if not self.merge_for_rollout:
+            return full
+        if not hasattr(self, "_merge"):
+            self._merge = jax.jit(lambda s: nnx.state(merge_adapters(nnx.merge(self.graphdef, s)), nnx.Param))
+        return self._merge(full)
+
+    def adapted_model(self, adapters: nnx.State) -> Decoder:
+        """The adapted Decoder holding the base and these adapters (for the PEFT export)."""
+        return nnx.merge(self.graphdef, self.base, adapters)
