@@ -115,6 +115,7 @@ MODULES = [
     ("Config and runs", "rlbolt.app.cli_export"),
     ("Utilities", "rlbolt.utils.files"),
     ("Utilities", "rlbolt.utils.xla_flags"),
+    ("Utilities", "rlbolt.utils.fingerprint"),
 ]
 
 # Modules with no page entry of their own, and why. Every other module must be in MODULES.
