@@ -19,7 +19,11 @@ it also times the step's dense products alone at the step's shapes (benchmarks/c
     python benchmarks/grpo_step.py --lora 8       # LoRA rank 8 (alpha 16) on all seven projections
     python benchmarks/grpo_step.py --lora 8 --lora-quantize nf4   # QLoRA: the base stored in 4 bits by qwix
     python benchmarks/grpo_step.py --lora 8 --lora-rollout adapters  # adapters on the fly in the sampler
+    python benchmarks/grpo_step.py --preset gpu --mesh '{"fsdp": 8}'    # on every GPU of the host
+    python benchmarks/grpo_step.py --devices 4 --mesh '{"fsdp": 2, "tp": 2}'   # 4 CPU "devices"
 
+`--mesh` takes rlbolt's `{data, fsdp, tp}` (-1: the rest; default: every device on fsdp);
+`--devices N` makes the CPU backend show N devices (they share the machine's cores).
 With --lora the GFLOP figures still count the full fine-tuning update (the base's weight gradients
 a LoRA step skips), so compare LoRA and full fine-tuning by seconds and bytes. Memory fields:
 `live_mb`, the distinct device buffers alive after fit (weights, reference, optimizer state),
@@ -56,6 +60,9 @@ def main(argv=None) -> dict:
 
     applied = configure_xla_flags(enable=not args.no_xla_flags)
     import jax
+
+    if args.devices:
+        jax.config.update("jax_num_cpu_devices", args.devices)
     import numpy as np
     from flax import nnx
 
@@ -107,7 +114,7 @@ def main(argv=None) -> dict:
     # and no slower on this CPU (RESULTS.md).
     plan = BatchPlan(prompts_per_step=p["prompts"], num_generations=p["generations"],
                      train_micro_batch_size=args.train_micro or p["train_micro"], logps_micro_batch_size=args.logps_micro)
-    trainer = Trainer(plan, max_steps=steps, seed=0, shuffle=False)
+    trainer = Trainer(plan, max_steps=steps, seed=0, shuffle=False, mesh=json.loads(args.mesh) if args.mesh else None)
     trainer.callbacks = type(trainer.callbacks)([rec])
     state = trainer.fit(module, rows)
     fit_peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before the floor loop adds its own
@@ -122,7 +129,7 @@ def main(argv=None) -> dict:
     matmul = _matmul_gflops(args.preset)
     flops = step_flops(config, p["prompts"] * p["generations"], p["prompt_len"], p["new_tokens"])
     bound = None
-    if args.preset == "cpu":  # the bound times f32 products; on a GPU, update MFU and decode bandwidth say this
+    if args.preset == "cpu" and not args.no_bound:  # f32 products; on a GPU, update MFU and decode bandwidth say this
         bound = measure_bound(config, p["prompts"] * p["generations"], p["prompt_len"], p["new_tokens"],
                               repeats=2 if args.quick else 7, matmul_gflops=matmul)
     gen_tokens = p["prompts"] * p["generations"] * p["new_tokens"]
@@ -130,6 +137,9 @@ def main(argv=None) -> dict:
         "system": "rlbolt",
         "preset": args.preset,
         "device": jax.devices()[0].device_kind,
+        "devices": jax.device_count(),
+        "mesh": dict(trainer.sharding.mesh.shape),
+        "memory_plan_bytes": trainer.memory_plan.items,
         "xla_flags": applied,
         "step_s_median": step_median,
         "step_s_all": step_s,
@@ -165,19 +175,21 @@ def _floor_step_s(module, trainer, state, produced, repeats: int) -> tuple[float
     as a step does), to set against the step's own split.
     """
     import jax
-    import jax.numpy as jnp
     import numpy as np
+
+    from rlbolt.distributed.state import micro_batches
 
     batch = produced.batch
     ids = [list(r[m]) for r, m in zip(np.asarray(batch["prompt_ids"]), np.asarray(batch["prompt_mask"]))]
     keys = np.asarray(batch["sample_keys"], np.uint32)
-    device_batch = jax.device_put(batch.numeric())
+    device_batch = micro_batches(trainer.sharding, batch.numeric().to_host(), trainer.plan.grad_accum_steps)
     rounds = []
     for i in range(repeats + 1):
         t0 = time.perf_counter()
         out = module._generate(state.params, ids, keys, module.rollout_cfg.temperature)
         t1 = time.perf_counter()
-        inputs = tuple(jnp.asarray(x) for x in (batch["prompt_ids"], batch["prompt_mask"], out.completion_ids, out.completion_mask))
+        rolled = batch.with_columns(completion_ids=out.completion_ids, completion_mask=out.completion_mask)
+        inputs = module._rows_on_mesh(rolled)
         if module.lora is None:
             jax.block_until_ready(module._logps(module.ref_params, *inputs))
         else:  # the reference is the base with the adapters off
@@ -199,7 +211,9 @@ def _memory(trainer, state, produced) -> dict:
 
     gc.collect()
     live = {x.unsafe_buffer_pointer(): x.nbytes for x in jax.live_arrays() if not x.is_deleted()}
-    batch = jax.device_put(produced.batch.numeric())
+    from rlbolt.distributed.state import micro_batches
+
+    batch = micro_batches(trainer.sharding, produced.batch.numeric().to_host(), trainer.plan.grad_accum_steps)
     compiled = trainer._update.func.lower(state.params, state.opt_state, batch,
                                           frozen=trainer._update.keywords["frozen"]).compile()
     stats = compiled.memory_analysis()
@@ -272,7 +286,7 @@ def _print_table(r: dict, flops: dict) -> None:
           for k, v in r["split"].items()],
     ]
     width = max(len(k) for k, _ in rows)
-    print(f"rlbolt GRPO step benchmark, preset {r['preset']} on {r['device']}")
+    print(f"rlbolt GRPO step benchmark, preset {r['preset']} on {r['device']} x {r['devices']}, mesh {r['mesh']}")
     for k, v in rows:
         print(f"  {k:<{width}}  {v}")
 
@@ -296,6 +310,9 @@ def _parse(argv):
     ap.add_argument("--lora-rollout", choices=("adapters", "merged"), default=None,
                     help="with --lora: merge the adapters into a transient copy before each rollout, or apply "
                          "them on the fly (default: the config's, merged unless quantised)")
+    ap.add_argument("--mesh", default=None, help='the device mesh as JSON, e.g. \'{"fsdp": 4, "tp": 2}\' (default: all on fsdp)')
+    ap.add_argument("--devices", type=int, default=None, help="CPU only: how many CPU devices the backend shows")
+    ap.add_argument("--no-bound", action="store_true", help="skip the matmul-only bound (benchmarks/ceiling.py)")
     return ap.parse_args(argv)
 
 

@@ -116,15 +116,15 @@ def _update_call(module, params, prompts):
     import numpy as np
 
     from rlbolt.batch import Batch
-    from rlbolt.update import make_update_fn
+    from rlbolt.update import make_update_fn, split_micro_batches
 
     rng = np.random.default_rng(1)
     n = len(prompts)
-    batch = jax.device_put(Batch({
+    batch = jax.device_put(split_micro_batches(Batch({
         "prompt_ids": np.asarray(prompts, np.int32), "prompt_mask": np.ones((n, 32), bool),
         "completion_ids": rng.integers(2, 512, (n, 64)).astype(np.int32), "completion_mask": np.ones((n, 64), bool),
         "old_logps": np.full((n, 64), -6.2, np.float32), "ref_logps": np.full((n, 64), -6.2, np.float32),
-        "advantages": rng.standard_normal(n).astype(np.float32)}))
+        "advantages": rng.standard_normal(n).astype(np.float32)}), 4))  # the update takes [A, M/A, ...]
     tx = module.configure_optimizers()
     update = make_update_fn(module.training_step, tx, 4, frozen=module.frozen_params(), with_frozen=module.with_frozen)
     opt_state = tx.init(params)

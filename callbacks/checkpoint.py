@@ -11,10 +11,16 @@ A checkpoint of step s holds everything the run needs to continue as if it never
 - every callback's `state_dict()`;
 - what identifies the module's frozen params, when it has some (`RLModule.frozen_identity`: a
   LoRA run's base folder and a fingerprint of its weights): a resume against another base is
-  refused (`FrozenParamsMismatch`), since the saved adapters mean nothing on top of it.
+  refused (`FrozenParamsMismatch`), since the saved adapters mean nothing on top of it;
+- the run's resolved config (a resume that changes a math-changing field is refused unless
+  allowed, `config_guard.py`) and the model's description (export needs no module);
+- a checksum of every array (`checkpoint_integrity.py`).
 
-When to save (`every_n_steps`, `every_secs`, always at fit end) is a `Periodic`; what is saved
-and how it is read back lives in `checkpoint_io.py`.
+When to save (`every_n_steps`, `every_secs`, always at fit end, including a fit stopped by
+SIGINT/SIGTERM) is a `Periodic`; what is saved lives in `checkpoint_meta.py` and how it is
+written and read back in `checkpoint_io.py`. A resume uses the newest step that passes every
+check (a damaged newer one is reported and moved aside); a directory that had checkpoints and
+has none left is refused rather than restarted from step 0.
 
 Order: `order = 10` runs ModelCheckpoint after the metric writers and NaNGuard (order <= 0),
 whatever the list order, so step s's checkpoint only exists once step s has been logged and
@@ -26,47 +32,21 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
+
 from rlbolt.callback import Callback, Periodic
-from rlbolt.callbacks.checkpoint_io import CheckpointIO, read_json, write_json_atomic
+from rlbolt.callbacks import checkpoint_meta, config_guard
+from rlbolt.callbacks.checkpoint_meta import FrozenParamsMismatch, check_frozen_identity  # noqa: F401 - re-exported
+from rlbolt.callbacks.checkpoint_io import CheckpointIO, NoUsableCheckpoint, read_json, write_json_atomic
 from rlbolt.state import StepInfo, TrainState
 
 log = logging.getLogger(__name__)
-FORMAT_VERSION = 1
+FORMAT_VERSION = checkpoint_meta.FORMAT_VERSION
 BEST_FILE = "best.json"
-
-
-class FrozenParamsMismatch(ValueError):
-    """A checkpoint was trained on other frozen params (a LoRA base) than this run loads."""
-
-
-def check_frozen_identity(saved: dict | None, current: dict | None, directory: Path) -> None:
-    """Refuses to restore a checkpoint whose frozen params differ from this run's.
-
-    Args:
-      saved: the `frozen` record of the checkpoint's meta (None: it had no frozen params).
-      current: `module.frozen_identity()` now. Its "path" key is informational (a copied base
-        may move); every other key must be equal.
-      directory: named in the message.
-
-    Raises:
-      FrozenParamsMismatch: one line naming both bases and the fix.
-    """
-    if saved is None and current is None:
-        return
-    if saved is None or current is None:
-        has = lambda x: "with a frozen base (LoRA)" if x else "without frozen params (full fine-tuning)"
-        raise FrozenParamsMismatch(f"checkpoint in {directory} was written {has(saved)} but this run is {has(current)}; "
-                                   "resume with the same model.lora setting or use a fresh run directory")
-    differ = sorted(k for k in set(saved) | set(current) if k != "path" and saved.get(k) != current.get(k))
-    if differ:
-        show = lambda x: ", ".join(f"{k}={str(x.get(k))[:16]}" for k in ["path", *differ])
-        raise FrozenParamsMismatch(f"checkpoint in {directory} was trained on the base {show(saved)} but this run loads "
-                                   f"{show(current)}; point model.path at the base the run was trained on, or use a "
-                                   "fresh run directory")
 
 
 def _frozen_identity(trainer) -> dict | None:
@@ -89,19 +69,30 @@ class ModelCheckpoint(Callback):
       async_save: write on a background thread (training continues during the write).
       resume: "latest" (the newest usable checkpoint), a step number, or None (never restore;
         then the directory must hold no checkpoints, so a run never silently overwrites another).
-      save_on_exception: when fit stops on an exception, save the last completed step.
+      save_on_exception: when fit stops on an exception, save the last completed step (a fit
+        stopped by SIGINT/SIGTERM ends normally, and its last step is always saved). On one
+        process only: across processes a save needs all of them, and an exception may have
+        stopped one alone; a stop they agree on, such as NaNGuard's, saves by itself.
+      config: the run's resolved config to record in every checkpoint (the `rlbolt` command passes
+        config.yaml's content); None records the Trainer's settings, the plan and the module's
+        class and `hparams`.
+      allow_config_change: resume even when a math-changing config field differs from the
+        checkpoint's (the change is recorded in `<run_dir>/config_changes.jsonl`).
       clock: seconds clock for `every_secs` (injectable for tests).
 
     Attributes:
       restored_step: the step restored by the last `fit` (None when it started fresh).
+      saved_step: the newest step this fit saved (or restored), None before any.
     """
 
     order = 10  # saves after the step's metrics are written
+    writes_run_dir = True
 
     def __init__(self, directory: str | Path | None = None, every_n_steps: int | None = None,
                  every_secs: float | None = None, keep: int | None = 3, best_metric: str | None = None,
                  best_mode: str = "max", async_save: bool = True, resume: str | int | None = "latest",
-                 save_on_exception: bool = False, clock: Callable[[], float] = time.monotonic):
+                 save_on_exception: bool = False, config: Mapping[str, Any] | None = None,
+                 allow_config_change: bool = False, clock: Callable[[], float] = time.monotonic):
         if keep is not None and (not isinstance(keep, int) or keep < 1):
             raise ValueError(f"ModelCheckpoint(keep={keep!r}): keep must be a positive integer or None (keep all)")
         if best_mode not in ("max", "min"):
@@ -113,8 +104,12 @@ class ModelCheckpoint(Callback):
         self.every_n_steps, self.every_secs, self.clock = every_n_steps, every_secs, clock
         self.keep, self.best_metric, self.best_mode = keep, best_metric, best_mode
         self.async_save, self.resume, self.save_on_exception = async_save, resume, save_on_exception
+        self.config, self.allow_config_change = config, allow_config_change
         self.io: CheckpointIO | None = None
         self.restored_step: int | None = None
+        self.saved_step: int | None = None
+        self._run_config: dict | None = None
+        self._model: dict | None = None
         self._best: dict | None = None
         self._last_state: TrainState | None = None
 
@@ -145,8 +140,18 @@ class ModelCheckpoint(Callback):
     def on_restore(self, trainer, state: TrainState) -> TrainState | None:
         """Opens the directory and, when it holds checkpoints, restores the newest usable one."""
         self.open(trainer)
-        self._last_state, self.restored_step = state, None
+        self._last_state, self.restored_step, self.saved_step = state, None, None
+        self._run_config = config_guard.config_record(trainer, self.config)
+        module = getattr(trainer, "module", None)
+        self._model = checkpoint_meta.model_record(module, state.params) if module is not None else None
         steps = self.io.steps()
+        first = self.io.first_saved()
+        if not steps and first is not None and self.resume is not None:
+            aside = sorted(p.name for p in self.io.directory.iterdir() if "." in p.name and p.name.split(".")[0].isdigit())
+            raise NoUsableCheckpoint(
+                f"{self.io.directory} had checkpoints (the first at step {first}) but none is left "
+                f"(set aside: {', '.join(aside) or 'none'}); restore them, or start over in a fresh run directory "
+                "(ModelCheckpoint(resume=None) starts this one from step 0)")
         if not steps:
             return None
         if self.resume is None:
@@ -158,6 +163,7 @@ class ModelCheckpoint(Callback):
 
     def on_step_end(self, trainer, info: StepInfo) -> None:
         self._last_state = info.state
+        self.io.note_finished()
         if self._periodic.should_fire(info.step):
             self.save(trainer, info.state)
 
@@ -181,8 +187,15 @@ class ModelCheckpoint(Callback):
     def on_exception(self, trainer, exc: BaseException) -> None:
         if self.io is None:
             return
+        if self.io.failed is not None:  # a write already failed (disk full): nothing more to try
+            self.io.close()
+            return
         if self.save_on_exception and trainer.last_state is not None:
-            self.save(trainer, trainer.last_state)
+            if jax.process_count() == 1:
+                self.save(trainer, trainer.last_state)
+            else:  # a save is a collective, and an exception may have stopped this process alone
+                log.warning("not saving on %s: with %d processes the others may not reach this save",
+                            type(exc).__name__, jax.process_count())
         self.finish()
 
     # -- actions -----------------------------------------------------------------------------------
@@ -198,20 +211,12 @@ class ModelCheckpoint(Callback):
         needed = range(max(0, state.step - lag), state.step)  # weights the resumed producer will ask for
         held = trainer.weights.retained()
         retained = {k: held[k] for k in needed if k in held}
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "progress": state.progress(),
-            "producer": {"mode": trainer.mode, "lag_steps": lag, "next_step": state.step,
-                         "next_data_position": state.data_position},
-            "retained_weights": [[k, int(version)] for k, (_, version) in sorted(retained.items())],
-            "callbacks": trainer.callbacks.state_dict(),
-        }
-        frozen = _frozen_identity(trainer)
-        if frozen is not None:
-            meta["frozen"] = frozen
+        versions = [[k, int(version)] for k, (_, version) in sorted(retained.items())]
+        meta = checkpoint_meta.build(trainer, state, versions, self._run_config, self._model, _frozen_identity(trainer))
         arrays = {"params": self.params_to_save(state.params), "opt_state": state.opt_state, "rng": state.rng}
         saved = {str(k): self.params_to_save(params) for k, (params, _) in retained.items()}
         self.io.save(state.step, arrays, meta, saved or None)
+        self.saved_step = state.step
         self._periodic.fired(state.step)
         self._prune(in_flight=state.step)
         log.info("checkpoint of step %d started in %s", state.step, self.io.directory)
@@ -224,9 +229,11 @@ class ModelCheckpoint(Callback):
 
     def finish(self) -> None:
         """Waits for the last save, applies `keep`, and releases Orbax's threads."""
-        self.io.wait()
-        self._prune(in_flight=None)
-        self.io.close()
+        try:
+            self.io.wait()
+            self._prune(in_flight=None)
+        finally:
+            self.io.close()
 
     def state_dict(self) -> dict:
         return {}  # the best-step record lives in best.json: it may change after a step's save
@@ -240,17 +247,22 @@ class ModelCheckpoint(Callback):
         else:
             raise ValueError(f"ModelCheckpoint(resume={self.resume}): no such checkpoint in {self.io.directory}; "
                              f"available steps: {steps}")
-        # Before any array is read, so a LoRA/full mismatch is named rather than failing to restore.
-        try:
-            newest = self.io.read_meta(max(candidates))
-        except Exception:  # noqa: BLE001 - an unreadable step is restore_usable's to report and skip
-            newest = None
-        if newest is not None:
-            check_frozen_identity(newest.get("frozen"), _frozen_identity(trainer), self.io.directory)
         template = {"params": self.params_to_save(state.params), "opt_state": state.opt_state, "rng": state.rng}
-        step, arrays, meta, retained = self.io.restore_usable(candidates, template, template["params"])
-        self._check_producer(trainer, meta)
-        check_frozen_identity(meta.get("frozen"), _frozen_identity(trainer), self.io.directory)
+        accepted: list = []
+
+        def check_meta(step: int, meta: dict) -> None:  # before any array of the step is read
+            checkpoint_meta.check(step, meta)  # a bad field: this step is skipped
+            # A LoRA/full or other-base mismatch is named rather than failing to restore: refused.
+            check_frozen_identity(meta["frozen"], _frozen_identity(trainer), self.io.directory)
+            accepted[:] = config_guard.check(meta["config"], self._run_config, step=step, directory=self.io.directory,
+                                             allow=self.allow_config_change)  # a changed config: refused
+            self._check_producer(trainer, meta)
+
+        step, arrays, meta, retained = self.io.restore_usable(candidates, template, template["params"], check_meta)
+        if accepted and trainer.is_main_process:
+            path = config_guard.record_changes(trainer.run_dir, step, accepted)
+            log.warning("resuming from step %d with a changed config (allowed): %s (recorded in %s)", step,
+                        config_guard.describe(accepted), path)
         for later in [s for s in self.io.steps() if s > step]:  # the resumed run writes these steps anew
             moved = self.io.set_aside(later, "discarded")
             log.warning("resuming from step %d: later checkpoint %d moved to %s", step, later, moved)
@@ -264,7 +276,7 @@ class ModelCheckpoint(Callback):
             trainer.weights.publish(k, self.params_from_checkpoint(state.params, retained[k]), versions[k])
         if self._best is not None and self._best["step"] > step:
             self._best = None  # it belonged to the discarded future
-        self.restored_step = step
+        self.restored_step = self.saved_step = step
         log.info("resumed from step %d of %s (data position %d)", step, self.io.directory, restored.data_position)
         return restored
 

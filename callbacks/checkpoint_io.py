@@ -1,22 +1,33 @@
 """Orbax I/O behind ModelCheckpoint: one step = three named items, restored into abstract targets.
 
     <directory>/<step>/state             params, opt_state, rng   (arrays, Orbax StandardSave)
-    <directory>/<step>/meta              progress counters, producer counters, callback states (JSON)
+    <directory>/<step>/meta              progress counters, producer counters, callback states,
+                                         the run's config, the model's description, and the
+                                         integrity record of every array (JSON)
     <directory>/<step>/retained_weights  async mode only: {steps completed: params} the producer still needs
     <directory>/best.json                the best step by a metric (written by ModelCheckpoint)
+    <directory>/saved.json               written once the first checkpoint is on disk: a run that
+                                         had checkpoints never silently restarts from step 0
 
 Orbax writes each step into `<step>.orbax-checkpoint-tmp` and renames it when every item is on
 disk, so a process killed mid-save leaves the previous steps untouched and no half-written step
-under a step name. A step that is on disk but fails to restore (a truncated or deleted array
-file) is reported and skipped in favour of the one before it; the bad step is then renamed
-`<step>.corrupt` (Orbax ignores the name) so the resumed run can write that step again.
+under a step name. Reading a step checks, before it is used: the metadata (readable, every
+field of the right type, via `check_meta`), that the stored arrays are the ones this run builds
+(names, shapes, dtypes), the checksum of every array (`checkpoint_integrity`), and that the
+parameters are finite. A step that fails is reported with its reason and skipped in favour of
+the one before it; the bad step is then renamed `<step>.corrupt` (Orbax ignores the name) so
+the resumed run can write that step again. A reader (`read_only=True`: export, evaluation
+scripts) never deletes, renames or cleans anything: a training process may be writing.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,24 +35,48 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from rlbolt.callbacks import checkpoint_integrity as integrity
+from rlbolt.callbacks.checkpoint_integrity import CheckpointCorrupt
 from rlbolt.utils.files import write_text_atomic
 
 STATE, META, RETAINED = "state", "meta", "retained_weights"
+SAVED_FILE = "saved.json"
+PARAMS_PREFIX = "params/"
+
+
+class NoUsableCheckpoint(RuntimeError):
+    """No checkpoint step can be restored (each one's reason is in the one-line message)."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full, permissions, ...): one line saying what,
+    where, and (for a full disk) the free space against what the checkpoint needs."""
 
 
 class CheckpointIO:
     """A CheckpointManager over `directory` that saves and restores rlbolt's three items.
 
     Args:
-      directory: the checkpoint folder (created if missing).
+      directory: the checkpoint folder (created if missing, unless `read_only`).
       async_save: write arrays on a background thread (the device-to-host copy still happens
         before `save` returns, so later updates cannot change what is written).
+      read_only: open for reading only: nothing in the folder is created, cleaned, renamed or
+        deleted (what `rlbolt export` uses while a run may be training).
     """
 
-    def __init__(self, directory: str | os.PathLike, *, async_save: bool = True):
+    def __init__(self, directory: str | os.PathLike, *, async_save: bool = True, read_only: bool = False):
         self.directory = Path(directory).absolute()
-        options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=async_save,
-                                               cleanup_tmp_directories=True)
+        self.read_only = read_only
+        self.failed: CheckpointWriteError | None = None
+        self._pending: tuple[int, int] | None = None  # (step, bytes) of the save in flight
+        self._ledger_written = read_only
+        if read_only:
+            options = ocp.CheckpointManagerOptions(read_only=True, create=False, cleanup_tmp_directories=False,
+                                                   save_interval_steps=0)
+        else:
+            options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=async_save,
+                                                   cleanup_tmp_directories=True)
+        self.async_save = async_save and not read_only
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def steps(self) -> list[int]:
@@ -49,6 +84,15 @@ class CheckpointIO:
         self.manager.reload()
         return sorted(self.manager.all_steps())
 
+    def first_saved(self) -> int | None:
+        """The first step this directory ever finalized (from `saved.json`), or None."""
+        try:
+            value = json.loads((self.directory / SAVED_FILE).read_text()).get("first_saved_step")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return value if isinstance(value, int) else None
+
+    # -- writing ---------------------------------------------------------------------------------
     def save(self, step: int, arrays: dict[str, Any], meta: dict[str, Any],
              retained: dict[str, Any] | None = None) -> None:
         """Starts saving `step` (returns once the arrays are copied to host when async).
@@ -56,70 +100,91 @@ class CheckpointIO:
         Args:
           step: the step number (the directory name).
           arrays: {"params", "opt_state", "rng"} pytrees of arrays.
-          meta: JSON-serialisable dict.
+          meta: JSON-serialisable dict; the integrity record of the arrays is added to it.
           retained: {str(steps completed): params} or None.
+
+        Raises:
+          CheckpointWriteError: this save, or the previous asynchronous one, could not be written.
         """
+        if self.read_only:
+            raise RuntimeError(f"CheckpointIO({self.directory}, read_only=True) cannot save")
+        meta = {**meta, "integrity": {STATE: integrity.record(arrays), RETAINED: integrity.record(retained or {})}}
         _check_json(meta)
         items = {STATE: ocp.args.StandardSave(arrays), META: ocp.args.JsonSave(meta)}
         if retained:
             items[RETAINED] = ocp.args.StandardSave(retained)
-        # force: ModelCheckpoint decides when to save, not Orbax's save-interval policy.
-        self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        self.wait()  # a failure of the previous save is reported as that step's
+        self._pending = (step, _nbytes(arrays) + _nbytes(retained or {}))  # until a wait() sees it on disk
+        try:
+            # force: ModelCheckpoint decides when to save, not Orbax's save-interval policy.
+            self.manager.save(step, args=ocp.args.Composite(**items), force=True)
+        except Exception as exc:  # noqa: BLE001 - reported as one line; Orbax's traceback is in the log
+            raise self._write_error(exc) from exc
+        self.note_finished()
 
-    def read_meta(self, step: int) -> dict:
-        """The JSON meta item of one step (cheap: no array is read)."""
-        return self.manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+    def note_finished(self) -> None:
+        """Records, once, that this directory has had a finished checkpoint (`saved.json`), as
+        soon as the save in flight is on disk. Cheap: ModelCheckpoint calls it after every step."""
+        pending = self._pending
+        if self._ledger_written or pending is None or not (self.directory / str(pending[0])).is_dir():
+            return
+        if jax.process_index() == 0 and self.first_saved() is None:
+            write_text_atomic(self.directory / SAVED_FILE, json.dumps({"first_saved_step": pending[0]}))
+        self._ledger_written = True
 
-    def restore(self, step: int, abstract_arrays: Any, abstract_params: Any) -> tuple[dict, dict, dict]:
-        """Restores one step into the structure, dtypes and shardings of the abstract targets.
-
-        Args:
-          step: the step to read.
-          abstract_arrays: {"params", "opt_state", "rng"} of arrays or ShapeDtypeStructs.
-          abstract_params: the params structure, the target of every retained weight.
-
-        Returns:
-          (arrays, meta, retained) with retained = {steps completed: params}.
-        """
-        meta = self.read_meta(step)
-        keys = [int(k) for k, _ in meta.get("retained_weights", [])]
-        items = {STATE: ocp.args.StandardRestore(abstract(abstract_arrays))}
-        if keys:
-            target = abstract(abstract_params)
-            items[RETAINED] = ocp.args.StandardRestore({str(k): target for k in keys})
-        out = self.manager.restore(step, args=ocp.args.Composite(**items))
-        retained = {k: out[RETAINED][str(k)] for k in keys} if keys else {}
-        return dict(out[STATE]), meta, retained
-
-    def restore_usable(self, steps: list[int], abstract_arrays: Any, abstract_params: Any):
-        """Restores the newest of `steps` that reads back; warns about (and sets aside) newer bad ones.
-
-        Returns:
-          (step, arrays, meta, retained).
+    def wait(self) -> None:
+        """Blocks until an in-flight asynchronous save is on disk.
 
         Raises:
-          RuntimeError: no step restores (nothing is renamed then: the cause may be a changed
-            model rather than corruption).
+          CheckpointWriteError: it could not be written (reported once).
         """
-        failures: list[tuple[int, BaseException]] = []
-        for step in sorted(steps, reverse=True):
+        if self.failed is not None or self.read_only:
+            return
+        try:
+            self.manager.wait_until_finished()
+        except Exception as exc:  # noqa: BLE001
+            raise self._write_error(exc) from exc
+        self.note_finished()
+        self._pending = None
+
+    def _write_error(self, exc: BaseException) -> CheckpointWriteError:
+        step, need = self._pending or (None, 0)
+        self._pending = None
+        what = f"the checkpoint of step {step}" if step is not None else "a checkpoint"
+        try:
+            free = shutil.disk_usage(self.directory).free
+        except OSError:
+            free = None
+        if _is_disk_full(exc):
+            space = f"free {_size(free)}, this checkpoint needs about {_size(need)}" if free is not None else ""
+            reason = f"no space left on device ({space})"
+        else:
+            reason = f"{type(exc).__name__}: {_first_line(exc, directory=self.directory)}"
+        kept = sorted(self.manager.all_steps()) if self.manager is not None else []
+        self.failed = CheckpointWriteError(
+            f"could not write {what} to {self.directory}: {reason}; nothing half-written is used as a checkpoint "
+            f"(finished checkpoints: {kept or 'none'}); free space or fix the folder, then resume")
+        return self.failed
+
+    def delete(self, step: int) -> None:
+        if not self.read_only:
+            self.manager.delete(step)
+
+    def close(self) -> None:
+        """Waits for the last save and releases Orbax's threads (quietly after a write failure)."""
+        try:
+            self.wait()
+        finally:
             try:
-                arrays, meta, retained = self.restore(step, abstract_arrays, abstract_params)
-            except Exception as exc:  # noqa: BLE001 - any read error makes the step unusable
-                failures.append((step, exc))
-                continue
-            for bad, exc in failures:
-                moved = self.set_aside(bad, "corrupt")
-                warnings.warn(f"checkpoint step {bad} in {self.directory} is unusable "
-                              f"({type(exc).__name__}: {exc}); resuming from step {step} instead "
-                              f"(the bad step was moved to {moved.name})", RuntimeWarning, stacklevel=2)
-            return step, arrays, meta, retained
-        details = "; ".join(f"step {s}: {type(e).__name__}: {e}" for s, e in failures)
-        raise RuntimeError(f"no checkpoint in {self.directory} restores ({details}). If the model or optimizer "
-                           "changed since they were written, use a fresh directory or resume=None") from failures[0][1]
+                self.manager.close()
+            except Exception:  # noqa: BLE001 - only after a failed save, already reported once
+                if self.failed is None:
+                    raise
 
     def set_aside(self, step: int, reason: str) -> Path:
         """Renames step `step` to `<step>.<reason>[.n]` (a name Orbax does not read as a step)."""
+        if self.read_only:
+            raise RuntimeError(f"CheckpointIO({self.directory}, read_only=True) does not rename steps")
         self.wait()
         source = self.directory / str(step)
         target = self.directory / f"{step}.{reason}"
@@ -128,18 +193,125 @@ class CheckpointIO:
             target, n = self.directory / f"{step}.{reason}.{n}", n + 1
         if jax.process_index() == 0:
             source.rename(target)
+        if jax.process_count() > 1:  # nobody re-reads the folder before process 0 renamed it
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"rlbolt set_aside {step} {reason}")
         self.manager.reload()
         return target
 
-    def delete(self, step: int) -> None:
-        self.manager.delete(step)
+    # -- reading ---------------------------------------------------------------------------------
+    def read_meta(self, step: int) -> dict:
+        """The step's metadata, with its integrity record checked for form.
 
-    def wait(self) -> None:
-        """Blocks until an in-flight asynchronous save is on disk."""
-        self.manager.wait_until_finished()
+        Raises:
+          CheckpointCorrupt: unreadable, not a mapping, or a malformed integrity record.
+        """
+        try:
+            meta = self.manager.restore(step, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
+        except Exception as exc:  # noqa: BLE001 - any read error makes the step unusable
+            raise CheckpointCorrupt(f"its metadata cannot be read ({type(exc).__name__}: "
+                                   f"{_first_line(exc, directory=self.directory)})") from exc
+        if not isinstance(meta, dict):
+            raise CheckpointCorrupt(f"its metadata is {type(meta).__name__}, not a mapping")
+        record = meta.get("integrity")
+        if not isinstance(record, dict):
+            raise CheckpointCorrupt("its metadata has no integrity record (meta.integrity)")
+        for item in (STATE, RETAINED):
+            integrity.check_record(record.get(item), f"meta.integrity.{item}")
+        return meta
 
-    def close(self) -> None:
-        self.manager.close()
+    def restore(self, step: int, abstract_arrays: Any, abstract_params: Any,
+                check_meta: Callable[[int, dict], None] | None = None) -> tuple[dict, dict, dict]:
+        """Restores one step into the structure, dtypes and shardings of the abstract targets.
+
+        Args:
+          step: the step to read.
+          abstract_arrays: {"params", "opt_state", "rng"} of arrays or ShapeDtypeStructs.
+          abstract_params: the params structure, the target of every retained weight.
+          check_meta: called with (step, meta) before any array is read; raises
+            CheckpointCorrupt for a damaged field (the step is skipped), anything else to refuse.
+
+        Returns:
+          (arrays, meta, retained) with retained = {steps completed: params}.
+
+        Raises:
+          CheckpointCorrupt: the step is damaged or does not match the targets (the message says which).
+        """
+        meta = self.read_meta(step)
+        if check_meta is not None:
+            check_meta(step, meta)
+        record = meta["integrity"]
+        keys = [int(k) for k, _ in meta.get("retained_weights", [])]
+        integrity.check_layout(record[STATE], abstract_arrays)
+        items = {STATE: ocp.args.StandardRestore(abstract(abstract_arrays))}
+        if keys:
+            target = {str(k): abstract(abstract_params) for k in keys}
+            integrity.check_layout(record[RETAINED], target)
+            items[RETAINED] = ocp.args.StandardRestore(target)
+        out = self._restore_items(step, items)
+        integrity.verify(out[STATE], record[STATE], finite=(PARAMS_PREFIX,))
+        if keys:
+            integrity.verify(out[RETAINED], record[RETAINED], finite=("",))
+        retained = {k: out[RETAINED][str(k)] for k in keys} if keys else {}
+        return dict(out[STATE]), meta, retained
+
+    def restore_params(self, step: int) -> tuple[Any, dict]:
+        """Restores a step's parameters as saved (nested dicts), without a target to restore into
+        (what export uses: it needs no module); checksums and finiteness are verified.
+
+        Returns:
+          (params, meta).
+        """
+        meta = self.read_meta(step)
+        out = self._restore_items(step, {STATE: ocp.args.StandardRestore()})
+        integrity.verify(out[STATE], meta["integrity"][STATE], finite=(PARAMS_PREFIX,))
+        return out[STATE]["params"], meta
+
+    def _restore_items(self, step: int, items: dict) -> dict:
+        try:
+            return self.manager.restore(step, args=ocp.args.Composite(**items))
+        except Exception as exc:  # noqa: BLE001 - any read error makes the step unusable
+            raise CheckpointCorrupt(f"its arrays cannot be read ({type(exc).__name__}: "
+                                   f"{_first_line(exc, directory=self.directory)})") from exc
+
+    def restore_usable(self, steps: list[int], abstract_arrays: Any = None, abstract_params: Any = None,
+                       check_meta: Callable[[int, dict], None] | None = None):
+        """Restores the newest of `steps` that passes every check; warns about (and, unless
+        read-only, sets aside) newer bad ones. With `abstract_arrays=None` only the parameters
+        are restored (`restore_params`) and the result is (step, params, meta, {}).
+
+        Returns:
+          (step, arrays, meta, retained).
+
+        Raises:
+          NoUsableCheckpoint: no step passes; the one-line message lists each step's reason
+            (nothing is renamed then: the cause may be a changed model rather than corruption).
+        """
+        failures: list[tuple[int, CheckpointCorrupt]] = []
+        for step in sorted(steps, reverse=True):
+            try:
+                if abstract_arrays is None:
+                    params, meta = self.restore_params(step)
+                    arrays, retained = params, {}
+                else:
+                    arrays, meta, retained = self.restore(step, abstract_arrays, abstract_params, check_meta)
+            except CheckpointCorrupt as exc:
+                failures.append((step, exc))
+                continue
+            for bad, exc in failures:
+                if self.read_only and not (self.directory / str(bad)).exists():
+                    continue  # pruned by the training process while it was read: not damage
+                if self.read_only:
+                    where = "left in place: this process only reads"
+                else:
+                    where = f"moved to {self.set_aside(bad, 'corrupt').name}"
+                warnings.warn(f"checkpoint step {bad} in {self.directory} is unusable: {exc}; using step {step} "
+                              f"instead ({where})", RuntimeWarning, stacklevel=2)
+            return step, arrays, meta, retained
+        details = "; ".join(f"step {s}: {e}" for s, e in failures)
+        raise NoUsableCheckpoint(f"no usable checkpoint in {self.directory} ({details}); restore them from a copy, "
+                                 "or start over in a fresh run directory")
 
 
 def abstract(tree: Any) -> Any:
@@ -167,6 +339,38 @@ def read_json(path: Path) -> dict | None:
 def write_json_atomic(path: Path, value: dict) -> None:
     """Writes JSON via a temporary file and a rename, so a kill never leaves a half-written file."""
     write_text_atomic(path, json.dumps(value))
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    """ENOSPC anywhere in the chain; TensorStore reports it as text (os_error_code='28')."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = str(exc)
+        if (isinstance(exc, OSError) and exc.errno == errno.ENOSPC) or "No space left on device" in text \
+                or f"os_error_code='{errno.ENOSPC}'" in text:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _first_line(exc: BaseException, limit: int = 160, directory: Path | None = None) -> str:
+    text = " ".join(str(exc).strip().splitlines()[:1]) or type(exc).__name__
+    if directory is not None:  # the message already names the folder
+        text = text.replace(f"{directory}/", "").replace(str(directory), ".")
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _check_json(meta: dict[str, Any]) -> None:

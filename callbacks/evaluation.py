@@ -66,7 +66,7 @@ class Evaluation(Callback):
 
     def on_fit_end(self, trainer, state) -> None:
         # Reached only when a callback after this one stopped the run (should_stop).
-        if self.at_end and self._last_step != state.step and state.step > 0:
+        if self.at_end and self._last_step != state.step and state.step > 0 and not getattr(trainer, "interrupted", False):
             self.evaluate(trainer, state.params, state.step)
 
     def evaluate(self, trainer, params: Any, step: int) -> dict[str, float]:
@@ -91,7 +91,10 @@ class Evaluation(Callback):
 
 def _is_last_step(trainer, info: StepInfo) -> bool:
     """Whether fit ends after this step: max_steps reached, prompts for max_epochs used up (the
-    producer's own rule), or an earlier callback asked to stop."""
+    producer's own rule), or an earlier callback asked to stop. A signal is not an end of run:
+    an interrupted fit skips the end-of-run evaluation."""
+    if getattr(trainer, "stop_signal", None) is not None:
+        return False
     if getattr(trainer, "should_stop", False):
         return True
     max_steps = getattr(trainer, "max_steps", None)

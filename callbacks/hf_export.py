@@ -66,13 +66,15 @@ class HFExport(Callback):
             self.export(trainer, info.state.params, self.directory / f"step_{info.step}", info.step)
 
     def on_fit_end(self, trainer, state: TrainState) -> None:
-        if self.at_end:
+        if getattr(trainer, "interrupted", False):
+            log.info("HFExport: fit was interrupted at step %d; no final export (the checkpoint holds the step)", state.step)
+        elif self.at_end:
             self.export(trainer, state.params, self.directory / "final", state.step)
 
     def export(self, trainer, params: Any, folder: Path, step: int) -> Path | None:
-        """Writes `params` (the trainable pytree) as a HF folder at `folder` (process 0 only)."""
-        if not trainer.is_main_process:
-            return None
+        """Writes `params` (the trainable pytree) as a HF folder at `folder` (process 0 only; every
+        process calls it, since params sharded over several processes are gathered first)."""
+        from rlbolt.distributed import gather_to_host
         from rlbolt.models.hf_io import save_hf
 
         module = trainer.module
@@ -80,6 +82,9 @@ class HFExport(Callback):
             model = module.hf_model(params)
         else:
             model = with_params(module.model, module.policy_params(params) if hasattr(module, "policy_params") else params)
+        model = with_params(model, gather_to_host(nnx.state(model, nnx.Param)))  # whole, on every process
+        if not trainer.is_main_process:
+            return None
         save_hf(model, model.config, folder, max_shard_bytes=self.max_shard_bytes,
                 tokenizer_folder=self._tokenizer_folder(module))
         self.exported.append((step, folder))

@@ -56,6 +56,11 @@ class MetricsLogger(Callback):
         self.wandb_project = wandb_project
         self.writer: Any = None
 
+    @property
+    def writes_run_dir(self) -> bool:
+        """True when a named file writer (jsonl, tensorboard, wandb) writes under the run directory."""
+        return isinstance(self._spec, (list, tuple)) and any(isinstance(i, str) and i != "console" for i in self._spec)
+
     # -- hooks ------------------------------------------------------------------------------------
     def on_fit_start(self, trainer, state) -> None:
         if not trainer.is_main_process:

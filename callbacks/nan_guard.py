@@ -26,6 +26,8 @@ import optax
 
 from rlbolt.callback import Callback
 from rlbolt.callbacks.checkpoint import ModelCheckpoint
+from rlbolt.distributed.agree import any_process
+from rlbolt.distributed.sharding import host_value
 from rlbolt.state import StepInfo
 
 log = logging.getLogger(__name__)
@@ -73,8 +75,8 @@ class NaNGuard(Callback):
             self._count_skips(info)
             return
         bad = {k: info.metrics[k] for k in self.metrics if k in info.metrics and not math.isfinite(info.metrics[k])}
-        if bad:
-            self._stop(trainer, info.step, bad)
+        if any_process(bool(bad)):  # every process saves and stops together (the save is a collective)
+            self._stop(trainer, info.step, bad or {"loss on another process": float("nan")})
 
     def state_dict(self) -> dict:
         return {"skipped_updates": self.skipped_updates, "consecutive": self._consecutive}
@@ -106,14 +108,14 @@ class NaNGuard(Callback):
         state = _find_apply_if_finite(info.state.opt_state)
         if state is None:
             return
-        total = int(jax.device_get(state.total_notfinite))
+        total = int(host_value(state.total_notfinite))
         skipped_now = total - self.skipped_updates
         self.skipped_updates = total
         info.metrics["nan_guard/skipped_updates"] = float(skipped_now)
         if skipped_now:
             self._consecutive += 1
             log.warning("step %d: skipped %d update(s) with non-finite gradients (%d in total)", info.step, skipped_now, total)
-            if self._consecutive >= self.max_consecutive_skips:
+            if self._consecutive >= self.max_consecutive_skips:  # from replicated counts: equal on every process
                 raise NonFiniteError(f"step {info.step}: {self._consecutive} consecutive steps skipped non-finite updates "
                                      f"(NaNGuard(max_consecutive_skips={self.max_consecutive_skips})); stopping")
         else:

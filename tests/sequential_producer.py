@@ -18,7 +18,8 @@ import rlbolt.trainer
 from rlbolt.batch import Batch, check_stage
 from rlbolt.callback import Callback
 from rlbolt.module import collect_logs
-from rlbolt.producer import ProducedStep, batch_metrics, sample_keys
+from rlbolt.producer import ProducedStep, sample_keys
+from rlbolt.step_metrics import batch_metrics
 
 TIMING_PREFIXES = ("time/", "throughput/")
 

@@ -81,3 +81,23 @@ def test_reward_executors_benchmark_quick_mode():
     assert "us/sample" in out and result["system"] == "rlbolt-reward-executors" and result["samples_per_call"] == 32
     for executor in ("thread", "process"):
         assert result[f"{executor}_us_per_sample"] > 0 and result[f"{executor}_first_call_s"] > 0
+
+
+def test_checkpoint_integrity_benchmark_quick_mode():
+    out, result = _last_json("checkpoint_integrity.py")
+    assert "checksum share of a save" in out and result["system"] == "rlbolt-checkpoint-integrity"
+    assert result["checkpoint_mb"] == 3 * result["param_mb"]  # params + Adam's two moments (+ tiny count, rng)
+    for key in ("checksum_s", "sum64_s", "save_total_s", "restore_s"):
+        assert result[key] > 0
+
+
+@pytest.mark.slow
+def test_mesh_benchmark_quick_mode():
+    """Two fresh processes (1 and 2 CPU devices): slow, so outside the default tier."""
+    out, result = _last_json("mesh_step.py")
+    assert "overhead, not speedup" in out and result["system"] == "rlbolt-mesh"
+    runs = result["runs"]
+    assert [r["devices"] for r in runs] == [1, 2]
+    assert [r["mesh"]["fsdp"] for r in runs] == [1, 2]
+    assert result["same_rewards"]  # the mesh changes no sample
+    assert runs[1]["memory_plan_bytes"]["params"] * 2 == runs[0]["memory_plan_bytes"]["params"]

@@ -189,4 +189,10 @@ def test_callbacks_section_builds_the_configured_callbacks(tmp_path):
                      cb.MetricsLogger, cb.TimelineLogger, cb.EarlyStopping]
     plain = load_config(None, ["callbacks.nan_guard=false", "callbacks.lr_monitor=false", "callbacks.throughput=false",
                                "callbacks.metrics=[]", "callbacks.progress=false", "callbacks.timeline=false"])
-    assert build_callbacks(plain, tmp_path) == []
+    kept = build_callbacks(plain, tmp_path)  # `rlbolt fit` checkpoints by default: only the last step
+    assert [type(c) for c in kept] == [cb.ModelCheckpoint] and kept[0].every_n_steps is None
+    assert kept[0].config == config_to_dict(plain)  # the config a resume is compared with
+    assert build_callbacks(load_config(None, ["callbacks.checkpoint=false", "callbacks.nan_guard=false",
+                                              "callbacks.lr_monitor=false", "callbacks.throughput=false",
+                                              "callbacks.metrics=[]", "callbacks.progress=false",
+                                              "callbacks.timeline=false"]), tmp_path) == []

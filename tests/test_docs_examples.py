@@ -37,7 +37,7 @@ def test_every_rlbolt_name_in_the_docs_exists():
     bad = []
     for path in PROSE:
         text = path.read_text(encoding="utf-8")
-        dotted = set(re.findall(r"(?<![\w/])rlbolt(?:\.[A-Za-z_]\w*)+", text))
+        dotted = set(re.findall(r"(?<![\w/.])rlbolt(?:\.[A-Za-z_]\w*)+", text))
         for module, names in re.findall(r"^\s*from (rlbolt[\w.]*) import ([\w, ]+)$", text, re.M):
             dotted |= {f"{module}.{name.strip()}" for name in names.split(",") if name.strip()}
         bad += [f"{path.relative_to(ROOT)}: {name}" for name in sorted(dotted) if not _resolves(name)]

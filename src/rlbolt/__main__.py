@@ -1,7 +1,5 @@
 """`python -m rlbolt ...` is the `rlbolt` command."""
 
-import sys
+from rlbolt.app.cli import run
 
-from rlbolt.app.cli import main
-
-sys.exit(main())
+run()

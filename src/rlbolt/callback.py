@@ -36,9 +36,12 @@ class Callback:
         LearningRateMonitor, Throughput -20), writers and most others at 0, ModelCheckpoint at 10
         (after a step's metrics are on disk), Evaluation at 20 (after the checkpoint recorded the
         step it may keep as best).
+      writes_run_dir: True for a callback that writes into `trainer.run_dir`; `Trainer.fit`
+        then locks the directory for the fit (one writer per run directory).
     """
 
     order: int = 0
+    writes_run_dir: bool = False
 
     def wrap_optimizer(self, trainer, tx):
         """Once, before the state is built: may wrap the module's optax transformation (e.g.
@@ -160,6 +163,8 @@ class Periodic:
       every_secs: fire when at least this many seconds passed since the last firing.
       clock: a zero-argument function returning seconds (injectable for tests).
     Either condition fires; with neither set, `should_fire` is always False (use `force`).
+    Clocks differ between processes, so with `every_secs` the processes agree (it fires on all
+    when it fires on one): a periodic action may then be a collective such as a checkpoint.
     """
 
     def __init__(self, every_n_steps: int | None = None, every_secs: float | None = None,
@@ -175,6 +180,10 @@ class Periodic:
     def should_fire(self, step: int) -> bool:
         by_steps = self.every_n_steps is not None and step % self.every_n_steps == 0
         by_time = self.every_secs is not None and self.clock() - self._last_time >= self.every_secs
+        if self.every_secs is not None:
+            from rlbolt.distributed.agree import any_process  # lazy: callbacks stay importable without JAX
+
+            by_time = any_process(by_time)
         if (by_steps or by_time) and step != self._last_step:
             self.fired(step)
             return True

@@ -48,3 +48,21 @@ def check_fit(plan: BatchPlan, module: Any, train_data: Any, val_data: Sequence 
         raise ValueError(f"val_every_n_steps={val_every_n_steps} but fit got no val_data, so nothing would be "
                          "validated; pass val_data=... or drop val_every_n_steps")
     return plan
+
+
+def lag_steps(mode: str, max_staleness: int | None, plan: BatchPlan) -> int:
+    """How many steps the producer may run ahead of training: 0 in sync mode; in async mode
+    `(max_staleness + 1) // updates_per_step - 1`, which must be at least 1."""
+    if mode == "sync":
+        if max_staleness is not None:
+            raise ValueError("max_staleness is only used with mode='async'; drop it or set mode='async'")
+        return 0
+    ups = plan.updates_per_step
+    if max_staleness is None or (max_staleness + 1) // ups - 1 < 1:
+        raise ValueError(
+            f"mode='async' with max_staleness={max_staleness}: with {ups} update(s) per step the producer can run "
+            f"k steps ahead only if max_staleness >= (k + 1) * {ups} - 1; use max_staleness >= {2 * ups - 1} "
+            "(one step ahead) or mode='sync'"
+        )
+    return (max_staleness + 1) // ups - 1
+

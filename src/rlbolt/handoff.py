@@ -5,6 +5,10 @@ sample (only `on_advantage` may drop samples, keeping their order, and its batch
 `dock_index` so the producer knows which survived) and must not change a column an earlier
 stage wrote: the ExperienceDock refuses double writes, and a silent rewrite would be lost.
 Each check fails with one line naming the hook, the column and the fix.
+
+With several processes each dock holds its process's share of every round; `gather_round`
+makes the whole round (every share, in share order) for on_advantage, and `step_rows` the
+whole step's kept rows for training.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from rlbolt.batch import Batch
+from rlbolt.distributed.agree import gather_shares
 
 INDEX_COLUMN = "dock_index"  # on_advantage's batch carries it, so the kept samples are known
 _HOOKS = {"rollout": "on_rollout", "logps": "compute_logps", "reward": "on_reward", "advantage": "on_advantage"}
@@ -73,3 +78,16 @@ def _same_item(x: Any, y: Any) -> bool:
         return bool(x == y)
     except ValueError:  # arrays inside an object column
         return bool(np.array_equal(np.asarray(x), np.asarray(y)))
+
+
+def gather_round(local: Batch, share: Any) -> Batch:
+    """Every data share's rows of a round, in share order, on every process (a collective)."""
+    return Batch.concat([Batch(cols) for cols in gather_shares(dict(local), share.rank, share.size)])
+
+
+def step_rows(gathered: list[tuple[np.ndarray, Batch]], writes: list[tuple[dict[str, Any], np.ndarray]]) -> Batch:
+    """The step's training rows: per round, the kept rows (positions in the gathered round) of
+    the gathered batch with the columns on_advantage added."""
+    parts = [batch.select(kept).with_columns(columns) for (_, batch), (columns, kept) in zip(gathered, writes)
+             if len(kept)]
+    return Batch.concat(parts)

@@ -85,6 +85,16 @@ class RLModule:
         """The optimizer (schedules live inside it). Default: AdamW, lr 1e-6, grad-norm clip 1.0."""
         return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-6))
 
+    def memory_plan(self, sharding) -> dict[str, int]:
+        """Per-device bytes of what this module keeps on the devices besides the trainable params
+        and optimizer state (a frozen reference model, a KV cache), for the Trainer's memory
+        plan, computed before anything compiles. Default: nothing.
+
+        Args:
+          sharding: the trainer's `rlbolt.distributed.ShardingPlan`.
+        """
+        return {}
+
     # -- producer-side hooks (host; may call jitted functions) --------------------------------
     def on_rollout(self, params: Any, batch: Batch) -> Batch:
         """Prompts -> completions. `batch` holds the prompt rows (one row per sample, each prompt

@@ -36,6 +36,7 @@ class StageThreads:
         self._threads: list[threading.Thread] = []
         self._failure: tuple[str, BaseException] | None = None
         self._lock = threading.Lock()
+        self.stopped = False  # stop() was called (a second call from a context exit is not needed)
 
     def start(self, name: str, loop: Callable[[threading.Event], None]) -> None:
         """Starts `loop(stop_event)` on a new thread; the loop returns when its work is done."""
@@ -70,15 +71,32 @@ class StageThreads:
                 exc.add_note(note)
             raise exc
 
-    def stop(self, join_timeout_s: float = 10.0) -> None:
-        """Asks every stage to stop, wakes them, and joins the threads."""
+    def request_stop(self) -> None:
+        """Asks every stage to stop and wakes them, without waiting (a stage inside a hook, e.g.
+        a rollout, stops at its next wait)."""
+        self._signal_stop()
+
+    def stop(self, join_timeout_s: float = 10.0, *, strict: bool = True) -> bool:
+        """Asks every stage to stop, wakes them, and joins the threads.
+
+        Args:
+          join_timeout_s: how long to wait for the threads (a stage stops at its next wait,
+            after the hook call it is in).
+          strict: raise RuntimeError when a thread is still alive after the wait; with False,
+            return False instead (the daemon threads end with the process or at their next wait).
+
+        Returns:
+          True when every thread has ended.
+        """
+        self.stopped = True
         self._signal_stop()
         deadline = time.monotonic() + join_timeout_s
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         alive = [t.name for t in self._threads if t.is_alive()]
-        if alive:
+        if alive and strict:
             raise RuntimeError(f"producer thread(s) {alive} did not stop within {join_timeout_s} s")
+        return not alive
 
     @property
     def alive(self) -> bool:

@@ -1,14 +1,17 @@
 """The producer: stage threads around an ExperienceDock, each pulling at its own dispatch size.
 
-    feeder     per step: the weights for the step, the prompts repeated G times (a a b b) with
-               group_ids, policy_version, prompt_index, sample_keys -> dock.add(key=step);
+    feeder     per step: the weights for the step, this process's share of the prompts (all
+               of them on one process) repeated G times (a a b b) with group_ids,
+               policy_version, prompt_index, sample_keys -> dock.add(key=step);
                refill rounds (DAPO) join the same step
     rollout    dock.get("rollout",   n=rollout_micro_batch_size) -> on_rollout    -> dock.put
     logps      dock.get("logps",     n=logps_micro_batch_size)   -> compute_logps -> dock.put
     reward     dock.get("reward",    n=reward_micro_batch_size)  -> on_reward     -> dock.put
-               (only for a module that overrides on_reward)
-    advantage  dock.get("advantage", the whole round, whole groups) -> on_advantage; when the
-               step is full: put rewards/advantages of the kept samples, discard the rest;
+               (only for a module that overrides on_reward, on one data share)
+    advantage  dock.get("advantage", the whole round, whole groups) -> [several processes:
+               gather the shares, so every process holds the whole round] -> on_advantage;
+               when the step is full: put rewards/advantages of the kept samples, discard the
+               rest (several processes: add the kept rows of the whole step for "train" only);
                else ask the feeder for a refill round
     train      the consumer (the Trainer's thread): dock.get("train", n=global batch) -> ProducedStep
 
@@ -19,6 +22,14 @@ while the second is generated, and the lcm of the micro sizes (the plan's servic
 simply where the stages' dispatches line up again. Every sample's result depends only on its
 own key, its step's weights and the dispatch it was in, which are those of the sequential
 producer, so the results are the same bit for bit (tests/core/test_producer_equivalence.py).
+
+Several processes (`share`): each rolls out its share of every round at 1/size of each micro
+size, and the advantage stage gathers the shares, one collective per round, in round order on
+every process. A jitted call on a mesh that spans processes is a collective too, and every
+process must issue them in one order, so with several processes the logps stage takes a whole
+round once it is rolled out (then runs it in logps micro batches): rollout and logps take turns
+instead of overlapping, the order is that of the sequential producer, and the reward stage
+folds into on_advantage (`score_shared` scores each share's rows and agrees on a failure).
 """
 
 from __future__ import annotations
@@ -35,11 +46,13 @@ import numpy as np
 
 from rlbolt.batch import STAGE_SCHEMAS, Batch, check_stage
 from rlbolt.data.source import PromptSource
+from rlbolt.distributed.sharding import DataShare
 from rlbolt.dock import DockClosed, ExperienceDock
-from rlbolt.handoff import INDEX_COLUMN, added_columns, kept_samples, with_rewards
+from rlbolt.handoff import INDEX_COLUMN, added_columns, gather_round, kept_samples, step_rows, with_rewards
 from rlbolt.module import RLModule, collect_log_values, mean_logs
 from rlbolt.plan import BatchPlan
 from rlbolt.prefetch import _POLL_S, ProducerStopped, StageThreads
+from rlbolt.step_metrics import batch_metrics
 from rlbolt.timeline import Timeline
 from rlbolt.utils.xla_flags import release_freed_host_memory
 from rlbolt.weights import WeightStore
@@ -91,6 +104,7 @@ class _Step:
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # stage -> seconds in its hook
     logs: dict[str, dict[str, list[float]]] = dataclasses.field(default_factory=dict)
     rounds: list[tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]] = dataclasses.field(default_factory=list)
+    gathered: list[tuple[np.ndarray, Batch]] = dataclasses.field(default_factory=list)  # shares: (dock idx, round)
     decisions: queue.Queue = dataclasses.field(default_factory=queue.Queue)  # advantage -> feeder
 
     def note(self, stage: str, seconds: float, logged: dict[str, list[float]]) -> None:
@@ -118,14 +132,18 @@ class Producer:
       max_steps: steps to produce (None: until the prompts run out).
       max_prompts: prompt counter limit (max_epochs x prompts), or None.
       timeline: where stage events go (None: a private one).
+      share: this process's `DataShare` of every step's prompts (None: one process, all of
+        them). Sample keys come from the global sample index, so a sample does not depend on
+        which process made it; every process trains on the same whole global batch.
     """
 
     def __init__(self, module: RLModule, plan: BatchPlan, source: PromptSource, weights: WeightStore,
                  base_rng: jax.Array, *, max_steps: int | None, max_prompts: int | None,
-                 timeline: Timeline | None = None):
+                 timeline: Timeline | None = None, share: DataShare | None = None):
         self.module, self.plan, self.source, self.weights = module, plan, source, weights
         self.base_rng, self.max_steps, self.max_prompts = base_rng, max_steps, max_prompts
         self.timeline = timeline if timeline is not None else Timeline()
+        self.share = share or DataShare()
 
     def start(self, start_step: int, start_position: int, *, timeout_s: float | None = None,
               should_stop: Callable[[], bool] | None = None) -> "_Run":
@@ -148,7 +166,9 @@ class _Run:
                  should_stop: Callable[[], bool]):
         self.p, self.start_step, self.start_position, self.timeout_s = producer, start_step, start_position, timeout_s
         self.should_stop = should_stop
-        self.rewards = type(producer.module).on_reward is not RLModule.on_reward  # a reward stage
+        self.parts = producer.share.size  # data shares: each stage's dispatch is 1/parts of the plan's
+        self.serial = jax.process_count() > 1  # device stages take turns (collectives in one order)
+        self.rewards = type(producer.module).on_reward is not RLModule.on_reward and self.parts == 1  # a reward stage
         stages = dict(STAGE_INPUTS)
         if self.rewards:
             stages["advantage"] += ("rewards",)
@@ -158,21 +178,36 @@ class _Run:
         self.steps: dict[int, _Step] = {}
         self.threads = StageThreads(self.dock.close, quiet=(DockClosed,))
 
-    def __enter__(self) -> Iterator[ProducedStep]:
-        plan, module = self.p.plan, self.p.module
+    def __enter__(self) -> "_Run":
+        plan, module, parts = self.p.plan, self.p.module, self.parts
         self.threads.start("feeder", self._feed)
         self.threads.start("rollout", lambda stop: self._stage(
-            "rollout", plan.rollout_micro_batch_size, lambda s, b: check_stage(module.on_rollout(s.params, b), "rollout")))
+            "rollout", plan.rollout_micro_batch_size // parts,
+            lambda s, b: check_stage(module.on_rollout(s.params, b), "rollout")))
         self.threads.start("logps", lambda stop: self._stage(
-            "logps", plan.logps_micro_batch_size, lambda s, b: check_stage(module.compute_logps(s.params, b), "logps")))
+            "logps", plan.logps_micro_batch_size // parts,
+            lambda s, b: check_stage(module.compute_logps(s.params, b), "logps"), whole_round=self.serial))
         if self.rewards:
             self.threads.start("reward", lambda stop: self._stage(
                 "reward", plan.reward_micro_batch_size, lambda s, b: with_rewards(module.on_reward(b))))
         self.threads.start("advantage", self._advantage)
-        return self._consume()
+        self._steps = self._consume()
+        return self
+
+    def __iter__(self) -> Iterator[ProducedStep]:
+        return self._steps
 
     def __exit__(self, *exc_info) -> None:
-        self.threads.stop()
+        if not self.threads.stopped:
+            self.threads.stop()
+
+    def request_stop(self) -> None:
+        """Asks every stage to stop and wakes them; returns at once (see `stop` to join)."""
+        self.threads.request_stop()
+
+    def stop(self, join_timeout_s: float = 10.0, *, strict: bool = True) -> bool:
+        """Stops and joins the stage threads (`StageThreads.stop`); True when all have ended."""
+        return self.threads.stop(join_timeout_s, strict=strict)
 
     # -- the stages ------------------------------------------------------------------------------
     def _feed(self, stop: threading.Event) -> None:
@@ -185,13 +220,14 @@ class _Run:
             if step == self.start_step + 1:  # in sync mode the first step's compilations are over
                 release_freed_host_memory()
             record = self.steps[step] = _Step(params, version)
-            prompts, round_index = plan.prompts_per_step, 0
+            prompts, round_index, parts = plan.prompts_per_step, 0, self.parts
             while True:
+                prompts = -(-prompts // parts) * parts  # equal shares
                 batch = self._prompt_batch(step, round_index, position, prompts, version)
                 position += prompts
                 record.position = position
                 self.dock.add(batch, key=step)
-                if not plan.max_refill_rounds:
+                if not plan.max_refill_rounds and parts == 1:  # shares: wait for the step's train rows before finish()
                     break
                 missing = _wait_for(record.decisions, stop)
                 if not missing:
@@ -201,28 +237,32 @@ class _Run:
         self.dock.finish()
 
     def _prompt_batch(self, step: int, round_index: int, position: int, prompts: int, version: int) -> Batch:
-        rows = self.p.source.take(position, prompts)
-        batch = Batch.from_rows(rows).repeat(self.p.plan.num_generations)
+        start, stop = self.p.share.range(prompts)  # this process reads only its share of the prompts
+        g = self.p.plan.num_generations
+        batch = Batch.from_rows(self.p.source.take(position + start, stop - start)).repeat(g)
         n = batch.num_samples
-        # One key per sample from (step, refill round, index): a sample's randomness does not
-        # depend on micro batch sizes or on what else is in the batch.
-        keys = sample_keys(self.p.base_rng, step, round_index, np.arange(n))
+        # One key per sample from (step, refill round, global index): a sample's randomness does
+        # not depend on micro batch sizes, on what else is in the batch, or on the process.
+        keys = sample_keys(self.p.base_rng, step, round_index, np.arange(start * g, stop * g))
         return batch.with_columns(group_ids=batch["prompt_index"].astype(np.int32),
                                   policy_version=np.full((n,), version, np.int32), sample_keys=np.asarray(keys))
 
-    def _stage(self, stage: str, size: int, hook) -> None:
-        """rollout / logps: take `size` samples of the oldest step, run the hook, write what it added."""
+    def _stage(self, stage: str, size: int, hook, whole_round: bool = False) -> None:
+        """rollout / logps / reward: take `size` samples of the oldest step (whole_round: the
+        whole round once it is ready, run in `size` pieces), run the hook, write what it added."""
         while True:
-            taken = self.dock.get(stage, n=size, one_batch=True)
-            batch, idx = taken
-            if not len(idx):
+            taken = self.dock.get(stage, n=None if whole_round else size, one_batch=True)
+            if not len(taken.indices):
                 return  # the feeder finished and every step went through
             step = taken.keys[0]
             record = self.steps[step]
-            out, seconds, logged = self._timed(stage, step, len(idx), lambda: hook(record, batch))
-            added = added_columns(stage, batch, out, np.arange(len(idx)))
-            record.note(stage, seconds, logged)  # before the put: the step may complete right after
-            self.dock.put(added, idx)
+            for lo in range(0, len(taken.indices), size):
+                batch, idx = taken if len(taken.indices) <= size else (taken.batch.slice(lo, lo + size),
+                                                                     taken.indices[lo:lo + size])
+                out, seconds, logged = self._timed(stage, step, len(idx), lambda: hook(record, batch))
+                added = added_columns(stage, batch, out, np.arange(len(idx)))
+                record.note(stage, seconds, logged)  # before the put: the step may complete right after
+                self.dock.put(added, idx)
 
     def _advantage(self, stop: threading.Event) -> None:
         plan, want = self.p.plan, self.p.plan.global_batch_size
@@ -233,6 +273,10 @@ class _Run:
                 return
             step = taken.keys[0]
             record = self.steps[step]
+            if self.parts > 1:  # every process now holds the whole round; ids are its positions
+                batch = gather_round(batch, self.p.share)
+                record.gathered.append((idx, batch))
+                idx = np.arange(batch.num_samples, dtype=np.int64)
             hook = lambda: check_stage(self.p.module.on_advantage(batch.with_columns({INDEX_COLUMN: idx})), "advantage")
             out, seconds, logged = self._timed("advantage", step, len(idx), hook)
             kept, positions = kept_samples(out, idx)
@@ -240,7 +284,7 @@ class _Run:
             record.note("advantage", seconds, logged)
             total = sum(len(k) for _, k, _ in record.rounds)
             if total >= want:
-                self._complete(record, want)
+                self._complete(step, record, want)
             elif len(record.rounds) <= plan.max_refill_rounds:
                 record.decisions.put(want - total)
             else:
@@ -248,7 +292,7 @@ class _Run:
                     f"step {step}: on_advantage kept {total} of {want} samples after {plan.max_refill_rounds} refill "
                     "round(s) (max_refill_rounds); raise max_refill_rounds or make the module keep more samples")
 
-    def _complete(self, record: _Step, want: int) -> None:
+    def _complete(self, step: int, record: _Step, want: int) -> None:
         """The step is full: its first `want` kept samples get their columns, the rest are dropped."""
         budget, writes, dropped = want, [], []
         for idx, kept, columns in record.rounds:
@@ -256,6 +300,11 @@ class _Run:
             budget -= use
             writes.append(({k: v[:use] for k, v in columns.items()}, kept[:use]))
             dropped.append(np.setdiff1d(idx, kept[:use]))
+        if record.gathered:  # shares: the dock holds this process's rows; train takes the whole step's
+            self.dock.add(step_rows(record.gathered, writes), key=step, stages=("train",))
+            self.dock.discard(np.concatenate([local for local, _ in record.gathered]))
+            record.decisions.put(0)
+            return
         self.dock.discard(np.concatenate(dropped))
         for columns, kept in writes:
             if len(kept):
@@ -343,20 +392,3 @@ def sample_keys(base_rng: jax.Array, step: int, round_index: int, indices: jax.A
     step_key = jax.random.fold_in(jax.random.fold_in(base_rng, step), round_index)
     keys = jax.vmap(lambda i: jax.random.fold_in(step_key, i))(indices)
     return jax.random.key_data(keys) if jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key) else keys
-
-
-def batch_metrics(batch: Batch) -> dict[str, float]:
-    """Standard metrics of a produced global batch (host NumPy)."""
-    out: dict[str, float] = {}
-    rewards = np.asarray(batch["rewards"], np.float64)
-    out["reward/mean"], out["reward/std"] = float(rewards.mean()), float(rewards.std())
-    adv = np.asarray(batch["advantages"], np.float64)
-    out.update({"advantage/mean": float(adv.mean()), "advantage/std": float(adv.std()),
-                "advantage/min": float(adv.min()), "advantage/max": float(adv.max())})
-    mask = np.asarray(batch["completion_mask"], bool)
-    lengths = mask.sum(axis=1)
-    out["response_length/mean"] = float(lengths.mean())
-    out["response_length/max"] = float(lengths.max())
-    # A completion "clipped" by the length budget still has its last slot filled.
-    out["response_length/clip_ratio"] = float(mask[:, -1].mean())
-    return out

@@ -17,16 +17,21 @@ from typing import Any
 import jax
 import numpy as np
 
-from rlbolt.batch import Batch
 from rlbolt.callback import Callback, CallbackList
 from rlbolt.data.source import PromptSource
-from rlbolt.fit_checks import check_fit
+from rlbolt.distributed import any_process, host_tree, host_value, state as placement
+from rlbolt.distributed.sharding import ShardingPlan
+from rlbolt.fit_checks import check_fit, lag_steps
 from rlbolt.module import RLModule
 from rlbolt.plan import BatchPlan
 from rlbolt.producer import STAGE_ROLES, ProducedStep, Producer
+from rlbolt.signals import StopOnSignal
 from rlbolt.state import StepInfo, TrainState
+from rlbolt.step_metrics import add_throughput
 from rlbolt.timeline import Timeline
 from rlbolt.update import make_update_fn
+from rlbolt.utils.runlock import hold_run_dir
+from rlbolt.validation import run_validation
 from rlbolt.weights import WeightStore
 
 MODES = ("sync", "async")
@@ -52,6 +57,10 @@ class Trainer:
       val_batch_size: prompts per validation batch (default prompts_per_step).
       run_dir: where callbacks write (metrics, checkpoints); default runs/<time>.
       prefetch_timeout_s: fail if the producer yields nothing for this long (None: wait).
+      mesh: the devices to run on: a `rlbolt.distributed.MeshSpec` / `{data, fsdp, tp}` dict
+        (-1 = the rest), a `jax.sharding.Mesh`, a `ShardingPlan`, or None (all devices on fsdp).
+      device_memory_bytes: refuse a plan whose per-device memory exceeds this (default: what
+        the backend reports; CPU reports nothing, then the plan is only logged).
 
     Attributes:
       timeline: every stage call and update as start/end events (`rlbolt.timeline.Timeline`);
@@ -62,7 +71,8 @@ class Trainer:
                  seed: int = 0, data_seed: int | None = None, shuffle: bool = True,
                  callbacks: Sequence[Callback] = (), mode: str = "sync", max_staleness: int | None = None,
                  val_every_n_steps: int | None = None, val_batch_size: int | None = None,
-                 run_dir: str | Path | None = None, prefetch_timeout_s: float | None = None):
+                 run_dir: str | Path | None = None, prefetch_timeout_s: float | None = None,
+                 mesh: Any = None, device_memory_bytes: int | None = None):
         if not isinstance(plan, BatchPlan):
             raise TypeError(f"plan must be a BatchPlan, got {type(plan).__name__}")
         for name, value in (("max_steps", max_steps), ("max_epochs", max_epochs), ("val_every_n_steps", val_every_n_steps)):
@@ -74,15 +84,18 @@ class Trainer:
         self.max_epochs = max_epochs if max_epochs is not None or max_steps is not None else 1
         self.data_seed, self.shuffle = (seed if data_seed is None else data_seed), shuffle
         self.callbacks = CallbackList(callbacks)
-        self.mode, self.lag_steps = mode, _lag_steps(mode, max_staleness, plan)
+        self.mode, self.lag_steps = mode, lag_steps(mode, max_staleness, plan)
         self.max_staleness = max_staleness if mode == "async" else plan.updates_per_step - 1
         self.val_every_n_steps, self.val_batch_size = val_every_n_steps, val_batch_size or plan.prompts_per_step
         self.run_dir = Path(run_dir) if run_dir is not None else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
         self.prefetch_timeout_s = prefetch_timeout_s
+        self.mesh_spec, self.device_memory_bytes = mesh, device_memory_bytes
+        self.sharding: ShardingPlan | None = None  # built when fit starts
         self.weights = WeightStore(self.lag_steps)
         self.timeline = Timeline()  # stage start/end events; TimelineLogger writes them to the run dir
-        self.should_stop = False  # a callback sets it to end fit after the current step
-        self.interrupted = False
+        self.should_stop = False  # set by a callback or a signal: fit ends after the current step
+        self.interrupted = False  # the last fit was stopped by SIGINT/SIGTERM or a KeyboardInterrupt
+        self.stop_signal: int | None = None  # the signal that stopped it
         self.module: RLModule | None = None
         self.source: PromptSource | None = None
 
@@ -90,19 +103,35 @@ class Trainer:
     def is_main_process(self) -> bool:
         return jax.process_index() == 0
 
+    def sharding_for(self, role: str) -> ShardingPlan:
+        """The ShardingPlan of a role ("train", "rollout", "reference"): the one plan of the
+        trainer's mesh for every role today (colocated)."""
+        return self.sharding
+
     # ------------------------------------------------------------------------------------------
     def fit(self, module: RLModule, train_data: Any, val_data: Sequence[dict] | None = None) -> TrainState:
-        """Trains `module` on `train_data` (dict rows or a grain MapDataset); returns the final state."""
+        """Trains `module` on `train_data` (dict rows or a grain MapDataset); returns the final state.
+
+        The run directory is locked while a callback writes there (one writer per directory).
+        SIGINT/SIGTERM end the loop after the current step (`rlbolt.signals`): `interrupted` and
+        `stop_signal` are set, `on_fit_end` saves and flushes, and the step's state is returned.
+        """
+        self.should_stop, self.interrupted, self.stop_signal = False, False, None
+        with hold_run_dir(self), StopOnSignal(self) as signals:
+            return self._fit(module, train_data, val_data, signals)
+
+    def _fit(self, module: RLModule, train_data: Any, val_data: Sequence[dict] | None, signals) -> TrainState:
         state = self._setup(module, train_data, val_data)
         state = self.callbacks.on_restore(self, state)  # ModelCheckpoint resumes here
         state = self.last_state = self.callbacks.on_fit_start(self, state)
         self.weights.publish(state.step, state.params, state.policy_version)
-        producer = Producer(module, self.plan, self.source, self.weights, state.rng,
-                            max_steps=self.max_steps, max_prompts=self._max_prompts(), timeline=self.timeline)
-        validated_at = None
+        producer = Producer(module, self.plan, self.source, self.weights, host_value(state.rng), max_steps=self.max_steps,
+                            max_prompts=self._max_prompts(), timeline=self.timeline, share=self.sharding.share)
+        validated_at, first_step = None, state.step
+        signals.defer()  # from here a signal ends the run at the next step boundary
         try:
             with producer.start(state.step, state.data_position, timeout_s=self.prefetch_timeout_s,
-                                should_stop=lambda: self.should_stop) as produced_steps:
+                                should_stop=self._stop_while_waiting) as produced_steps:
                 waited = time.perf_counter()
                 for produced in produced_steps:
                     data_wait = time.perf_counter() - waited
@@ -111,21 +140,29 @@ class Trainer:
                     state, metrics = self._train_on(state, produced)
                     metrics["time/data_wait"] = data_wait
                     metrics["time/step"] = time.perf_counter() - waited
-                    _add_throughput(metrics, produced.batch)
+                    add_throughput(metrics, produced.batch)
                     info = StepInfo(state.step, state, metrics, self.source.epoch(state.data_position), produced.batch)
                     self.callbacks.on_step_end(self, info)
                     if val_data is not None and self.val_every_n_steps and state.step % self.val_every_n_steps == 0:
                         self.validate(state.params, val_data, state.step)
                         validated_at = state.step
+                    self.last_state = state
+                    # Every process stops after the same step; agreed before publishing, so the
+                    # producer's next collectives cannot interleave with this one.
+                    if any_process(self.should_stop):
+                        break
                     # Publishing after the callbacks keeps the hook order deterministic in sync mode.
                     self.weights.publish(state.step, state.params, state.policy_version)
-                    self.last_state = state
-                    if self.should_stop:
-                        break
                     waited = time.perf_counter()
-            if val_data is not None and validated_at != state.step:
+                if any_process(self.stop_signal is not None):  # save first, then join the producer (maybe mid-rollout)
+                    self.interrupted = True
+                    produced_steps.request_stop()
+                    self.callbacks.on_fit_end(self, state)
+                    produced_steps.stop(strict=False)
+                    return state
+            if val_data is not None and validated_at != state.step and state.step > first_step:
                 self.validate(state.params, val_data, state.step)
-        except KeyboardInterrupt as exc:  # a clean stop: callbacks may save, threads are joined
+        except KeyboardInterrupt as exc:  # raised by a hook: callbacks may save, threads are joined
             self.interrupted = True
             self.callbacks.on_exception(self, exc)
             return state
@@ -140,15 +177,20 @@ class Trainer:
         self.module, module.trainer = module, self
         self.plan = check_fit(self.plan, module, train_data, val_data, val_every_n_steps=self.val_every_n_steps)
         self.source = train_data if isinstance(train_data, PromptSource) else PromptSource(train_data, shuffle=self.shuffle, seed=self.data_seed)
+        self.sharding = placement.training_plan(self.mesh_spec)
+        placement.check_batch_plan(self.plan, self.sharding, self.mode)
         module.setup(self)
         rng = jax.random.PRNGKey(self.seed)
-        params = module.init_params(jax.random.fold_in(rng, 0))
+        params = self.sharding.place(module.init_params(jax.random.fold_in(rng, 0)))
         self.optimizer = module.configure_optimizers()
         self.optimizer = self.callbacks.wrap_optimizer(self, self.optimizer)  # e.g. NaNGuard(action="skip")
+        opt_state = placement.init_optimizer(self.optimizer, params, self.sharding)
+        self.memory_plan = placement.memory_plan(self, params, opt_state)  # before anything compiles
         self._update = make_update_fn(module.training_step, self.optimizer, self.plan.grad_accum_steps,
-                                      frozen=module.frozen_params(), with_frozen=module.with_frozen)
-        state = TrainState(step=0, params=params, opt_state=self.optimizer.init(params), rng=jax.random.fold_in(rng, 1),
-                           policy_version=0, data_position=0)
+                                      frozen=module.frozen_params(), with_frozen=module.with_frozen,
+                                      sharding=self.sharding, params=params, opt_state=opt_state)
+        state = TrainState(step=0, params=params, opt_state=opt_state, policy_version=0, data_position=0,
+                           rng=self.sharding.place(jax.random.fold_in(rng, 1)))  # replicated: every process saves it
         self.last_state = state
         return state
 
@@ -156,20 +198,21 @@ class Trainer:
         """num_iterations passes of mini-batch updates over one global batch."""
         t0, began = time.perf_counter(), self.timeline.clock()
         state = self.callbacks.on_update_start(self, state)
-        host_batch = produced.batch.numeric()
-        versions = np.asarray(host_batch["policy_version"])
-        batch = jax.device_put(host_batch)
+        batch = produced.batch.numeric().to_host()  # every process holds the whole global batch
+        versions = np.asarray(batch["policy_version"])
+        mini_size, accum = self.plan.mini_batch_size, self.plan.grad_accum_steps
+        minis = [placement.micro_batches(self.sharding, batch.slice(s, s + mini_size), accum)
+                 for s in range(0, batch.num_samples, mini_size)]
         params, opt_state, version = state.params, state.opt_state, state.policy_version
         device_metrics, staleness = [], []
-        mini_size = self.plan.mini_batch_size
         for _ in range(self.plan.num_iterations):
-            for start in range(0, batch.num_samples, mini_size):
-                staleness.append(version - versions[start:start + mini_size])
-                params, opt_state, m = self._update(params, opt_state, batch.slice(start, start + mini_size))
+            for i, mini in enumerate(minis):
+                staleness.append(version - versions[i * mini_size:(i + 1) * mini_size])
+                params, opt_state, m = self._update(params, opt_state, mini)
                 device_metrics.append(m)
                 version += 1
         # The one host sync of the step: all update metrics at once.
-        host = jax.device_get(device_metrics)
+        host = host_tree(device_metrics)
         metrics = {k: float(np.mean([m[k] for m in host])) for k in host[0]}
         stale = np.concatenate(staleness)
         metrics.update({"staleness/mean": float(stale.mean()), "staleness/max": float(stale.max())})
@@ -184,45 +227,15 @@ class Trainer:
 
     def validate(self, params: Any, val_data: Sequence[dict], step: int) -> dict[str, float]:
         """Runs `validation_step` over `val_data` in batches; returns `val/*` means (sample-weighted)."""
-        totals: dict[str, float] = {}
-        count, began = 0, self.timeline.clock()
-        for start in range(0, len(val_data), self.val_batch_size):
-            chunk = [val_data[i] for i in range(start, min(start + self.val_batch_size, len(val_data)))]
-            rows = [{**r, "prompt_index": start + i} for i, r in enumerate(chunk)]
-            batch = Batch.from_rows(rows)
-            keys = jax.random.split(jax.random.PRNGKey(self.seed + 7919), batch.num_samples)
-            batch = batch.with_columns(sample_keys=np.asarray(keys))
-            for k, v in self.module.validation_step(params, batch).items():
-                totals[k] = totals.get(k, 0.0) + float(v) * batch.num_samples
-            count += batch.num_samples
-        metrics = {(k if k.startswith("val/") else f"val/{k}"): v / max(count, 1) for k, v in totals.items()}
-        # step - 1: the 0-based step it follows, like the other stages' events of that step
-        self.timeline.record("validate", step - 1, began, self.timeline.clock(), samples=count, role=STAGE_ROLES["validate"])
+        metrics = run_validation(self, params, val_data, step)
         self.callbacks.on_validation_end(self, step, metrics)
         return metrics
+
+    def _stop_while_waiting(self) -> bool:
+        """A stop that ends the wait for the next step at once; with several processes a stop waits
+        for the step boundary, where every process agrees on it (`any_process`)."""
+        return self.should_stop and jax.process_count() == 1
 
     def _max_prompts(self) -> int | None:
         return None if self.max_epochs is None else self.max_epochs * len(self.source)
 
-
-def _lag_steps(mode: str, max_staleness: int | None, plan: BatchPlan) -> int:
-    if mode == "sync":
-        if max_staleness is not None:
-            raise ValueError("max_staleness is only used with mode='async'; drop it or set mode='async'")
-        return 0
-    ups = plan.updates_per_step
-    if max_staleness is None or (max_staleness + 1) // ups - 1 < 1:
-        raise ValueError(
-            f"mode='async' with max_staleness={max_staleness}: with {ups} update(s) per step the producer can run "
-            f"k steps ahead only if max_staleness >= (k + 1) * {ups} - 1; use max_staleness >= {2 * ups - 1} "
-            "(one step ahead) or mode='sync'"
-        )
-    return (max_staleness + 1) // ups - 1
-
-
-def _add_throughput(metrics: dict[str, float], batch: Batch) -> None:
-    """Rates over the step's wall time (from the end of the previous step: waiting included)."""
-    step_s = metrics["time/step"]
-    tokens = float(np.asarray(batch["completion_mask"]).sum())
-    metrics["throughput/tokens_per_s"] = tokens / step_s if step_s > 0 else 0.0
-    metrics["throughput/samples_per_s"] = batch.num_samples / step_s if step_s > 0 else 0.0

@@ -1,9 +1,16 @@
 """The jitted optimizer update: gradient accumulation over train micro batches, then one step.
 
-One device call per mini batch: the mini batch [M, ...] is reshaped to [A, M/A, ...] and a
-`lax.scan` sums the micro batches' gradients and metrics (A = grad_accum_steps). Before the scan
-every micro batch gets the mini-batch totals as columns, so a loss normalised by them sums to
-exactly the full-mini-batch loss: accumulation changes float rounding, not the update.
+One device call per mini batch. The mini batch arrives split into its A train micro batches,
+[A, M/A, ...] (`split_micro_batches`; A = grad_accum_steps), with the sample axis of each micro
+batch spread over the mesh's batch shards, and a `lax.scan` sums the micro batches' gradients
+and metrics. Before the scan every micro batch gets the mini-batch totals as columns, so a loss
+normalised by them sums to exactly the full-mini-batch loss: accumulation changes float
+rounding, not the update.
+
+With a ShardingPlan the update compiles with explicit shardings: parameters, optimizer state and
+frozen parameters arrive placed on their rule-given shardings and micro batches over data x
+fsdp (jit compiles for those committed shardings); parameters and optimizer state leave on the
+same shardings and the metrics replicated (`out_shardings`).
 """
 
 from __future__ import annotations
@@ -29,21 +36,34 @@ def add_mini_batch_totals(mini: Batch) -> Batch:
     )
 
 
-def make_update_fn(training_step: Callable, optimizer: optax.GradientTransformation, grad_accum_steps: int, *,
-                   frozen: Any = None, with_frozen: Callable | None = None) -> Callable:
-    """Returns jitted `update(params, opt_state, mini_batch) -> (params, opt_state, metrics)`.
+def split_micro_batches(mini: Batch, grad_accum_steps: int) -> Batch:
+    """[M, ...] -> [A, M/A, ...]: micro batch i is samples i*M/A .. (i+1)*M/A - 1 (host or device)."""
+    a = grad_accum_steps
+    return jax.tree.map(lambda x: x.reshape(a, x.shape[0] // a, *x.shape[1:]), mini)
 
-    `metrics` holds `loss`, `grad_norm` and the training step's own metrics, each summed over
-    the micro batches (device scalars: reading them is the caller's host sync).
+
+def make_update_fn(training_step: Callable, optimizer: optax.GradientTransformation, grad_accum_steps: int, *,
+                   frozen: Any = None, with_frozen: Callable | None = None, sharding: Any = None,
+                   params: Any = None, opt_state: Any = None) -> Callable:
+    """Returns jitted `update(params, opt_state, micro_batches) -> (params, opt_state, metrics)`.
 
     Args:
       training_step: `(params, micro_batch) -> (loss, metrics)`.
       optimizer: the optax transformation of the trainable params.
-      grad_accum_steps: train micro batches per mini batch.
+      grad_accum_steps: A, the leading axis of `micro_batches` ([A, M/A, ...], `split_micro_batches`).
       frozen: parameters the step uses but never trains (`RLModule.frozen_params`). They reach
         the executable as an argument of every call, so the executable holds no copy of them,
         and the gradient is taken with respect to `params` only, so none of theirs is formed.
       with_frozen: `(params, frozen) -> what training_step receives` (`RLModule.with_frozen`).
+      sharding: a `rlbolt.distributed.ShardingPlan`; None compiles without explicit shardings.
+      params: the placed parameters (their shardings are the update's, in and out).
+      opt_state: the placed optimizer state (likewise).
+
+    Returns:
+      The jitted update. `metrics` holds `loss`, `grad_norm` and the training step's own
+      metrics, each summed over the micro batches (replicated device scalars: reading them is
+      the caller's host sync). `.func` of the result is the jitted function itself (for
+      lowering and memory analysis; it takes `frozen` as a fourth argument).
     """
 
     def loss(params: Any, micro: Batch, frozen: Any):
@@ -51,9 +71,11 @@ def make_update_fn(training_step: Callable, optimizer: optax.GradientTransformat
 
     grad_fn = jax.value_and_grad(loss, has_aux=True)
 
-    def update(params: Any, opt_state: Any, mini: Batch, frozen: Any):
-        mini = add_mini_batch_totals(mini)
-        micro = jax.tree.map(lambda x: x.reshape(grad_accum_steps, x.shape[0] // grad_accum_steps, *x.shape[1:]), mini)
+    def update(params: Any, opt_state: Any, micro: Batch, frozen: Any):
+        a, m = micro["completion_mask"].shape[:2]
+        tokens = jnp.sum(micro["completion_mask"]).astype(jnp.float32)
+        micro = micro.with_columns(mini_batch_num_tokens=jnp.full((a, m), tokens, jnp.float32),
+                                   mini_batch_num_samples=jnp.full((a, m), a * m, jnp.float32))
         first = jax.tree.map(lambda x: x[0], micro)
         out_shape = jax.eval_shape(grad_fn, params, first, frozen)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape)
@@ -67,5 +89,16 @@ def make_update_fn(training_step: Callable, optimizer: optax.GradientTransformat
         return params, opt_state, {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads)}
 
     # No donation: callbacks (checkpoints, offload) may still hold the previous state's arrays.
-    # `.func` of the result is the jitted function itself (for lowering and memory analysis).
-    return functools.partial(jax.jit(update), frozen=frozen)
+    if sharding is None:
+        jitted = jax.jit(update)
+    else:  # inputs arrive placed (their committed shardings are the compiled ones); outputs pinned
+        p, o = _shardings_of(params), _shardings_of(opt_state)
+        jitted = jax.jit(update, out_shardings=(p, o, sharding.replicated))
+    return functools.partial(jitted, frozen=frozen)
+
+
+def _shardings_of(tree: Any) -> Any:
+    return jax.tree.map(lambda x: x.sharding if isinstance(x, jax.Array) else None, tree)
+
+
+__all__ = ["add_mini_batch_totals", "make_update_fn", "split_micro_batches"]

@@ -7,9 +7,14 @@ again with the same flags resumes from the newest usable checkpoint.
     python tests/callbacks/resume_script.py --run_dir /tmp/run --steps 8 --num_iterations 2
 
 Test-only flags: --step_sleep slows each step down (room for a kill), --kill_in_save N SIGKILLs
-the process itself after step N's files are written but before Orbax renames its directory, and
---nan_at_step K makes the advantages of step K (1-based) NaN. --lora trains GRPO with LoRA adapters
-(model.lora, KL to the base with adapters off) on a tiny random base instead of the toy module.
+the process itself after step N's files are written but before Orbax renames its directory,
+--signal_in_save N sends itself SIGTERM at that same moment (a signal during a checkpoint
+write), and --nan_at_step K makes the advantages of step K (1-based) NaN. --lora trains GRPO with
+LoRA adapters (model.lora, KL to the base with adapters off) on a tiny random base instead of the
+toy module.
+
+When fit returns interrupted (SIGINT / SIGTERM), the script exits 128 + signum after printing
+`interrupted step=...`, as docs/howto/resume.md suggests for a script.
 """
 
 from __future__ import annotations
@@ -84,16 +89,17 @@ class Sleep(Callback):
         time.sleep(self.seconds)
 
 
-def kill_during_save(step: int) -> None:
-    """SIGKILLs this process when Orbax is about to rename step `step`'s tmp dir into place."""
+def kill_during_save(step: int, signum: int = signal.SIGKILL) -> None:
+    """Sends `signum` to this process when Orbax is about to rename step `step`'s tmp dir into place."""
     from orbax.checkpoint._src.path import atomicity
 
     original = atomicity.AtomicRenameTemporaryPath.finalize
 
     async def finalize(self):
         if self.get_final().name == str(step):
-            (self.get_final().parent.parent / "killed_in_save").write_text(str(step))
-            os.kill(os.getpid(), signal.SIGKILL)
+            name = "killed_in_save" if signum == signal.SIGKILL else "signalled_in_save"
+            (self.get_final().parent.parent / name).write_text(str(step))
+            os.kill(os.getpid(), signum)
         return await original(self)
 
     atomicity.AtomicRenameTemporaryPath.finalize = finalize
@@ -121,12 +127,15 @@ def main(argv=None) -> None:
     p.add_argument("--keep", type=int, default=3)
     p.add_argument("--step_sleep", type=float, default=0.0)
     p.add_argument("--kill_in_save", type=int, default=None)
+    p.add_argument("--signal_in_save", type=int, default=None)
     p.add_argument("--nan_at_step", type=int, default=None)
     p.add_argument("--lora", action="store_true", help="GRPO with model.lora on a tiny random base")
     args = p.parse_args(argv)
 
     if args.kill_in_save is not None:
         kill_during_save(args.kill_in_save)
+    if args.signal_in_save is not None:
+        kill_during_save(args.signal_in_save, signal.SIGTERM)
     plan = BatchPlan(prompts_per_step=args.prompts_per_step, num_generations=args.num_generations,
                      mini_batch_size=args.mini_batch_size, train_micro_batch_size=args.train_micro_batch_size,
                      num_iterations=args.num_iterations)
@@ -150,6 +159,9 @@ def main(argv=None) -> None:
         module = ResumeToy(nan_at_step=args.nan_at_step, prompts_per_step=args.prompts_per_step)
         rows = prompt_rows(args.num_prompts)
     state = trainer.fit(module, rows)
+    if trainer.interrupted:
+        print(f"interrupted step={state.step}", flush=True)
+        sys.exit(128 + trainer.stop_signal)
     np.savez(Path(args.run_dir) / "final_params.npz", **flat_params(state.params))
     print(f"finished step={state.step} policy_version={state.policy_version} data_position={state.data_position}")
 

@@ -135,8 +135,11 @@ def test_resume_errors_name_the_fix(tmp_path):
         ModelCheckpoint(resume=None).on_restore(fake_trainer(tmp_path, []), make_state(0))
     with pytest.raises(ValueError, match=r"resume=7.*available steps: \[1, 2\]"):
         ModelCheckpoint(resume=7).on_restore(fake_trainer(tmp_path, []), make_state(0))
-    with pytest.raises(ValueError, match="mode='async'.*mode='sync'"):
+    with pytest.raises(ValueError, match=r"trainer.mode: 'async' -> 'sync'; .*--allow-config-change"):
         ModelCheckpoint().on_restore(fake_trainer(tmp_path, [], lag=0, mode="sync"), make_state(0))
+    # Even when config changes are allowed, the producer's lag must match for an exact resume.
+    with pytest.raises(ValueError, match="mode='async'.*mode='sync'"):
+        ModelCheckpoint(allow_config_change=True).on_restore(fake_trainer(tmp_path, [], lag=0, mode="sync"), make_state(0))
     with pytest.raises(ValueError, match="keep"):
         ModelCheckpoint(keep=0)
     with pytest.raises(ValueError, match="resume"):
@@ -172,7 +175,7 @@ def test_every_step_unusable_raises_and_renames_nothing(tmp_path):
     ckpt.finish()
     for step in (1, 2):
         corrupt(tmp_path / "checkpoints" / str(step))
-    with pytest.raises(RuntimeError, match=r"no checkpoint .* restores \(step 2: .*step 1: "):
+    with pytest.raises(RuntimeError, match=r"no usable checkpoint in .* \(step 2: .*; step 1: .*\); restore them"):
         ModelCheckpoint().on_restore(fake_trainer(tmp_path, []), make_state(0))
     assert CheckpointIO(tmp_path / "checkpoints").steps() == [1, 2]
 
@@ -195,7 +198,7 @@ def test_corrupt_latest_falls_back_to_previous_and_resume_is_exact(tmp_path):
         warnings.simplefilter("always")
         resumed = toy_fit(tmp_path / "run", 5, [ckpt])
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-    assert any("checkpoint step 4" in m and "resuming from step 2" in m for m in messages), messages
+    assert any("checkpoint step 4" in m and "using step 2 instead" in m for m in messages), messages
     assert ckpt.restored_step == 2
     assert (ckpt_dir / "4.corrupt").is_dir() and CheckpointIO(ckpt_dir).steps() == [2, 4, 5]
     assert (resumed.step, resumed.policy_version, resumed.data_position) == (5, reference.policy_version, 10)

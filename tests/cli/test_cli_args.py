@@ -12,6 +12,7 @@ import yaml
 
 from rlbolt.app import rundir
 from rlbolt.app.cli import CLIError, main, split_overrides
+from rlbolt.utils import runlock
 
 SUBCOMMANDS = ("demo", "fit", "resume", "plot", "export")
 
@@ -162,7 +163,10 @@ def test_resume_demo_config_with_unknown_key(tmp_path, capsys):
 # -- the run directory ------------------------------------------------------------------------------
 def test_prepare_run_dir_layout_and_refusal(tmp_path):
     run = rundir.prepare_run_dir(tmp_path / "a" / "b")
-    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "plots"]
+    assert sorted(p.name for p in run.iterdir()) == [".rlbolt.lock", "checkpoints", "plots"]
+    assert runlock.is_held(run)  # locked for this process until released
+    rundir.release_run_dir(run)
+    assert not runlock.is_held(run)
     with pytest.raises(rundir.RunDirError, match="not empty"):
         rundir.prepare_run_dir(run)
     (tmp_path / "file").write_text("")
@@ -172,6 +176,7 @@ def test_prepare_run_dir_layout_and_refusal(tmp_path):
         rundir.prepare_run_dir(run, resume=True)
     rundir.write_config(run, {"demo": {"seed": 3, "tags": ("a", "b")}})
     assert rundir.prepare_run_dir(run, resume=True) == run
+    rundir.release_run_dir(run)
     assert yaml.safe_load((run / "config.yaml").read_text()) == {"demo": {"seed": 3, "tags": ["a", "b"]}}
     assert rundir.read_config(run) == {"demo": {"seed": 3, "tags": ["a", "b"]}}
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,7 +38,34 @@ def test_resume_continues_from_the_last_checkpoint(small_run, capsys):
     assert "max_steps: 3" in (small_run / "config.yaml").read_text()
     steps = sorted(int(p.name) for p in (small_run / "checkpoints").iterdir() if p.name.isdigit())
     assert steps == [2, 3]  # keep=2
-    assert "3 steps in" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "3 steps in" in out
+    assert f"resumed from the checkpoint of step 2 in {small_run / 'checkpoints'}" in out  # on the console
+
+
+def test_resume_with_a_changed_config_is_refused_unless_allowed_and_then_recorded(small_run, tmp_path, capsys):
+    import shutil
+
+    import yaml
+
+    run = tmp_path / "run"
+    shutil.copytree(small_run, run)
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["demo"]["learning_rate"] = 0.002  # changes the math
+    config["demo"]["checkpoint_every"] = 5  # does not
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    last = max(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    assert main(["resume", str(run), "--max-steps", str(last + 1)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "demo.learning_rate: 0.0005 -> 0.002;" in err and "--allow-config-change" in err
+    assert "checkpoint_every" not in err and not (run / "config_changes.jsonl").exists()
+
+    assert main(["resume", str(run), "--max-steps", str(last + 1), "--allow-config-change"]) == 0
+    recorded = [json.loads(line) for line in (run / "config_changes.jsonl").read_text().splitlines()]
+    assert recorded == [{"step": last, "time": recorded[0]["time"], "changes": {"demo.learning_rate": [0.0005, 0.002]}}]
+    # The next resume compares with the new config, recorded in the checkpoints since.
+    assert main(["resume", str(run), "--max-steps", str(last + 2)]) == 0
 
 
 def test_export_writes_the_checkpointed_weights_for_transformers(small_run, tmp_path, capsys):
@@ -47,13 +76,13 @@ def test_export_writes_the_checkpointed_weights_for_transformers(small_run, tmp_
     assert "checkpoint step" in capsys.readouterr().out
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
 
-    from rlbolt.app.cli_export import latest_params
+    from rlbolt.app.cli_export import latest_model
 
-    module, step, _ = latest_params(small_run)
+    model, step, _ = latest_model(small_run)
     assert step == max(int(p.name) for p in (small_run / "checkpoints").iterdir() if p.name.isdigit())
-    ids = np.asarray([module.tokenizer.encode("3141=2718")], np.int32)
+    ids = np.asarray([DigitsGRPO(SMALL).tokenizer.encode("3141=2718")], np.int32)
     positions = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
-    ours, _ = module.model(jnp.asarray(ids), positions)
+    ours, _ = model(jnp.asarray(ids), positions)
     with torch.no_grad():
         theirs = hf(torch.tensor(ids, dtype=torch.long)).logits.numpy()
     np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4)
@@ -66,6 +95,13 @@ def test_export_writes_the_checkpointed_weights_for_transformers(small_run, tmp_
     # A second export into the same folder is refused unless asked.
     assert main(["export", str(small_run), str(out)]) == 2
     assert "already exists" in capsys.readouterr().err
+
+    # Every file gets the mode a plain open() gives (safetensors alone would make the weights 0600).
+    probe = tmp_path / "probe"
+    probe.write_text("")
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()}
+    assert set(modes) >= {"config.json", "model.safetensors"}
+    assert set(modes.values()) == {oct(probe.stat().st_mode & 0o777)}, modes
 
 
 def test_same_seed_same_run(small_run, tmp_path):

@@ -224,3 +224,21 @@ def test_copying_happens_outside_the_stage_lock():
     assert got.tolist() == [4, 5, 6, 7]
     release.set()
     slow.join(2)
+
+
+def test_samples_added_for_some_stages_only_reach_those_and_are_then_forgotten():
+    dock, idx = dock_with(4)
+    # Rows entering mid-pipeline (e.g. another process's share, already scored): train only.
+    late = dock.add({"text": np.array([7, 8]), "score": np.array([0.7, 0.8])}, key="step0", stages=["train"])
+    assert late.tolist() == [4, 5]
+    _, got = dock.get("score", n=8, block=False)
+    assert got.tolist() == [0, 1, 2, 3]  # "score" never sees them
+    batch, got = dock.get("train", n=8, block=False)
+    assert got.tolist() == [4, 5] and batch["score"].tolist() == [0.7, 0.8]
+    dock.discard(idx)  # the unscored originals leave train's queue: every stage is done with everything
+    assert len(dock) == 0
+    with pytest.raises(DockError, match="unknown stage 'rollout'"):
+        dock.add({"text": np.arange(2)}, stages=["rollout"])
+    with pytest.raises(DockError, match="stages is empty"):
+        dock.add({"text": np.arange(2)}, stages=[])
+    assert len(dock) == 0  # a refused add leaves nothing behind

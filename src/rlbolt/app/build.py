@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 from rlbolt.app import input_checks as checks
 from rlbolt.app import objects as pyobjects
 from rlbolt.app import rundir
-from rlbolt.app.config import ConfigError, RunConfig, load_config, save_config
+from rlbolt.app.config import ConfigError, RunConfig, config_to_dict, load_config, save_config
 from rlbolt.data import DataFileError, gsm8k_style_rows, load_rows
 from rlbolt.fit_checks import check_fit
 from rlbolt.plan import BatchPlan, PlanError
@@ -108,8 +108,9 @@ def build_callbacks(cfg: RunConfig, run_dir: str | Path) -> list:
         out.append(cb.Throughput())
     if c.offload:
         out.append(cb.CPUOffload())
-    if c.checkpoint_every_n_steps:
-        out.append(cb.ModelCheckpoint(every_n_steps=c.checkpoint_every_n_steps, keep=c.keep, resume="latest" if c.resume else None))
+    if c.checkpoint:  # records the resolved config: a resume that changes the math is refused
+        out.append(cb.ModelCheckpoint(every_n_steps=c.checkpoint_every_n_steps, keep=c.keep,
+                                      resume="latest" if c.resume else None, config=config_to_dict(cfg)))
     if c.metrics:
         out.append(cb.MetricsLogger(writer=list(c.metrics), every_n_steps=c.log_every_n_steps, wandb_project=c.wandb_project))
     if c.progress:
@@ -131,7 +132,19 @@ def build_trainer(cfg: RunConfig, callbacks: Sequence[Any] = ()) -> Trainer:
     return Trainer(plan, max_steps=t.max_steps, max_epochs=t.max_epochs, seed=t.seed, data_seed=t.data_seed,
                    shuffle=cfg.data.shuffle, callbacks=[*build_callbacks(cfg, run_dir), *callbacks], mode=t.mode,
                    max_staleness=t.max_staleness, val_every_n_steps=t.val_every_n_steps,
-                   val_batch_size=t.val_batch_size, run_dir=run_dir, prefetch_timeout_s=t.prefetch_timeout_s)
+                   val_batch_size=t.val_batch_size, run_dir=run_dir, prefetch_timeout_s=t.prefetch_timeout_s,
+                   mesh=dataclasses.asdict(cfg.mesh))
+
+
+def start_distributed(cfg: RunConfig) -> bool:
+    """Starts `jax.distributed` as `cfg.distributed` says (a no-op for one process); call it
+    before anything touches a device. Returns whether several processes take part."""
+    from rlbolt.distributed import initialize
+
+    d = cfg.distributed
+    return initialize(d.mode, coordinator_address=d.coordinator_address, num_processes=d.num_processes,
+                      process_id=d.process_id, heartbeat_timeout_s=d.heartbeat_timeout_s,
+                      initialization_timeout_s=d.initialization_timeout_s)
 
 
 def assemble_run(cfg: RunConfig, *, callbacks: Sequence[Any] = (), **objects: Any) -> Run:

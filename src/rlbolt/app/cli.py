@@ -3,13 +3,17 @@
     rlbolt demo   [--run-dir D] [--max-steps N] [--checkpoint-every K] [--seed S] [--task T]
                   [--lora-rank R] [--base-run D]
     rlbolt fit    CONFIG [--section.key=value ...]
-    rlbolt resume D [--max-steps N]
+    rlbolt resume D [--max-steps N] [--allow-config-change]
     rlbolt plot   D [--out DIR]
     rlbolt export D OUT [--overwrite] [--adapter]
 
-Bad input (an unknown config key, a wrong type, a missing or non-empty run directory) ends with
-exit status 2 and one line on stderr that names the problem and the fix, no traceback. Set
-RLBOLT_DEBUG=1 to see the traceback instead.
+Exit status: 0 done; 2 bad input or a refusal (an unknown config key, a wrong type, a missing or
+non-empty run directory, a run directory another process is training in, no usable checkpoint,
+a changed config at resume); 1 a failure while running (a checkpoint that cannot be written,
+e.g. a full disk); 130 / 143 stopped by SIGINT / SIGTERM (a run first saves its last completed
+step; a second signal exits at once). Each ends with one line on stderr that names the problem
+and the fix, no traceback, and nothing after it: library noise at interpreter shutdown is
+discarded. Set RLBOLT_DEBUG=1 to see tracebacks instead.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1
 
 DESCRIPTION = """rlbolt: RL post-training of language models in JAX.
 
@@ -66,10 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument("--list-fields", action="store_true", help="print every config section, key and default")
 
     resume = sub.add_parser("resume", help="continue a run from its latest checkpoint",
-                            description="Continue the run in RUN_DIR from its latest checkpoint, using its "
-                                        "config.yaml (metrics.jsonl and train.log are appended to).")
+                            description="Continue the run in RUN_DIR from its newest usable checkpoint, using its "
+                                        "config.yaml (metrics.jsonl and train.log are appended to). A setting "
+                                        "that changes the math must match the checkpoint's, unless "
+                                        "--allow-config-change.")
     resume.add_argument("run_dir", help="a run directory written by `rlbolt demo` or `rlbolt fit`")
     resume.add_argument("--max-steps", type=_positive_int, help="the new total number of steps")
+    resume.add_argument("--allow-config-change", action="store_true",
+                        help="continue although config.yaml changed a setting that changes the math (model, plan, "
+                             "algorithm, rollout, reward, data, seeds); the change is recorded in "
+                             "config_changes.jsonl")
 
     plot = sub.add_parser("plot", help="PNGs of reward, KL, entropy, response length, stage times and the timeline",
                           description="Draw PNGs from RUN_DIR/metrics.jsonl (and the Gantt chart of "
@@ -79,9 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export", help="write a Hugging Face folder from the latest checkpoint",
                             description="Write OUT (config.json + model.safetensors, and the tokenizer when "
-                                        "the run used a tokenizer folder) from RUN_DIR's latest checkpoint. "
+                                        "the run used a tokenizer folder) from RUN_DIR's newest usable checkpoint. "
                                         "A LoRA run writes its adapters merged into the base, or with --adapter "
-                                        "the adapters alone in PEFT's layout.")
+                                        "the adapters alone in PEFT's layout. Reads only: safe while the run is "
+                                        "training.")
     export.add_argument("run_dir")
     export.add_argument("out")
     export.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
@@ -102,7 +114,7 @@ def _positive_int(text: str) -> int:
 
 
 def _demo_default(name: str):
-    from rlbolt.app.demo import DemoConfig
+    from rlbolt.app.demo_config import DemoConfig
 
     return getattr(DemoConfig(), name)
 
@@ -127,7 +139,7 @@ def split_overrides(extra: Sequence[str]) -> list[str]:
 # -- subcommands ------------------------------------------------------------------------------------
 def _cmd_demo(args: argparse.Namespace) -> int:
     from rlbolt.app.cli_run import run_demo
-    from rlbolt.app.demo import DemoConfig
+    from rlbolt.app.demo_config import DemoConfig
 
     changes = {k: v for k, v in (("max_steps", args.max_steps), ("checkpoint_every", args.checkpoint_every),
                                  ("seed", args.seed), ("task", args.task), ("lora_rank", args.lora_rank),
@@ -160,29 +172,33 @@ def _cmd_fit(args: argparse.Namespace, extra: Sequence[str]) -> int:
 
 def _cmd_resume(args: argparse.Namespace) -> int:
     from rlbolt.app import rundir
-    from rlbolt.app.cli_export import is_demo_config
+    from rlbolt.app.demo_config import is_demo_config
+    from rlbolt.utils import runlock
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         raise CLIError(f"run directory {run_dir} does not exist")
+    if not (run_dir / rundir.CONFIG_FILE).is_file():
+        raise CLIError(rundir.not_a_run_message(run_dir))
     data = rundir.read_config(run_dir)
-    if is_demo_config(data):
-        from rlbolt.app.cli_run import run_demo
-        from rlbolt.app.demo import DemoConfig
+    with runlock.hold(run_dir):  # before JAX is imported: a second writer is refused at once
+        if is_demo_config(data):
+            from rlbolt.app.cli_run import run_demo
+            from rlbolt.app.demo_config import DemoConfig
 
-        config = DemoConfig.from_dict(data)
+            config = DemoConfig.from_dict(data)
+            if args.max_steps is not None:
+                config = dataclasses.replace(config, max_steps=args.max_steps)
+            run_demo(config, run_dir, resume=True, allow_config_change=args.allow_config_change)
+            return 0
+        from rlbolt.app.cli_run import run_config
+        from rlbolt.app.config import load_config
+
+        overrides = [f"trainer.run_dir={run_dir}"]
         if args.max_steps is not None:
-            config = dataclasses.replace(config, max_steps=args.max_steps)
-        run_demo(config, run_dir, resume=True)
+            overrides.append(f"trainer.max_steps={args.max_steps}")
+        run_config(load_config(data, overrides), resume=True, allow_config_change=args.allow_config_change)
         return 0
-    from rlbolt.app.cli_run import run_config
-    from rlbolt.app.config import load_config
-
-    overrides = [f"trainer.run_dir={run_dir}"]
-    if args.max_steps is not None:
-        overrides.append(f"trainer.max_steps={args.max_steps}")
-    run_config(load_config(data, overrides), resume=True)
-    return 0
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
@@ -220,27 +236,27 @@ def _cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+_USER_ERRORS = (  # (module, class): bad input or a refusal, reported in one line with exit status 2
+    ("rlbolt.app.rundir", "RunDirError"), ("rlbolt.plan", "PlanError"), ("rlbolt.app.demo_config", "DemoConfigError"),
+    ("rlbolt.app.config_fields", "ConfigError"), ("rlbolt.utils.runlock", "RunDirBusy"),
+    ("rlbolt.callbacks.checkpoint_io", "NoUsableCheckpoint"), ("rlbolt.callbacks.config_guard", "ConfigChanged"),
+    ("rlbolt.callbacks.checkpoint_meta", "FrozenParamsMismatch"),  # a LoRA resume or export on another base
+    ("rlbolt.data.loaders", "DataFileError"),
+)
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
-    from rlbolt.app.demo import DemoConfigError
-    from rlbolt.plan import PlanError
-    from rlbolt.app.rundir import RunDirError
-
-    errors: list[type[BaseException]] = [CLIError, RunDirError, PlanError, DemoConfigError, FileNotFoundError,
-                                         FileExistsError]
-    from rlbolt.callbacks.checkpoint import FrozenParamsMismatch  # a LoRA resume or export on another base
-
-    errors.append(FrozenParamsMismatch)
-    try:
-        from rlbolt.app.config import ConfigError
-
-        errors.append(ConfigError)
-    except ImportError:
-        pass
-    return tuple(errors)
+    # An exception's class is loaded once one was raised: looking in sys.modules imports nothing
+    # (a refusal that comes before JAX is imported stays fast).
+    found = [getattr(sys.modules[m], name) for m, name in _USER_ERRORS if m in sys.modules]
+    return (CLIError, FileNotFoundError, FileExistsError, *found)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Runs the command line; returns the exit status (0 ok, 2 bad input, 130 interrupted)."""
+    """Runs the command line; returns the exit status (0 ok, 1 failed, 2 bad input or refused,
+    130 / 143 stopped by SIGINT / SIGTERM)."""
+    from rlbolt.app.quiet import quiet_libraries
+    from rlbolt.signals import RaiseOnSignal
     from rlbolt.utils.xla_flags import configure_xla_flags
 
     configure_xla_flags()  # before the first JAX computation: XLA reads the flags once
@@ -249,20 +265,47 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra and args.command != "fit":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     handlers = {"demo": _cmd_demo, "resume": _cmd_resume, "plot": _cmd_plot, "export": _cmd_export}
-    try:
-        if args.command == "fit":
-            return _cmd_fit(args, extra)
-        return handlers[args.command](args)
-    except _user_errors() as error:
-        if os.environ.get("RLBOLT_DEBUG"):
+    debug = bool(os.environ.get("RLBOLT_DEBUG"))
+
+    def fail(message: str, code: int) -> int:
+        print(f"rlbolt {args.command}: {message}", file=sys.stderr, flush=True)
+        return code
+
+    with RaiseOnSignal(), quiet_libraries(enabled=not debug):
+        try:
+            if args.command == "fit":
+                return _cmd_fit(args, extra)
+            return handlers[args.command](args)
+        except _user_errors() as error:
+            if debug:
+                raise
+            return fail("error: " + (_one_line(error) or type(error).__name__), EXIT_BAD_INPUT)
+        except KeyboardInterrupt as error:  # rlbolt.signals.Interrupted: a signal outside a fit's loop
+            return fail(f"{_one_line(error) or 'interrupted'}; nothing more was saved", 128 + getattr(error, "signum", 2))
+        except Exception as error:
+            kind = f"{type(error).__module__}.{type(error).__name__}"
+            if kind == "rlbolt.app.cli_run.RunInterrupted":  # the run saved its last step, then stopped
+                return fail(_one_line(error), error.exit_code)
+            if kind == "rlbolt.callbacks.checkpoint_io.CheckpointWriteError" and not debug:
+                return fail("error: " + _one_line(error), EXIT_FAILED)
             raise
-        message = str(error).strip().replace("\n", " ") or type(error).__name__
-        print(f"rlbolt {args.command}: error: {message}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print(f"rlbolt {args.command}: interrupted", file=sys.stderr)
-        return 130
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())
+
+
+def run() -> None:
+    """The `rlbolt` program: `main` on sys.argv, then exit with its status. After a failure was
+    reported in its one line, the interpreter's shutdown writes nothing more to the terminal
+    (`quiet.close_stderr`); RLBOLT_DEBUG=1 keeps everything."""
+    code = main()
+    if code != 0 and not os.environ.get("RLBOLT_DEBUG"):
+        from rlbolt.app.quiet import close_stderr
+
+        close_stderr()
+    sys.exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -1,11 +1,26 @@
-"""`rlbolt export`: a Hugging Face folder from a run directory's latest checkpoint.
+"""`rlbolt export`: a Hugging Face folder from a run directory's newest usable checkpoint.
 
-The run's config.yaml rebuilds the module exactly as training built it (same model shape and
-optimizer), which gives Orbax the abstract target to restore into; the restored parameters go
-into the module's Decoder and `rlbolt.models.hf_io.save_hf` writes config.json + safetensors.
-A LoRA run (model.lora) reloads its base from model.path (refused if its fingerprint differs
-from the one the checkpoint recorded) and writes the adapters merged into it, or with
-`adapter=True` the adapters alone in PEFT's layout (`rlbolt.models.peft_io`).
+A run that trains every parameter is exported from its checkpoint alone, not config.yaml nor
+the module that trained it, so runs made with `Trainer.fit` from a script export as well as
+`rlbolt demo` / `fit` runs. Every checkpoint records what export needs (`meta.model`, written
+by ModelCheckpoint): the ModelConfig of the policy's Decoder, where the policy's parameters sit
+inside the trainable pytree (PPO keeps them under "policy"), and the tokenizer folder the run
+used. Export:
+
+    1. reads the newest usable step read-only (checksums and finiteness verified; NaN weights
+       are never exported), retrying when a training process prunes it while it is being read;
+    2. builds the Decoder's structure from the recorded ModelConfig (no weights initialised),
+       fills it with the restored parameters, names and shapes checked;
+    3. writes config.json + safetensors (+ the tokenizer files) with `rlbolt.models.hf_io.save_hf`.
+
+A LoRA run (model.lora, or the demo's lora_rank) checkpoints its adapters only: its base comes
+from model.path (or the demo's base), so the run's config.yaml rebuilds the module
+(`latest_params`; refused if the base's fingerprint differs from the one the checkpoint
+recorded) and export writes the adapters merged into the base, or with `adapter=True` the
+adapters alone in PEFT's layout (`rlbolt.models.peft_io`).
+
+Export never writes, renames or cleans anything in the run directory: it is safe while the run
+is training.
 """
 
 from __future__ import annotations
@@ -14,29 +29,122 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from rlbolt.app import rundir
-from rlbolt.app.demo import DemoConfig, DigitsGRPO
+from rlbolt.app.demo_config import DemoConfig, is_demo_config
+
+READ_ATTEMPTS = 5
 
 
-def is_demo_config(data: dict[str, Any]) -> bool:
-    """True when a config.yaml mapping was written by `rlbolt demo` (a single `demo` section)."""
-    return set(data) == {"demo"}
+def read_latest(run_dir: str | Path, template: dict | None = None) -> tuple[int, Any, dict]:
+    """The newest usable checkpoint, read-only.
+
+    Args:
+      run_dir: a run directory with checkpoints/.
+      template: {"params", "opt_state", "rng"} to restore into (a rebuilt module's); None
+        restores the parameters alone, as saved (nested dicts).
+
+    Returns:
+      (step, the restored arrays dict, or the params alone without a template, meta).
+
+    Raises:
+      RunDirError: no checkpoints/ folder or no checkpoint in it.
+      NoUsableCheckpoint: every checkpoint fails its checks (each reason is listed).
+    """
+    from rlbolt.callbacks.checkpoint_io import CheckpointIO, NoUsableCheckpoint
+
+    ckpt_dir = Path(run_dir) / rundir.CHECKPOINTS_DIR
+    if not ckpt_dir.is_dir():
+        raise rundir.RunDirError(f"{run_dir} has no {rundir.CHECKPOINTS_DIR}/ folder; is it a run directory?")
+    for attempt in range(1, READ_ATTEMPTS + 1):
+        # A training process may prune or rename steps while they are listed or read: list again.
+        try:
+            io = CheckpointIO(ckpt_dir, read_only=True)
+            try:
+                steps = io.steps()
+                if not steps:
+                    raise rundir.RunDirError(f"{ckpt_dir} holds no checkpoint; a run saves one at its end, when "
+                                             "stopped by Ctrl-C or SIGTERM, and every checkpoint_every_n_steps")
+                try:
+                    params = None if template is None else template["params"]
+                    step, arrays, meta, _ = io.restore_usable(steps, template, params)
+                    return step, arrays, meta
+                except NoUsableCheckpoint:
+                    if attempt == READ_ATTEMPTS or io.steps() == steps:
+                        raise
+            finally:
+                io.close()
+        except FileNotFoundError as error:
+            if attempt == READ_ATTEMPTS:
+                raise rundir.RunDirError(f"the checkpoints in {ckpt_dir} kept changing while they were read "
+                                         f"({error.strerror}: {error.filename}); try again") from None
+    raise AssertionError("unreachable")
+
+
+def decoder_from_checkpoint(params: Any, model: dict | None, run_dir: Path):
+    """The policy's Decoder holding the checkpoint's parameters (see the module docstring)."""
+    from rlbolt.callbacks.checkpoint_integrity import named_leaves, path_name
+    from rlbolt.models import Decoder
+    from rlbolt.models.config import ModelConfig
+
+    if model is None:
+        raise rundir.RunDirError(f"the checkpoints in {run_dir} record no rlbolt Decoder (the module's `model` was "
+                                 "not an rlbolt.models.Decoder), so there is nothing export can write")
+    config = ModelConfig(**model["config"]).validate()
+    key = model.get("params_key")
+    saved = named_leaves(params[key] if key is not None else params)
+    graphdef, template = nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))), nnx.Param)
+
+    def fill(path, leaf):
+        name = path_name(path)
+        if name not in saved:
+            raise rundir.RunDirError(f"the checkpoint in {run_dir} has no parameter {name} that a {config.architecture} "
+                                     "Decoder of its recorded config needs")
+        value = jnp.asarray(saved[name])
+        if value.shape != leaf.shape:
+            raise rundir.RunDirError(f"parameter {name} is {value.shape} in the checkpoint, {leaf.shape} in the "
+                                     "recorded model config")
+        return value.astype(leaf.dtype)
+
+    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(fill, template))
+
+
+def latest_model(run_dir: str | Path) -> tuple[Any, int, str | None]:
+    """The policy of the newest usable checkpoint, rebuilt from that checkpoint alone (a run
+    that trains every parameter).
+
+    Returns:
+      (Decoder with the checkpoint's weights, the checkpoint's step, the tokenizer folder the
+      run used or None).
+
+    Raises:
+      RunDirError: also for a LoRA run (its base is not in the checkpoint: see `latest_params`).
+    """
+    run_dir = Path(run_dir)
+    step, params, meta = read_latest(run_dir)
+    if meta.get("frozen") is not None:
+        raise rundir.RunDirError(f"{run_dir} trained LoRA adapters on a frozen base, which its checkpoints do not hold; "
+                                 f"export needs the run's {rundir.CONFIG_FILE} to reload that base")
+    model = meta.get("model")
+    decoder = decoder_from_checkpoint(params, model, run_dir)
+    return decoder, step, (model or {}).get("tokenizer_folder")
 
 
 def _module_for(run_dir: Path) -> tuple[Any, Any]:
     """(module with its model built and initial params loaded, the config it was built from)."""
     data = rundir.read_config(run_dir)
     if is_demo_config(data):
+        from rlbolt.app.demo import DigitsGRPO
+
         cfg = DemoConfig.from_dict(data)
         module = DigitsGRPO(cfg)
         module.init_params(jax.random.fold_in(jax.random.PRNGKey(cfg.seed), 0))  # as Trainer._setup derives it
         return module, None
+    from rlbolt.app import objects
     from rlbolt.app.build import build_module, build_trainer
     from rlbolt.app.config import load_config
-
-    from rlbolt.app import objects
 
     cfg = load_config(data, [f"trainer.run_dir={run_dir}"])
     # The model and tokenizer objects the run was built with (a reward is not needed to export).
@@ -54,7 +162,8 @@ def _trains_adapters(data: dict[str, Any]) -> bool:
 
 
 def latest_params(run_dir: str | Path) -> tuple[Any, int, Any]:
-    """Restores the newest usable checkpoint's parameters into the run's module.
+    """Restores the newest usable checkpoint's parameters into the run's module, rebuilt from its
+    config.yaml (what a LoRA run needs: its frozen base is not in the checkpoint).
 
     Args:
       run_dir: a run directory with config.yaml and checkpoints/.
@@ -65,26 +174,17 @@ def latest_params(run_dir: str | Path) -> tuple[Any, int, Any]:
 
     Raises:
       RunDirError: the directory is not a run or holds no checkpoint.
+      FrozenParamsMismatch: the checkpoint was trained on another base than config.yaml loads.
     """
-    from rlbolt.callbacks.checkpoint import check_frozen_identity
-    from rlbolt.callbacks.checkpoint_io import CheckpointIO
+    from rlbolt.callbacks.checkpoint_meta import check_frozen_identity
 
     run_dir = Path(run_dir)
     module, cfg = _module_for(run_dir)
-    ckpt_dir = run_dir / rundir.CHECKPOINTS_DIR
-    io = CheckpointIO(ckpt_dir, async_save=False) if ckpt_dir.is_dir() else None
-    steps = io.steps() if io is not None else []
-    if not steps:
-        raise rundir.RunDirError(f"{ckpt_dir} holds no checkpoint; train with checkpoints first "
-                                 "(the demo always saves its last step)")
-    try:
-        params = module.init_params(jax.random.PRNGKey(0))
-        optimizer = module.configure_optimizers()
-        template = {"params": params, "opt_state": optimizer.init(params), "rng": jax.random.PRNGKey(0)}
-        step, arrays, meta, _ = io.restore_usable(steps, template, params)
-    finally:
-        io.close()
-    check_frozen_identity(meta.get("frozen"), module.frozen_identity(), ckpt_dir)
+    params = module.init_params(jax.random.PRNGKey(0))
+    optimizer = module.configure_optimizers()
+    template = {"params": params, "opt_state": optimizer.init(params), "rng": jax.random.PRNGKey(0)}
+    step, arrays, meta = read_latest(run_dir, template)
+    check_frozen_identity(meta.get("frozen"), module.frozen_identity(), run_dir / rundir.CHECKPOINTS_DIR)
     policy = module.policy_params(arrays["params"]) if hasattr(module, "policy_params") else arrays["params"]
     nnx.update(module.model, policy)
     return module, step, cfg
@@ -92,10 +192,10 @@ def latest_params(run_dir: str | Path) -> tuple[Any, int, Any]:
 
 def export_run(run_dir: str | Path, out: str | Path, *, overwrite: bool = False,
                adapter: bool = False) -> tuple[Path, int]:
-    """Writes the latest checkpoint of `run_dir` as a Hugging Face folder `out`.
+    """Writes the newest usable checkpoint of `run_dir` as a Hugging Face folder `out`.
 
     Args:
-      run_dir: the run directory.
+      run_dir: the run directory (from `rlbolt demo`, `rlbolt fit` or a script's `Trainer.fit`).
       out: the output folder; it must not exist unless `overwrite`.
       overwrite: replace an existing `out`.
       adapter: a LoRA run only: write the adapters alone as a PEFT folder (adapter_config.json +
@@ -106,12 +206,18 @@ def export_run(run_dir: str | Path, out: str | Path, *, overwrite: bool = False,
     """
     from rlbolt.models.hf_io import save_hf
 
-    out = Path(out)
+    run_dir, out = Path(run_dir), Path(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out} already exists; choose another OUT folder or pass --overwrite")
-    if adapter and not _trains_adapters(rundir.read_config(Path(run_dir))):
-        raise rundir.RunDirError(f"{run_dir} trained every parameter (no LoRA), so it has no adapter to write; "
-                                 "export without --adapter")
+    data = rundir.read_config(run_dir) if (run_dir / rundir.CONFIG_FILE).is_file() else None
+    if data is None or not _trains_adapters(data):
+        if adapter:
+            raise rundir.RunDirError(f"{run_dir} trained every parameter (no LoRA), so it has no adapter to write; "
+                                     "export without --adapter")
+        model, step, folder = latest_model(run_dir)
+        tokenizer_folder = folder if folder and (Path(folder) / "tokenizer.json").is_file() else None
+        save_hf(model, model.config, out, tokenizer_folder=tokenizer_folder, overwrite=overwrite)
+        return out, step
     module, step, cfg = latest_params(run_dir)
     lora = getattr(module, "lora", None)
     if adapter:
@@ -120,7 +226,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, overwrite: bool = False,
         base = cfg.model.path if cfg is not None else None
         save_peft_adapter(module.model, lora.config, out, base_model=base, overwrite=overwrite)
         return out, step
-    model = module.model if lora is None else lora.merged_model(nnx.state(module.model, nnx.LoRAParam))
+    model = lora.merged_model(nnx.state(module.model, nnx.LoRAParam))
     tokenizer_folder = None
     if cfg is not None:
         folder = cfg.model.tokenizer or cfg.model.path

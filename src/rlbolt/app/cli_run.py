@@ -1,8 +1,10 @@
 """What `rlbolt demo`, `rlbolt fit` and `rlbolt resume` do, as functions the CLI and tests call.
 
 Every run goes through the same steps: prepare the run directory (refusing a non-empty one
-unless resuming), write the resolved config, log to train.log, fit with MetricsLogger(jsonl),
-TimelineLogger, ProgressBar and ModelCheckpoint, then draw the plots and print a summary.
+unless resuming, and locking it for this process), write the resolved config, log to train.log,
+fit with MetricsLogger(jsonl), TimelineLogger, ProgressBar and ModelCheckpoint, then draw the
+plots and print a summary. A fit stopped by SIGINT/SIGTERM raises `RunInterrupted` after its
+checkpoint is saved.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
@@ -17,6 +20,7 @@ from typing import Any, TextIO
 
 from rlbolt.app import rundir
 from rlbolt.app.demo import DemoConfig, DigitsGRPO, demo_rows
+from rlbolt.callback import Callback
 from rlbolt.fit_checks import check_fit
 from rlbolt.plan import BatchPlan
 from rlbolt.trainer import Trainer
@@ -25,6 +29,44 @@ log = logging.getLogger("rlbolt.run")
 
 
 DEMO_TARGET = 0.9  # the reward the demo's summary reports reaching
+
+
+class RunInterrupted(Exception):
+    """A run stopped by SIGINT or SIGTERM after its last completed step was saved.
+
+    Attributes:
+      signum: the signal.
+      step: the last completed step.
+      checkpoint_step: the newest checkpoint on disk (None when checkpointing was off).
+      run_dir: the run directory.
+    """
+
+    def __init__(self, signum: int, step: int, checkpoint_step: int | None, run_dir: Path):
+        self.signum, self.step, self.checkpoint_step, self.run_dir = signum, step, checkpoint_step, run_dir
+        saved = (f"checkpoint of step {checkpoint_step} saved" if checkpoint_step is not None
+                 else "no checkpoint (checkpointing is off)")
+        super().__init__(f"interrupted by {signal.Signals(signum).name} after step {step}; {saved}; "
+                         f"continue with: rlbolt resume {run_dir}")
+
+    @property
+    def exit_code(self) -> int:
+        """128 + signum: 130 for SIGINT, 143 for SIGTERM."""
+        return 128 + self.signum
+
+
+class ResumeNotice(Callback):
+    """Says on the console which step a resumed run continues from (train.log has it too)."""
+
+    def __init__(self, out: TextIO | None = None):
+        self.out = out
+
+    def on_fit_start(self, trainer, state) -> None:
+        if state.step == 0:
+            return
+        line = f"resumed from the checkpoint of step {state.step} in {Path(trainer.run_dir) / rundir.CHECKPOINTS_DIR}"
+        if trainer.max_steps is not None and state.step >= trainer.max_steps:
+            line += f"; the run already reached max_steps={trainer.max_steps}: nothing to train (raise it with --max-steps)"
+        print(line, file=self.out or sys.stdout, flush=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +108,10 @@ class RunSummary:
         ])
 
 
-def standard_callbacks(checkpoint_every: int | None, *, progress: bool = True) -> list:
-    """MetricsLogger(jsonl), TimelineLogger, ProgressBar, ModelCheckpoint (resuming the latest) and LogFile."""
+def standard_callbacks(checkpoint_every: int | None, *, progress: bool = True, config: dict | None = None,
+                       allow_config_change: bool = False) -> list:
+    """MetricsLogger(jsonl), TimelineLogger, ProgressBar, ModelCheckpoint (resuming the latest, recording
+    `config`), LogFile and ResumeNotice."""
     from rlbolt.callbacks.checkpoint import ModelCheckpoint
     from rlbolt.callbacks.metrics import MetricsLogger
     from rlbolt.callbacks.progress import ProgressBar
@@ -76,12 +120,13 @@ def standard_callbacks(checkpoint_every: int | None, *, progress: bool = True) -
     callbacks: list[Any] = [MetricsLogger(writer=["jsonl"]), TimelineLogger()]
     if progress:
         callbacks.append(ProgressBar())
-    callbacks.append(ModelCheckpoint(every_n_steps=checkpoint_every, keep=2, resume="latest"))
-    return [*callbacks, rundir.LogFile()]
+    callbacks.append(ModelCheckpoint(every_n_steps=checkpoint_every, keep=2, resume="latest", config=config,
+                                     allow_config_change=allow_config_change))
+    return [*callbacks, rundir.LogFile(), ResumeNotice()]
 
 
 def run_demo(config: DemoConfig, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
-             out: TextIO | None = None) -> RunSummary:
+             out: TextIO | None = None, allow_config_change: bool = False) -> RunSummary:
     """Trains the built-in demo (see `rlbolt.app.demo`) into `run_dir`.
 
     Args:
@@ -90,24 +135,31 @@ def run_demo(config: DemoConfig, run_dir: str | Path, *, resume: bool = False, p
       resume: continue from the latest checkpoint in `run_dir` (config.yaml must exist).
       progress: show the progress bar.
       out: where the summary is printed (default stdout).
+      allow_config_change: resume even if a math-changing setting differs from the checkpoint's.
 
     Returns:
       The RunSummary (also printed and logged).
+
+    Raises:
+      RunInterrupted: SIGINT/SIGTERM stopped the run (its last step is saved).
     """
     rundir.check_run_dir(run_dir, resume=resume)
     if resume:
         _require_checkpoints(Path(run_dir))
+    callbacks = standard_callbacks(config.checkpoint_every, progress=progress, config=config.to_dict(),
+                                   allow_config_change=allow_config_change)
     trainer = Trainer(BatchPlan(config.prompts_per_step, config.num_generations), max_steps=config.max_steps,
-                      seed=config.seed, callbacks=standard_callbacks(config.checkpoint_every, progress=progress),
-                      run_dir=run_dir)
+                      seed=config.seed, callbacks=callbacks, run_dir=run_dir)
     module, rows = DigitsGRPO(config), demo_rows(config)
     trainer.plan = check_fit(trainer.plan, module, rows, None)
     with _opened_run_dir(run_dir, resume) as path:
-        rundir.write_config(path, config.to_dict())
+        if _main_process():
+            rundir.write_config(path, config.to_dict())
         return _fit_and_report(trainer, module, rows, None, path, out, target=DEMO_TARGET)
 
 
-def run_config(cfg: Any, *, resume: bool = False, out: TextIO | None = None) -> RunSummary:
+def run_config(cfg: Any, *, resume: bool = False, out: TextIO | None = None,
+               allow_config_change: bool = False) -> RunSummary:
     """Trains a recipe config (a resolved `rlbolt.app.config.RunConfig`) into `cfg.trainer.run_dir`.
 
     Everything that can be checked is checked before the run folder is created (see
@@ -118,53 +170,112 @@ def run_config(cfg: Any, *, resume: bool = False, out: TextIO | None = None) -> 
       cfg: the run config; `trainer.run_dir` must be set.
       resume: continue from the latest checkpoint of that directory.
       out: where the summary is printed (default stdout).
+      allow_config_change: resume even if a math-changing setting differs from the checkpoint's.
 
     Returns:
       The RunSummary.
-    """
-    from rlbolt.app.build import assemble_run
-    from rlbolt.app.config import save_config
 
-    rundir.check_run_dir(cfg.trainer.run_dir, resume=resume)
+    Raises:
+      RunInterrupted: SIGINT/SIGTERM stopped the run (its last step is saved).
+    """
+    from rlbolt.app.build import assemble_run, start_distributed
+    from rlbolt.app.config import save_config
+    from rlbolt.callbacks.checkpoint import ModelCheckpoint
+
+    if start_distributed(cfg):  # before anything touches a device; every process runs this command
+        cfg = _same_run_dir(cfg)
+    _on_process_0(lambda: rundir.check_run_dir(cfg.trainer.run_dir, resume=resume))
     if resume:
         _require_checkpoints(Path(cfg.trainer.run_dir))
-    run = assemble_run(cfg, callbacks=[rundir.LogFile()])
+    run = assemble_run(cfg, callbacks=[rundir.LogFile(), ResumeNotice()])
+    for checkpoint in run.trainer.callbacks.find(ModelCheckpoint):
+        checkpoint.allow_config_change = allow_config_change
     with _opened_run_dir(cfg.trainer.run_dir, resume) as path:
-        save_config(run.config, path / rundir.CONFIG_FILE)
+        if _main_process():
+            save_config(run.config, path / rundir.CONFIG_FILE)
         return _fit_and_report(run.trainer, run.module, run.train_rows, run.val_rows, path, out)
 
 
 @contextlib.contextmanager
 def _opened_run_dir(run_dir: str | Path, resume: bool):
-    """Creates the run folder; a fresh run that fails before its first step leaves none behind."""
+    """Creates and locks the run folder; a fresh run that fails before its first step leaves none
+    behind, and the lock is released when the run is over. With several processes process 0
+    alone creates (and removes) it."""
     existed = Path(run_dir).exists()
-    path = rundir.prepare_run_dir(run_dir, resume=resume)
+    _on_process_0(lambda: rundir.prepare_run_dir(run_dir, resume=resume))
+    path = Path(run_dir)
     try:
         yield path
     except BaseException:
-        if not resume and rundir.discard_unused_run_dir(path) and existed:
+        if _main_process() and not resume and rundir.discard_unused_run_dir(path) and existed:
             path.mkdir()  # the user's empty folder stays, empty
         raise
+    finally:
+        rundir.release_run_dir(path)
+
+
+def _on_process_0(action) -> None:
+    """Runs a run-folder `action` on process 0 only; its RunDirError is raised on every process
+    (several processes checking and creating one shared folder would race)."""
+    import jax
+
+    if jax.process_count() == 1:
+        action()
+        return
+    from rlbolt.distributed import gather_objects
+
+    error = None
+    if jax.process_index() == 0:
+        try:
+            action()
+        except rundir.RunDirError as exc:
+            error = str(exc)
+    error = gather_objects(error)[0]  # also a barrier: nobody goes on before process 0 is done
+    if error is not None:
+        raise rundir.RunDirError(error)
+
+
+def _same_run_dir(cfg: Any) -> Any:
+    """Process 0's run directory on every process (a default name holds the start time)."""
+    from rlbolt.distributed import gather_objects
+
+    run_dir = gather_objects(cfg.trainer.run_dir)[0]
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, run_dir=run_dir))
+
+
+def _main_process() -> bool:
+    import jax
+
+    return jax.process_index() == 0
 
 
 def _require_checkpoints(run_dir: Path) -> None:
+    """A resume never starts over from step 0: the run must have a checkpoint (ModelCheckpoint
+    then refuses a folder whose checkpoints were all deleted, naming the first one saved)."""
     folder = run_dir / rundir.CHECKPOINTS_DIR
-    steps = [p for p in folder.iterdir() if p.name.isdigit()] if folder.is_dir() else []
-    if not steps:
-        raise rundir.RunDirError(f"{folder} holds no checkpoint to resume from; train with checkpoints "
-                                 "(`rlbolt demo --checkpoint-every K`, or callbacks.checkpoint_every_n_steps for fit)")
+    entries = [p.name for p in folder.iterdir()] if folder.is_dir() else []
+    if not any(name.split(".")[0].isdigit() for name in entries) and "saved.json" not in entries:
+        raise rundir.RunDirError(f"{folder} holds no checkpoint to resume from: the run ended before its first one "
+                                 "was written; start it again in a new run directory")
 
 
 def _fit_and_report(trainer: Trainer, module: Any, train_rows: Any, val_rows: Any, run_dir: Path,
                     out: TextIO | None, target: float | None = None) -> RunSummary:
-    handler = rundir.attach_log_file(run_dir)
+    main = _main_process()  # only process 0 writes train.log, plots and the summary
+    handler = rundir.attach_log_file(run_dir) if main else None
     started = time.perf_counter()
     try:
         state = trainer.fit(module, train_rows, val_rows)
+        if trainer.interrupted:
+            saved = [cb.saved_step for cb in trainer.callbacks if getattr(cb, "saved_step", None) is not None]
+            raise RunInterrupted(trainer.stop_signal or signal.SIGINT, state.step, max(saved, default=None), run_dir)
+        if not main:
+            return RunSummary(run_dir, state.step, time.perf_counter() - started, None, None, None, target, ())
         summary = summarize(run_dir, state.step, time.perf_counter() - started, target)
         log.info("summary:\n%s", summary.text())
     finally:
-        rundir.detach_log_file(handler)
+        if handler is not None:
+            rundir.detach_log_file(handler)
     print(summary.text(), file=out or sys.stdout, flush=True)
     return summary
 

@@ -143,10 +143,32 @@ class TrainerSection:
 
 
 @dataclass(frozen=True)
+class MeshSection:
+    """The device mesh data x fsdp x tp (-1: every device the other axes leave; docs/howto/multi-device.md)."""
+
+    data: int = _f(1, "data-parallel replicas (each holds the whole fsdp-sharded model)")
+    fsdp: int = _f(-1, "fully-sharded data parallel: params, gradients and optimizer state split over it, and the batch")
+    tp: int = _f(1, "tensor parallel: heads, MLP columns and the vocabulary split over it")
+
+
+@dataclass(frozen=True)
+class DistributedSection:
+    """Several processes (hosts) on JAX's distributed runtime (docs/howto/multi-host.md)."""
+
+    mode: str = _f("auto", "auto: start when an address/count is set here or in $JAX_COORDINATOR_ADDRESS / $JAX_NUM_PROCESSES / $JAX_PROCESS_ID, or Slurm runs > 1 task; on: always (JAX detects TPU/Slurm/MPI); off: one process", ("auto", "on", "off"))
+    coordinator_address: str | None = _f(None, "host:port of process 0; None: $JAX_COORDINATOR_ADDRESS or detected")
+    num_processes: int | None = _f(None, "processes taking part; None: $JAX_NUM_PROCESSES or detected", at_least=1)
+    process_id: int | None = _f(None, "this process's index; None: $JAX_PROCESS_ID or detected", at_least=0)
+    heartbeat_timeout_s: int = _f(30, "a process silent this long is declared dead and every other process exits with an error", at_least=1)
+    initialization_timeout_s: int = _f(300, "how long to wait for every process to connect", at_least=1)
+
+
+@dataclass(frozen=True)
 class CallbacksSection:
     """Built-in callbacks."""
 
-    checkpoint_every_n_steps: int | None = _f(None, "save a checkpoint every n steps (and at the end); None: no checkpoints", at_least=1)
+    checkpoint: bool = _f(True, "save checkpoints: the last step at the end and when stopped by SIGINT/SIGTERM, plus every checkpoint_every_n_steps; false: none (the run cannot be resumed or exported)")
+    checkpoint_every_n_steps: int | None = _f(None, "also save a checkpoint every n steps; None: only at the end (and when stopped by a signal)", at_least=1)
     keep: int = _f(3, "checkpoints to keep", at_least=1)
     resume: bool = _f(True, "resume from the newest checkpoint in run_dir when there is one")
     metrics: tuple = _f(("console", "jsonl"), f"metric writers, any of {METRIC_WRITERS}")
@@ -185,6 +207,8 @@ class RunConfig:
     reward: RewardSection = field(default_factory=RewardSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)
     callbacks: CallbacksSection = field(default_factory=CallbacksSection)
+    mesh: MeshSection = field(default_factory=MeshSection)
+    distributed: DistributedSection = field(default_factory=DistributedSection)
     objects: ObjectsSection = field(default_factory=ObjectsSection)
 
 
@@ -313,6 +337,12 @@ def _check_rules(cfg: RunConfig) -> None:
             f"algorithm.overlong_cache_length={a.overlong_cache_length} must lie in [0, rollout.max_new_tokens="
             f"{r.max_new_tokens}]"
         )
+    for axis in ("data", "fsdp", "tp"):
+        size = getattr(cfg.mesh, axis)
+        if size == 0 or size < -1:
+            raise ConfigError(f"mesh.{axis}={size} must be a positive integer or -1 (the devices the other axes leave)")
+    if sum(getattr(cfg.mesh, a) == -1 for a in ("data", "fsdp", "tp")) > 1:
+        raise ConfigError(f"mesh has -1 on more than one axis ({dataclasses.asdict(cfg.mesh)}); at most one takes the rest")
     bad = [m for m in cfg.callbacks.metrics if m not in METRIC_WRITERS]
     if bad:
         raise ConfigError(f"callbacks.metrics has unknown writer(s) {bad}; choose from {list(METRIC_WRITERS)}")

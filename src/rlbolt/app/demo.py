@@ -16,8 +16,6 @@ learn several times faster than one outcome reward per completion on this task.
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import threading
 from typing import Any
 
@@ -27,6 +25,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from rlbolt.app.demo_config import TASKS, DemoConfig, DemoConfigError  # noqa: F401 - re-exported
 from rlbolt.algorithms import aggregate_loss, clipped_surrogate, grpo_process_advantages
 from rlbolt.batch import Batch
 from rlbolt.data.tokenizers import CharTokenizer
@@ -36,88 +35,6 @@ from rlbolt.plan import PlanError
 from rlbolt.rollout.sampler import NativeSampler
 
 DIGITS = "0123456789"
-
-
-@dataclasses.dataclass(frozen=True)
-class DemoConfig:
-    """Everything the demo run depends on (written to the run directory as config.yaml).
-
-    Attributes:
-      seed: seeds the model init, the prompts and every sampled token.
-      max_steps: global steps to train.
-      num_digits: digits per prompt (= completion tokens).
-      num_prompts: size of the synthetic training set.
-      prompts_per_step: prompts per global step.
-      num_generations: completions per prompt (the GRPO group size G).
-      learning_rate: AdamW learning rate.
-      clip: PPO clip range epsilon.
-      temperature: sampling temperature.
-      hidden_size: model width (2 layers, 4 query / 2 kv heads).
-      checkpoint_every: save a checkpoint every this many steps (None: only at the end).
-      task: "copy", "reverse" or "increment".
-      lora_rank: None trains every parameter; r trains only LoRA adapters of rank r (alpha 2r) on
-        all seven projections of the frozen base (`rlbolt.models.lora`).
-      base_run: start from the policy of another demo run's latest checkpoint (same hidden_size
-        and num_digits) instead of a random model, e.g. a copy-trained base that LoRA then adapts
-        to "reverse". A random base cannot be adapted far: its frozen lm_head (std 0.02) after
-        the frozen final norm caps every logit near 1.3, so no digit gets much above p = 0.3.
-    """
-
-    seed: int = 0
-    max_steps: int = 300
-    num_digits: int = 4
-    num_prompts: int = 2000
-    prompts_per_step: int = 16
-    num_generations: int = 8
-    learning_rate: float = 5e-4
-    clip: float = 0.2
-    temperature: float = 1.0
-    hidden_size: int = 64
-    checkpoint_every: int | None = None
-    task: str = "copy"
-    lora_rank: int | None = None
-    base_run: str | None = None
-
-    def __post_init__(self):
-        for f in dataclasses.fields(self):
-            value, kind = getattr(self, f.name), _FIELD_KINDS[f.name]
-            ok = (value is None and f.name in ("checkpoint_every", "lora_rank", "base_run")) or (
-                isinstance(value, kind) and not isinstance(value, bool)) or (kind is float and isinstance(value, int)
-                                                                            and not isinstance(value, bool))
-            if not ok:
-                raise DemoConfigError(f"demo.{f.name}={value!r} must be of type {kind.__name__}")
-        if self.task not in TASKS:
-            raise DemoConfigError(f"demo.task={self.task!r}; allowed: {list(TASKS)}")
-        for name in ("max_steps", "num_digits", "num_prompts", "prompts_per_step", "num_generations", "hidden_size",
-                     "lora_rank"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise DemoConfigError(f"demo.{name}={getattr(self, name)} must be >= 1")
-        if self.num_generations < 2:
-            raise DemoConfigError(f"demo.num_generations={self.num_generations}: GRPO needs >= 2 samples per group")
-        if self.hidden_size % 4:
-            raise DemoConfigError(f"demo.hidden_size={self.hidden_size} must be a multiple of 4 (4 heads)")
-
-    def to_dict(self) -> dict[str, Any]:
-        """The config as a `{"demo": {...}}` mapping (the config.yaml layout of a demo run)."""
-        return {"demo": dataclasses.asdict(self)}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> DemoConfig:
-        """Reads the `{"demo": {...}}` mapping written by `to_dict`.
-
-        Raises:
-          DemoConfigError: an unknown key (the closest known one is suggested) or a bad value.
-        """
-        fields = [f.name for f in dataclasses.fields(cls)]
-        section = data.get("demo") or {}
-        if not isinstance(section, dict):
-            raise DemoConfigError(f"demo section must be a mapping of key: value, got {section!r}")
-        for key in section:
-            if key not in fields:
-                close = difflib.get_close_matches(str(key), fields, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise DemoConfigError(f"unknown key demo.{key}{hint}; allowed: {fields}")
-        return cls(**section)
 
 
 def _base_from_run(run_dir: str, model_config) -> Decoder:
@@ -133,16 +50,6 @@ def _base_from_run(run_dir: str, model_config) -> Decoder:
     if module.lora is None:
         return module.model
     return module.lora.merged_model(nnx.state(module.model, nnx.LoRAParam))
-
-
-class DemoConfigError(ValueError):
-    """A demo setting is unknown or out of range (the message names it and the allowed values)."""
-
-
-TASKS = ("copy", "reverse", "increment")
-_FIELD_KINDS = {"seed": int, "max_steps": int, "num_digits": int, "num_prompts": int, "prompts_per_step": int,
-                "num_generations": int, "learning_rate": float, "clip": float, "temperature": float,
-                "hidden_size": int, "checkpoint_every": int, "task": str, "lora_rank": int, "base_run": str}
 
 
 def demo_rows(config: DemoConfig) -> list[dict[str, str]]:

@@ -11,6 +11,7 @@ One figure per topic; a topic whose metrics the run never logged is skipped, not
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -128,7 +129,9 @@ def plot_metrics(metrics_path: str | Path, out_dir: str | Path, topics: Sequence
             ax.legend(loc="best", fontsize="small")
             fig.tight_layout()
             path = out_dir / f"{topic}.png"
-            fig.savefig(path, dpi=100)
+            partial = out_dir / f".{topic}.png.tmp"  # renamed into place: a reader never sees half a PNG
+            fig.savefig(partial, dpi=100, format="png")
+            os.replace(partial, path)
             written[topic] = path
         finally:
             plt.close(fig)

@@ -6,9 +6,12 @@
       checkpoints/     Orbax checkpoints (ModelCheckpoint)
       plots/           PNGs from `rlbolt plot` (reward.png at the end of the demo)
       train.log        Python logging of the run (start, per-step summaries, end)
+      config_changes.jsonl  math-changing config changes allowed at a resume (and their step)
+      .rlbolt.lock     the writer's OS lock (one training process per folder; see utils/runlock.py)
 
 A fresh run refuses a folder that already holds files, so a typo never overwrites an earlier
-run; `rlbolt resume` is the one way to continue into an existing folder.
+run; `rlbolt resume` is the one way to continue into an existing folder. Opening the folder
+takes its lock before anything is written, and the process keeps it until it ends.
 """
 
 from __future__ import annotations
@@ -16,15 +19,16 @@ from __future__ import annotations
 import logging
 import math
 import shutil
+import signal
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from rlbolt.utils.files import to_plain, write_text_atomic
-
 from rlbolt.callback import Callback
+from rlbolt.utils import runlock
+from rlbolt.utils.files import to_plain, write_text_atomic
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -49,22 +53,24 @@ def check_run_dir(path: str | Path, *, resume: bool = False, allow_existing: boo
     run_dir = Path(path)
     if resume:
         if not (run_dir / CONFIG_FILE).is_file():
-            raise RunDirError(f"{run_dir} is not a run directory (no {CONFIG_FILE}); pass the folder a previous "
-                              "`rlbolt demo` or `rlbolt fit` wrote")
+            raise RunDirError(not_a_run_message(run_dir))
     elif run_dir.exists():
         if not run_dir.is_dir():
             raise RunDirError(f"run directory {run_dir} exists and is a file; choose another --run-dir")
-        if not allow_existing and any(run_dir.iterdir()):
+        if not allow_existing and any(p.name != runlock.LOCK_FILE for p in run_dir.iterdir()):
             raise RunDirError(f"run directory {run_dir} is not empty; continue it with `rlbolt resume {run_dir}` "
                               "or choose a new --run-dir (nothing was overwritten)")
     return run_dir
 
 
 def prepare_run_dir(path: str | Path, *, resume: bool = False, allow_existing: bool = False) -> Path:
-    """Creates (or, for resume, checks) a run directory and its `checkpoints/` and `plots/`.
+    """Creates (or, for resume, checks) a run directory and its `checkpoints/` and `plots/`, and
+    locks it for this process (`release_run_dir` when the run is over; the kernel releases it
+    anyway when the process ends).
 
     The one place a run folder is created: every entry point checks its inputs first and calls
-    this last, so a refused run leaves nothing behind.
+    this last, so a refused run leaves nothing behind. The lock is taken before anything is
+    written into the folder.
 
     Args:
       path: the run directory.
@@ -76,11 +82,33 @@ def prepare_run_dir(path: str | Path, *, resume: bool = False, allow_existing: b
 
     Raises:
       RunDirError: a fresh run into a non-empty folder, or a resume of a folder that is not a run.
+      RunDirBusy: another process is writing into the folder (its lock names it).
     """
     run_dir = check_run_dir(path, resume=resume, allow_existing=allow_existing)
+    runlock.acquire(run_dir)
+    try:  # checked again under the lock: another process may have started a run there meanwhile
+        check_run_dir(path, resume=resume, allow_existing=allow_existing)
+    except RunDirError:
+        runlock.release(run_dir)
+        raise
     for sub in (CHECKPOINTS_DIR, PLOTS_DIR):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
     return run_dir
+
+
+def release_run_dir(run_dir: str | Path) -> None:
+    """Releases the lock `prepare_run_dir` took (the kernel does it anyway when the process ends)."""
+    runlock.release(run_dir)
+
+
+def not_a_run_message(run_dir: Path) -> str:
+    """Why `run_dir` cannot be resumed or exported by config: it has no config.yaml."""
+    if (run_dir / CHECKPOINTS_DIR).is_dir():
+        return (f"{run_dir} was trained from a Python script (it has checkpoints but no {CONFIG_FILE}); resume it by "
+                "running that script again with the same run_dir (its ModelCheckpoint continues from the newest "
+                "checkpoint); `rlbolt export` works on it")
+    return (f"{run_dir} is not a run directory (no {CONFIG_FILE}); pass the folder a previous `rlbolt demo` or "
+            "`rlbolt fit` wrote")
 
 
 def discard_unused_run_dir(run_dir: str | Path) -> bool:
@@ -127,7 +155,8 @@ def attach_log_file(run_dir: str | Path, level: int = logging.INFO) -> logging.H
 
     While attached, the `rlbolt` records stop propagating to the root logger (whose handlers
     libraries may have set up) and only warnings and errors reach stderr, so the terminal
-    shows the progress bar rather than every log line twice.
+    shows the progress bar rather than every log line twice. Orbax's warnings and errors
+    (logged through absl) go to train.log only: a failed save is reported once, in one line.
 
     Returns:
       The file handler; pass it to `detach_log_file` when the run ends.
@@ -137,8 +166,15 @@ def attach_log_file(run_dir: str | Path, level: int = logging.INFO) -> logging.H
     handler.setLevel(level)
     console = logging.StreamHandler()
     console.setLevel(logging.WARNING)
+    console.addFilter(lambda record: getattr(record, "console", True))
     console.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    handler.rlbolt_restore = (console, logger.propagate, logger.level)  # what detach_log_file undoes
+    library = logging.FileHandler(Path(run_dir) / LOG_FILE, encoding="utf-8")
+    library.setFormatter(handler.formatter)
+    library.setLevel(logging.WARNING)
+    absl = logging.getLogger("absl")
+    handler.rlbolt_restore = (console, logger.propagate, logger.level, library, absl.propagate)  # undone by detach
+    absl.addHandler(library)
+    absl.propagate = False
     logger.addHandler(handler)
     logger.addHandler(console)
     logger.propagate = False
@@ -149,11 +185,14 @@ def attach_log_file(run_dir: str | Path, level: int = logging.INFO) -> logging.H
 
 def detach_log_file(handler: logging.Handler) -> None:
     """Flushes and closes a handler added by `attach_log_file` and restores the logger."""
-    console, propagate, level = handler.rlbolt_restore
+    console, propagate, level, library, absl_propagate = handler.rlbolt_restore
     for h in (handler, console):
         logger.removeHandler(h)
         h.close()
-    logger.propagate, logger.level = propagate, level
+    absl = logging.getLogger("absl")
+    absl.removeHandler(library)
+    library.close()
+    logger.propagate, logger.level, absl.propagate = propagate, level, absl_propagate
 
 
 class LogFile(Callback):
@@ -165,6 +204,7 @@ class LogFile(Callback):
     """
 
     KEYS = ("reward/mean", "loss", "grad_norm", "response_length/mean", "time/step")
+    writes_run_dir = True
 
     def __init__(self, every_n_steps: int = 10, keys: tuple[str, ...] = KEYS):
         self.every_n_steps, self.keys = every_n_steps, keys
@@ -184,10 +224,15 @@ class LogFile(Callback):
         self.log.info("validation at step %d: %s", step, " ".join(f"{k}={_fmt(v)}" for k, v in sorted(metrics.items())))
 
     def on_fit_end(self, trainer, state) -> None:
-        self.log.info("fit ended after step %d (policy version %d)", state.step, state.policy_version)
+        if trainer.interrupted:
+            name = signal.Signals(trainer.stop_signal).name if trainer.stop_signal else "an interrupt"
+            self.log.info("fit interrupted by %s after step %d (policy version %d)", name, state.step, state.policy_version)
+        else:
+            self.log.info("fit ended after step %d (policy version %d)", state.step, state.policy_version)
 
     def on_exception(self, trainer, exc: BaseException) -> None:
-        self.log.error("fit stopped: %s: %s", type(exc).__name__, exc)
+        # The command reports the error itself, in one line: this record goes to train.log only.
+        self.log.error("fit stopped: %s: %s", type(exc).__name__, exc, extra={"console": False})
 
 
 def parameter_table(params: Any) -> str:

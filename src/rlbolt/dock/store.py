@@ -113,7 +113,8 @@ class ExperienceDock:
         self._finished = self._closed = False
 
     # -- writing ------------------------------------------------------------------------------
-    def add(self, columns: Mapping[str, Any], *, key: Hashable = None, group_ids: Any = None) -> np.ndarray:
+    def add(self, columns: Mapping[str, Any], *, key: Hashable = None, group_ids: Any = None,
+            stages: Sequence[str] | None = None) -> np.ndarray:
         """New samples, one per row of `columns`, with those columns written.
 
         Args:
@@ -122,6 +123,8 @@ class ExperienceDock:
             so a refill round joins its step. None: a new batch of their own.
           group_ids: [N] ids; samples of one batch with the same id form a group (default: the
             `group_ids` column if written, else every sample is its own group).
+          stages: the stages that will take these samples (default: every stage); e.g. rows
+            that enter mid-pipeline with the earlier stages' columns already written.
 
         Returns:
           [N] int64 indices of the new samples.
@@ -135,6 +138,9 @@ class ExperienceDock:
         groups = np.asarray(group_ids)
         if groups.shape != (n,):
             raise DockError(f"add: group_ids has shape {list(groups.shape)}, expected [{n}]")
+        owed = list(dict.fromkeys(self._stage(name).name for name in stages)) if stages is not None else list(self._stages)
+        if not owed:
+            raise DockError("add: stages is empty; name the stages that will take the samples (None: every stage)")
         with self._registry:
             self._check_open("add")
             if self._finished:
@@ -146,9 +152,10 @@ class ExperienceDock:
             indices = np.arange(self._next_index, self._next_index + n, dtype=np.int64)
             self._next_index += n
             for i, g in zip(indices.tolist(), groups.tolist()):
-                self._samples[i] = _Sample(batch, g, self._stages)
+                self._samples[i] = _Sample(batch, g, owed)
                 batch.groups.setdefault(g, []).append(i)
-        for stage in self._stages.values():
+        for name in owed:
+            stage = self._stages[name]
             with stage.cond:
                 stage.pending.setdefault(batch.seq, {}).update(dict.fromkeys(indices.tolist()))
         if arrays:

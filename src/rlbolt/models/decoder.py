@@ -29,6 +29,8 @@ Attention runs over the whole static cache with a validity mask (no per-length r
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -95,6 +97,13 @@ class Embed(nnx.Module):
 
     def __call__(self, ids: jnp.ndarray) -> jnp.ndarray:
         return jnp.take(self.embedding[...], ids, axis=0)
+
+
+def _row_shards(sharding) -> int:
+    """How many pieces a NamedSharding cuts dimension 0 into."""
+    axes = sharding.spec[0] if len(sharding.spec) else None
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return math.prod(sharding.mesh.shape[a] for a in axes)
 
 
 def _attend(q: jnp.ndarray, keys_t: jnp.ndarray, values: jnp.ndarray, visible: jnp.ndarray) -> jnp.ndarray:
@@ -250,6 +259,12 @@ class Decoder(nnx.Module):
         if not config.tie_word_embeddings:
             self.lm_head = Dense(config.hidden_size, config.vocab_size, ("embed", "vocab"),
                                  dtype=config.dtype, rngs=rngs)
+        # On a mesh: the sharding of the residual stream [B, T, H] (rows over the batch axes) and
+        # of the embedding table when it is read (the fsdp shards of H gathered first, as every
+        # weight is before use), set by `rlbolt.distributed.ShardingPlan.shard_activations`.
+        # Static attributes: part of the graph definition, not parameters.
+        self.activation_sharding = None
+        self.embedding_read_sharding = None
 
     def __call__(self, input_ids: jnp.ndarray, positions: jnp.ndarray, *,
                  attention_mask: jnp.ndarray | None = None, cache: KVCache | None = None,
@@ -287,11 +302,16 @@ class Decoder(nnx.Module):
             causal = slot[None, :] <= index + jnp.arange(t)[:, None]  # [T, S]
             visible = causal[None] & cache_mask[:, None, :]
 
-        x = self.embed(input_ids)
+        if self.embedding_read_sharding is None:
+            x = self.embed(input_ids)
+        else:
+            table = jax.lax.with_sharding_constraint(self.embed.embedding[...], self.embedding_read_sharding)
+            x = self._constrain(jnp.take(table, input_ids, axis=0))
         new_keys, new_values = [], []
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else (cache.keys[i], cache.values[i], index)
             x, new_kv = layer(x, cos, sin, visible, layer_cache)
+            x = self._constrain(x)
             if new_kv is not None:
                 new_keys.append(new_kv[0])
                 new_values.append(new_kv[1])
@@ -300,6 +320,15 @@ class Decoder(nnx.Module):
         if cache is not None:
             new_cache = KVCache(tuple(new_keys), tuple(new_values), cache_mask, index + t)
         return (hidden if return_hidden else self.logits(hidden)), new_cache
+
+    def _constrain(self, x: jnp.ndarray) -> jnp.ndarray:
+        # Without it XLA may shard activations over the hidden axis like the fsdp weights and
+        # then reshard them through full copies. Rows that do not split evenly (a one-row probe,
+        # e.g. qwix tracing the model) are left to XLA.
+        sharding = self.activation_sharding
+        if sharding is None or x.shape[0] % _row_shards(sharding):
+            return x
+        return jax.lax.with_sharding_constraint(x, sharding)
 
     def logits(self, hidden: jnp.ndarray) -> jnp.ndarray:
         """Output projection through lm_head, or the tied embedding table.

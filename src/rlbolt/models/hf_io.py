@@ -31,6 +31,7 @@ from flax import nnx
 
 from rlbolt.models.config import ModelConfig
 from rlbolt.models.decoder import Decoder
+from rlbolt.utils.files import default_file_mode
 from rlbolt.models.hf_config import CONFIG_FILE, config_from_hf, config_to_hf
 
 __all__ = ["config_from_hf", "config_to_hf", "load_hf", "read_hf_config", "save_hf", "hf_tensor_layout"]
@@ -197,13 +198,16 @@ def _open_folder(folder: Path, param_dtype: str | None) -> tuple[ModelConfig, _S
     return config, _SafetensorsReader(folder)
 
 
-def load_hf(folder: str | os.PathLike, *, param_dtype: str | None = None) -> tuple[Decoder, ModelConfig]:
+def load_hf(folder: str | os.PathLike, *, param_dtype: str | None = None,
+            sharding: Any = None) -> tuple[Decoder, ModelConfig]:
     """Loads a Hugging Face Llama 3 / Qwen2 / Qwen3 folder into an rlbolt Decoder.
 
     Args:
         folder: holds config.json and model.safetensors, or sharded
             model-0000x-of-0000y.safetensors files with model.safetensors.index.json.
         param_dtype: "float32" or "bfloat16"; None keeps the checkpoint's dtype.
+        sharding: a `rlbolt.distributed.ShardingPlan`: each tensor goes from host memory straight
+            to its shards (no device holds the whole model). None: the default device.
 
     Returns:
         (model, config).
@@ -225,6 +229,7 @@ def load_hf(folder: str | os.PathLike, *, param_dtype: str | None = None) -> tup
     if unmapped:  # a decoder change the converter has not caught up with
         raise RuntimeError(f"rlbolt parameters {unmapped} have no Hugging Face mapping in hf_io.hf_tensor_layout.")
     dtype = _NUMPY_DTYPES[config.param_dtype]
+    targets = _flat_params(sharding.param_shardings(state)) if sharding is not None else {}
     for path, variable in params.items():
         entry = layout[path]
         expected = variable.get_value().shape
@@ -239,7 +244,9 @@ def load_hf(folder: str | os.PathLike, *, param_dtype: str | None = None) -> tup
                 )
         value = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
         value = value.T if entry.transpose else value
-        variable.set_value(jax.numpy.asarray(value.astype(dtype, copy=False)))
+        value = value.astype(dtype, copy=False)
+        target = targets.get(path)
+        variable.set_value(sharding.place(value, target.get_value()) if target is not None else jax.numpy.asarray(value))
     return nnx.merge(graphdef, state), config
 
 
@@ -324,6 +331,8 @@ def save_hf(
                 weight_map.update(dict.fromkeys(shard, name))
             index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())}, "weight_map": weight_map}
             (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        for path in staging.glob("*.safetensors"):  # safetensors creates its files 0600
+            os.chmod(path, default_file_mode())
         if tokenizer_folder is not None:
             source = Path(tokenizer_folder)
             found = [source / name for name in TOKENIZER_FILES if (source / name).is_file()]

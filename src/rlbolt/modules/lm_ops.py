@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -20,22 +21,35 @@ def load_tokenizer(folder: str):
     return HFTokenizer.from_folder(folder)
 
 
-def build_model(model_cfg, vocab_size: int, seed: int) -> Decoder:
+def build_model(model_cfg, vocab_size: int, seed: int, sharding=None) -> Decoder:
     """`model.path` -> `load_hf`; None -> a tiny random Decoder whose vocabulary fits the tokenizer.
 
     Args:
       model_cfg: the config's ModelSection.
       vocab_size: the tokenizer's vocabulary size (the tiny model's default vocab_size).
       seed: initialisation seed of the tiny model.
+      sharding: a `rlbolt.distributed.ShardingPlan`: the weights are created (or read) straight
+        into their shardings, never whole on one device. None: the default device.
     """
     if model_cfg.path:
         from rlbolt.models.hf_io import load_hf
 
-        model, _ = load_hf(model_cfg.path, param_dtype=model_cfg.param_dtype)
+        model, _ = load_hf(model_cfg.path, param_dtype=model_cfg.param_dtype, sharding=sharding)
         return model
     overrides = {"param_dtype": model_cfg.param_dtype, **model_cfg.tiny}
     overrides.setdefault("vocab_size", vocab_size)  # every sampled id must decode
-    return Decoder(tiny_config(**overrides), rngs=nnx.Rngs(seed))
+    config = tiny_config(**overrides)
+    create = lambda: Decoder(config, rngs=nnx.Rngs(seed))  # noqa: E731
+    if sharding is None or sharding.mesh.size == 1 or _param_bytes(create) < SHARDED_INIT_BYTES:
+        return create()  # small: built on the default device in no time (the Trainer then places it)
+    return sharding.build_module(create)
+
+
+SHARDED_INIT_BYTES = 1 << 30  # larger random models are initialised shard by shard (compiling that takes seconds)
+
+
+def _param_bytes(create) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(nnx.eval_shape(create))))
 
 
 def reward_runner(reward, reward_cfg) -> RewardRunner:
@@ -83,7 +97,8 @@ def make_sampler(model: Decoder, *, prompt_width: int, **options: Any) -> Sample
     Args:
       model: the policy model (its weights are replaced by each `generate`'s params).
       prompt_width: the longest prompt; prompt buckets are powers of two up to it.
-      **options: NativeSampler options (max_new_tokens, temperature, top_k, top_p, stop_token_ids, pad_id).
+      **options: NativeSampler options (max_new_tokens, temperature, top_k, top_p, stop_token_ids,
+        pad_id, sharding).
     """
     buckets = tuple(sorted({b for b in (32, 64, 128, 256, 512, 1024, 2048, 4096) if b < prompt_width} | {prompt_width}))
     return SamplerHandle(model, prompt_buckets=buckets, **options)

@@ -40,7 +40,7 @@ from rlbolt.module import RLModule
 from rlbolt.modules import lm_ops
 from rlbolt.plan import PlanError
 from rlbolt.modules.prompts import PromptEncoder, builtin_tokenizer, rows_of
-from rlbolt.modules.rewarding import answer_score, build_reward
+from rlbolt.modules.rewarding import answer_score, build_reward, score_shared
 
 # Columns the framework adds; every other column of an arriving batch is a prompt-row field.
 _FRAMEWORK_COLUMNS = frozenset({
@@ -70,6 +70,7 @@ class LMPolicyModule(RLModule):
         self.hparams = {k: v for k, v in config_to_dict(self.config).items() if k in ("algorithm", "rollout", "reward")}
         self.model, self.tokenizer, self.reward = model, tokenizer, reward
         self.ref_params = None
+        self.sharding = None  # the trainer's ShardingPlan, from setup
         self.lora = None  # a LoraPolicy when config.model.lora is set
         self._sampler_lock = threading.Lock()  # validation (main thread) and rollout (producer) share it
         self._sampler = None
@@ -80,9 +81,13 @@ class LMPolicyModule(RLModule):
         if self.tokenizer is None:
             folder = cfg.model.tokenizer or cfg.model.path
             self.tokenizer = lm_ops.load_tokenizer(folder) if folder else builtin_tokenizer()
+        self.sharding = _sharding(trainer, "train")
         if self.model is None:
             seed = trainer.seed if trainer is not None else 0
-            self.model = lm_ops.build_model(cfg.model, self.tokenizer.vocab_size, seed)
+            self.model = lm_ops.build_model(cfg.model, self.tokenizer.vocab_size, seed, self.sharding)
+        if self.sharding is not None:  # the weights move onto the mesh once (no copy if built there)
+            nnx.update(self.model, self.sharding.place(nnx.state(self.model)))
+            self.sharding.shard_activations(self.model)
         if self.tokenizer.vocab_size > self.model.config.vocab_size:
             raise ConfigError(
                 f"the tokenizer has {self.tokenizer.vocab_size} ids but the model's vocab_size is "
@@ -107,10 +112,26 @@ class LMPolicyModule(RLModule):
             # Parameters are immutable arrays and updates are functional, so holding the initial
             # pytree is a frozen copy without a copy.
             self.ref_params = nnx.state(self.model, nnx.Param)
-        self._logps = jax.jit(functools.partial(self._forward_logps, with_entropy=False))
+        rows = {} if self.sharding is None else {"out_shardings": self.sharding.batch_sharding()}
+        self._logps = jax.jit(functools.partial(self._forward_logps, with_entropy=False), **rows)
         if self.lora is not None:  # the reference is the base with the adapters off: no second copy
             self._ref_logps = jax.jit(functools.partial(
-                lm_ops.token_logps, self.lora.base_graphdef, temperature=self._train_temperature, with_entropy=False))
+                lm_ops.token_logps, self.lora.base_graphdef, temperature=self._train_temperature, with_entropy=False),
+                **rows)
+
+    def memory_plan(self, sharding) -> dict[str, int]:
+        """The frozen reference model (when beta > 0) or LoRA's frozen base, and the sampler's KV
+        cache for one rollout micro batch (longest prompt + max_new_tokens slots), per device."""
+        from rlbolt.distributed import kv_cache_bytes, per_device_bytes
+
+        out = {} if self.ref_params is None else {"reference": per_device_bytes(self.ref_params)}
+        if self.lora is not None:
+            out["frozen base"] = per_device_bytes(self.lora.base)
+        rows = self.trainer.plan.rollout_micro_batch_size if self.trainer is not None else 1
+        rows = 1 << max(0, (rows - 1).bit_length())  # the sampler pads a call to a power of two
+        out["kv cache"] = kv_cache_bytes(self.model.config, rows, self.encoder.width + self.rollout_cfg.max_new_tokens - 1,
+                                         sharding)
+        return out
 
     def init_params(self, rng: jax.Array) -> Any:
         """The trainable pytree: the model's parameters, or only the LoRA adapters (model.lora)."""
@@ -206,7 +227,8 @@ class LMPolicyModule(RLModule):
                     self.model if self.lora is None else self.lora.rollout_model(), max_new_tokens=r.max_new_tokens,
                     temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                     stop_token_ids=(self.tokenizer.eos_id,) if r.stop_at_eos else (),
-                    pad_id=self.tokenizer.pad_id, prompt_width=self.encoder.width)
+                    pad_id=self.tokenizer.pad_id, prompt_width=self.encoder.width,
+                    sharding=_sharding(self.trainer, "rollout"))
             lm_params = self.policy_params(self.full_params(params))
             if self.lora is not None:  # merged kernels are a transient copy: the sampler lets go of them
                 return self._sampler.generate(self.lora.rollout_params(lm_params), ids, np.asarray(keys, np.uint32),
@@ -233,23 +255,32 @@ class LMPolicyModule(RLModule):
     def _token_inputs(self, batch: Batch) -> tuple:
         return tuple(jnp.asarray(batch[k]) for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask"))
 
+    def _rows_on_mesh(self, batch: Batch) -> tuple:
+        """This process's token inputs as arrays split over the mesh's batch shards."""
+        host = tuple(np.asarray(batch[k]) for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask"))
+        return host if self.sharding is None else self.sharding.put_local(host)
+
+    def _local(self, x: Any) -> np.ndarray:
+        return np.asarray(x if self.sharding is None else self.sharding.local_rows(x), np.float32)
+
     def compute_logps(self, params: Any, batch: Batch) -> Batch:
         """Adds `old_logps` (a forward pass only when num_iterations > 1 or importance
         weights are on; else the sampler's), `ref_logps` when beta > 0, and `importance_weights`
         ([N, C], truncated old/sampler ratios) when `algorithm.importance_cap` is set."""
-        inputs = self._token_inputs(batch)
+        inputs = self._rows_on_mesh(batch)
         cols: dict[str, Any] = {}
         forward_old = self.trainer.plan.num_iterations > 1 or self.algo.importance_cap is not None
         lm_params = self.policy_params(self.full_params(params))
-        old = self._logps(lm_params, *inputs) if forward_old else jnp.asarray(batch["sampler_logps"])
+        old = self._local(self._logps(lm_params, *inputs)) if forward_old else batch["sampler_logps"]
         cols["old_logps"] = np.asarray(old, np.float32)
         if self.algo.importance_cap is not None:
             cols["importance_weights"] = np.asarray(truncated_importance_weights(
-                old, batch["sampler_logps"], inputs[3], self.algo.importance_cap), np.float32)
+                jnp.asarray(old), batch["sampler_logps"], jnp.asarray(batch["completion_mask"]),
+                self.algo.importance_cap), np.float32)
         if self.ref_params is not None:
-            cols["ref_logps"] = np.asarray(self._logps(self.ref_params, *inputs), np.float32)
+            cols["ref_logps"] = self._local(self._logps(self.ref_params, *inputs))
         elif self.lora is not None and self.algo.beta > 0:
-            cols["ref_logps"] = np.asarray(self._ref_logps(self.lora.base, *inputs), np.float32)
+            cols["ref_logps"] = self._local(self._ref_logps(self.lora.base, *inputs))
         return batch.with_columns(cols)
 
     # -- rewards and advantages ------------------------------------------------------------------------
@@ -274,11 +305,11 @@ class LMPolicyModule(RLModule):
         """Scores each completion with the reward runner (failure-isolated) and adds DAPO's
         overlong penalty when `algorithm.overlong_cache_length` > 0. Returns [N] float32."""
         samples = rows_of(batch, _row_fields(batch))
-        result = self.reward_runner.score(list(batch["completion_text"]), samples)
-        for name, value in result.metrics.items():
+        share = self.sharding.share if self.sharding is not None else None  # each process scores its rows
+        rewards, metrics = score_shared(self.reward_runner, list(batch["completion_text"]), samples, share)
+        for name, value in metrics.items():
             if name not in ("reward/mean", "reward/std"):  # the producer reports those after filtering
                 self.log(name, value)
-        rewards = np.asarray(result.rewards, np.float32)
         if self.algo.overlong_cache_length > 0:
             lengths = np.asarray(batch["completion_mask"]).sum(axis=1)
             penalty = np.asarray(overlong_penalty(lengths, self.rollout_cfg.max_new_tokens, self.algo.overlong_cache_length))
@@ -367,6 +398,12 @@ class LMPolicyModule(RLModule):
             scores = np.array([answer_score(t, rows[j // k], answer_field) for j, t in enumerate(texts)])
             metrics[f"pass@{k}"] = float(scores.reshape(-1, k).max(axis=1).mean())
         return metrics
+
+
+def _sharding(trainer: Any, role: str):
+    """The trainer's ShardingPlan for `role`, or None without a trainer (or a stand-in without a mesh)."""
+    sharding_for = getattr(trainer, "sharding_for", None)
+    return sharding_for(role) if sharding_for is not None else None
 
 
 def _row_fields(batch: Batch) -> list[str]:

@@ -33,7 +33,8 @@ class PPO(LMPolicyModule):
     def setup(self, trainer) -> None:
         """The base set-up, plus a jitted value-head forward for `compute_logps`."""
         super().setup(trainer)
-        self._values = jax.jit(lambda params, *inputs: self._hidden_outputs(params, *inputs, with_entropy=False)[2])
+        rows = {} if self.sharding is None else {"out_shardings": self.sharding.batch_sharding()}
+        self._values = jax.jit(lambda params, *inputs: self._hidden_outputs(params, *inputs, with_entropy=False)[2], **rows)
 
     def init_params(self, rng: jax.Array) -> dict[str, Any]:
         """`{"policy": the model's nnx.Param state, "value_head": {"kernel": [H, 1], "bias": [1]}}`."""
@@ -62,8 +63,8 @@ class PPO(LMPolicyModule):
     def compute_logps(self, params: Any, batch: Batch) -> Batch:
         """Adds old_logps / ref_logps (see the base) and `old_values` [N, C] from the value head."""
         batch = super().compute_logps(params, batch)
-        values = self._values(self.full_params(params), *self._token_inputs(batch))
-        return batch.with_columns(old_values=np.asarray(values, np.float32))
+        values = self._values(self.full_params(params), *self._rows_on_mesh(batch))
+        return batch.with_columns(old_values=self._local(values))
 
     def compute_advantages(self, batch: Batch):
         """PPO: GAE (gamma, lam) over token rewards (the sequence reward on the last token, minus

@@ -115,8 +115,10 @@ def _wait_and_relay(pid, keep_fds):
         except InterruptedError:
             continue
     if os.WIFSIGNALED(status):
-        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
-        os.kill(os.getpid(), os.WTERMSIG(status))
+        number = os.WTERMSIG(status)
+        if number not in (signal.SIGKILL, signal.SIGSTOP):  # these two cannot be (re)set
+            signal.signal(number, signal.SIG_DFL)
+        os.kill(os.getpid(), number)
     os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
 
 

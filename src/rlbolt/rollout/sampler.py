@@ -11,6 +11,12 @@ Sampling is Gumbel-max (Gumbel 1954; what `jax.random.categorical` does): the to
 sample's tokens never depend on batch composition, and drawing all steps' noise up front
 (cheaper on CPU, PERF_NOTES) gives bit-identical draws to drawing it per step (used when
 [B, C, V] noise would be large).
+
+On a mesh (`sharding=`, a `rlbolt.distributed.ShardingPlan`) the weights stay where the plan
+puts them (never gathered onto one device), the rows of a call are split over data x fsdp and
+the KV cache keeps its rows there and its key/value heads over `tp` (replicated over `tp` when
+the heads do not divide it). Each process passes only its own prompts; the processes agree on
+the call's shapes (rows, prompt bucket) first, and each gets its own rows back.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rlbolt.models.cache import init_cache
+from rlbolt.distributed.agree import max_over_processes
+from rlbolt.distributed.sharding import host_value
+from rlbolt.models.cache import KVCache, init_cache
 from rlbolt.models.decoder import Decoder
 from rlbolt.rollout.engine import RolloutOutput
 from rlbolt.rollout.logps import left_pad_positions
@@ -94,9 +102,27 @@ def _sample(logits: jnp.ndarray, noise: jnp.ndarray | None, sp: SamplingParams):
     return tokens, jnp.take_along_axis(logp_all, tokens[:, None], axis=-1)[:, 0]
 
 
-def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: SamplingParams, noise_upfront: bool):
+@dataclasses.dataclass(frozen=True)
+class _MeshLayout:
+    """Shardings inside one sampler call (hashable: part of the compile key)."""
+
+    rows: Any  # [B, ...] arrays: rows over data x fsdp
+    keys: Any  # cache keys [B, nKV, D, S]
+    values: Any  # cache values [B, nKV, S, D]
+    replicated: Any
+
+    def cache(self, cache: KVCache) -> KVCache:
+        constrain = jax.lax.with_sharding_constraint
+        return KVCache(tuple(constrain(k, self.keys) for k in cache.keys),
+                       tuple(constrain(v, self.values) for v in cache.values),
+                       constrain(cache.mask, self.rows), cache.index)
+
+
+def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: SamplingParams, noise_upfront: bool,
+              layout: _MeshLayout | None = None):
     """Prefill + decode for one micro batch. See NativeSampler. Returns ids, mask, logps [B, C], steps []."""
     model = nnx.merge(graphdef, params)
+    on_mesh = (lambda cache: layout.cache(cache)) if layout is not None else (lambda cache: cache)
     batch, prompt_len = prompt_ids.shape
     steps_total, vocab = sp.max_new_tokens, model.config.vocab_size
     keys = jax.random.wrap_key_data(rng_keys, impl="threefry2x32")
@@ -113,9 +139,10 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
 
     # Prefill: the prompt's last hidden state gives the first token; the cache holds the prompt
     # plus the C - 1 tokens fed back (the last sampled token is never fed).
-    cache = init_cache(model.config, batch, prompt_len + steps_total - 1)
+    cache = on_mesh(init_cache(model.config, batch, prompt_len + steps_total - 1))
     positions = left_pad_positions(prompt_mask)
     hidden, cache = model(prompt_ids, positions, attention_mask=prompt_mask, cache=cache, return_hidden=True)
+    cache = on_mesh(cache)
     tokens, logps = _sample(model.logits(hidden[:, -1]), noise_at(0), sp)
     stop_ids = jnp.asarray(sp.stop_token_ids, jnp.int32)
     is_stop = lambda tok: jnp.isin(tok, stop_ids) if sp.stop_token_ids else jnp.zeros(tok.shape, bool)
@@ -130,6 +157,7 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
         step, tokens, cache, done, out_ids, out_mask, out_logps = carry
         positions = (next_position + step - 1)[:, None]
         logits, cache = model(tokens[:, None], positions, cache=cache)
+        cache = on_mesh(cache)
         new_tokens, new_logps = _sample(logits[:, 0], noise_at(step), sp)
         alive = ~done
         new_tokens = jnp.where(alive, new_tokens, sp.pad_id)
@@ -145,12 +173,31 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
     else:
         carry = jax.lax.fori_loop(1, steps_total, lambda _, c: decode_step(c), carry)
     step, _, _, _, out_ids, out_mask, out_logps = carry
+    if layout is not None:
+        constrain = jax.lax.with_sharding_constraint
+        out_ids, out_mask, out_logps = (constrain(x, layout.rows) for x in (out_ids, out_mask, out_logps))
+        step = constrain(step, layout.replicated)
     return out_ids, out_mask, out_logps, step - 1
 
 
 # One jit shared by all samplers: the GraphDef (hashable) is a static argument, so samplers of the
 # same architecture (policy, eval, tests) share executables.
-_generate_jit = jax.jit(_generate, static_argnames=("graphdef", "sp", "noise_upfront"))
+_generate_jit = jax.jit(_generate, static_argnames=("graphdef", "sp", "noise_upfront", "layout"))
+
+
+def _mesh_layout(sharding: Any, config: Any) -> _MeshLayout | None:
+    """The shardings of one call's rows and KV cache on `sharding`'s mesh (None: no mesh)."""
+    if sharding is None:
+        return None
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from rlbolt.distributed.mesh import BATCH_AXES
+
+    # The rules' kv_heads axis (tp); GQA heads that do not divide it are replicated (and noted).
+    heads = sharding.spec_for(("kv_heads",), (config.num_kv_heads,), "the KV cache")[0]
+    named = lambda *spec: NamedSharding(sharding.mesh, P(*spec))  # noqa: E731
+    return _MeshLayout(rows=named(BATCH_AXES), keys=named(BATCH_AXES, heads), values=named(BATCH_AXES, heads),
+                       replicated=named())
 
 
 def _next_power_of_two(n: int) -> int:
@@ -172,12 +219,14 @@ class NativeSampler:
       micro_batch_size: rows per device call; None pads the whole call to the next power of two.
       noise_upfront_max_bytes: draw all steps' Gumbel noise before the loop when [B, C, V] float32
         fits in this many bytes; otherwise draw per step (same values either way).
+      sharding: a `rlbolt.distributed.ShardingPlan` to run on (see the module docstring); None
+        runs on the default device.
     """
 
     def __init__(self, model: Decoder, *, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, stop_token_ids: Sequence[int] = (), pad_id: int = 0,
                  prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS, micro_batch_size: int | None = None,
-                 noise_upfront_max_bytes: int = 64 << 20):
+                 noise_upfront_max_bytes: int = 64 << 20, sharding: Any = None):
         self.config = model.config
         self.sampling = SamplingParams(max_new_tokens, float(temperature), int(top_k), float(top_p),
                                        tuple(int(t) for t in stop_token_ids), int(pad_id)).validate(model.config.vocab_size)
@@ -189,7 +238,12 @@ class NativeSampler:
             raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1 or None.")
         self.micro_batch_size = micro_batch_size
         self.noise_upfront_max_bytes = noise_upfront_max_bytes
+        self.sharding = sharding
+        self._layout = _mesh_layout(sharding, model.config)
         self._graphdef, self._params = nnx.split(model)
+        self._shardings = sharding.param_shardings(self._params) if sharding is not None else None
+        if sharding is not None:
+            self._params = sharding.place(self._params, self._shardings)
         self.policy_version = 0
         self.last_decode_steps = 0  # decode-loop iterations of the last call (max over micro batches)
 
@@ -209,7 +263,8 @@ class NativeSampler:
         for new, old in zip(jax.tree.leaves(params), jax.tree.leaves(self._params)):
             if new.shape != old.shape:
                 raise ValueError(f"update_weights: a parameter has shape {new.shape}, expected {old.shape}.")
-        self._params = params
+        # On a mesh: weights already on this plan's shardings stay put (colocated); others move here.
+        self._params = params if self.sharding is None else self.sharding.place(params, self._shardings)
         self.policy_version = int(policy_version)
 
     @staticmethod
@@ -217,7 +272,7 @@ class NativeSampler:
         """Executables compiled so far by all samplers (one per architecture x bucket x batch x options)."""
         return _generate_jit._cache_size()
 
-    def _prepare_prompts(self, prompt_ids, prompt_mask, max_new_tokens):
+    def _prepare_prompts(self, prompt_ids, prompt_mask, max_new_tokens, *, processes: bool = False):
         if prompt_mask is not None:
             ids_arr, mask_arr = np.asarray(prompt_ids), np.asarray(prompt_mask, bool)
             if ids_arr.ndim != 2 or ids_arr.shape != mask_arr.shape:
@@ -231,6 +286,9 @@ class NativeSampler:
         if lengths.min() < 1:
             raise ValueError(f"generate: prompt {int(lengths.argmin())} is empty; every prompt needs >= 1 token.")
         longest = int(lengths.max())
+        rows_max = len(rows)
+        if processes:  # every process must compile the same shapes: the largest call and bucket
+            rows_max, longest = max_over_processes([len(rows), longest])
         fitting = [b for b in self.prompt_buckets if b >= longest]
         if not fitting:
             raise ValueError(f"generate: a prompt has {longest} tokens, more than the largest of prompt_buckets="
@@ -247,7 +305,7 @@ class NativeSampler:
         for i, r in enumerate(rows):
             ids[i, bucket - len(r):] = r
             mask[i, bucket - len(r):] = True
-        return ids, mask
+        return ids, mask, rows_max
 
     def generate(self, prompt_ids, rng_keys, *, prompt_mask=None, **opts: Any) -> RolloutOutput:
         """Samples one completion per prompt (see `RolloutEngine.generate`).
@@ -267,14 +325,18 @@ class NativeSampler:
             raise TypeError(f"generate: unknown options {sorted(unknown)}; NativeSampler accepts "
                             "max_new_tokens, temperature, top_k, top_p.")
         sp = dataclasses.replace(self.sampling, **opts).validate(self.config.vocab_size) if opts else self.sampling
-        ids, mask = self._prepare_prompts(prompt_ids, prompt_mask, sp.max_new_tokens)
+        ids, mask, rows_max = self._prepare_prompts(prompt_ids, prompt_mask, sp.max_new_tokens,
+                                                    processes=self.sharding is not None)
         n = ids.shape[0]
         keys = np.asarray(rng_keys)
         if keys.shape != (n, 2) or keys.dtype != np.uint32:
             raise ValueError(f"generate: rng_keys must be [N={n}, 2] uint32 (jax.random.key_data of one threefry "
                              f"key per sample); got {keys.shape} {keys.dtype}.")
-        micro = self.micro_batch_size or _next_power_of_two(n)
-        padded = -(-n // micro) * micro
+        micro = self.micro_batch_size or _next_power_of_two(rows_max)
+        if self.sharding is not None:  # a call's rows split evenly over this process's batch shards
+            per_process = self.sharding.batch_shards // self.sharding.share.size
+            micro = -(-micro // per_process) * per_process
+        padded = -(-rows_max // micro) * micro
         if padded > n:  # filler rows: one pad token each; their outputs are dropped
             ids = np.concatenate([ids, np.full((padded - n, ids.shape[1]), sp.pad_id, np.int32)])
             filler_mask = np.zeros((padded - n, mask.shape[1]), bool)
@@ -284,10 +346,12 @@ class NativeSampler:
         else:
             mask_all, keys_all = mask, keys
         noise_upfront = micro * sp.max_new_tokens * self.config.vocab_size * 4 <= self.noise_upfront_max_bytes
-        results = [_generate_jit(self._params, ids[s:s + micro], mask_all[s:s + micro], keys_all[s:s + micro],
-                                 graphdef=self._graphdef, sp=sp, noise_upfront=noise_upfront)
+        put = (lambda x: x) if self.sharding is None else self.sharding.put_local
+        results = [_generate_jit(self._params, *put((ids[s:s + micro], mask_all[s:s + micro], keys_all[s:s + micro])),
+                                 graphdef=self._graphdef, sp=sp, noise_upfront=noise_upfront, layout=self._layout)
                    for s in range(0, padded, micro)]  # dispatched asynchronously; the host syncs below
-        gather = lambda i: np.concatenate([np.asarray(r[i]) for r in results])[:n]
-        self.last_decode_steps = max(int(r[3]) for r in results)
+        rows_of = np.asarray if self.sharding is None else self.sharding.local_rows
+        gather = lambda i: np.concatenate([rows_of(r[i]) for r in results])[:n]
+        self.last_decode_steps = max(int(host_value(r[3])) for r in results)
         return RolloutOutput(prompt_ids=ids[:n], prompt_mask=mask[:n], completion_ids=gather(0),
                              completion_mask=gather(1), logps=gather(2), policy_version=self.policy_version)

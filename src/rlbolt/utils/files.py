@@ -22,6 +22,19 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     return path
 
 
+def default_file_mode() -> int:
+    """The mode `open()` gives a new file: 0o666 without the process's umask bits. Writers that
+    create files with a fixed private mode (safetensors uses 0600) are set to this afterwards,
+    so every file of a run or an export has the same permissions."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            mask = next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o022)  # no /proc: read it by setting it (and put it back at once)
+        os.umask(mask)
+    return 0o666 & ~mask
+
+
 def to_plain(value: Any) -> Any:
     """Mappings -> dicts with string keys, tuples/lists -> lists, recursively (YAML/JSON-safe)."""
     if isinstance(value, Mapping):

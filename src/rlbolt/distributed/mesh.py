@@ -1,0 +1,128 @@
+"""MeshSpec: the device mesh of a run, `data x fsdp x tp`, with -1 meaning "the rest".
+
+    data   pure data parallelism: every `data` slice holds the full (fsdp-sharded) model and its
+           own part of the batch; gradients are averaged across slices.
+    fsdp   fully sharded data parallelism: the batch is split over it too, and parameters,
+           gradients and optimizer state are sharded over it (gathered one layer at a time).
+    tp     tensor parallelism: attention heads, MLP columns and the vocabulary are split over it;
+           the batch is not.
+
+The sample axis of every batch is split over `data x fsdp` ("batch shards"). The axes are laid
+out in that order, `tp` fastest, so on a multi-host slice the devices of one `tp` group sit on
+one host (tensor parallelism is the most communication-hungry axis).
+
+One device is the 1 x 1 x 1 mesh: the same code path runs everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+AXES = ("data", "fsdp", "tp")
+BATCH_AXES = ("data", "fsdp")
+
+
+class MeshError(ValueError):
+    """A mesh shape that does not fit the devices (the message names the axes and the fix)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+    """The shape of the device mesh; at most one axis may be -1 ("all devices left").
+
+    Args:
+      data: data-parallel replicas.
+      fsdp: fully-sharded data-parallel shards (default -1: every device not used by the others).
+      tp: tensor-parallel shards.
+    """
+
+    data: int = 1
+    fsdp: int = -1
+    tp: int = 1
+
+    @classmethod
+    def of(cls, value: MeshSpec | Mapping[str, int] | None) -> MeshSpec:
+        """A MeshSpec from itself, a `{data, fsdp, tp}` mapping (missing axes take the defaults), or None."""
+        if value is None:
+            return cls()
+        if isinstance(value, MeshSpec):
+            return value
+        if isinstance(value, Mapping):
+            unknown = sorted(set(value) - set(AXES))
+            if unknown:
+                raise MeshError(f"mesh has unknown axes {unknown}; the axes are {list(AXES)} (-1 = the rest)")
+            return cls(**{k: value[k] for k in AXES if k in value})
+        raise TypeError(f"mesh={value!r}: pass a MeshSpec, a {{data, fsdp, tp}} dict, a jax.sharding.Mesh or None")
+
+    def resolve(self, num_devices: int) -> tuple[int, int, int]:
+        """The axis sizes for `num_devices` devices, -1 filled in.
+
+        Raises:
+          MeshError: a size below -1 or 0, more than one -1, or a product that is not the device count.
+        """
+        sizes = {name: getattr(self, name) for name in AXES}
+        for name, size in sizes.items():
+            if not isinstance(size, int) or isinstance(size, bool) or size == 0 or size < -1:
+                raise MeshError(f"mesh.{name}={size!r} must be a positive integer or -1 (the devices left)")
+        free = [name for name, size in sizes.items() if size == -1]
+        if len(free) > 1:
+            raise MeshError(f"mesh has -1 for {free}; at most one axis can take 'the rest' of the {num_devices} devices")
+        fixed = math.prod(size for size in sizes.values() if size != -1)
+        if free:
+            if num_devices % fixed:
+                raise MeshError(f"mesh {self._text()}: {num_devices} devices cannot be split into a multiple of "
+                                f"{fixed}; choose sizes whose product divides {num_devices}")
+            sizes[free[0]] = num_devices // fixed
+        elif fixed != num_devices:
+            raise MeshError(f"mesh {self._text()} needs {fixed} devices but {num_devices} are visible; make "
+                            f"data x fsdp x tp = {num_devices} (or set one axis to -1)")
+        return sizes["data"], sizes["fsdp"], sizes["tp"]
+
+    def build(self, devices: Sequence[Any] | None = None) -> Mesh:
+        """The `jax.sharding.Mesh` over `devices` (default: every device of every process).
+
+        Axes use `AxisType.Auto`: XLA's partitioner propagates the shardings that rlbolt sets on
+        parameters, batches and outputs through the rest of each computation.
+        """
+        devices = list(jax.devices() if devices is None else devices)
+        shape = self.resolve(len(devices))
+        if devices == list(jax.devices()):
+            # jax.make_mesh orders devices by the physical topology (TPU/GPU interconnect).
+            return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+        return Mesh(np.asarray(devices, dtype=object).reshape(shape), AXES,
+                    axis_types=(AxisType.Auto,) * len(AXES))
+
+    def _text(self) -> str:
+        return f"{{data: {self.data}, fsdp: {self.fsdp}, tp: {self.tp}}}"
+
+
+def as_mesh(mesh: Mesh | MeshSpec | Mapping[str, int] | None, devices: Sequence[Any] | None = None) -> Mesh:
+    """A `jax.sharding.Mesh` from a Mesh (returned as is; it must have rlbolt's axis names), a
+    MeshSpec, a `{data, fsdp, tp}` dict, or None (all devices on `fsdp`)."""
+    if isinstance(mesh, Mesh):
+        missing = [a for a in AXES if a not in mesh.axis_names]
+        extra = [a for a in mesh.axis_names if a not in AXES]
+        if missing or extra:
+            raise MeshError(f"mesh axes {list(mesh.axis_names)}: rlbolt's rules use exactly {list(AXES)} (size 1 "
+                            f"for an unused axis); build it with MeshSpec(...).build() or jax.make_mesh(shape, {AXES})")
+        return mesh
+    return MeshSpec.of(mesh).build(devices)
+
+
+def batch_shards(mesh: Mesh) -> int:
+    """How many pieces the sample axis is cut into: data x fsdp."""
+    return int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
+
+
+def describe(mesh: Mesh) -> str:
+    """`data=2 fsdp=2 tp=2 (8 devices, 2 processes)`."""
+    sizes = " ".join(f"{a}={mesh.shape[a]}" for a in AXES)
+    processes = len({d.process_index for d in mesh.devices.flat})
+    return f"{sizes} ({mesh.devices.size} devices, {processes} process{'es' if processes > 1 else ''})"

@@ -1,0 +1,96 @@
+"""The Trainer's side of the mesh: building the plan, checking batch sizes against it, placing the
+training state, and turning a host mini batch into sharded micro batches.
+
+    sharding = training_plan(mesh)                 MeshSpec | dict | Mesh | ShardingPlan | None
+    check_batch_plan(plan, sharding)               every size splits over the batch shards and processes
+    params = sharding.place(module.init_params())  no copy when the module built them in place
+    opt_state = init_optimizer(tx, params, sharding)   born sharded, never whole on one device
+    micro = micro_batches(sharding, host_mini, A)  [A, M/A, ...], sample axis over data x fsdp
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import optax
+
+from rlbolt.batch import Batch
+from rlbolt.distributed.memory import MemoryPlan, plan_memory
+from rlbolt.distributed.mesh import MeshError, MeshSpec, as_mesh, describe
+from rlbolt.distributed.sharding import ShardingPlan
+from rlbolt.update import split_micro_batches
+
+log = logging.getLogger(__name__)
+
+
+def training_plan(mesh: Any) -> ShardingPlan:
+    """The ShardingPlan for a Trainer's `mesh` argument.
+
+    Args:
+      mesh: a ShardingPlan (used as is), a `jax.sharding.Mesh`, a MeshSpec, a `{data, fsdp, tp}`
+        dict, or None (every visible device on fsdp).
+    """
+    if isinstance(mesh, ShardingPlan):
+        return mesh
+    if not (mesh is None or isinstance(mesh, (MeshSpec, Mapping, jax.sharding.Mesh))):
+        raise TypeError(f"Trainer(mesh={mesh!r}): pass a MeshSpec, a {{data, fsdp, tp}} dict, a jax.sharding.Mesh, "
+                        "a ShardingPlan or None")
+    plan = ShardingPlan(as_mesh(mesh))
+    log.info("mesh: %s", describe(plan.mesh))
+    return plan
+
+
+def check_batch_plan(plan: Any, sharding: ShardingPlan, mode: str = "sync") -> None:
+    """Every batch the Trainer places must split evenly over the batch shards and data shares.
+
+    Raises:
+      MeshError naming the field, its value and the sizes that would work (or the mode).
+    """
+    sharding.check_divides("plan.train_micro_batch_size", plan.train_micro_batch_size)
+    if mode == "async" and jax.process_count() > 1:
+        # The producer thread's collectives (rollout) would overlap the main thread's (update)
+        # in a different order on each process, and collectives must be issued in one order.
+        raise MeshError(f"mode='async' is not supported across {jax.process_count()} processes yet; use mode='sync' "
+                        "(one process on many devices runs async)")
+    size = sharding.share.size
+    if size == 1:
+        return
+    for name in ("prompts_per_step", "rollout_micro_batch_size", "logps_micro_batch_size", "service_batch_size"):
+        value = getattr(plan, name)
+        if value % size:
+            raise MeshError(f"plan.{name}={value} cannot be split over the {size} processes that produce data "
+                            f"(mesh {describe(sharding.mesh)}); use a multiple of {size}")
+    sharding.check_divides("plan.logps_micro_batch_size", plan.logps_micro_batch_size)
+
+
+def init_optimizer(optimizer: optax.GradientTransformation, params: Any, sharding: ShardingPlan) -> Any:
+    """`optimizer.init(params)` computed directly into its shardings (moments follow their params)."""
+    abstract = jax.eval_shape(optimizer.init, params)
+    return jax.jit(optimizer.init, out_shardings=sharding.param_shardings(abstract))(params)
+
+
+def micro_batches(sharding: ShardingPlan, host_mini: Batch, grad_accum_steps: int) -> Batch:
+    """A host mini batch (held whole by every process) -> [A, M/A, ...] global arrays."""
+    return sharding.put_full(split_micro_batches(host_mini, grad_accum_steps), sample_dim=1)
+
+
+def memory_plan(trainer: Any, params: Any, opt_state: Any) -> MemoryPlan:
+    """Logs the per-device memory plan and refuses one that cannot fit (see `rlbolt.distributed.memory`)."""
+    module = trainer.module
+    extra = module.memory_plan(trainer.sharding) if hasattr(module, "memory_plan") else {}
+    plan = plan_memory(trainer.sharding, params, opt_state, extra, device_bytes=trainer.device_memory_bytes)
+    log.info("%s", plan.text())
+    plan.check()
+    return plan
+
+
+def validation_rows(start: int, stop: int, share: Any) -> tuple[list[int], int]:
+    """This data share's rows of validation rows [start, stop), and their weight: near-equal
+    parts, and one filler row of weight 0 for a share left empty (every process must call the
+    sampler, a collective)."""
+    n = stop - start
+    lo, hi = start + share.rank * n // share.size, start + (share.rank + 1) * n // share.size
+    return (list(range(lo, hi)), hi - lo) if hi > lo else ([start], 0)
