@@ -100,6 +100,7 @@ class _Step:
 
     params: Any
     version: int
+    rollout_params: Any = None  # the rollout's copy (the same arrays when colocated)
     position: int = 0
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # stage -> seconds in its hook
     logs: dict[str, dict[str, list[float]]] = dataclasses.field(default_factory=dict)
@@ -183,7 +184,7 @@ class _Run:
         self.threads.start("feeder", self._feed)
         self.threads.start("rollout", lambda stop: self._stage(
             "rollout", plan.rollout_micro_batch_size // parts,
-            lambda s, b: check_stage(module.on_rollout(s.params, b), "rollout")))
+            lambda s, b: check_stage(module.on_rollout(s.rollout_params, b), "rollout")))
         self.threads.start("logps", lambda stop: self._stage(
             "logps", plan.logps_micro_batch_size // parts,
             lambda s, b: check_stage(module.compute_logps(s.params, b), "logps"), whole_round=self.serial))
@@ -217,9 +218,10 @@ class _Run:
             if p.max_prompts is not None and position + plan.prompts_per_step > p.max_prompts:
                 break  # max_epochs reached: not enough prompts left for a full step
             params, version = p.weights.get(step, stop)
+            rollout_params, _ = p.weights.get(step, stop, rollout=True)
             if step == self.start_step + 1:  # in sync mode the first step's compilations are over
                 release_freed_host_memory()
-            record = self.steps[step] = _Step(params, version)
+            record = self.steps[step] = _Step(params, version, rollout_params)
             prompts, round_index, parts = plan.prompts_per_step, 0, self.parts
             while True:
                 prompts = -(-prompts // parts) * parts  # equal shares

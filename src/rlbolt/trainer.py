@@ -20,6 +20,7 @@ import numpy as np
 from rlbolt.callback import Callback, CallbackList
 from rlbolt.data.source import PromptSource
 from rlbolt.distributed import any_process, host_tree, host_value, state as placement
+from rlbolt.distributed.placement import Placement, WeightSync
 from rlbolt.distributed.sharding import ShardingPlan
 from rlbolt.fit_checks import check_fit, lag_steps
 from rlbolt.module import RLModule
@@ -61,6 +62,10 @@ class Trainer:
         (-1 = the rest), a `jax.sharding.Mesh`, a `ShardingPlan`, or None (all devices on fsdp).
       device_memory_bytes: refuse a plan whose per-device memory exceeds this (default: what
         the backend reports; CPU reports nothing, then the plan is only logged).
+      placement: "colocated" (every role on `mesh`) or role -> sub-mesh (`{"train": {"devices":
+        [0, 4]}, "rollout": {"devices": [4, 8], "mesh": {"tp": 2}}}`, see
+        `rlbolt.distributed.placement`): rollout then runs on its own devices, with the weights
+        resharded onto them after each update.
 
     Attributes:
       timeline: every stage call and update as start/end events (`rlbolt.timeline.Timeline`);
@@ -72,7 +77,7 @@ class Trainer:
                  callbacks: Sequence[Callback] = (), mode: str = "sync", max_staleness: int | None = None,
                  val_every_n_steps: int | None = None, val_batch_size: int | None = None,
                  run_dir: str | Path | None = None, prefetch_timeout_s: float | None = None,
-                 mesh: Any = None, device_memory_bytes: int | None = None):
+                 mesh: Any = None, device_memory_bytes: int | None = None, placement: Any = "colocated"):
         if not isinstance(plan, BatchPlan):
             raise TypeError(f"plan must be a BatchPlan, got {type(plan).__name__}")
         for name, value in (("max_steps", max_steps), ("max_epochs", max_epochs), ("val_every_n_steps", val_every_n_steps)):
@@ -90,7 +95,9 @@ class Trainer:
         self.run_dir = Path(run_dir) if run_dir is not None else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
         self.prefetch_timeout_s = prefetch_timeout_s
         self.mesh_spec, self.device_memory_bytes = mesh, device_memory_bytes
-        self.sharding: ShardingPlan | None = None  # built when fit starts
+        self.placement = Placement.of(placement)
+        self.sharding: ShardingPlan | None = None  # the train role's plan, built when fit starts
+        self.plans: dict[str, ShardingPlan] = {}  # role -> plan
         self.weights = WeightStore(self.lag_steps)
         self.timeline = Timeline()  # stage start/end events; TimelineLogger writes them to the run dir
         self.should_stop = False  # set by a callback or a signal: fit ends after the current step
@@ -104,9 +111,9 @@ class Trainer:
         return jax.process_index() == 0
 
     def sharding_for(self, role: str) -> ShardingPlan:
-        """The ShardingPlan of a role ("train", "rollout", "reference"): the one plan of the
-        trainer's mesh for every role today (colocated)."""
-        return self.sharding
+        """The ShardingPlan of a role ("train", "rollout", "reference"): the trainer's mesh for
+        every role when colocated, else the role's sub-mesh (None before fit)."""
+        return self.plans.get(role, self.sharding)
 
     # ------------------------------------------------------------------------------------------
     def fit(self, module: RLModule, train_data: Any, val_data: Sequence[dict] | None = None) -> TrainState:
@@ -177,7 +184,9 @@ class Trainer:
         self.module, module.trainer = module, self
         self.plan = check_fit(self.plan, module, train_data, val_data, val_every_n_steps=self.val_every_n_steps)
         self.source = train_data if isinstance(train_data, PromptSource) else PromptSource(train_data, shuffle=self.shuffle, seed=self.data_seed)
-        self.sharding = placement.training_plan(self.mesh_spec)
+        self.plans = self.placement.plans(self.mesh_spec)
+        self.sharding = self.plans["train"]
+        self.weights.transfer = None if self.placement.colocated else WeightSync(self.sharding, self.plans["rollout"])
         placement.check_batch_plan(self.plan, self.sharding, self.mode)
         module.setup(self)
         rng = jax.random.PRNGKey(self.seed)

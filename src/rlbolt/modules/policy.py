@@ -224,7 +224,7 @@ class LMPolicyModule(RLModule):
             if self._sampler is None:
                 r = self.rollout_cfg
                 self._sampler = lm_ops.make_sampler(
-                    self.model if self.lora is None else self.lora.rollout_model(), max_new_tokens=r.max_new_tokens,
+                    self._rollout_model(), max_new_tokens=r.max_new_tokens,
                     temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                     stop_token_ids=(self.tokenizer.eos_id,) if r.stop_at_eos else (),
                     pad_id=self.tokenizer.pad_id, prompt_width=self.encoder.width,
@@ -234,6 +234,17 @@ class LMPolicyModule(RLModule):
                 return self._sampler.generate(self.lora.rollout_params(lm_params), ids, np.asarray(keys, np.uint32),
                                               temperature=temperature, keep=not self.lora.merge_for_rollout)
             return self._sampler.generate(lm_params, ids, np.asarray(keys, np.uint32), temperature=temperature)
+
+    def _rollout_model(self) -> Any:
+        """The model the sampler runs: on its own devices (placement), a view of it whose
+        activation constraints name the rollout mesh (the arrays are shared, not copied)."""
+        model = self.model if self.lora is None else self.lora.rollout_model()
+        rollout = _sharding(self.trainer, "rollout")
+        if rollout is None or rollout is self.sharding:
+            return model
+        model = nnx.merge(*nnx.split(model))
+        model.activation_sharding = model.embedding_read_sharding = None
+        return rollout.shard_activations(model)
 
     def _decode(self, completion_ids: np.ndarray, completion_mask: np.ndarray) -> np.ndarray:
         texts = np.empty(len(completion_ids), dtype=object)
