@@ -196,3 +196,16 @@ def test_callbacks_section_builds_the_configured_callbacks(tmp_path):
                                               "callbacks.lr_monitor=false", "callbacks.throughput=false",
                                               "callbacks.metrics=[]", "callbacks.progress=false",
                                               "callbacks.timeline=false"]), tmp_path) == []
+
+
+def test_trainer_placement_is_checked_when_the_config_is_read():
+    from rlbolt.app.config import ConfigError, load_config
+
+    assert load_config(None, []).trainer.placement == "colocated"
+    cfg = load_config(None, ['trainer.placement={train: {devices: [0, 1]}, rollout: {devices: [1, 2]}}'])
+    assert cfg.trainer.placement == {"train": {"devices": [0, 1]}, "rollout": {"devices": [1, 2]}}
+    with pytest.raises(ConfigError, match=r"^trainer.placement has unknown role\(s\) \['critic'\]"):
+        load_config(None, ['trainer.placement={train: {devices: [0, 1]}, rollout: {devices: [1, 2]}, '
+                           'critic: {devices: [2, 3]}}'])
+    with pytest.raises(ConfigError, match="trainer.placement='split': use 'colocated'"):
+        load_config(None, ["trainer.placement=split"])

@@ -78,6 +78,7 @@ MODULES = [
     ("Devices and hosts", "rlbolt.distributed.agree"),
     ("Devices and hosts", "rlbolt.distributed.memory"),
     ("Devices and hosts", "rlbolt.distributed.state"),
+    ("Devices and hosts", "rlbolt.distributed.placement"),
     ("Rollout", "rlbolt.rollout.engine"),
     ("Rollout", "rlbolt.rollout.sampler"),
     ("Rollout", "rlbolt.rollout.logps"),

@@ -36,9 +36,8 @@ def test_placement_reads_colocated_and_role_maps():
     assert not p.colocated
     assert p.roles["rollout"] == RoleMesh(4, 8, MeshSpec(tp=2))
     assert p.roles["reference"] is p.roles["train"]  # the default: the reference forward runs with training
-    own = Placement.of({"train": {"devices": [0, 2]}, "rollout": {"devices": [2, 4]},
-                        "reference": {"devices": [4, 6]}})
-    assert own.roles["reference"] == RoleMesh(4, 6)
+    named = Placement.of({"train": {"devices": [0, 2]}, "rollout": {"devices": [2, 4]}, "reference": "train"})
+    assert named.roles["reference"] is named.roles["train"]
 
 
 @pytest.mark.parametrize("value, words", [
@@ -46,11 +45,13 @@ def test_placement_reads_colocated_and_role_maps():
     ({"train": {"devices": [0, 4]}}, "names no devices for ['rollout']"),
     ({"train": {"devices": [0, 4]}, "rollout": {"devices": [4, 8]}, "critic": {"devices": [0, 1]}},
      "unknown role(s) ['critic']"),
-    ({"train": {"devices": [0, 4]}, "rollout": {"devices": [3, 8]}}, "overlap ([0, 4) and [3, 8))"),
+    ({"train": {"devices": [0, 4]}, "rollout": {"devices": [3, 8]}}, "train [0, 4) and rollout [3, 8) overlap"),
     ({"train": {"devices": [4, 0]}, "rollout": {"devices": [4, 8]}}, "placement.train.devices=[4, 0] must be"),
     ({"train": {"devices": [0, 4], "gpus": 2}, "rollout": {"devices": [4, 8]}}, "unknown key(s) ['gpus']"),
-    ({"train": {"devices": [0, 4]}, "rollout": {"devices": [4, 8]}, "reference": "critic"},
-     "placement.reference='critic'"),
+    ({"train": {"devices": [0, 4]}, "rollout": {"devices": [4, 8]}, "reference": "rollout"},
+     "placement.reference='rollout': the reference forward runs with training"),
+    ({"train": {"devices": [0, 4]}, "rollout": {"devices": [4, 6]}, "reference": {"devices": [6, 8]}},
+     "use reference: train"),
     ({"train": {"devices": [0, 4]}, "rollout": {"devices": [4, 8], "mesh": {"pp": 2}}}, "unknown axes ['pp']"),
 ])
 def test_bad_placements_are_refused_with_one_line(value, words):

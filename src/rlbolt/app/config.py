@@ -140,6 +140,7 @@ class TrainerSection:
     val_batch_size: int | None = _f(None, "prompts per validation batch; None: plan.prompts_per_step", at_least=1)
     run_dir: str | None = _f(None, "where metrics and checkpoints go; None: runs/<algorithm>-<time>")
     prefetch_timeout_s: float | None = _f(None, "fail if the producer yields nothing for this long; None: wait", above=0)
+    placement: str | dict = _f("colocated", "colocated: every role on the mesh; or {train: {devices: [start, stop], mesh: {..}}, rollout: {devices: [..], mesh: {..}}}: rollout on its own devices, weights resharded there after each update (docs/howto/placement.md)")
 
 
 @dataclass(frozen=True)
@@ -366,6 +367,17 @@ def _check_rules(cfg: RunConfig) -> None:
         raise ConfigError(f"trainer.val_every_n_steps={t.val_every_n_steps} but the run has no validation rows; "
                           "set data.val (or data.builtin_val_rows > 0), or trainer.val_every_n_steps=null")
     _check_mode(cfg)
+    if t.placement != "colocated":
+        _check_placement(t.placement)
+
+
+def _check_placement(value: Any) -> None:
+    from rlbolt.distributed.placement import Placement  # imports JAX: only for a placement on sub-meshes
+
+    try:
+        Placement.of(value)
+    except ValueError as error:
+        raise ConfigError(f"trainer.{error}") from None
 
 
 def _check_mode(cfg: RunConfig) -> None:

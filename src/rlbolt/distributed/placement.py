@@ -9,8 +9,8 @@
     rollout_params = sync(params)                     reshard, shard by shard, onto the rollout mesh
 
 A role's `devices` is a `[start, stop)` range of `jax.devices()`; its `mesh` a `{data, fsdp,
-tp}` shape over them (default: all on fsdp). `reference` names another role ("train", the
-default) or has its own range. Roles on their own devices run at once: the rollout of step k+1
+tp}` shape over them (default: all on fsdp). `reference` is "train" (the default): the
+reference forward runs in the logps stage on the training devices. Roles on their own devices run at once: the rollout of step k+1
 while step k's update runs (async mode), instead of taking turns on one device set.
 
 The weight sync never gathers a parameter onto one device: each leaf is first laid out on the
@@ -57,7 +57,7 @@ class Placement:
     @classmethod
     def of(cls, value: Any) -> Placement:
         """A Placement from itself, "colocated" / None, or a mapping role -> `{devices: [start,
-        stop], mesh: {data, fsdp, tp}}` (or, for reference, another role's name).
+        stop], mesh: {data, fsdp, tp}}` for train and rollout (reference: "train").
 
         Raises:
           MeshError: one line naming the field, the value and the fix.
@@ -78,7 +78,12 @@ class Placement:
                             "{devices: [start, stop]} range (reference defaults to train's)")
         roles = {r: _role(r, value[r]) for r in ("train", "rollout")}
         ref = value.get("reference", "train")
-        roles["reference"] = roles[ref] if isinstance(ref, str) and ref in roles else _role("reference", ref)
+        if ref != "train":
+            # The reference forward runs in the logps stage, on the training devices; a range of
+            # its own would need the module to place its copy there (not built yet).
+            raise MeshError(f"placement.reference={ref!r}: the reference forward runs with training for now; use "
+                            "reference: train (or leave it out)")
+        roles["reference"] = roles["train"]
         _check_disjoint(roles)
         return cls(roles)
 
@@ -114,7 +119,7 @@ class Placement:
 def _role(role: str, value: Any) -> RoleMesh:
     if not isinstance(value, Mapping) or "devices" not in value:
         raise MeshError(f"placement.{role}={value!r}: give {{devices: [start, stop]}} (and optionally mesh: "
-                        "{data, fsdp, tp})" + (", or the name of another role" if role == "reference" else ""))
+                        "{data, fsdp, tp})")
     extra = sorted(set(value) - {"devices", "mesh"})
     if extra:
         raise MeshError(f"placement.{role} has unknown key(s) {extra}; the keys are devices and mesh")
@@ -127,14 +132,10 @@ def _role(role: str, value: Any) -> RoleMesh:
 
 
 def _check_disjoint(roles: Mapping[str, RoleMesh]) -> None:
-    distinct = list(dict.fromkeys(roles.values()))
-    for i, a in enumerate(distinct):
-        for b in distinct[i + 1:]:
-            if a.start < b.stop and b.start < a.stop:
-                names = [r for r, w in roles.items() if w in (a, b)]
-                raise MeshError(f"placement: the devices of {names} overlap ([{a.start}, {a.stop}) and [{b.start}, "
-                                f"{b.stop})); give each role its own range, or share a range by naming the role "
-                                "(reference: train), or use placement: colocated")
+    a, b = roles["train"], roles["rollout"]
+    if a.start < b.stop and b.start < a.stop:
+        raise MeshError(f"placement: the devices of train [{a.start}, {a.stop}) and rollout [{b.start}, {b.stop}) "
+                        "overlap; give each its own range, or use placement: colocated")
 
 
 class WeightSync:
