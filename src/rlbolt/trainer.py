@@ -95,9 +95,8 @@ class Trainer:
         self.run_dir = Path(run_dir) if run_dir is not None else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
         self.prefetch_timeout_s = prefetch_timeout_s
         self.mesh_spec, self.device_memory_bytes = mesh, device_memory_bytes
-        self.placement = Placement.of(placement)
-        self.sharding: ShardingPlan | None = None  # the train role's plan, built when fit starts
-        self.plans: dict[str, ShardingPlan] = {}  # role -> plan
+        self.placement, self.plans = Placement.of(placement), {}
+        self.sharding: ShardingPlan | None = None  # the train role's plan (of self.plans: role -> plan), set in fit
         self.weights = WeightStore(self.lag_steps)
         self.timeline = Timeline()  # stage start/end events; TimelineLogger writes them to the run dir
         self.should_stop = False  # set by a callback or a signal: fit ends after the current step
