@@ -46,7 +46,7 @@ from rlbolt.modules.rewarding import answer_score, build_reward, score_shared
 _FRAMEWORK_COLUMNS = frozenset({
     "group_ids", "policy_version", "sample_keys", "prompt_ids", "prompt_mask", "completion_ids",
     "completion_mask", "sampler_logps", "old_logps", "ref_logps", "rewards", "advantages", "completion_text",
-    "old_values", "returns", "importance_weights", "mini_batch_num_tokens", "mini_batch_num_samples",
+    "old_values", "returns", "importance_weights", "mini_batch_num_tokens", "mini_batch_num_samples", "dock_index",
 })
 
 
@@ -224,7 +224,7 @@ class LMPolicyModule(RLModule):
             if self._sampler is None:
                 r = self.rollout_cfg
                 self._sampler = lm_ops.make_sampler(
-                    self.model if self.lora is None else self.lora.rollout_model(), max_new_tokens=r.max_new_tokens,
+                    self._rollout_model(), max_new_tokens=r.max_new_tokens,
                     temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                     stop_token_ids=(self.tokenizer.eos_id,) if r.stop_at_eos else (),
                     pad_id=self.tokenizer.pad_id, prompt_width=self.encoder.width,
@@ -234,6 +234,17 @@ class LMPolicyModule(RLModule):
                 return self._sampler.generate(self.lora.rollout_params(lm_params), ids, np.asarray(keys, np.uint32),
                                               temperature=temperature, keep=not self.lora.merge_for_rollout)
             return self._sampler.generate(lm_params, ids, np.asarray(keys, np.uint32), temperature=temperature)
+
+    def _rollout_model(self) -> Any:
+        """The model the sampler runs: on its own devices (placement), a view of it whose
+        activation constraints name the rollout mesh (the arrays are shared, not copied)."""
+        model = self.model if self.lora is None else self.lora.rollout_model()
+        rollout = _sharding(self.trainer, "rollout")
+        if rollout is None or rollout is self.sharding:
+            return model
+        model = nnx.merge(*nnx.split(model))
+        model.activation_sharding = model.embedding_read_sharding = None
+        return rollout.shard_activations(model)
 
     def _decode(self, completion_ids: np.ndarray, completion_mask: np.ndarray) -> np.ndarray:
         texts = np.empty(len(completion_ids), dtype=object)
@@ -284,9 +295,16 @@ class LMPolicyModule(RLModule):
         return batch.with_columns(cols)
 
     # -- rewards and advantages ------------------------------------------------------------------------
+    def on_reward(self, batch: Batch) -> Batch:
+        """Adds `rewards` [N] (`compute_rewards`), per reward micro batch: each sample is scored
+        on its own, so scoring runs while later samples are still generated."""
+        return batch.with_columns(rewards=np.asarray(self.compute_rewards(batch), np.float32))
+
     def on_advantage(self, batch: Batch) -> Batch:
-        """Rewards [N] -> `filter_groups` -> advantages, on the whole global batch."""
-        batch = batch.with_columns(rewards=np.asarray(self.compute_rewards(batch), np.float32))
+        """Rewards [N] (from `on_reward`, or computed here when called directly) -> `filter_groups`
+        -> advantages, on the whole global batch."""
+        if "rewards" not in batch:
+            batch = self.on_reward(batch)
         batch = self.filter_groups(batch)
         if batch.num_samples == 0:
             return batch.with_columns(advantages=np.zeros((0,), np.float32))
