@@ -187,7 +187,7 @@ class Trainer:
         self.plans = self.placement.plans(self.mesh_spec)
         self.sharding = self.plans["train"]
         self.weights.transfer = None if self.placement.colocated else WeightSync(self.sharding, self.plans["rollout"])
-        placement.check_batch_plan(self.plan, self.sharding, self.mode)
+        placement.check_batch_plan(self.plan, self.sharding, self.mode, reference=self.plans["reference"])
         module.setup(self)
         rng = jax.random.PRNGKey(self.seed)
         params = self.sharding.place(module.init_params(jax.random.fold_in(rng, 0)))

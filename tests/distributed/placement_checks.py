@@ -137,5 +137,116 @@ def _bad_placement() -> str:
     return ""
 
 
+# -- the reference on devices of its own ------------------------------------------------------------
+# Every role on a 2-device fsdp mesh (the colocated run on devices 0-1), so the float sums match.
+TWO = {"fsdp": 2}
+REF_APART = {"train": {"devices": [0, 2], "mesh": TWO}, "rollout": {"devices": [2, 4], "mesh": TWO},
+             "reference": {"devices": [4, 6], "mesh": TWO}}
+REF_TRAIN = {"train": {"devices": [0, 2], "mesh": TWO}, "rollout": {"devices": [2, 4], "mesh": TWO}}
+
+
+def _ref_trainer(placement, steps=3, record=()):
+    from rlbolt.modules import GRPO
+    from rlbolt.plan import BatchPlan
+    from rlbolt.trainer import Trainer
+
+    class SGDGRPO(GRPO):
+        def configure_optimizers(self):
+            return optax.sgd(0.5, momentum=0.9)
+
+    def digits(completion: str, sample) -> float:
+        return sum(ch.isdigit() for ch in completion) / max(len(completion), 1)
+
+    module = SGDGRPO({"rollout": {"max_new_tokens": 8}, "algorithm": {"beta": 0.04}, "reward": {"executor": "thread"},
+                      "model": {"tiny": {"hidden_size": 32, "intermediate_size": 64, "head_dim": 8}}}, reward=digits)
+    mesh = ShardingPlan(MeshSpec(**TWO).build(jax.devices()[:2])) if placement == "colocated" else None
+    trainer = Trainer(BatchPlan(prompts_per_step=4, num_generations=4, train_micro_batch_size=8), max_steps=steps,
+                      callbacks=list(record), run_dir="unused", mesh=mesh, placement=placement)
+    return trainer, module
+
+
+def _token_batch(n=8, p=6, c=5, vocab=64):
+    from rlbolt.batch import Batch
+
+    rng = np.random.default_rng(3)
+    mask = np.arange(c)[None, :] < rng.integers(1, c + 1, size=(n, 1))
+    return Batch(prompt_ids=rng.integers(1, vocab, size=(n, p)).astype(np.int32), prompt_mask=np.ones((n, p), bool),
+                 completion_ids=rng.integers(1, vocab, size=(n, c)).astype(np.int32), completion_mask=mask,
+                 sampler_logps=np.zeros((n, c), np.float32))
+
+
+def reference() -> dict:
+    """Set-up only (no fit): where the reference lives, and its logps against the training mesh's."""
+    import gc
+
+    from rlbolt.data import gsm8k_style_rows
+
+    out = {}
+    for name, placement in (("train", REF_TRAIN), ("apart", REF_APART)):
+        gc.collect()
+        before = _device_bytes(jax.devices())
+        trainer, module = _ref_trainer(placement)
+        trainer._setup(module, gsm8k_style_rows(16), None)
+        gc.collect()
+        after = _device_bytes(jax.devices())
+        leaves = jax.tree.leaves(module.ref_params)
+        expected = {}
+        for leaf in leaves:
+            for shard in leaf.addressable_shards:  # independent of the live-array walk: the leaf's own shards
+                expected[shard.device.id] = expected.get(shard.device.id, 0) + shard.data.nbytes
+        logps = module.compute_logps(None, _token_batch())["ref_logps"]
+        out[name] = {"live_bytes": {str(d): after.get(d, 0) - before.get(d, 0) for d in range(8)},
+                     "ref_devices": sorted({d.id for x in leaves for d in x.sharding.device_set}),
+                     "ref_shard_bytes": {str(d): b for d, b in expected.items()},
+                     "ref_total_bytes": sum(x.nbytes for x in leaves),
+                     "memory_items": sorted(trainer.memory_plan.items),
+                     "ref_logps": np.asarray(logps).tolist()}
+        del trainer, module, leaves, logps
+    out["errors"] = _reference_errors()
+    return out
+
+
+def _reference_errors() -> list[str]:
+    from rlbolt.plan import BatchPlan
+    from rlbolt.trainer import Trainer
+
+    errors = []
+    odd = {**REF_APART, "reference": {"devices": [4, 8], "mesh": {"fsdp": 4}}}
+    try:  # logps micro batches of 6 rows cannot split over the reference mesh's 4 batch shards
+        Trainer(BatchPlan(prompts_per_step=3, num_generations=2, train_micro_batch_size=2, logps_micro_batch_size=6),
+                max_steps=1, run_dir="unused", placement=odd).fit(_ref_trainer(REF_APART)[1], [{"q": "1"}] * 3)
+    except ValueError as error:
+        errors.append(str(error))
+    return errors
+
+
+def reference_fit() -> dict:
+    """Colocated vs the reference on its own devices (sync): metrics, completions, parameters."""
+    from rlbolt.callback import Callback
+    from rlbolt.data import gsm8k_style_rows
+
+    def run(placement):
+        rows, completions = [], []
+
+        class Record(Callback):
+            def on_rollout_end(self, trainer, produced):
+                completions.append(np.asarray(produced.batch["completion_ids"]).tolist())
+
+            def on_step_end(self, trainer, info):
+                rows.append({k: float(info.metrics[k]) for k in ("loss", "reward/mean", "grad_norm", "kl", "loss/kl")})
+
+        trainer, module = _ref_trainer(placement, record=[Record()])
+        state = trainer.fit(module, gsm8k_style_rows(16))
+        ref_devices = sorted({d.id for x in jax.tree.leaves(module.ref_params) for d in x.sharding.device_set})
+        return {"steps": rows, "completions": completions, "ref_devices": ref_devices}, state.params
+
+    colocated, p_col = run("colocated")
+    apart, p_apart = run(REF_APART)
+    diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+               for a, b in zip(jax.tree.leaves(p_col), jax.tree.leaves(p_apart)))
+    return {"colocated": colocated, "apart": apart, "max_param_diff": diff}
+
+
 if __name__ == "__main__":
-    print(json.dumps({"transfer": transfer, "fit": fit}[sys.argv[1]]()))
+    print(json.dumps({"transfer": transfer, "fit": fit, "reference": reference,
+                      "reference_fit": reference_fit}[sys.argv[1]]()))

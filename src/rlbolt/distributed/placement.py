@@ -9,9 +9,11 @@
     rollout_params = sync(params)                     reshard, shard by shard, onto the rollout mesh
 
 A role's `devices` is a `[start, stop)` range of `jax.devices()`; its `mesh` a `{data, fsdp,
-tp}` shape over them (default: all on fsdp). `reference` is "train" (the default): the
-reference forward runs in the logps stage on the training devices. Roles on their own devices run at once: the rollout of step k+1
-while step k's update runs (async mode), instead of taking turns on one device set.
+tp}` shape over them (default: all on fsdp). `reference` is "train" (the default: the reference
+forward runs in the logps stage on the training devices) or a range of its own, disjoint from
+train's and rollout's: the module then keeps its frozen reference copy only there and runs the
+reference forward there. Roles on their own devices run at once: the rollout of step k+1 while
+step k's update runs (async mode), instead of taking turns on one device set.
 
 The weight sync never gathers a parameter onto one device: each leaf is first laid out on the
 training devices as the rollout mesh wants it (a jitted reshard within the training devices,
@@ -57,7 +59,8 @@ class Placement:
     @classmethod
     def of(cls, value: Any) -> Placement:
         """A Placement from itself, "colocated" / None, or a mapping role -> `{devices: [start,
-        stop], mesh: {data, fsdp, tp}}` for train and rollout (reference: "train").
+        stop], mesh: {data, fsdp, tp}}` for train and rollout; reference: "train" (the default) or
+        such a map of its own.
 
         Raises:
           MeshError: one line naming the field, the value and the fix.
@@ -78,14 +81,17 @@ class Placement:
                             "{devices: [start, stop]} range (reference defaults to train's)")
         roles = {r: _role(r, value[r]) for r in ("train", "rollout")}
         ref = value.get("reference", "train")
-        if ref != "train":
-            # The reference forward runs in the logps stage, on the training devices; a range of
-            # its own would need the module to place its copy there (not built yet).
-            raise MeshError(f"placement.reference={ref!r}: the reference forward runs with training for now; use "
-                            "reference: train (or leave it out)")
-        roles["reference"] = roles["train"]
+        if isinstance(ref, str) and ref != "train":
+            raise MeshError(f"placement.reference={ref!r}: use reference: train (the reference forward runs on "
+                            "train's devices) or {devices: [start, stop]} disjoint from train's and rollout's")
+        roles["reference"] = roles["train"] if ref == "train" else _role("reference", ref)
         _check_disjoint(roles)
         return cls(roles)
+
+    @property
+    def reference_apart(self) -> bool:
+        """True when the reference has devices of its own (not train's)."""
+        return not self.colocated and self.roles["reference"] is not self.roles["train"]
 
     def plans(self, mesh: Any = None) -> dict[str, ShardingPlan]:
         """role -> ShardingPlan; colocated: one plan on `mesh` for every role.
@@ -132,10 +138,15 @@ def _role(role: str, value: Any) -> RoleMesh:
 
 
 def _check_disjoint(roles: Mapping[str, RoleMesh]) -> None:
-    a, b = roles["train"], roles["rollout"]
-    if a.start < b.stop and b.start < a.stop:
-        raise MeshError(f"placement: the devices of train [{a.start}, {a.stop}) and rollout [{b.start}, {b.stop}) "
-                        "overlap; give each its own range, or use placement: colocated")
+    pairs = [("train", "rollout")]
+    if roles["reference"] is not roles["train"]:
+        pairs += [("train", "reference"), ("rollout", "reference")]
+    for x, y in pairs:
+        a, b = roles[x], roles[y]
+        if a.start < b.stop and b.start < a.stop:
+            fix = ("use reference: train to share train's devices, or " if "reference" in (x, y) else "")
+            raise MeshError(f"placement: the devices of {x} [{a.start}, {a.stop}) and {y} [{b.start}, {b.stop}) "
+                            f"overlap; {fix}give each its own range, or use placement: colocated")
 
 
 class WeightSync:

@@ -36,6 +36,7 @@ from rlbolt.algorithms import LossAggregation, aggregate_loss, clipped_surrogate
 from rlbolt.algorithms import grpo_advantages, truncated_importance_weights
 from rlbolt.batch import Batch
 from rlbolt.app.config import ConfigError, RunConfig, config_to_dict, load_config
+from rlbolt.distributed.mesh import MeshError
 from rlbolt.module import RLModule
 from rlbolt.modules import lm_ops
 from rlbolt.plan import PlanError
@@ -70,6 +71,7 @@ class LMPolicyModule(RLModule):
         self.hparams = {k: v for k, v in config_to_dict(self.config).items() if k in ("algorithm", "rollout", "reward")}
         self.model, self.tokenizer, self.reward = model, tokenizer, reward
         self.ref_params = None
+        self.reference = None  # a PlacedReference when placement gives the reference devices of its own
         self.sharding = None  # the trainer's ShardingPlan, from setup
         self.lora = None  # a LoraPolicy when config.model.lora is set
         self._sampler_lock = threading.Lock()  # validation (main thread) and rollout (producer) share it
@@ -108,7 +110,18 @@ class LMPolicyModule(RLModule):
         if self.reward is None:
             self.reward = build_reward(cfg.reward.weights, answer_field=cfg.data.answer_field)
         self.reward_runner = lm_ops.reward_runner(self.reward, cfg.reward)
-        if self.algo.beta > 0 and self.lora is None:
+        ref_plan = _sharding(trainer, "reference")
+        apart = ref_plan is not None and ref_plan is not self.sharding
+        if apart and self.lora is not None and self.algo.beta > 0:
+            raise MeshError("placement.reference has devices of its own, but with model.lora the reference is the "
+                            "frozen base with the adapters off, which training holds on its devices; use "
+                            "reference: train (or leave it out)")
+        if self.algo.beta > 0 and self.lora is None and apart:  # the frozen copy lives only on its devices
+            from rlbolt.modules.reference import PlacedReference
+
+            self.reference = PlacedReference(self.model, self.sharding, ref_plan, temperature=self._train_temperature)
+            self.ref_params = self.reference.params
+        elif self.algo.beta > 0 and self.lora is None:
             # Parameters are immutable arrays and updates are functional, so holding the initial
             # pytree is a frozen copy without a copy.
             self.ref_params = nnx.state(self.model, nnx.Param)
@@ -124,7 +137,9 @@ class LMPolicyModule(RLModule):
         cache for one rollout micro batch (longest prompt + max_new_tokens slots), per device."""
         from rlbolt.distributed import kv_cache_bytes, per_device_bytes
 
-        out = {} if self.ref_params is None else {"reference": per_device_bytes(self.ref_params)}
+        # A reference on devices of its own is not on the training devices this plan describes.
+        on_train = self.ref_params is not None and self.reference is None
+        out = {"reference": per_device_bytes(self.ref_params)} if on_train else {}
         if self.lora is not None:
             out["frozen base"] = per_device_bytes(self.lora.base)
         rows = self.trainer.plan.rollout_micro_batch_size if self.trainer is not None else 1
@@ -288,7 +303,9 @@ class LMPolicyModule(RLModule):
             cols["importance_weights"] = np.asarray(truncated_importance_weights(
                 jnp.asarray(old), batch["sampler_logps"], jnp.asarray(batch["completion_mask"]),
                 self.algo.importance_cap), np.float32)
-        if self.ref_params is not None:
+        if self.reference is not None:  # on the reference's own devices
+            cols["ref_logps"] = self.reference.logps(self.ref_params, batch)
+        elif self.ref_params is not None:
             cols["ref_logps"] = self._local(self._logps(self.ref_params, *inputs))
         elif self.lora is not None and self.algo.beta > 0:
             cols["ref_logps"] = self._local(self._ref_logps(self.lora.base, *inputs))
