@@ -201,6 +201,14 @@ def reference() -> dict:
                      "ref_total_bytes": sum(x.nbytes for x in leaves),
                      "memory_items": sorted(trainer.memory_plan.items),
                      "ref_logps": np.asarray(logps).tolist()}
+        if name == "apart":  # a reference mesh of 4 (fsdp) does not divide train's 2 devices: device_put instead
+            from rlbolt.modules.reference import PlacedReference
+
+            wide = ShardingPlan(MeshSpec(fsdp=4).build(jax.devices()[4:8]))
+            placed = PlacedReference(module.model, module.sharding, wide, temperature=1.0)
+            out["wide"] = {"ref_devices": sorted({d.id for x in jax.tree.leaves(placed.params) for d in x.sharding.device_set}),
+                           "ref_logps": placed.logps(placed.params, _token_batch()).tolist()}
+            del placed
         del trainer, module, leaves, logps
     out["errors"] = _reference_errors()
     return out

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from rlbolt.distributed import MeshError, MeshSpec
@@ -35,7 +36,10 @@ def test_placement_reads_colocated_and_role_maps():
     p = Placement.of({"train": {"devices": [0, 4]}, "rollout": {"devices": [4, 8], "mesh": {"tp": 2, "fsdp": -1}}})
     assert not p.colocated
     assert p.roles["rollout"] == RoleMesh(4, 8, MeshSpec(tp=2))
-    assert p.roles["reference"] is p.roles["train"]  # the default: the reference forward runs with training
+    assert p.roles["reference"] is p.roles["train"] and not p.reference_apart  # the default: with training
+    apart = Placement.of({"train": {"devices": [0, 2]}, "rollout": {"devices": [2, 4]},
+                          "reference": {"devices": [4, 6], "mesh": {"tp": 2}}})
+    assert apart.reference_apart and apart.roles["reference"] == RoleMesh(4, 6, MeshSpec(tp=2))
     named = Placement.of({"train": {"devices": [0, 2]}, "rollout": {"devices": [2, 4]}, "reference": "train"})
     assert named.roles["reference"] is named.roles["train"]
 
@@ -49,9 +53,17 @@ def test_placement_reads_colocated_and_role_maps():
     ({"train": {"devices": [4, 0]}, "rollout": {"devices": [4, 8]}}, "placement.train.devices=[4, 0] must be"),
     ({"train": {"devices": [0, 4], "gpus": 2}, "rollout": {"devices": [4, 8]}}, "unknown key(s) ['gpus']"),
     ({"train": {"devices": [0, 4]}, "rollout": {"devices": [4, 8]}, "reference": "rollout"},
-     "placement.reference='rollout': the reference forward runs with training"),
-    ({"train": {"devices": [0, 4]}, "rollout": {"devices": [4, 6]}, "reference": {"devices": [6, 8]}},
-     "use reference: train"),
+     "placement.reference='rollout': use reference: train"),
+    ({"train": {"devices": [0, 4]}, "rollout": {"devices": [4, 6]}, "reference": {"devices": [3, 7]}},
+     "train [0, 4) and reference [3, 7) overlap; use reference: train"),
+    ({"train": {"devices": [0, 4]}, "rollout": {"devices": [4, 6]}, "reference": {"devices": [5, 8]}},
+     "rollout [4, 6) and reference [5, 8) overlap"),
+    ({"train": {"devices": [0, 4]}, "rollout": {"devices": [4, 6]}, "reference": {"devices": [0, 4]}},
+     "train [0, 4) and reference [0, 4) overlap"),  # the same range as train: say reference: train
+    ({"train": {"devices": [0, 4]}, "rollout": {"devices": [4, 6]}, "reference": {"devices": [6, 8], "gpu": 1}},
+     "placement.reference has unknown key(s) ['gpu']"),
+    ({"train": {"devices": [0, 4]}, "rollout": {"devices": [4, 6]}, "reference": [6, 8]},
+     "placement.reference=[6, 8]: give {devices: [start, stop]}"),
     ({"train": {"devices": [0, 4]}, "rollout": {"devices": [4, 8], "mesh": {"pp": 2}}}, "unknown axes ['pp']"),
 ])
 def test_bad_placements_are_refused_with_one_line(value, words):
@@ -114,3 +126,34 @@ def test_disaggregated_fit_equals_colocated_and_async_rollout_overlaps_the_updat
     assert any(roll[k + 1][0] < upd[k][1] and roll[k + 1][1] > upd[k][0] for k in pairs)
     assert [s["staleness/max"] for s in run_async["steps"]] == [0.0, 1.0, 1.0, 1.0]
     assert "overlap" in r["placement_error"]
+
+
+def test_the_reference_on_its_own_devices_holds_its_copy_only_there():
+    r = run_checks("reference")
+    shared, apart = r["train"], r["apart"]
+    assert shared["ref_devices"] == [0, 1] and apart["ref_devices"] == [4, 5]
+    # Live bytes per device after set-up: the reference devices hold exactly the copy's shards
+    # (half of the model each on fsdp=2), the training devices hold the same bytes as when the
+    # reference shares training's arrays (no second copy there), rollout and idle devices nothing.
+    half = apart["ref_total_bytes"] // 2
+    assert apart["ref_shard_bytes"] == {"4": half, "5": half}
+    assert {d: apart["live_bytes"][d] for d in "4567"} == {"4": half, "5": half, "6": 0, "7": 0}
+    assert {d: apart["live_bytes"][d] for d in "0123"} == {d: shared["live_bytes"][d] for d in "0123"}
+    assert "reference" in shared["memory_items"] and "reference" not in apart["memory_items"]
+    # The forward on the reference mesh gives the training mesh's logps bitwise (same mesh shape),
+    # and within float32 rounding on a mesh of another shape (fsdp=4, placed by device_put).
+    assert apart["ref_logps"] == shared["ref_logps"]
+    assert r["wide"]["ref_devices"] == [4, 5, 6, 7]
+    np.testing.assert_allclose(r["wide"]["ref_logps"], shared["ref_logps"], rtol=1e-6, atol=1e-6)
+    assert len(r["errors"]) == 1 and "plan.logps_micro_batch_size=6 cannot be split over the reference mesh's 4" \
+        in r["errors"][0] and "\n" not in r["errors"][0]
+
+
+@pytest.mark.slow
+def test_a_fit_with_the_reference_on_its_own_devices_equals_colocated():
+    r = run_checks("reference_fit")
+    col, apart = r["colocated"], r["apart"]
+    assert col["ref_devices"] == [0, 1] and apart["ref_devices"] == [4, 5]
+    assert apart["steps"] == col["steps"] and apart["completions"] == col["completions"]  # bitwise
+    assert r["max_param_diff"] == 0.0
+    assert col["steps"][-1]["kl"] > 1e-4  # the reference logps did enter the loss
