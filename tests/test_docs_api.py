@@ -63,6 +63,7 @@ MODULES = [
     ("Modules", "rlbolt.modules.rewarding"),
     ("Modules", "rlbolt.modules.lm_ops"),
     ("Modules", "rlbolt.modules.lora_policy"),
+    ("Modules", "rlbolt.modules.reference"),
     ("Models", "rlbolt.models.config"),
     ("Models", "rlbolt.models.decoder"),
     ("Models", "rlbolt.models.cache"),

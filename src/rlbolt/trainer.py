@@ -64,8 +64,8 @@ class Trainer:
         the backend reports; CPU reports nothing, then the plan is only logged).
       placement: "colocated" (every role on `mesh`) or role -> sub-mesh (`{"train": {"devices":
         [0, 4]}, "rollout": {"devices": [4, 8], "mesh": {"tp": 2}}}`, see
-        `rlbolt.distributed.placement`): rollout then runs on its own devices, with the weights
-        resharded onto them after each update.
+        `rlbolt.distributed.placement`): rollout (and the reference forward, when given a range)
+        runs on its own devices, the weights resharded onto rollout's after each update.
 
     Attributes:
       timeline: every stage call and update as start/end events (`rlbolt.timeline.Timeline`);

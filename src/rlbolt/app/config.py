@@ -140,7 +140,7 @@ class TrainerSection:
     val_batch_size: int | None = _f(None, "prompts per validation batch; None: plan.prompts_per_step", at_least=1)
     run_dir: str | None = _f(None, "where metrics and checkpoints go; None: runs/<algorithm>-<time>")
     prefetch_timeout_s: float | None = _f(None, "fail if the producer yields nothing for this long; None: wait", above=0)
-    placement: str | dict = _f("colocated", "colocated: every role on the mesh; or {train: {devices: [start, stop], mesh: {..}}, rollout: {devices: [..], mesh: {..}}}: rollout on its own devices, weights resharded there after each update (docs/howto/placement.md)")
+    placement: str | dict = _f("colocated", "colocated: every role on the mesh; or {train: {devices: [start, stop], mesh: {..}}, rollout: {devices: [..], mesh: {..}}, reference: train | {devices: [..], mesh: {..}}}: rollout on its own devices, weights resharded there after each update; the reference forward on train's devices or its own (docs/howto/placement.md)")
 
 
 @dataclass(frozen=True)
