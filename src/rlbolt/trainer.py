@@ -62,10 +62,9 @@ class Trainer:
         (-1 = the rest), a `jax.sharding.Mesh`, a `ShardingPlan`, or None (all devices on fsdp).
       device_memory_bytes: refuse a plan whose per-device memory exceeds this (default: what
         the backend reports; CPU reports nothing, then the plan is only logged).
-      placement: "colocated" (every role on `mesh`) or role -> sub-mesh (`{"train": {"devices":
-        [0, 4]}, "rollout": {"devices": [4, 8], "mesh": {"tp": 2}}}`, see
-        `rlbolt.distributed.placement`): rollout (and the reference forward, when given a range)
-        runs on its own devices, the weights resharded onto rollout's after each update.
+      placement: "colocated" (every role on `mesh`) or role -> sub-mesh (`{"train": {"devices": [0, 4]},
+        "rollout": {"devices": [4, 8], "mesh": {"tp": 2}}}`, `rlbolt.distributed.placement`): rollout
+        (and the reference, given a range) on its own devices, weights resharded after each update.
 
     Attributes:
       timeline: every stage call and update as start/end events (`rlbolt.timeline.Timeline`);
