@@ -13,6 +13,8 @@ from rlbolt.callbacks.early_stopping import EarlyStopping
 from rlbolt.callbacks.lr_monitor import LearningRateMonitor
 from rlbolt.callbacks.throughput import Throughput
 from rlbolt.callbacks.hf_export import HFExport
+from rlbolt.callbacks.timeline import TimelineLogger
 
 __all__ = ["CPUOffload", "Callback", "CallbackList", "EarlyStopping", "Evaluation", "HFExport", "LearningRateMonitor",
-           "MetricsLogger", "ModelCheckpoint", "NaNGuard", "NonFiniteError", "Periodic", "ProgressBar", "Throughput"]
+           "MetricsLogger", "ModelCheckpoint", "NaNGuard", "NonFiniteError", "Periodic", "ProgressBar", "Throughput",
+           "TimelineLogger"]

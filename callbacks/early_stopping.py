@@ -57,6 +57,12 @@ class EarlyStopping(Callback):
     def _on_validation(self) -> bool:
         return self.monitor.startswith("val/")
 
+    @property
+    def needs_periodic_validation(self) -> str | None:
+        """Why this callback needs `fit` to validate every few steps (None: it does not).
+        `rlbolt.fit_checks.check_fit` refuses a fit that would never give it a value."""
+        return f"EarlyStopping(monitor={self.monitor!r}) is checked at each validation" if self._on_validation else None
+
     def on_step_end(self, trainer, info: StepInfo) -> None:
         if not self._on_validation:
             self.check(trainer, info.step, _pick(self.monitor, info.metrics, "step"))

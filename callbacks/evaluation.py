@@ -56,6 +56,11 @@ class Evaluation(Callback):
         self.history: list[tuple[int, dict[str, float]]] = []
         self._last_step: int | None = None
 
+    @property
+    def validates_periodically(self) -> bool:
+        """True when it validates during the run (so EarlyStopping on a `val/` metric can fire)."""
+        return self.every_n_steps is not None or self.every_secs is not None
+
     def on_fit_start(self, trainer, state) -> None:
         self.periodic = Periodic(self.every_n_steps, self.every_secs, self.clock)
 

@@ -192,7 +192,7 @@ class CPUOffload(Callback):
         refs = self._refs
 
         def compute_logps(params: Any, batch: Any) -> Any:
-            # The producer thread is the only reader of the reference copies, so swapping the
+            # The logps stage thread is the only reader of the reference copies, so swapping the
             # attributes for the call cannot race; the device copies die when the call returns.
             for name, offloaded in refs.items():
                 setattr(module, name, offloaded.to_device())

@@ -85,6 +85,14 @@ def test_sampler_benchmark_quick_mode():
     assert result["compiles_after_warmup"] == 0
 
 
+def test_dock_benchmark_quick_mode():
+    out, result = _last_json("dock.py")
+    assert "dock us/sample" in out and result["system"] == "rlbolt-dock"
+    (size,) = result["sizes"].values()
+    assert size["dock_ms"] > 0 and size["concat_ms"] > 0
+    assert abs(size["dock_us_per_sample"] - 1e3 * size["dock_ms"] / 64) < 1e-9
+
+
 def test_lora_ab_benchmark_quick_mode():
     out, result = _last_json("lora_ab.py")
     assert "merged" in out and result["system"] == "rlbolt-lora-ab"

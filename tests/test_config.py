@@ -186,12 +186,26 @@ def test_callbacks_section_builds_the_configured_callbacks(tmp_path):
                              "data.builtin_val_rows=2", "trainer.val_every_n_steps=5"])
     kinds = [type(c) for c in build_callbacks(cfg, tmp_path)]
     assert kinds == [cb.NaNGuard, cb.LearningRateMonitor, cb.Throughput, cb.CPUOffload, cb.ModelCheckpoint,
-                     cb.MetricsLogger, cb.EarlyStopping]
+                     cb.MetricsLogger, cb.TimelineLogger, cb.EarlyStopping]
     plain = load_config(None, ["callbacks.nan_guard=false", "callbacks.lr_monitor=false", "callbacks.throughput=false",
-                               "callbacks.metrics=[]", "callbacks.progress=false"])
+                               "callbacks.metrics=[]", "callbacks.progress=false", "callbacks.timeline=false"])
     kept = build_callbacks(plain, tmp_path)  # `rlbolt fit` checkpoints by default: only the last step
     assert [type(c) for c in kept] == [cb.ModelCheckpoint] and kept[0].every_n_steps is None
     assert kept[0].config == config_to_dict(plain)  # the config a resume is compared with
     assert build_callbacks(load_config(None, ["callbacks.checkpoint=false", "callbacks.nan_guard=false",
                                               "callbacks.lr_monitor=false", "callbacks.throughput=false",
-                                              "callbacks.metrics=[]", "callbacks.progress=false"]), tmp_path) == []
+                                              "callbacks.metrics=[]", "callbacks.progress=false",
+                                              "callbacks.timeline=false"]), tmp_path) == []
+
+
+def test_trainer_placement_is_checked_when_the_config_is_read():
+    from rlbolt.app.config import ConfigError, load_config
+
+    assert load_config(None, []).trainer.placement == "colocated"
+    cfg = load_config(None, ['trainer.placement={train: {devices: [0, 1]}, rollout: {devices: [1, 2]}}'])
+    assert cfg.trainer.placement == {"train": {"devices": [0, 1]}, "rollout": {"devices": [1, 2]}}
+    with pytest.raises(ConfigError, match=r"^trainer.placement has unknown role\(s\) \['critic'\]"):
+        load_config(None, ['trainer.placement={train: {devices: [0, 1]}, rollout: {devices: [1, 2]}, '
+                           'critic: {devices: [2, 3]}}'])
+    with pytest.raises(ConfigError, match="trainer.placement='split': use 'colocated'"):
+        load_config(None, ["trainer.placement=split"])

@@ -6,9 +6,10 @@ does not pay for importing JAX):
     from rlbolt import Trainer, RLModule, Callback, BatchPlan
 
 Layout: the core (trainer, producer, prefetch, weights, update, module, callback, state, batch,
-plan, fit_checks) sits in this folder; the building blocks in subpackages (algorithms, modules, models,
-rollout, rewards, data, loggers); the application layer (the `rlbolt` command, config files,
-run directories, the demo, plots) in `rlbolt.app`; small shared helpers in `rlbolt.utils`.
+plan, fit_checks, timeline) sits in this folder, with the ExperienceDock in `rlbolt.dock`; the
+building blocks in subpackages (algorithms, modules, models, rollout, rewards, data, loggers);
+the application layer (the `rlbolt` command, config files, run directories, the demo, plots)
+in `rlbolt.app`; small shared helpers in `rlbolt.utils`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ _EXPORTS = {
     "Batch": "rlbolt.batch",
     "TrainState": "rlbolt.state",
     "StepInfo": "rlbolt.state",
+    "ExperienceDock": "rlbolt.dock",
 }
 
 __all__ = sorted(_EXPORTS)

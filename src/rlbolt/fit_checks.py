@@ -16,7 +16,7 @@ from rlbolt.plan import BatchPlan
 
 
 def check_fit(plan: BatchPlan, module: Any, train_data: Any, val_data: Sequence | None, *,
-              val_every_n_steps: int | None = None) -> BatchPlan:
+              val_every_n_steps: int | None = None, callbacks: Sequence[Any] = ()) -> BatchPlan:
     """Checks a fit's inputs; returns the plan with the module's whole-group stages added.
 
     Args:
@@ -25,6 +25,8 @@ def check_fit(plan: BatchPlan, module: Any, train_data: Any, val_data: Sequence 
       train_data: the training prompts (anything with a length).
       val_data: the validation rows, or None.
       val_every_n_steps: the Trainer's validation period, or None.
+      callbacks: the Trainer's callbacks; one whose `needs_periodic_validation` gives a reason
+        (EarlyStopping on a `val/` metric) needs val_data and val_every_n_steps.
 
     Returns:
       `plan.require_whole_groups(*module.whole_groups)`.
@@ -32,7 +34,8 @@ def check_fit(plan: BatchPlan, module: Any, train_data: Any, val_data: Sequence 
     Raises:
       PlanError: the plan splits groups the module needs whole, or the module cannot learn with it.
       ValueError: fewer training prompts than `prompts_per_step`, empty validation data, or
-        `val_every_n_steps` without validation data.
+        `val_every_n_steps` without validation data, or a callback that needs periodic
+        validation in a fit that does not validate periodically.
     """
     if module.whole_groups:  # the module's group statistics constrain the micro sizes
         plan = plan.require_whole_groups(*module.whole_groups)
@@ -47,6 +50,15 @@ def check_fit(plan: BatchPlan, module: Any, train_data: Any, val_data: Sequence 
     if val_every_n_steps is not None and val_data is None:
         raise ValueError(f"val_every_n_steps={val_every_n_steps} but fit got no val_data, so nothing would be "
                          "validated; pass val_data=... or drop val_every_n_steps")
+    periodic = (val_data is not None and bool(val_every_n_steps)) or any(
+        getattr(callback, "validates_periodically", False) for callback in callbacks)  # e.g. Evaluation
+    for callback in callbacks:
+        reason = getattr(callback, "needs_periodic_validation", None)
+        if reason and not periodic:
+            missing = "val_every_n_steps (fit validates only after the last step)" if val_data is not None else \
+                "val_data=... and val_every_n_steps (or add an Evaluation callback)"
+            raise ValueError(f"{reason}, but this fit never validates mid-run, so it would never stop early; "
+                             f"pass {missing}, or monitor a step metric such as 'reward/mean'")
     return plan
 
 

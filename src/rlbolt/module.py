@@ -2,7 +2,7 @@
 
 Hook order for one global step (docs/architecture.md pins it with a golden trace test):
 
-    producer thread:  on_rollout -> compute_logps -> on_advantage      (per service batch / global batch)
+    producer stages:  on_rollout -> compute_logps -> (on_reward) -> on_advantage   (per micro batch / global batch)
     main thread:      training_step (jitted; once per train micro batch, summed per mini batch)
 
 Hooks receive parameters explicitly (`params`) rather than reading shared state, so the producer
@@ -12,6 +12,7 @@ thread and the training thread never race on weights.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from typing import Any
 
@@ -116,9 +117,18 @@ class RLModule:
             "forward pass for old_logps; override compute_logps(params, batch)"
         )
 
+    def on_reward(self, batch: Batch) -> Batch:
+        """Adds `rewards` [N], sample by sample, per reward micro batch
+        (`plan.reward_micro_batch_size`), so scoring overlaps the rollout of later samples.
+
+        Optional: only a module that overrides it gets a reward stage; otherwise
+        `on_advantage` computes the rewards itself (on the whole global batch)."""
+        return batch
+
     def on_advantage(self, batch: Batch) -> Batch:
-        """Adds `rewards` [N] and `advantages` [N] or [N, C] for the whole global batch. May drop
-        samples (whole groups); the producer then refills up to `plan.max_refill_rounds` times."""
+        """Adds `rewards` [N] (unless `on_reward` did) and `advantages` [N] or [N, C] for the whole
+        global batch. May drop samples (whole groups, keeping their order); the producer then
+        refills up to `plan.max_refill_rounds` times."""
         raise NotImplementedError(f"{type(self).__name__} must implement on_advantage(batch)")
 
     # -- training (jitted by the Trainer: pure, arrays in, arrays out) -----------------------
@@ -139,7 +149,8 @@ class RLModule:
     # -- logging from host hooks --------------------------------------------------------------
     def log(self, name: str, value: float) -> None:
         """Records a scalar from a host hook (on_rollout/compute_logps/on_advantage); it joins
-        the step's metrics. Values logged twice in one step are averaged."""
+        the step's metrics. Values logged twice in one step are averaged (an exactly rounded
+        sum, so the mean does not depend on the order the stages logged them in)."""
         sink = getattr(_SINK, "metrics", None)
         if sink is not None:
             sink.setdefault(name, []).append(float(value))
@@ -149,13 +160,28 @@ _SINK = threading.local()
 
 
 @contextlib.contextmanager
+def collect_log_values():
+    """Collects `RLModule.log` calls made on this thread; yields a dict name -> list of values
+    (the producer merges the lists of one step's stage calls before averaging)."""
+    previous = getattr(_SINK, "metrics", None)
+    _SINK.metrics = values = {}
+    try:
+        yield values
+    finally:
+        _SINK.metrics = previous
+
+
+def mean_logs(values: dict[str, list[float]]) -> dict[str, float]:
+    """name -> mean of its values (an exactly rounded sum: independent of the values' order)."""
+    return {k: math.fsum(v) / len(v) for k, v in values.items() if v}
+
+
+@contextlib.contextmanager
 def collect_logs():
     """Collects `RLModule.log` calls made on this thread; yields a dict name -> mean value."""
-    previous = getattr(_SINK, "metrics", None)
-    _SINK.metrics = {}
     out: dict[str, float] = {}
-    try:
-        yield out
-    finally:
-        out.update({k: sum(v) / len(v) for k, v in _SINK.metrics.items()})
-        _SINK.metrics = previous
+    with collect_log_values() as values:
+        try:
+            yield out
+        finally:
+            out.update(mean_logs(values))

@@ -6,7 +6,9 @@ The hierarchy (docs/concepts.md has the diagram):
     mini batch     = mini_batch_size samples                          (one optimizer update)
     micro batch    = what one device call processes, per stage:
                      rollout_micro_batch_size, logps_micro_batch_size, train_micro_batch_size
-    service batch  = lcm(stage micro sizes): the unit the producer hands between stages
+                     (and reward_micro_batch_size: samples per reward call, on the host)
+    service batch  = lcm(rollout, logps, train micro sizes): where the producer's stages, each
+                     pulling at its own size from the ExperienceDock, line up again
 
 Users set sizes in samples; gradient-accumulation steps (mini / train_micro) and updates per
 step (num_iterations x global / mini) are derived, never set.
@@ -35,6 +37,8 @@ class BatchPlan:
       train_micro_batch_size: samples per gradient call; default: the mini batch (no accumulation).
       logps_micro_batch_size: samples per logps forward; default: train_micro_batch_size.
       rollout_micro_batch_size: samples per sampler call; default: the whole global batch.
+      reward_micro_batch_size: samples per `on_reward` call (modules that score samples one by
+        one, before `on_advantage`); default: the whole global batch.
       num_iterations: passes of updates over each global batch (mu in the GRPO paper).
       whole_groups: stages whose micro batches must hold whole groups because a group statistic
         is computed there ("rollout", "logps", "train", or "mini" for the mini batch).
@@ -48,6 +52,7 @@ class BatchPlan:
     train_micro_batch_size: int | None = None
     logps_micro_batch_size: int | None = None
     rollout_micro_batch_size: int | None = None
+    reward_micro_batch_size: int | None = None
     num_iterations: int = 1
     whole_groups: tuple[str, ...] = ()
     max_refill_rounds: int = 0
@@ -60,6 +65,7 @@ class BatchPlan:
         fill("train_micro_batch_size", self.mini_batch_size)
         fill("logps_micro_batch_size", self.train_micro_batch_size)
         fill("rollout_micro_batch_size", g)
+        fill("reward_micro_batch_size", g)
         object.__setattr__(self, "whole_groups", tuple(self.whole_groups))
         problems = _problems(self)
         if problems:
@@ -95,7 +101,8 @@ class BatchPlan:
             f"global {self.global_batch_size} samples ({self.prompts_per_step} prompts x {self.num_generations}), "
             f"mini {self.mini_batch_size} -> {self.updates_per_step} updates/step, "
             f"micro rollout/logps/train {self.rollout_micro_batch_size}/{self.logps_micro_batch_size}/"
-            f"{self.train_micro_batch_size} (grad accumulation {self.grad_accum_steps}), service {self.service_batch_size}"
+            f"{self.train_micro_batch_size} (grad accumulation {self.grad_accum_steps}), service {self.service_batch_size}, "
+            f"reward calls of {self.reward_micro_batch_size}"
         )
 
 
@@ -127,7 +134,7 @@ def _problems(p: BatchPlan) -> list[str]:
             f"mini_batch_size={p.mini_batch_size} is not divisible by train_micro_batch_size="
             f"{p.train_micro_batch_size}; use {_suggest(p.mini_batch_size, p.train_micro_batch_size)}"
         )
-    for name in ("rollout_micro_batch_size", "logps_micro_batch_size"):
+    for name in ("rollout_micro_batch_size", "logps_micro_batch_size", "reward_micro_batch_size"):
         v = getattr(p, name)
         if g % v:
             out.append(f"{gtext} is not divisible by {name}={v}; use {_suggest(g, v)}")

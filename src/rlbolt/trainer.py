@@ -1,6 +1,7 @@
 """Trainer: the generic fit loop. Read `fit` top to bottom; everything else is a helper.
 
-    producer thread (DataPrefetcher):  prompts -> on_rollout -> compute_logps -> on_advantage
+    producer threads (Producer, around an ExperienceDock): prompts -> on_rollout -> compute_logps
+                                       -> on_advantage, each stage at its own dispatch size
     main thread (fit):                 for each iteration, for each mini batch: one jitted update
                                        (grad accumulation over train micro batches inside it)
                                        -> publish weights -> callbacks.on_step_end(StepInfo)
@@ -16,21 +17,22 @@ from typing import Any
 import jax
 import numpy as np
 
-from rlbolt.batch import Batch
 from rlbolt.callback import Callback, CallbackList
 from rlbolt.data.source import PromptSource
-from rlbolt.distributed import any_process, host_tree, host_value, state as placement, sum_over_processes
+from rlbolt.distributed import any_process, host_tree, host_value, state as placement
+from rlbolt.distributed.placement import Placement, WeightSync
 from rlbolt.distributed.sharding import ShardingPlan
 from rlbolt.fit_checks import check_fit, lag_steps
 from rlbolt.module import RLModule
 from rlbolt.plan import BatchPlan
-from rlbolt.prefetch import DataPrefetcher
-from rlbolt.producer import ProducedStep, Producer
+from rlbolt.producer import STAGE_ROLES, ProducedStep, Producer
 from rlbolt.signals import StopOnSignal
 from rlbolt.state import StepInfo, TrainState
 from rlbolt.step_metrics import add_throughput
+from rlbolt.timeline import Timeline
 from rlbolt.update import make_update_fn
 from rlbolt.utils.runlock import hold_run_dir
+from rlbolt.validation import run_validation
 from rlbolt.weights import WeightStore
 
 MODES = ("sync", "async")
@@ -60,6 +62,13 @@ class Trainer:
         (-1 = the rest), a `jax.sharding.Mesh`, a `ShardingPlan`, or None (all devices on fsdp).
       device_memory_bytes: refuse a plan whose per-device memory exceeds this (default: what
         the backend reports; CPU reports nothing, then the plan is only logged).
+      placement: "colocated" (every role on `mesh`) or role -> sub-mesh (`{"train": {"devices": [0, 4]},
+        "rollout": {"devices": [4, 8], "mesh": {"tp": 2}}}`, `rlbolt.distributed.placement`): rollout
+        (and the reference, given a range) on its own devices, weights resharded after each update.
+
+    Attributes:
+      timeline: every stage call and update as start/end events (`rlbolt.timeline.Timeline`);
+        `rlbolt.callbacks.TimelineLogger` writes them to the run directory.
     """
 
     def __init__(self, plan: BatchPlan, *, max_steps: int | None = None, max_epochs: int | None = None,
@@ -67,7 +76,7 @@ class Trainer:
                  callbacks: Sequence[Callback] = (), mode: str = "sync", max_staleness: int | None = None,
                  val_every_n_steps: int | None = None, val_batch_size: int | None = None,
                  run_dir: str | Path | None = None, prefetch_timeout_s: float | None = None,
-                 mesh: Any = None, device_memory_bytes: int | None = None):
+                 mesh: Any = None, device_memory_bytes: int | None = None, placement: Any = "colocated"):
         if not isinstance(plan, BatchPlan):
             raise TypeError(f"plan must be a BatchPlan, got {type(plan).__name__}")
         for name, value in (("max_steps", max_steps), ("max_epochs", max_epochs), ("val_every_n_steps", val_every_n_steps)):
@@ -85,8 +94,10 @@ class Trainer:
         self.run_dir = Path(run_dir) if run_dir is not None else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
         self.prefetch_timeout_s = prefetch_timeout_s
         self.mesh_spec, self.device_memory_bytes = mesh, device_memory_bytes
-        self.sharding: ShardingPlan | None = None  # built when fit starts
+        self.placement, self.plans = Placement.of(placement), {}
+        self.sharding: ShardingPlan | None = None  # the train role's plan (of self.plans: role -> plan), set in fit
         self.weights = WeightStore(self.lag_steps)
+        self.timeline = Timeline()  # stage start/end events; TimelineLogger writes them to the run dir
         self.should_stop = False  # set by a callback or a signal: fit ends after the current step
         self.interrupted = False  # the last fit was stopped by SIGINT/SIGTERM or a KeyboardInterrupt
         self.stop_signal: int | None = None  # the signal that stopped it
@@ -98,9 +109,9 @@ class Trainer:
         return jax.process_index() == 0
 
     def sharding_for(self, role: str) -> ShardingPlan:
-        """The ShardingPlan of a role ("train", "rollout", "reference"): the one plan of the
-        trainer's mesh for every role today (colocated)."""
-        return self.sharding
+        """The ShardingPlan of a role ("train", "rollout", "reference"): the trainer's mesh for
+        every role when colocated, else the role's sub-mesh (None before fit)."""
+        return self.plans.get(role, self.sharding)
 
     # ------------------------------------------------------------------------------------------
     def fit(self, module: RLModule, train_data: Any, val_data: Sequence[dict] | None = None) -> TrainState:
@@ -120,12 +131,11 @@ class Trainer:
         state = self.last_state = self.callbacks.on_fit_start(self, state)
         self.weights.publish(state.step, state.params, state.policy_version)
         producer = Producer(module, self.plan, self.source, self.weights, host_value(state.rng), max_steps=self.max_steps,
-                            max_prompts=self._max_prompts(), share=self.sharding.share)
+                            max_prompts=self._max_prompts(), timeline=self.timeline, share=self.sharding.share)
         validated_at, first_step = None, state.step
         signals.defer()  # from here a signal ends the run at the next step boundary
         try:
-            with DataPrefetcher(lambda stop: producer.run(state.step, state.data_position, stop),
-                                depth=self.lag_steps + 1, timeout_s=self.prefetch_timeout_s,
+            with producer.start(state.step, state.data_position, timeout_s=self.prefetch_timeout_s,
                                 should_stop=self._stop_while_waiting) as produced_steps:
                 waited = time.perf_counter()
                 for produced in produced_steps:
@@ -151,7 +161,7 @@ class Trainer:
                     waited = time.perf_counter()
                 if any_process(self.stop_signal is not None):  # save first, then join the producer (maybe mid-rollout)
                     self.interrupted = True
-                    produced_steps.stop_event.set()
+                    produced_steps.request_stop()
                     self.callbacks.on_fit_end(self, state)
                     produced_steps.stop(strict=False)
                     return state
@@ -170,10 +180,13 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     def _setup(self, module: RLModule, train_data: Any, val_data: Sequence[dict] | None) -> TrainState:
         self.module, module.trainer = module, self
-        self.plan = check_fit(self.plan, module, train_data, val_data, val_every_n_steps=self.val_every_n_steps)
+        self.plan = check_fit(self.plan, module, train_data, val_data, val_every_n_steps=self.val_every_n_steps,
+                              callbacks=self.callbacks)
         self.source = train_data if isinstance(train_data, PromptSource) else PromptSource(train_data, shuffle=self.shuffle, seed=self.data_seed)
-        self.sharding = placement.training_plan(self.mesh_spec)
-        placement.check_batch_plan(self.plan, self.sharding, self.mode)
+        self.plans = self.placement.plans(self.mesh_spec)
+        self.sharding = self.plans["train"]
+        self.weights.transfer = None if self.placement.colocated else WeightSync(self.sharding, self.plans["rollout"])
+        placement.check_batch_plan(self.plan, self.sharding, self.mode, reference=self.plans["reference"])
         module.setup(self)
         rng = jax.random.PRNGKey(self.seed)
         params = self.sharding.place(module.init_params(jax.random.fold_in(rng, 0)))
@@ -191,7 +204,7 @@ class Trainer:
 
     def _train_on(self, state: TrainState, produced: ProducedStep) -> tuple[TrainState, dict[str, float]]:
         """num_iterations passes of mini-batch updates over one global batch."""
-        t0 = time.perf_counter()
+        t0, began = time.perf_counter(), self.timeline.clock()
         state = self.callbacks.on_update_start(self, state)
         batch = produced.batch.numeric().to_host()  # every process holds the whole global batch
         versions = np.asarray(batch["policy_version"])
@@ -215,26 +228,14 @@ class Trainer:
                               policy_version=version, data_position=produced.data_position)
         state = self.callbacks.on_update_end(self, state)
         metrics["time/update"] = time.perf_counter() - t0
+        self.timeline.record("update", produced.step, began, self.timeline.clock(), samples=produced.batch.num_samples,
+                             role=STAGE_ROLES["update"])
         metrics.update(produced.metrics)
         return state, metrics
 
     def validate(self, params: Any, val_data: Sequence[dict], step: int) -> dict[str, float]:
         """Runs `validation_step` over `val_data` in batches; returns `val/*` means (sample-weighted)."""
-        totals: dict[str, float] = {}
-        count = 0
-        for start in range(0, len(val_data), self.val_batch_size):
-            stop = min(start + self.val_batch_size, len(val_data))
-            keys = np.asarray(jax.random.split(jax.random.PRNGKey(self.seed + 7919), stop - start))
-            # This process's rows (all of them on one process); weight 0 for a filler row.
-            indices, weight = placement.validation_rows(start, stop, self.sharding.share)
-            rows = [{**val_data[i], "prompt_index": i} for i in indices]
-            batch = Batch.from_rows(rows).with_columns(sample_keys=keys[np.asarray(indices) - start])
-            for k, v in self.module.validation_step(params, batch).items():
-                totals[k] = totals.get(k, 0.0) + float(v) * weight
-            count += weight
-        totals = sum_over_processes({**totals, "__count__": float(count)})  # every process's rows
-        count = totals.pop("__count__")
-        metrics = {(k if k.startswith("val/") else f"val/{k}"): v / max(count, 1) for k, v in totals.items()}
+        metrics = run_validation(self, params, val_data, step)
         self.callbacks.on_validation_end(self, step, metrics)
         return metrics
 

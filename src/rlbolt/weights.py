@@ -5,27 +5,34 @@ The trainer publishes the parameters after each global step; the producer asks f
 after s steps, i.e. the latest (on-policy); async mode uses those after s - lag steps, so it runs
 `lag` steps ahead. Because the producer always takes exactly those weights, async runs are deterministic
 and resume exactly: the retained weights are part of the checkpoint.
+
+With roles on their own devices (`rlbolt.distributed.placement`), `transfer` makes the rollout's
+copy of each published set once (a reshard onto the rollout mesh); `get(..., rollout=True)`
+returns it, while the logps stage and checkpoints use the training copy.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
-from rlbolt.prefetch import DataPrefetcher
+from rlbolt.prefetch import StageThreads
 
 
 class WeightStore:
     """Thread-safe map: steps completed -> params (keeps only what the producer still needs)."""
 
-    def __init__(self, lag_steps: int = 0):
+    def __init__(self, lag_steps: int = 0, transfer: Callable[[Any], Any] | None = None):
         self.lag_steps = lag_steps
+        self.transfer = transfer  # params -> the rollout's copy (None: the same arrays)
         self._cond = threading.Condition()
         self._weights: dict[int, Any] = {}
 
     def publish(self, steps_completed: int, params: Any, policy_version: int) -> None:
+        rollout = self.transfer(params) if self.transfer is not None else params  # dispatched, not awaited
         with self._cond:
-            self._weights[steps_completed] = (params, policy_version)
+            self._weights[steps_completed] = (params, policy_version, rollout)
             # The producer of step s needs key max(0, s - lag); the next step to produce is at
             # least steps_completed, so older keys can go.
             keep_from = max(0, steps_completed - self.lag_steps)
@@ -37,14 +44,16 @@ class WeightStore:
         """Which weights produce step `step` (0-based): those after step - lag steps."""
         return max(0, step - self.lag_steps)
 
-    def get(self, step: int, stop_event: threading.Event) -> tuple[Any, int]:
-        """Blocks until the weights that produce `step` are published; returns (params, version)."""
+    def get(self, step: int, stop_event: threading.Event, *, rollout: bool = False) -> tuple[Any, int]:
+        """Blocks until the weights that produce `step` are published; returns (params, version):
+        the training copy, or with `rollout` the rollout's copy (the same arrays when colocated)."""
         key = self.key_for_step(step)
-        DataPrefetcher.wait(lambda: key in self._weights, stop_event, self._cond)
+        StageThreads.wait(lambda: key in self._weights, stop_event, self._cond)
         with self._cond:
-            return self._weights[key]
+            params, version, copy = self._weights[key]
+        return (copy if rollout else params), version
 
     def retained(self) -> dict[int, tuple[Any, int]]:
         """{steps completed: (params, policy_version)} held now (checkpointed so async runs resume exactly)."""
         with self._cond:
-            return dict(self._weights)
+            return {k: (params, version) for k, (params, version, _) in self._weights.items()}

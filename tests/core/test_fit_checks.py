@@ -7,6 +7,7 @@ import pytest
 from toy_module import ToyModule, prompt_rows
 
 from rlbolt.algorithms import grpo_advantages, reinforcepp_advantages
+from rlbolt.callbacks import EarlyStopping
 from rlbolt.modules import MODULES
 from rlbolt.plan import BatchPlan, PlanError
 from rlbolt.trainer import Trainer
@@ -53,6 +54,11 @@ class _GroupRelative(_Recorder):
     ({"max_steps": 5}, 3, None, r"fewer than prompts_per_step=4"),  # max_steps no longer hides it
     ({"val_every_n_steps": 2}, 16, None, r"val_every_n_steps=2 but fit got no val_data"),
     ({}, 16, [], r"val_data is empty"),
+    # EarlyStopping on a validation metric that fit would never produce mid-run
+    ({"callbacks": [EarlyStopping("val/accuracy")]}, 16, None,
+     r"EarlyStopping\(monitor='val/accuracy'\).*pass val_data=\.\.\. and val_every_n_steps"),
+    ({"callbacks": [EarlyStopping("val/accuracy")]}, 16, prompt_rows(2),
+     r"pass val_every_n_steps \(fit validates only after the last step\)"),
 ])
 def test_fit_refuses_before_setup(kwargs, data, val, match):
     trainer = Trainer(BatchPlan(prompts_per_step=4, num_generations=4), **{"max_epochs": 1, **kwargs})
@@ -63,3 +69,14 @@ def test_fit_refuses_before_setup(kwargs, data, val, match):
 def test_fit_asks_the_module_about_the_plan_before_setup():
     with pytest.raises(PlanError, match="nothing learns"):
         Trainer(BatchPlan(prompts_per_step=4, num_generations=1), max_steps=1).fit(_GroupRelative(), prompt_rows(8))
+
+
+def test_early_stopping_on_a_step_metric_or_with_periodic_validation_is_accepted():
+    """The check refuses only what could never fire: a step metric needs no validation."""
+    from rlbolt.fit_checks import check_fit
+
+    plan = BatchPlan(prompts_per_step=4, num_generations=4)
+    rows = prompt_rows(16)
+    assert check_fit(plan, _Recorder(), rows, None, callbacks=[EarlyStopping("reward/mean")]) == plan
+    assert check_fit(plan, _Recorder(), rows, prompt_rows(2), val_every_n_steps=2,
+                     callbacks=[EarlyStopping("val/accuracy")]) == plan

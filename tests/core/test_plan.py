@@ -35,6 +35,12 @@ def test_all_problems_reported_at_once():
     assert "train_micro_batch_size=5" in msg and "rollout_micro_batch_size=7" in msg
 
 
+def test_reward_micro_size_defaults_to_the_global_batch_and_must_divide_it():
+    assert BatchPlan(prompts_per_step=6, num_generations=4).reward_micro_batch_size == 24
+    with pytest.raises(PlanError, match="not divisible by reward_micro_batch_size=5; use 3, 4 or 6"):
+        BatchPlan(prompts_per_step=6, num_generations=4, reward_micro_batch_size=5)
+
+
 def test_whole_groups_rule():
     with pytest.raises(PlanError, match=r"train_micro_batch_size=2 splits groups of num_generations=4.*stage 'train'.*4, 8 or 12"):
         BatchPlan(prompts_per_step=6, num_generations=4, train_micro_batch_size=2, whole_groups=("train",))

@@ -1,105 +1,86 @@
-import random
 import threading
 import time
 import traceback
 
 import pytest
 
-from rlbolt.prefetch import DataPrefetcher
+from rlbolt.prefetch import ProducerStopped, StageThreads
 
 
 def _threads():
-    return {t for t in threading.enumerate() if t.name.startswith("rlbolt-producer")}
+    return {t for t in threading.enumerate() if t.name.startswith("rlbolt-producer") and t.is_alive()}
 
 
-def _failing_producer(stop):
-    for i in range(100):
-        if i == 3:
-            raise ValueError("bad row at step 3")
-        yield i
+class Woken(Exception):
+    pass
 
 
-def test_items_arrive_in_order_and_end():
-    with DataPrefetcher(lambda stop: iter(range(20)), depth=2) as it:
-        assert list(it) == list(range(20))
-    assert not _threads()
+def test_a_stage_failure_stops_every_stage_and_reaches_the_consumer_with_its_frames():
+    cond, stops = threading.Condition(), []
 
+    def on_stop():  # what the producer does: close the dock the stages wait on
+        stops.append(time.monotonic())
+        with cond:
+            cond.notify_all()
 
-def test_producer_exception_reaches_consumer_with_its_traceback():
-    got = []
+    def waiting(stop):
+        StageThreads.wait(lambda: False, stop, cond)
+
+    def failing_stage(stop):
+        time.sleep(0.05)
+        raise ValueError("bad row at step 3")
+
+    threads = StageThreads(on_stop)
+    threads.start("waiting", waiting)
+    threads.start("scorer", failing_stage)
     start = time.monotonic()
+    while threads.alive and time.monotonic() - start < 5:
+        time.sleep(0.01)
+    assert not threads.alive and len(stops) == 1  # the waiting stage left too, woken once
     with pytest.raises(ValueError, match="bad row at step 3") as info:
-        with DataPrefetcher(_failing_producer) as it:
-            for item in it:
-                got.append(item)
-    assert time.monotonic() - start < 2.0
-    assert got == [0, 1, 2]
+        threads.check()
     frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
-    assert "_failing_producer" in frames  # the producer's own frame is in the traceback
-    assert any("producer thread" in n for n in info.value.__notes__)
+    assert "failing_stage" in frames  # the stage's own frame is in the traceback
+    assert any("rlbolt-producer-scorer" in n for n in info.value.__notes__)
+    threads.stop()
     assert not _threads()
 
 
-def test_consumer_exception_stops_producer():
-    produced = []
+def test_stop_wakes_blocked_stages_and_exceptions_caused_by_stopping_are_not_failures():
+    event = threading.Event()
 
-    def endless(stop):
-        i = 0
-        while True:
-            produced.append(i)
-            yield i
-            i += 1
+    def blocked(stop):
+        event.wait(10)
+        raise Woken("the dock was closed under me")
 
-    with pytest.raises(RuntimeError, match="consumer failed"):
-        with DataPrefetcher(endless, depth=2) as it:
-            for item in it:
-                if item == 5:
-                    raise RuntimeError("consumer failed")
-    n = len(produced)
-    time.sleep(0.2)
-    assert len(produced) == n  # producer no longer runs
+    threads = StageThreads(event.set, quiet=(Woken,))
+    threads.start("a", blocked)
+    threads.start("b", lambda stop: StageThreads.wait(lambda: False, stop, threading.Condition()))
+    time.sleep(0.05)
+    threads.stop()
+    threads.check()  # nothing raised: both stages stopped because they were asked to
     assert not _threads()
 
 
-def test_timeout_when_producer_is_stuck():
-    def stuck(stop):
-        while not stop.is_set():
-            time.sleep(0.01)
-        return
-        yield
-
-    with pytest.raises(TimeoutError, match="timeout_s"):
-        with DataPrefetcher(stuck, timeout_s=0.3) as it:
-            list(it)
-    assert not _threads()
+def test_a_quiet_exception_before_any_stop_is_a_failure():
+    threads = StageThreads(quiet=(Woken,))
+    threads.start("a", lambda stop: (_ for _ in ()).throw(Woken("not asked to stop")))
+    threads.stop()
+    with pytest.raises(Woken):
+        threads.check()
 
 
-def test_queue_is_bounded():
-    produced = []
-
-    def counting(stop):
-        for i in range(100):
-            produced.append(i)
-            yield i
-
-    with DataPrefetcher(counting, depth=2) as it:
-        first = next(iter(it))
-        time.sleep(0.3)
-        # one consumed, at most `depth` waiting, one blocked in put
-        assert first == 0 and len(produced) <= 4
+def test_a_stage_that_ignores_stop_is_reported():
+    release = threading.Event()
+    threads = StageThreads()
+    threads.start("stuck", lambda stop: release.wait(5))
+    with pytest.raises(RuntimeError, match=r"\['rlbolt-producer-stuck'\] did not stop within 0.2 s"):
+        threads.stop(join_timeout_s=0.2)
+    release.set()
 
 
-def test_random_speeds_keep_order():
-    rng = random.Random(0)
-
-    def slow(stop):
-        for i in range(30):
-            time.sleep(rng.random() * 0.005)
-            yield i
-
-    out = []
-    with DataPrefetcher(slow, depth=3) as it:
-        for item in it:
-            time.sleep(rng.random() * 0.005)
-            out.append(item)
-    assert out == list(range(30))
+def test_wait_raises_producer_stopped_when_asked():
+    stop, cond = threading.Event(), threading.Condition()
+    threading.Timer(0.05, stop.set).start()
+    with pytest.raises(ProducerStopped):
+        StageThreads.wait(lambda: False, stop, cond)

@@ -115,7 +115,8 @@ def test_producer_exception_is_raised_by_fit_with_its_frames():
         Trainer(_plan(), max_steps=10, callbacks=[Watch()]).fit(FailingAdvantage(), prompt_rows(16))
     assert time.monotonic() - start < 30  # includes compiling; the failure itself is immediate
     frames = [f.name for f in traceback.extract_tb(info.value.__traceback__)]
-    assert "on_advantage" in frames and "produce_step" in frames
+    assert "on_advantage" in frames and "_advantage" in frames  # the advantage stage's own frames
+    assert any("rlbolt-producer-advantage" in n for n in info.value.__notes__)
     assert seen and seen[0] is info.value
     assert not _producers_alive()
 

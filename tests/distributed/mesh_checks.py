@@ -114,7 +114,9 @@ def hf_load(plan: ShardingPlan) -> dict:
     a, b = nnx.state(plain), nnx.state(sharded)
     return {"hf_equal": all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))),
             "hf_sharded_as_planned": all(x.sharding == s for x, s in zip(jax.tree.leaves(b), jax.tree.leaves(plan.param_shardings(b)))),
-            "hf_per_device": per_device_bytes(b), "hf_total": sum(x.nbytes for x in jax.tree.leaves(a))}
+            "hf_per_device": per_device_bytes(b), "hf_total": sum(x.nbytes for x in jax.tree.leaves(a)),
+            # replicated by the rules on this mesh (the fused qkv bias follows tp, not fsdp)
+            "hf_replicated": sum(x.nbytes for x in jax.tree.leaves(b) if x.sharding.is_fully_replicated)}
 
 
 def sampler(meshes: list[dict]) -> dict:

@@ -158,4 +158,4 @@ def test_rlbolt_fit_on_two_processes_from_environment_variables(tmp_path):
     lines = (run / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2]
     assert (run / "config.yaml").is_file() and (run / "train.log").is_file()
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2", "saved.json"]  # saved.json: had checkpoints

@@ -115,6 +115,8 @@ def build_callbacks(cfg: RunConfig, run_dir: str | Path) -> list:
         out.append(cb.MetricsLogger(writer=list(c.metrics), every_n_steps=c.log_every_n_steps, wandb_project=c.wandb_project))
     if c.progress:
         out.append(cb.ProgressBar())
+    if c.timeline:
+        out.append(cb.TimelineLogger())
     if c.early_stopping_metric:
         out.append(cb.EarlyStopping(c.early_stopping_metric, mode=c.early_stopping_mode, patience=c.early_stopping_patience))
     if c.export_hf:
@@ -131,7 +133,7 @@ def build_trainer(cfg: RunConfig, callbacks: Sequence[Any] = ()) -> Trainer:
                    shuffle=cfg.data.shuffle, callbacks=[*build_callbacks(cfg, run_dir), *callbacks], mode=t.mode,
                    max_staleness=t.max_staleness, val_every_n_steps=t.val_every_n_steps,
                    val_batch_size=t.val_batch_size, run_dir=run_dir, prefetch_timeout_s=t.prefetch_timeout_s,
-                   mesh=dataclasses.asdict(cfg.mesh))
+                   mesh=dataclasses.asdict(cfg.mesh), placement=t.placement)
 
 
 def start_distributed(cfg: RunConfig) -> bool:

@@ -82,8 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "algorithm, rollout, reward, data, seeds); the change is recorded in "
                              "config_changes.jsonl")
 
-    plot = sub.add_parser("plot", help="PNGs of reward, KL, entropy, response length and stage times",
-                          description="Draw PNGs from RUN_DIR/metrics.jsonl into RUN_DIR/plots (or --out).")
+    plot = sub.add_parser("plot", help="PNGs of reward, KL, entropy, response length, stage times and the timeline",
+                          description="Draw PNGs from RUN_DIR/metrics.jsonl (and the Gantt chart of "
+                                      "RUN_DIR/timeline.jsonl) into RUN_DIR/plots (or --out).")
     plot.add_argument("run_dir")
     plot.add_argument("--out", help="output folder (default: RUN_DIR/plots)")
 
@@ -206,12 +207,19 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
         raise CLIError(f"run directory {run_dir} does not exist")
+    out = Path(args.out) if args.out else run_dir / "plots"
     try:
-        written = plot_metrics(run_dir / "metrics.jsonl", Path(args.out) if args.out else run_dir / "plots")
+        written = plot_metrics(run_dir / "metrics.jsonl", out)
     except ValueError as error:  # a malformed metrics line, named by read_jsonl
         raise CLIError(f"{error}; fix or remove that line") from None
     for path in written.values():
         print(path)
+    if (run_dir / "timeline.jsonl").is_file():
+        from rlbolt.app.gantt import plot_timeline
+
+        gantt = plot_timeline(run_dir / "timeline.jsonl", out / "timeline.png")
+        if gantt is not None:
+            print(gantt)
     missing = [t for t in TOPICS if t not in written]
     if missing:
         print(f"(no data for: {', '.join(missing)})")

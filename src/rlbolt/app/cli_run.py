@@ -2,8 +2,9 @@
 
 Every run goes through the same steps: prepare the run directory (refusing a non-empty one
 unless resuming, and locking it for this process), write the resolved config, log to train.log,
-fit with MetricsLogger(jsonl), ProgressBar and ModelCheckpoint, then draw the plots and print a
-summary. A fit stopped by SIGINT/SIGTERM raises `RunInterrupted` after its checkpoint is saved.
+fit with MetricsLogger(jsonl), TimelineLogger, ProgressBar and ModelCheckpoint, then draw the
+plots and print a summary. A fit stopped by SIGINT/SIGTERM raises `RunInterrupted` after its
+checkpoint is saved.
 """
 
 from __future__ import annotations
@@ -109,13 +110,14 @@ class RunSummary:
 
 def standard_callbacks(checkpoint_every: int | None, *, progress: bool = True, config: dict | None = None,
                        allow_config_change: bool = False) -> list:
-    """MetricsLogger(jsonl), ProgressBar, ModelCheckpoint (resuming the latest, recording
+    """MetricsLogger(jsonl), TimelineLogger, ProgressBar, ModelCheckpoint (resuming the latest, recording
     `config`), LogFile and ResumeNotice."""
     from rlbolt.callbacks.checkpoint import ModelCheckpoint
     from rlbolt.callbacks.metrics import MetricsLogger
     from rlbolt.callbacks.progress import ProgressBar
+    from rlbolt.callbacks.timeline import TimelineLogger
 
-    callbacks: list[Any] = [MetricsLogger(writer=["jsonl"])]
+    callbacks: list[Any] = [MetricsLogger(writer=["jsonl"]), TimelineLogger()]
     if progress:
         callbacks.append(ProgressBar())
     callbacks.append(ModelCheckpoint(every_n_steps=checkpoint_every, keep=2, resume="latest", config=config,

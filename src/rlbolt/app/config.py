@@ -70,6 +70,8 @@ class PlanSection:
     train_micro_batch_size: int | None = _f(None, "samples per gradient call; None: the mini batch", at_least=1)
     logps_micro_batch_size: int | None = _f(None, "samples per logps forward; None: train_micro_batch_size", at_least=1)
     rollout_micro_batch_size: int | None = _f(None, "samples per sampler call; None: the global batch", at_least=1)
+    reward_micro_batch_size: int | None = _f(None, "samples per reward call (scored while later samples still "
+                                                 "generate); None: the global batch", at_least=1)
     num_iterations: int = _f(1, "update passes over each global batch (mu)", at_least=1)
     max_refill_rounds: int | None = _f(None, "extra prompt draws when groups are dropped (DAPO); None: 4 with dynamic sampling, else 0", at_least=0)
 
@@ -139,6 +141,7 @@ class TrainerSection:
     val_batch_size: int | None = _f(None, "prompts per validation batch; None: plan.prompts_per_step", at_least=1)
     run_dir: str | None = _f(None, "where metrics and checkpoints go; None: runs/<algorithm>-<time>")
     prefetch_timeout_s: float | None = _f(None, "fail if the producer yields nothing for this long; None: wait", above=0)
+    placement: str | dict = _f("colocated", "colocated: every role on the mesh; or {train: {devices: [start, stop], mesh: {..}}, rollout: {devices: [..], mesh: {..}}, reference: train | {devices: [..], mesh: {..}}}: rollout on its own devices, weights resharded there after each update; the reference forward on train's devices or its own (docs/howto/placement.md)")
 
 
 @dataclass(frozen=True)
@@ -173,6 +176,7 @@ class CallbacksSection:
     metrics: tuple = _f(("console", "jsonl"), f"metric writers, any of {METRIC_WRITERS}")
     log_every_n_steps: int = _f(1, "write metrics every n steps", at_least=1)
     progress: bool = _f(True, "show a progress bar")
+    timeline: bool = _f(True, "append every stage's start and end to timeline.jsonl (rlbolt plot draws it)")
     export_hf: bool = _f(False, "write a Hugging Face folder (safetensors + config + tokenizer) at the end")
     nan_guard: bool = _f(True, "stop with a clear error when the loss or grad norm is not finite")
     lr_monitor: bool = _f(True, "log the learning rate of each step's last update as `lr`")
@@ -364,6 +368,17 @@ def _check_rules(cfg: RunConfig) -> None:
         raise ConfigError(f"trainer.val_every_n_steps={t.val_every_n_steps} but the run has no validation rows; "
                           "set data.val (or data.builtin_val_rows > 0), or trainer.val_every_n_steps=null")
     _check_mode(cfg)
+    if t.placement != "colocated":
+        _check_placement(t.placement)
+
+
+def _check_placement(value: Any) -> None:
+    from rlbolt.distributed.placement import Placement  # imports JAX: only for a placement on sub-meshes
+
+    try:
+        Placement.of(value)
+    except ValueError as error:
+        raise ConfigError(f"trainer.{error}") from None
 
 
 def _check_mode(cfg: RunConfig) -> None:

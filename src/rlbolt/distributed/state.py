@@ -43,13 +43,25 @@ def training_plan(mesh: Any) -> ShardingPlan:
     return plan
 
 
-def check_batch_plan(plan: Any, sharding: ShardingPlan, mode: str = "sync") -> None:
+def check_batch_plan(plan: Any, sharding: ShardingPlan, mode: str = "sync",
+                     reference: ShardingPlan | None = None) -> None:
     """Every batch the Trainer places must split evenly over the batch shards and data shares.
+
+    Args:
+      plan: the BatchPlan.
+      sharding: the training plan.
+      mode: "sync" or "async".
+      reference: the reference role's plan when it has devices of its own (its forward takes
+        logps micro batches), else None or `sharding`.
 
     Raises:
       MeshError naming the field, its value and the sizes that would work (or the mode).
     """
     sharding.check_divides("plan.train_micro_batch_size", plan.train_micro_batch_size)
+    if reference is not None and reference is not sharding and plan.logps_micro_batch_size % reference.batch_shards:
+        raise MeshError(f"plan.logps_micro_batch_size={plan.logps_micro_batch_size} cannot be split over the "
+                        f"reference mesh's {reference.batch_shards} batch shards ({describe(reference.mesh)}); use a "
+                        f"multiple of {reference.batch_shards}, or move placement.reference's devices to mesh.tp")
     if mode == "async" and jax.process_count() > 1:
         # The producer thread's collectives (rollout) would overlap the main thread's (update)
         # in a different order on each process, and collectives must be issued in one order.

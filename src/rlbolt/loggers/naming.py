@@ -15,6 +15,8 @@ The namespaces rlbolt's modules and callbacks emit (``<fn>`` is a reward functio
     loss, grad_norm, lr
     time/rollout, time/logps, time/reward, time/update, time/weight_sync, time/data_wait,
     time/step                         seconds spent per stage in one global step
+    time/dock_wait/<stage>, time/dock_waits/<stage>, throughput/dock/<stage>/samples_per_s
+                                      the ExperienceDock's per-stage counters for the step
     throughput/tokens_per_s, throughput/samples_per_s, throughput/mfu
     val/<task>/accuracy, val/<task>/pass@<k>   validation (Evaluation callback)
 

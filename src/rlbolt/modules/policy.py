@@ -36,6 +36,7 @@ from rlbolt.algorithms import LossAggregation, aggregate_loss, clipped_surrogate
 from rlbolt.algorithms import grpo_advantages, truncated_importance_weights
 from rlbolt.batch import Batch
 from rlbolt.app.config import ConfigError, RunConfig, config_to_dict, load_config
+from rlbolt.distributed.mesh import MeshError
 from rlbolt.module import RLModule
 from rlbolt.modules import lm_ops
 from rlbolt.plan import PlanError
@@ -47,7 +48,7 @@ from rlbolt.modules.rewarding import answer_score, build_reward, score_shared
 _FRAMEWORK_COLUMNS = frozenset({
     "group_ids", "policy_version", "sample_keys", "prompt_ids", "prompt_mask", "completion_ids",
     "completion_mask", "sampler_logps", "old_logps", "ref_logps", "rewards", "advantages", "completion_text",
-    "old_values", "returns", "importance_weights", "mini_batch_num_tokens", "mini_batch_num_samples",
+    "old_values", "returns", "importance_weights", "mini_batch_num_tokens", "mini_batch_num_samples", "dock_index",
 })
 
 
@@ -71,6 +72,7 @@ class LMPolicyModule(RLModule):
         self.hparams = {k: v for k, v in config_to_dict(self.config).items() if k in ("algorithm", "rollout", "reward")}
         self.model, self.tokenizer, self.reward = model, tokenizer, reward
         self.ref_params = None
+        self.reference = None  # a PlacedReference when placement gives the reference devices of its own
         self.sharding = None  # the trainer's ShardingPlan, from setup
         self.lora = None  # a LoraPolicy when config.model.lora is set
         self.train_group_size = 1  # G when the training forward runs each group's prompt once (setup)
@@ -110,7 +112,18 @@ class LMPolicyModule(RLModule):
         if self.reward is None:
             self.reward = build_reward(cfg.reward.weights, answer_field=cfg.data.answer_field)
         self.reward_runner = lm_ops.reward_runner(self.reward, cfg.reward)
-        if self.algo.beta > 0 and self.lora is None:
+        ref_plan = _sharding(trainer, "reference")
+        apart = ref_plan is not None and ref_plan is not self.sharding
+        if apart and self.lora is not None and self.algo.beta > 0:
+            raise MeshError("placement.reference has devices of its own, but with model.lora the reference is the "
+                            "frozen base with the adapters off, which training holds on its devices; use "
+                            "reference: train (or leave it out)")
+        if self.algo.beta > 0 and self.lora is None and apart:  # the frozen copy lives only on its devices
+            from rlbolt.modules.reference import PlacedReference
+
+            self.reference = PlacedReference(self.model, self.sharding, ref_plan, temperature=self._train_temperature)
+            self.ref_params = self.reference.params
+        elif self.algo.beta > 0 and self.lora is None:
             # Parameters are immutable arrays and updates are functional, so holding the initial
             # pytree is a frozen copy without a copy.
             self.ref_params = nnx.state(self.model, nnx.Param)
@@ -131,7 +144,9 @@ class LMPolicyModule(RLModule):
         cache for one rollout micro batch (longest prompt + max_new_tokens slots), per device."""
         from rlbolt.distributed import kv_cache_bytes, per_device_bytes
 
-        out = {} if self.ref_params is None else {"reference": per_device_bytes(self.ref_params)}
+        # A reference on devices of its own is not on the training devices this plan describes.
+        on_train = self.ref_params is not None and self.reference is None
+        out = {"reference": per_device_bytes(self.ref_params)} if on_train else {}
         if self.lora is not None:
             out["frozen base"] = per_device_bytes(self.lora.base)
         rows = self.trainer.plan.rollout_micro_batch_size if self.trainer is not None else 1
@@ -232,7 +247,7 @@ class LMPolicyModule(RLModule):
             if self._sampler is None:
                 r = self.rollout_cfg
                 self._sampler = lm_ops.make_sampler(
-                    self.model if self.lora is None else self.lora.rollout_model(), max_new_tokens=r.max_new_tokens,
+                    self._rollout_model(), max_new_tokens=r.max_new_tokens,
                     temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                     stop_token_ids=(self.tokenizer.eos_id,) if r.stop_at_eos else (),
                     pad_id=self.tokenizer.pad_id, prompt_width=self.encoder.width,
@@ -242,6 +257,17 @@ class LMPolicyModule(RLModule):
                 return self._sampler.generate(self.lora.rollout_params(lm_params), ids, np.asarray(keys, np.uint32),
                                               temperature=temperature, keep=not self.lora.merge_for_rollout)
             return self._sampler.generate(lm_params, ids, np.asarray(keys, np.uint32), temperature=temperature)
+
+    def _rollout_model(self) -> Any:
+        """The model the sampler runs: on its own devices (placement), a view of it whose
+        activation constraints name the rollout mesh (the arrays are shared, not copied)."""
+        model = self.model if self.lora is None else self.lora.rollout_model()
+        rollout = _sharding(self.trainer, "rollout")
+        if rollout is None or rollout is self.sharding:
+            return model
+        model = nnx.merge(*nnx.split(model))
+        model.activation_sharding = model.embedding_read_sharding = None
+        return rollout.shard_activations(model)
 
     def _decode(self, completion_ids: np.ndarray, completion_mask: np.ndarray) -> np.ndarray:
         texts = np.empty(len(completion_ids), dtype=object)
@@ -299,16 +325,25 @@ class LMPolicyModule(RLModule):
             cols["importance_weights"] = np.asarray(truncated_importance_weights(
                 jnp.asarray(old), batch["sampler_logps"], jnp.asarray(batch["completion_mask"]),
                 self.algo.importance_cap), np.float32)
-        if self.ref_params is not None:
+        if self.reference is not None:  # on the reference's own devices (its forward runs unshared)
+            cols["ref_logps"] = self.reference.logps(self.ref_params, batch)
+        elif self.ref_params is not None:
             cols["ref_logps"] = self._local(self._logps(self.ref_params, *inputs, group_size=group))
         elif self.lora is not None and self.algo.beta > 0:
             cols["ref_logps"] = self._local(self._ref_logps(self.lora.base, *inputs, group_size=group))
         return batch.with_columns(cols)
 
     # -- rewards and advantages ------------------------------------------------------------------------
+    def on_reward(self, batch: Batch) -> Batch:
+        """Adds `rewards` [N] (`compute_rewards`), per reward micro batch: each sample is scored
+        on its own, so scoring runs while later samples are still generated."""
+        return batch.with_columns(rewards=np.asarray(self.compute_rewards(batch), np.float32))
+
     def on_advantage(self, batch: Batch) -> Batch:
-        """Rewards [N] -> `filter_groups` -> advantages, on the whole global batch."""
-        batch = batch.with_columns(rewards=np.asarray(self.compute_rewards(batch), np.float32))
+        """Rewards [N] (from `on_reward`, or computed here when called directly) -> `filter_groups`
+        -> advantages, on the whole global batch."""
+        if "rewards" not in batch:
+            batch = self.on_reward(batch)
         batch = self.filter_groups(batch)
         if batch.num_samples == 0:
             return batch.with_columns(advantages=np.zeros((0,), np.float32))

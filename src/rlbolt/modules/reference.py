@@ -1,0 +1,75 @@
+"""The frozen reference model on devices of its own (`placement.reference: {devices: [a, b]}`).
+
+    ref = PlacedReference(model, train_plan, reference_plan, temperature=t)
+    ref.params                       the frozen copy, only on the reference devices (placed once)
+    ref.logps(ref.params, batch)     [N, C] float32 host rows: the forward runs on the reference mesh
+
+The copy is made once, at set-up, from the model's initial parameters: each leaf is cut on the
+training devices as the reference mesh wants it and every shard copied to the device that holds
+that part (`rlbolt.distributed.placement.WeightSync`; a plain `device_put` when the reference
+mesh's fsdp x tp does not divide the training devices). Nothing of it stays on the training
+devices. The forward runs a view of the model whose activation constraints name the reference
+mesh (the view shares the model's structure, not its arrays): the logps micro batch is put on
+the reference mesh, and this process's rows come back to the host, where the advantage stage
+reads them.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from rlbolt.batch import Batch
+from rlbolt.distributed.mesh import MeshError
+from rlbolt.distributed.placement import WeightSync
+from rlbolt.distributed.sharding import ShardingPlan
+from rlbolt.modules import lm_ops
+
+TOKEN_COLUMNS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
+
+
+class PlacedReference:
+    """A frozen copy of `model`'s parameters and its logps forward, both on `plan`'s devices.
+
+    Args:
+      model: the policy model (an `rlbolt.models.Decoder`) holding the initial parameters.
+      train_plan: the training role's ShardingPlan (where `model`'s arrays live).
+      plan: the reference role's ShardingPlan (devices disjoint from training's).
+      temperature: the temperature the logps are taken at (the sampler's).
+    """
+
+    def __init__(self, model: nnx.Module, train_plan: ShardingPlan, plan: ShardingPlan, *, temperature: float):
+        self.plan = plan
+        view = nnx.merge(*nnx.split(model))  # same arrays, its own static activation settings
+        if hasattr(view, "activation_sharding"):
+            view.activation_sharding = view.embedding_read_sharding = None
+            plan.shard_activations(view)
+        self.graphdef = nnx.split(view)[0]
+        del view
+        self.params = _move(nnx.state(model, nnx.Param), train_plan, plan)
+        self._forward = jax.jit(functools.partial(lm_ops.token_logps, self.graphdef, temperature=temperature,
+                                                  with_entropy=False),
+                                out_shardings=plan.batch_sharding())
+
+    def logps(self, params: Any, batch: Batch) -> np.ndarray:
+        """The reference logps [N, C] (float32 host rows, this process's share) of `batch`.
+
+        Args:
+          params: the reference parameters (`self.params`, or the same tree brought back from
+            host memory by `CPUOffload`).
+          batch: a logps micro batch holding the token columns.
+        """
+        inputs = self.plan.put_local(tuple(np.asarray(batch[k]) for k in TOKEN_COLUMNS))
+        return np.asarray(self.plan.local_rows(self._forward(params, *inputs)), np.float32)
+
+
+def _move(params: Any, source: ShardingPlan, target: ShardingPlan) -> Any:
+    try:
+        sync = WeightSync(source, target)
+    except MeshError:  # shards cannot be cut on the training devices first: one device_put per leaf
+        return target.place(params)
+    return jax.block_until_ready(sync(params))

@@ -1,0 +1,48 @@
+"""The reference role on devices of its own, as the LM module sees it (in-process, one device).
+
+The 8-device checks (where the copy lives, its bytes, the forward on the reference mesh, a fit
+equal to colocated) are in tests/distributed/test_placement.py. Here: what a LoRA module does
+with such a placement, where the reference is the frozen base with the adapters off.
+"""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import pytest
+
+from rlbolt.distributed import MeshError, MeshSpec, ShardingPlan
+from rlbolt.modules import GRPO
+from rlbolt.plan import BatchPlan
+
+TINY = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64)
+LORA = {"rank": 2, "alpha": 4, "targets": ["q", "v"]}
+
+
+def _trainer_with_reference_apart():
+    """A stand-in trainer whose reference plan is not the training plan (as a placement with a
+    reference range of its own gives; one device here, which is enough for the module's choice)."""
+    train = ShardingPlan(MeshSpec().build(jax.devices()[:1]))
+    reference = ShardingPlan(MeshSpec().build(jax.devices()[:1]))
+    plans = {"train": train, "rollout": train, "reference": reference}
+    return types.SimpleNamespace(plan=BatchPlan(2, 2), seed=0, run_dir="unused", sharding_for=plans.__getitem__)
+
+
+def _lora_module(beta):
+    return GRPO({"model": {"tiny": TINY, "lora": LORA}, "algorithm": {"beta": beta},
+                 "rollout": {"max_new_tokens": 4}, "reward": {"executor": "thread", "weights": {"digits": 1.0}}})
+
+
+def test_lora_with_a_reference_on_its_own_devices_is_refused_in_one_line():
+    with pytest.raises(MeshError) as error:
+        _lora_module(beta=0.04).setup(_trainer_with_reference_apart())
+    message = str(error.value)
+    assert "placement.reference" in message and "model.lora" in message and "use reference: train" in message
+    assert "\n" not in message
+
+
+def test_lora_without_a_kl_term_needs_no_reference_and_sets_up():
+    module = _lora_module(beta=0.0)
+    module.setup(_trainer_with_reference_apart())
+    assert module.ref_params is None and module.reference is None
