@@ -130,7 +130,7 @@ class LMPolicyModule(RLModule):
         # Each group's prompt runs once where a stage's micro batches hold whole groups and the
         # mesh has one batch shard (prompt_sharing.py).
         plan = getattr(trainer, "plan", None)
-        self.train_group_size = 1 if plan is None else self._group_size(plan.train_micro_batch_size)
+        self.train_group_size = 1 if plan is None else self._group_size(plan.train_micro_batch_size, plan)
         rows = {} if self.sharding is None else {"out_shardings": self.sharding.batch_sharding()}
         self._logps = jax.jit(functools.partial(self._forward_logps, with_entropy=False),
                               static_argnames="group_size", **rows)
@@ -284,14 +284,13 @@ class LMPolicyModule(RLModule):
     def logps_group_size(self, batch: Batch) -> int:
         """The group size a logps forward over `batch` shares prompts over (1: unshared); the
         batch's layout is checked first (prompt_sharing.py)."""
-        size = self._group_size(batch.num_samples)
+        size = self._group_size(batch.num_samples, self.trainer.plan)
         require_shared_layout(batch["prompt_ids"], batch["prompt_mask"], size, "on_rollout")
         return size
 
-    def _group_size(self, micro_batch_size: int) -> int:
+    def _group_size(self, micro_batch_size: int, plan) -> int:
         shards = 1 if self.sharding is None else self.sharding.batch_shards
-        return stage_group_size(self.config.model.share_prompt, micro_batch_size, self.trainer.plan.num_generations,
-                                shards)
+        return stage_group_size(self.config.model.share_prompt, micro_batch_size, plan.num_generations, shards)
 
     @property
     def _train_temperature(self) -> float:
