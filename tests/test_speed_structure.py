@@ -52,9 +52,9 @@ class CountingGRPO(GRPO):
         self.logps_calls: list[bool] = []
         forward = self._logps
 
-        def counted(params, *inputs):
+        def counted(params, *inputs, **options):  # options: group_size (the prompt once per group)
             self.logps_calls.append(params is self.ref_params)
-            return forward(params, *inputs)
+            return forward(params, *inputs, **options)
 
         self._logps = counted
 
