@@ -5,6 +5,7 @@ base's identity and a resume on another base is refused."""
 
 import dataclasses
 import gc
+import json
 
 import jax
 import jax.numpy as jnp
@@ -185,9 +186,15 @@ def test_checkpoints_hold_the_adapters_and_the_base_identity(run):
     assert len(identity["fingerprint"]) == 64
     saved, now = _flat(arrays["params"]), _flat(state.params)
     assert saved.keys() == now.keys() and all(np.array_equal(saved[k], now[k]) for k in now)
-    on_disk = sum(p.stat().st_size for p in (run_dir / "checkpoints" / str(STEPS)).rglob("*") if p.is_file())
-    base_bytes = sum(x.nbytes for x in jax.tree.leaves(module.lora.base))
-    assert on_disk < base_bytes  # the adapters, their moments and the meta: no copy of the base
+    # What Orbax wrote, array by array (its own index; file sizes vary with OCDBT's layout):
+    # the adapters, their moments, the step count and the rng key, no array of the base.
+    index = json.loads((run_dir / "checkpoints" / str(STEPS) / "state" / "array_metadatas" / "process_0").read_text())
+    written = {a["array_metadata"]["param_name"]: a["array_metadata"]["write_shape"] for a in index["array_metadatas"]}
+    assert all("lora" in name or name.endswith(("count", "rng")) for name in written), sorted(written)
+    saved_elements = sum(int(np.prod(shape)) for shape in written.values())
+    base_elements = sum(x.size for x in jax.tree.leaves(module.lora.base))
+    assert saved_elements == 3 * sum(x.size for x in jax.tree.leaves(state.params)) + 1 + 2  # + count + rng key
+    assert saved_elements < base_elements / 2
 
 
 def test_resuming_on_another_base_is_refused_in_one_line(run):
