@@ -93,6 +93,7 @@ def test_dock_benchmark_quick_mode():
     assert abs(size["dock_us_per_sample"] - 1e3 * size["dock_ms"] / 64) < 1e-9
 
 
+@pytest.mark.slow  # ~28 s: two fresh processes building and compiling LoRA rollouts both ways
 def test_lora_ab_benchmark_quick_mode():
     out, result = _last_json("lora_ab.py")
     assert "merged" in out and result["system"] == "rlbolt-lora-ab"
