@@ -1,6 +1,6 @@
 """GRPO step benchmark: the shared workload run through the public API, as a user would.
 
-Workload (shared/WORKLOAD.md): a Llama-style random model (vocab 512, hidden 256, 4 layers,
+Workload (benchmarks/WORKLOAD.md): a Llama-style random model (vocab 512, hidden 256, 4 layers,
 4 q heads / 2 kv heads, head_dim 64, MLP 704, float32), 8 prompts x 4 generations of 32-token
 prompts, 64 new tokens with no early stop, beta 0.04 (a frozen reference copy), eps 0.2, mu 1,
 one optimizer update per step, AdamW lr 1e-6, reward = fraction of even completion ids.

@@ -1,4 +1,4 @@
-"""NativeSampler throughput on the common workload (/work/shared/WORKLOAD.md).
+"""NativeSampler throughput on the common workload (benchmarks/WORKLOAD.md).
 
 32 sequences (8 prompts x G=4), 32-token prompts with ids in [2, 512), 64 new tokens,
 temperature 1, no stop tokens (every row generates all 64 tokens), the workload model

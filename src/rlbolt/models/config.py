@@ -133,7 +133,7 @@ def tiny_config(**overrides: Any) -> ModelConfig:
 
 
 def workload_config(**overrides: Any) -> ModelConfig:
-    """The benchmark model of /work/shared/WORKLOAD.md (Llama-style, ~3.4M params, float32).
+    """The benchmark model of benchmarks/WORKLOAD.md (Llama-style, ~3.4M params, float32).
 
     Args:
         **overrides: any ModelConfig field.

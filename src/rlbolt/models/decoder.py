@@ -23,7 +23,7 @@ to mesh axes.
 
 Numerics follow Hugging Face's LlamaModel: RMSNorm in float32 with the weight applied after
 casting back, RoPE in float32 with rotate_half, softmax in float32; matmuls run in the
-parameter dtype (bf16 matmuls were slower on CPU, PERF_NOTES) and logits are upcast to float32.
+parameter dtype (bf16 matmuls measured slower than f32 on CPU) and logits are upcast to float32.
 Attention runs over the whole static cache with a validity mask (no per-length recompiles).
 """
 
@@ -122,7 +122,7 @@ def _attend(q: jnp.ndarray, keys_t: jnp.ndarray, values: jnp.ndarray, visible: j
     n_kv = keys_t.shape[1]
     q = q.reshape(b, t, n_kv, n_heads // n_kv, d)  # query head h uses kv head h // G (HF repeat_kv)
     if t == 1:
-        # Decode: multiply + sum keeps the cache in its stored layout (PERF_NOTES).
+        # Decode: multiply + sum keeps the cache in its stored layout (faster on CPU than a transposing dot, measured).
         q1 = q[:, 0].astype(jnp.float32)  # [B, nKV, G, D]
         scores = jnp.sum(q1[..., None] * keys_t[:, :, None].astype(jnp.float32), axis=-2)[:, :, :, None]
     else:

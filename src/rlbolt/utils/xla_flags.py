@@ -12,8 +12,8 @@ import ctypes.util
 import importlib.util
 import os
 
-# Single dots outside YNNPACK: large f32 matmuls 117 -> 139 GFLOP/s on the 2-core CI machine
-# (shared/PERF_NOTES.md); checked to exist in jaxlib 0.10.x. Reductions stay in YNNPACK: taking
+# Single dots outside YNNPACK: a large f32 matmul went 117 -> 139 GFLOP/s on the 2-core CI
+# machine (measured with and without the flag in one session); checked to exist in jaxlib 0.10.x. Reductions stay in YNNPACK: taking
 # them out too ("-reduce") made decode attention's multiply + sum 2.5x slower and the GRPO step
 # ~0.1 s slower (benchmarks/RESULTS.md).
 _CPU_FLAGS = {"0.10.": "--xla_cpu_experimental_ynn_fusion_type=-individual_dot"}
