@@ -226,7 +226,8 @@ def _memory(trainer, state, produced) -> dict:
     import jax
 
     gc.collect()
-    live = {x.unsafe_buffer_pointer(): x.nbytes for x in jax.live_arrays() if not x.is_deleted()}
+    live = {shard.data.unsafe_buffer_pointer(): shard.data.nbytes  # per shard: a mesh's arrays are sharded
+            for x in jax.live_arrays() if not x.is_deleted() for shard in x.addressable_shards}
     from rlbolt.distributed.state import micro_batches
 
     batch = micro_batches(trainer.sharding, produced.batch.numeric().to_host(), trainer.plan.grad_accum_steps)
