@@ -20,21 +20,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import cpu_model  # noqa: E402
 
-def _cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown"
 
 
 def main(argv=None) -> dict:
@@ -89,7 +83,7 @@ def main(argv=None) -> dict:
         io.close()
 
     total_mb = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(arrays)) / 2**20
-    result = {"system": "rlbolt-checkpoint-integrity", "cpu": _cpu_model(), "backend": jax.default_backend(),
+    result = {"system": "rlbolt-checkpoint-integrity", "cpu": cpu_model(), "backend": jax.default_backend(),
               "param_mb": mb, "checkpoint_mb": round(total_mb, 1), "arrays": len(named), "saves": saves,
               "checksum_s": statistics.median(times), "checksum_first_s": first, "sum64_s": statistics.median(sum64),
               "save_blocking_s": statistics.median(blocking), "save_total_s": statistics.median(total),

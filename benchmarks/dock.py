@@ -16,16 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
 from rlbolt.batch import Batch
 from rlbolt.dock import ExperienceDock
 from rlbolt.producer import STAGE_INPUTS
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import cpu_model  # noqa: E402
 
 P_LEN, C_LEN, G = 128, 512, 8
 
@@ -73,13 +76,6 @@ def concat_step(cols, n: int, micro: int) -> float:
     assert batch.num_samples == n
     return time.perf_counter() - t0
 
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except Exception:  # noqa: BLE001 - the figure is still useful without it
-        return platform.processor() or "unknown"
 
 
 def main() -> None:

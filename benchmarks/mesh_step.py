@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import cpu_model  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -31,15 +33,6 @@ def run_one(devices: int, mesh: dict, steps: int) -> dict:
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads([line for line in out.splitlines() if line.strip()][-1])
 
-
-def cpu_model() -> str:
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main(argv=None) -> dict:

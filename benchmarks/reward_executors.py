@@ -16,25 +16,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import cpu_model  # noqa: E402
 from workload_reward import completions, even_fraction  # noqa: E402
 
 SAMPLES = 32
 
-
-def _cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown"
 
 
 def _median_call_s(call, steps: int) -> float:
@@ -58,7 +50,7 @@ def main(argv=None) -> dict:
     texts = completions(SAMPLES)
     rows = [{"prompt_index": i // 4} for i in range(SAMPLES)]
     direct_s = _median_call_s(lambda: [even_fraction(t, r) for t, r in zip(texts, rows)], steps)
-    result = {"system": "rlbolt-reward-executors", "cpu": _cpu_model(), "samples_per_call": SAMPLES, "steps": steps,
+    result = {"system": "rlbolt-reward-executors", "cpu": cpu_model(), "samples_per_call": SAMPLES, "steps": steps,
               "direct_us_per_sample": 1e6 * direct_s / SAMPLES}
     for executor in ("thread", "process"):
         with RewardRunner(even_fraction, executor=executor) as runner:
