@@ -84,6 +84,7 @@ MODULES = [
     ("Devices and hosts", "rlbolt.distributed.placement"),
     ("Rollout", "rlbolt.rollout.engine"),
     ("Rollout", "rlbolt.rollout.sampler"),
+    ("Rollout", "rlbolt.rollout.sampling"),
     ("Rollout", "rlbolt.rollout.logps"),
     ("Rewards", "rlbolt.rewards.base"),
     ("Rewards", "rlbolt.rewards.combine"),

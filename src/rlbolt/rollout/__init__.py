@@ -2,4 +2,5 @@
 
 from rlbolt.rollout.engine import RolloutEngine, RolloutOutput
 from rlbolt.rollout.logps import left_pad_positions, token_logps, token_logps_and_entropy
-from rlbolt.rollout.sampler import NativeSampler, SamplingParams
+from rlbolt.rollout.sampler import NativeSampler
+from rlbolt.rollout.sampling import SamplingParams

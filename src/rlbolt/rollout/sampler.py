@@ -37,71 +37,9 @@ from rlbolt.models.decoder import Decoder
 from rlbolt.models.shared_prefix import decode_with_prefix, prompt_group_size
 from rlbolt.rollout.engine import RolloutOutput
 from rlbolt.rollout.logps import left_pad_positions
+from rlbolt.rollout.sampling import SamplingParams, sample_tokens
 
 DEFAULT_PROMPT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """Static sampling options (part of the compile key).
-
-    Attributes:
-      max_new_tokens: C, completion length (static).
-      temperature: 0 means greedy.
-      top_k: keep the k most likely tokens; 0 disables.
-      top_p: nucleus sampling mass; 1.0 disables.
-      stop_token_ids: a row stops after sampling any of these.
-      pad_id: written after a row stops and used to left-pad prompts.
-    """
-
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    stop_token_ids: tuple[int, ...] = ()
-    pad_id: int = 0
-
-    def validate(self, vocab_size: int) -> "SamplingParams":
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1.")
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy).")
-        if not 0 <= self.top_k <= vocab_size:
-            raise ValueError(f"top_k={self.top_k} must be in [0, vocab_size={vocab_size}] (0 disables).")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1] (1 disables).")
-        bad = [t for t in self.stop_token_ids + (self.pad_id,) if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids/pad_id {bad} are outside the vocabulary [0, {vocab_size}).")
-        return self
-
-
-def _filter_top_k_top_p(scaled: jnp.ndarray, top_k: int, top_p: float) -> jnp.ndarray:
-    """Sets logits outside the top-k / nucleus set to -inf (HF order: top-k, then top-p). [B, V]."""
-    if top_k > 0:
-        kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
-        scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
-    if top_p < 1.0:
-        sorted_desc = -jnp.sort(-scaled, axis=-1)
-        probs = jax.nn.softmax(sorted_desc, axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        # Keep the smallest prefix whose mass reaches top_p; the top token always stays.
-        kept = jnp.where(mass_before < top_p, sorted_desc, jnp.inf)
-        threshold = jnp.min(kept, axis=-1, keepdims=True)
-        scaled = jnp.where(scaled < threshold, -jnp.inf, scaled)
-    return scaled
-
-
-def _sample(logits: jnp.ndarray, noise: jnp.ndarray | None, sp: SamplingParams):
-    """Draws one token per row. logits [B, V] f32, noise [B, V] -> (tokens [B] int32, logps [B] f32)."""
-    if sp.temperature == 0:
-        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        logp_all = jax.nn.log_softmax(logits, axis=-1)
-    else:
-        scaled = logits / sp.temperature
-        logp_all = jax.nn.log_softmax(scaled, axis=-1)
-        tokens = jnp.argmax(_filter_top_k_top_p(scaled, sp.top_k, sp.top_p) + noise, axis=-1).astype(jnp.int32)
-    return tokens, jnp.take_along_axis(logp_all, tokens[:, None], axis=-1)[:, 0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +92,7 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
     hidden, prompt_cache = model(prompt_ids, left_pad_positions(prompt_mask), attention_mask=prompt_mask,
                                  cache=prompt_cache, return_hidden=True)
     prompt_cache = on_mesh(prompt_cache)
-    tokens, logps = _sample(jnp.repeat(model.logits(hidden[:, -1]), group, axis=0), noise_at(0), sp)
+    tokens, logps = sample_tokens(jnp.repeat(model.logits(hidden[:, -1]), group, axis=0), noise_at(0), sp)
     stop_ids = jnp.asarray(sp.stop_token_ids, jnp.int32)
     is_stop = lambda tok: jnp.isin(tok, stop_ids) if sp.stop_token_ids else jnp.zeros(tok.shape, bool)
 
@@ -172,7 +110,7 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
         step, tokens, cache, done, out_ids, out_mask, out_logps = carry
         logits, cache = decode_with_prefix(model, tokens, next_position + step - 1, prompt_cache, cache, read)
         cache = on_mesh(cache)
-        new_tokens, new_logps = _sample(logits, noise_at(step), sp)
+        new_tokens, new_logps = sample_tokens(logits, noise_at(step), sp)
         alive = ~done
         new_tokens = jnp.where(alive, new_tokens, sp.pad_id)
         out_ids = jax.lax.dynamic_update_index_in_dim(out_ids, new_tokens, step, axis=1)
