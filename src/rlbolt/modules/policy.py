@@ -1,11 +1,11 @@
 """LMPolicyModule: the shared base of the ready LM algorithms (GRPO and friends).
 
 It owns everything that is the same across algorithms: building the model, tokenizer, sampler,
-frozen reference and reward runner in `setup`; prompts -> completions in `on_rollout`;
-reference (and, when needed, old) logps in `compute_logps`; rewards in `on_advantage`; the
-loss skeleton in `training_step` (policy loss + KL + entropy, aggregated with mini-batch totals);
-and greedy accuracy / pass@k in `validation_step`. An algorithm subclass overrides the small
-pieces that differ, each one method:
+frozen reference and reward runner in `setup` (policy_parts.py, with LoRA's parameter hooks);
+prompts -> completions in `on_rollout`; reference (and, when needed, old) logps in
+`compute_logps`; rewards in `on_advantage`; the loss skeleton in `training_step` (policy loss +
+KL + entropy, aggregated with mini-batch totals); and greedy accuracy / pass@k in
+`validation_step`. An algorithm subclass overrides the small pieces that differ, each one method:
 
     compute_rewards(batch) -> [N]          rewards (+ shaping)          host, on_advantage
     filter_groups(batch) -> Batch          drop samples (DAPO)          host, on_advantage
@@ -20,8 +20,6 @@ Metrics from `training_step` are normalised by the mini-batch totals (`mini_batc
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -35,14 +33,14 @@ from flax import nnx
 from rlbolt.algorithms import LossAggregation, aggregate_loss, clipped_surrogate, kl_penalty, overlong_penalty
 from rlbolt.algorithms import grpo_advantages, truncated_importance_weights
 from rlbolt.batch import Batch
-from rlbolt.app.config import ConfigError, RunConfig, config_to_dict, load_config
-from rlbolt.distributed.mesh import MeshError
+from rlbolt.app.config import RunConfig, config_to_dict
 from rlbolt.module import RLModule
 from rlbolt.modules import lm_ops
 from rlbolt.plan import PlanError
+from rlbolt.modules.policy_parts import PolicyParts, _config_for, _sharding, replace_section  # noqa: F401 (re-export)
 from rlbolt.modules.prompt_sharing import require_shared_layout, stage_group_size
-from rlbolt.modules.prompts import PromptEncoder, builtin_tokenizer, rows_of
-from rlbolt.modules.rewarding import answer_score, build_reward, score_shared
+from rlbolt.modules.prompts import rows_of
+from rlbolt.modules.rewarding import answer_score, score_shared
 
 # Columns the framework adds; every other column of an arriving batch is a prompt-row field.
 _FRAMEWORK_COLUMNS = frozenset({
@@ -52,7 +50,7 @@ _FRAMEWORK_COLUMNS = frozenset({
 })
 
 
-class LMPolicyModule(RLModule):
+class LMPolicyModule(PolicyParts, RLModule):
     """A language-model policy trained with a group-based policy-gradient algorithm.
 
     Args:
@@ -79,113 +77,7 @@ class LMPolicyModule(RLModule):
         self._sampler_lock = threading.Lock()  # validation (main thread) and rollout (producer) share it
         self._sampler = None
 
-    # -- set-up ---------------------------------------------------------------------------------
-    def setup(self, trainer) -> None:
-        cfg = self.config
-        if self.tokenizer is None:
-            folder = cfg.model.tokenizer or cfg.model.path
-            self.tokenizer = lm_ops.load_tokenizer(folder) if folder else builtin_tokenizer()
-        self.sharding = _sharding(trainer, "train")
-        if self.model is None:
-            seed = trainer.seed if trainer is not None else 0
-            self.model = lm_ops.build_model(cfg.model, self.tokenizer.vocab_size, seed, self.sharding)
-        if self.sharding is not None:  # the weights move onto the mesh once (no copy if built there)
-            nnx.update(self.model, self.sharding.place(nnx.state(self.model)))
-            self.sharding.shard_activations(self.model)
-        if self.tokenizer.vocab_size > self.model.config.vocab_size:
-            raise ConfigError(
-                f"the tokenizer has {self.tokenizer.vocab_size} ids but the model's vocab_size is "
-                f"{self.model.config.vocab_size}; use the tokenizer that belongs to model.path"
-            )
-        if cfg.model.lora is not None and self.lora is None:
-            from rlbolt.models.lora import LoraConfig
-            from rlbolt.modules.lora_policy import LoraPolicy
-
-            seed = trainer.seed if trainer is not None else 0
-            self.lora = LoraPolicy(self.model, LoraConfig.from_mapping(cfg.model.lora), rngs=nnx.Rngs(seed),
-                                   path=cfg.model.path)
-            self.model = self.lora.policy_model  # the float base is no longer held here (QLoRA frees it)
-        self.graphdef, _ = nnx.split(self.model)
-        self.encoder = PromptEncoder(
-            self.tokenizer, prompt_field=cfg.data.prompt_field, max_prompt_tokens=cfg.data.max_prompt_tokens,
-            system_prompt=cfg.data.system_prompt, use_chat_template=cfg.data.use_chat_template)
-        if self.reward is None:
-            self.reward = build_reward(cfg.reward.weights, answer_field=cfg.data.answer_field)
-        self.reward_runner = lm_ops.reward_runner(self.reward, cfg.reward)
-        ref_plan = _sharding(trainer, "reference")
-        apart = ref_plan is not None and ref_plan is not self.sharding
-        if apart and self.lora is not None and self.algo.beta > 0:
-            raise MeshError("placement.reference has devices of its own, but with model.lora the reference is the "
-                            "frozen base with the adapters off, which training holds on its devices; use "
-                            "reference: train (or leave it out)")
-        if self.algo.beta > 0 and self.lora is None and apart:  # the frozen copy lives only on its devices
-            from rlbolt.modules.reference import PlacedReference
-
-            self.reference = PlacedReference(self.model, self.sharding, ref_plan, temperature=self._train_temperature)
-            self.ref_params = self.reference.params
-        elif self.algo.beta > 0 and self.lora is None:
-            # Parameters are immutable arrays and updates are functional, so holding the initial
-            # pytree is a frozen copy without a copy.
-            self.ref_params = nnx.state(self.model, nnx.Param)
-        # Each group's prompt runs once where a stage's micro batches hold whole groups and the
-        # mesh has one batch shard (prompt_sharing.py).
-        plan = getattr(trainer, "plan", None)
-        self.train_group_size = 1 if plan is None else self._group_size(plan.train_micro_batch_size, plan)
-        rows = {} if self.sharding is None else {"out_shardings": self.sharding.batch_sharding()}
-        self._logps = jax.jit(functools.partial(self._forward_logps, with_entropy=False),
-                              static_argnames="group_size", **rows)
-        if self.lora is not None:  # the reference is the base with the adapters off: no second copy
-            self._ref_logps = jax.jit(functools.partial(
-                lm_ops.token_logps, self.lora.base_graphdef, temperature=self._train_temperature, with_entropy=False),
-                static_argnames="group_size", **rows)
-
-    def memory_plan(self, sharding) -> dict[str, int]:
-        """The frozen reference model (when beta > 0) or LoRA's frozen base, and the sampler's KV
-        cache for one rollout micro batch (longest prompt + max_new_tokens slots), per device."""
-        from rlbolt.distributed import kv_cache_bytes, per_device_bytes
-
-        # A reference on devices of its own is not on the training devices this plan describes.
-        on_train = self.ref_params is not None and self.reference is None
-        out = {"reference": per_device_bytes(self.ref_params)} if on_train else {}
-        if self.lora is not None:
-            out["frozen base"] = per_device_bytes(self.lora.base)
-        rows = self.trainer.plan.rollout_micro_batch_size if self.trainer is not None else 1
-        rows = 1 << max(0, (rows - 1).bit_length())  # the sampler pads a call to a power of two
-        # An upper bound: with the prompt shared the prompt slots are held once per group.
-        out["kv cache"] = kv_cache_bytes(self.model.config, rows, self.encoder.width + self.rollout_cfg.max_new_tokens - 1,
-                                         sharding)
-        return out
-
-    def init_params(self, rng: jax.Array) -> Any:
-        """The trainable pytree: the model's parameters, or only the LoRA adapters (model.lora)."""
-        return self.lora.adapters if self.lora is not None else super().init_params(rng)
-
-    def frozen_params(self) -> Any:
-        """With LoRA, the base (trained never, differentiated never); else None."""
-        return self.lora.base if self.lora is not None else None
-
-    def with_frozen(self, params: Any, frozen: Any) -> Any:
-        """With LoRA, the adapters joined with the base into the adapted model's State."""
-        return self.lora.join(params, frozen) if self.lora is not None else params
-
-    def frozen_identity(self) -> dict | None:
-        """With LoRA: the base's folder, a fingerprint of its weights and its quantisation."""
-        return self.lora.identity if self.lora is not None else None
-
-    def full_params(self, params: Any) -> Any:
-        """`params` as the producer-side hooks get them (the trainable pytree) joined with the
-        frozen base: what the forward passes run on. Identity without LoRA."""
-        return self.with_frozen(params, self.frozen_params())
-
-    def hf_model(self, params: Any):
-        """The policy as a plain Decoder holding `params` (LoRA adapters merged into the base),
-        ready for `rlbolt.models.hf_io.save_hf`."""
-        policy = self.policy_params(params)
-        if self.lora is not None:
-            return self.lora.merged_model(policy)
-        graphdef, _, rest = nnx.split(self.model, nnx.Param, ...)
-        return nnx.merge(graphdef, policy, rest)
-
+    # -- plan and optimizer -----------------------------------------------------------------------
     def check_plan(self, plan) -> None:
         """Refuses `num_generations=1` when this algorithm's advantages are group-relative.
 
@@ -452,31 +344,7 @@ class LMPolicyModule(RLModule):
         return metrics
 
 
-def _sharding(trainer: Any, role: str):
-    """The trainer's ShardingPlan for `role`, or None without a trainer (or a stand-in without a mesh)."""
-    sharding_for = getattr(trainer, "sharding_for", None)
-    return sharding_for(role) if sharding_for is not None else None
-
 
 def _row_fields(batch: Batch) -> list[str]:
     """The prompt row's own fields (question, answer, ...) plus prompt_index: what rewards see."""
     return [k for k in batch if k not in _FRAMEWORK_COLUMNS]
-
-
-def _config_for(cls: type, config: RunConfig | Mapping | None) -> RunConfig:
-    name = cls.algorithm_name
-    if isinstance(config, RunConfig):
-        if config.algorithm.name != name:
-            raise ConfigError(
-                f"{cls.__name__} got a config with algorithm.name={config.algorithm.name!r}; set "
-                f"algorithm.name={name} (or build the module for {config.algorithm.name!r} with rlbolt.app.build)"
-            )
-        return config
-    raw = {k: dict(v) for k, v in (config or {}).items()}
-    raw.setdefault("algorithm", {}).setdefault("name", name)
-    return _config_for(cls, load_config(raw))
-
-
-def replace_section(config: RunConfig, section: str, **values: Any) -> RunConfig:
-    """A copy of `config` with some fields of one section changed (no re-resolution)."""
-    return dataclasses.replace(config, **{section: dataclasses.replace(getattr(config, section), **values)})
