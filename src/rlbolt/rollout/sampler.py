@@ -9,7 +9,7 @@ Sampling is Gumbel-max (Gumbel 1954; what `jax.random.categorical` does): the to
 `argmax(logits / temperature + g)` with `g ~ Gumbel(0, 1)` drawn from
 `fold_in(sample_key, step)`. The noise depends only on the sample's key and the step, so a
 sample's tokens never depend on batch composition, and drawing all steps' noise up front
-(cheaper on CPU, PERF_NOTES) gives bit-identical draws to drawing it per step (used when
+(cheaper on CPU, measured) gives bit-identical draws to drawing it per step (used when
 [B, C, V] noise would be large).
 
 On a mesh (`sharding=`, a `rlbolt.distributed.ShardingPlan`) the weights stay where the plan
