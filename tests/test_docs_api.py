@@ -45,6 +45,7 @@ MODULES = [
     ("Data", "rlbolt.data.loaders"),
     ("Data", "rlbolt.data.tasks"),
     ("Data", "rlbolt.data.tokenizers"),
+    ("Data", "rlbolt.data.chat_template"),
     ("Algorithms", "rlbolt.algorithms.advantages"),
     ("Algorithms", "rlbolt.algorithms.policy_loss"),
     ("Algorithms", "rlbolt.algorithms.kl"),
