@@ -122,6 +122,7 @@ MODULES = [
     ("Callbacks", "rlbolt.callbacks.timeline"),
     ("Config and runs", "rlbolt.app.config"),
     ("Config and runs", "rlbolt.app.config_fields"),
+    ("Config and runs", "rlbolt.app.config_rules"),
     ("Config and runs", "rlbolt.app.objects"),
     ("Config and runs", "rlbolt.app.build"),
     ("Config and runs", "rlbolt.app.input_checks"),

@@ -23,12 +23,11 @@ from typing import Any
 import yaml
 
 from rlbolt.app.config_fields import ConfigError, closest as _closest, coerce as _coerce, describe_bounds, option as _f
+from rlbolt.app.config_rules import METRIC_WRITERS, REWARD_TERMS, check_rules  # noqa: F401 - re-exported
 from rlbolt.utils.files import to_plain, write_text_atomic
 
 ALGORITHMS = ("grpo", "dapo", "drgrpo", "rloo", "reinforcepp", "gspo", "ppo")
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-METRIC_WRITERS = ("console", "jsonl", "tensorboard", "wandb")
-REWARD_TERMS = ("answer", "format", "digits")  # rlbolt.modules.rewarding builds them
 
 
 @dataclass(frozen=True)
@@ -327,78 +326,8 @@ def resolve(cfg: RunConfig) -> RunConfig:
     if model.lora is not None:  # written back in full, so config.yaml shows every LoRA setting
         model = dataclasses.replace(model, lora=_resolve_lora(model.lora))
     cfg = dataclasses.replace(cfg, model=model, algorithm=algo, plan=plan)
-    _check_rules(cfg)
+    check_rules(cfg)
     return cfg
-
-
-def _check_rules(cfg: RunConfig) -> None:
-    """Rules across fields (each field's own type and range were checked when it was read)."""
-    a, r, t = cfg.algorithm, cfg.rollout, cfg.trainer
-    if not 0 <= a.overlong_cache_length <= r.max_new_tokens:
-        raise ConfigError(
-            f"algorithm.overlong_cache_length={a.overlong_cache_length} must lie in [0, rollout.max_new_tokens="
-            f"{r.max_new_tokens}]"
-        )
-    for axis in ("data", "fsdp", "tp"):
-        size = getattr(cfg.mesh, axis)
-        if size == 0 or size < -1:
-            raise ConfigError(f"mesh.{axis}={size} must be a positive integer or -1 (the devices the other axes leave)")
-    if sum(getattr(cfg.mesh, a) == -1 for a in ("data", "fsdp", "tp")) > 1:
-        raise ConfigError(f"mesh has -1 on more than one axis ({dataclasses.asdict(cfg.mesh)}); at most one takes the rest")
-    bad = [m for m in cfg.callbacks.metrics if m not in METRIC_WRITERS]
-    if bad:
-        raise ConfigError(f"callbacks.metrics has unknown writer(s) {bad}; choose from {list(METRIC_WRITERS)}")
-    if cfg.objects.reward is None:
-        unknown_terms = [t for t in cfg.reward.weights if t not in REWARD_TERMS]
-        if unknown_terms:
-            raise ConfigError(f"reward.weights has unknown term(s) {unknown_terms}; known terms: {list(REWARD_TERMS)}")
-        if not any(w != 0 for w in cfg.reward.weights.values()):
-            raise ConfigError(f"reward.weights={dict(cfg.reward.weights)} gives no term a non-zero weight; "
-                              "e.g. reward.weights={answer: 1.0}")
-    has_val = cfg.data.val is not None or cfg.data.builtin_val_rows > 0
-    metric = cfg.callbacks.early_stopping_metric
-    if metric and metric.startswith("val/") and not (has_val and t.val_every_n_steps):
-        raise ConfigError(f"callbacks.early_stopping_metric={metric} is checked at each validation, but the run "
-                          "validates " + ("only after the last step; set trainer.val_every_n_steps" if has_val else
-                                          "never; set data.val (or data.builtin_val_rows) and trainer.val_every_n_steps"))
-    if a.dynamic_sampling and cfg.plan.max_refill_rounds == 0:
-        raise ConfigError("algorithm.dynamic_sampling drops groups whose rewards are all equal, but "
-                          "plan.max_refill_rounds=0 cannot refill the batch; set plan.max_refill_rounds >= 1 (e.g. 4)")
-    if t.val_every_n_steps is not None and not has_val:
-        raise ConfigError(f"trainer.val_every_n_steps={t.val_every_n_steps} but the run has no validation rows; "
-                          "set data.val (or data.builtin_val_rows > 0), or trainer.val_every_n_steps=null")
-    _check_mode(cfg)
-    if t.placement != "colocated":
-        _check_placement(t.placement)
-
-
-def _check_placement(value: Any) -> None:
-    from rlbolt.distributed.placement import Placement  # imports JAX: only for a placement on sub-meshes
-
-    try:
-        Placement.of(value)
-    except ValueError as error:
-        raise ConfigError(f"trainer.{error}") from None
-
-
-def _check_mode(cfg: RunConfig) -> None:
-    """mode=async needs a max_staleness that lets the producer run at least one step ahead."""
-    t = cfg.trainer
-    if t.mode == "sync":
-        if t.max_staleness is not None:
-            raise ConfigError(f"trainer.max_staleness={t.max_staleness} is only used with trainer.mode=async; "
-                              "set trainer.mode=async or trainer.max_staleness=null")
-        return
-    from rlbolt.plan import BatchPlan, PlanError
-
-    try:
-        updates = BatchPlan(**dataclasses.asdict(cfg.plan)).updates_per_step
-    except PlanError:
-        return  # the plan's own error is reported when the run is built
-    if t.max_staleness is None or t.max_staleness < 2 * updates - 1:
-        raise ConfigError(
-            f"trainer.mode=async needs trainer.max_staleness >= {2 * updates - 1} (got {t.max_staleness}): with "
-            f"{updates} update(s) per step that lets the producer run one step ahead; or use trainer.mode=sync")
 
 
 def _resolve_lora(values: dict) -> dict:
