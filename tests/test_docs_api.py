@@ -56,7 +56,7 @@ MODULES = [
     ("Algorithms", "rlbolt.algorithms.shaping"),
     ("Algorithms", "rlbolt.algorithms.registry"),
     ("Modules", "rlbolt.modules.policy"),
-    ("Modules", "rlbolt.modules.policy_parts"),
+    ("Modules", "rlbolt.modules.policy_setup"),
     ("Modules", "rlbolt.modules.grpo"),
     ("Modules", "rlbolt.modules.dapo"),
     ("Modules", "rlbolt.modules.reinforcepp"),

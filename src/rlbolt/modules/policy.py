@@ -1,7 +1,7 @@
 """LMPolicyModule: the shared base of the ready LM algorithms (GRPO and friends).
 
 It owns everything that is the same across algorithms: building the model, tokenizer, sampler,
-frozen reference and reward runner in `setup` (policy_parts.py, with LoRA's parameter hooks);
+frozen reference and reward runner in `setup` (policy_setup.py, with LoRA's parameter hooks);
 prompts -> completions in `on_rollout`; reference (and, when needed, old) logps in
 `compute_logps`; rewards in `on_advantage`; the loss skeleton in `training_step` (policy loss +
 KL + entropy, aggregated with mini-batch totals); and greedy accuracy / pass@k in
@@ -37,7 +37,7 @@ from rlbolt.app.config import RunConfig, config_to_dict
 from rlbolt.module import RLModule
 from rlbolt.modules import lm_ops
 from rlbolt.plan import PlanError
-from rlbolt.modules.policy_parts import PolicyParts, _config_for, _sharding, replace_section  # noqa: F401 (re-export)
+from rlbolt.modules.policy_setup import PolicySetup, _config_for, _sharding, replace_section  # noqa: F401 (re-export)
 from rlbolt.modules.prompt_sharing import require_shared_layout, stage_group_size
 from rlbolt.modules.prompts import rows_of
 from rlbolt.modules.rewarding import answer_score, score_shared
@@ -50,7 +50,7 @@ _FRAMEWORK_COLUMNS = frozenset({
 })
 
 
-class LMPolicyModule(PolicyParts, RLModule):
+class LMPolicyModule(PolicySetup, RLModule):
     """A language-model policy trained with a group-based policy-gradient algorithm.
 
     Args:

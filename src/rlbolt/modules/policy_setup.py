@@ -1,4 +1,4 @@
-"""PolicyParts: what an `LMPolicyModule` is built from, and the views of its parameters.
+"""PolicySetup: what an `LMPolicyModule` is built from, and the views of its parameters.
 
 `setup` builds the parts from the config: the tokenizer, the model placed on the training mesh,
 LoRA's frozen base and adapters (model.lora), the prompt encoder, the reward runner, the frozen
@@ -7,7 +7,7 @@ counts what those parts hold beyond the trainable state. The parameter hooks (`i
 `frozen_params`, `with_frozen`, `full_params`, `hf_model`) are where LoRA's split into trainable
 adapters and a frozen base shows; without LoRA they are the plain model's parameters.
 
-`PolicyParts` is a mixin of `LMPolicyModule` (policy.py) and relies on what that class defines:
+`PolicySetup` is a mixin of `LMPolicyModule` (policy.py) and relies on what that class defines:
 `config`, `algo`, `rollout_cfg` and the slots set in its `__init__`, and `_forward_logps`,
 `_group_size`, `_train_temperature` and `policy_params`.
 """
@@ -29,7 +29,7 @@ from rlbolt.modules.prompts import PromptEncoder, builtin_tokenizer
 from rlbolt.modules.rewarding import build_reward
 
 
-class PolicyParts:
+class PolicySetup:
     """The set-up and parameter hooks of `LMPolicyModule` (a mixin; see the module docstring)."""
 
     def setup(self, trainer) -> None:
