@@ -229,11 +229,6 @@ def apply_lora(model: Decoder, lora: LoraConfig, *, rngs: nnx.Rngs) -> Decoder:
     return adapted
 
 
-def base_filter():
-    """The nnx filter of the frozen base: every Param that is not a LoRAParam."""
-    return nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
-
-
 def merge_adapters(adapted: Decoder) -> Decoder:
     """A plain Decoder (no adapters) whose targeted kernels are `W + scale * A B`.
 
