@@ -16,7 +16,9 @@ reports the median of steps 2-3:
 
 One more line (`"eos": true`) measures completions that end early: 64 rows, 256 new tokens,
 a stop set of 8 of the 256 ids (a ~1 in 32 chance per token), against the same call without
-stop tokens: the decode loop leaves when every row has stopped.
+stop tokens: the decode loop leaves when every row has stopped, and the segments after the
+first run only the rows still going (`rlbolt.rollout.compaction`), shown with compaction off
+and with segments of 64 steps too.
 
     python benchmarks/length_sweep.py                 # every point, then length_sweep.png
     python benchmarks/length_sweep.py --quick         # 1 tiny point + eos: fields only (CI)
@@ -173,7 +175,13 @@ def _segment_ab(module, batch, completion: int, repeats: int) -> dict:
 
 
 def run_eos(quick: bool) -> dict:
-    """Completions that may end early (a stop set of 8 ids) against the same call without stops."""
+    """Completions that may end early (a stop set of 8 ids), with and without compaction of the
+    rows that stopped, and every decode segment length, against the same call without stops.
+
+    Variants take turns (5 rounds); each reports its median rollout seconds, the decode steps
+    its loop ran, and the mean and longest completion (equal for every variant with stops: the
+    same samples).
+    """
     from rlbolt.utils.xla_flags import configure_xla_flags
 
     configure_xla_flags()
@@ -190,19 +198,28 @@ def run_eos(quick: bool) -> dict:
     prompts = [p for p in rng.integers(2, MODEL["vocab_size"], (rows // 4, 32)).tolist() for _ in range(4)]
     keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), rows)), np.uint32)
     out = {"system": "rlbolt-length-sweep", "eos": True, "sequences": rows, "prompt": 32, "completion": new_tokens}
-    for name, stops in (("no_stop", ()), ("with_stop", tuple(range(2, 10)))):
-        sampler = NativeSampler(model, max_new_tokens=new_tokens, temperature=1.0, prompt_buckets=(32,),
-                                stop_token_ids=stops)
-        result = sampler.generate(prompts, keys)
-        seconds = []
-        for _ in range(1 if quick else 5):
-            t0 = time.perf_counter()
-            result = sampler.generate(prompts, keys)
-            seconds.append(time.perf_counter() - t0)
-        lengths = result.completion_mask.sum(1)
-        out[name] = {"rollout_s": statistics.median(seconds), "decode_steps": sampler.last_decode_steps,
+    stops = tuple(range(2, 10))
+    segment = 4 if quick else 64  # quick: 16 new tokens still make several segments
+    variants = {  # name: (stop ids, compact the rows that stopped, decode segment)
+        "no_stop": ((), True, 128),
+        "with_stop_no_compaction": (stops, False, 128),
+        "with_stop": (stops, True, 128),
+        f"with_stop_segment_{segment}": (stops, True, segment),
+    }
+    samplers, results, compile_s = {}, {}, {}
+    for name, (stop_ids, compact, seg) in variants.items():
+        samplers[name] = NativeSampler(model, max_new_tokens=new_tokens, temperature=1.0, prompt_buckets=(32,),
+                                       stop_token_ids=stop_ids, compact_finished=compact, decode_segment=seg)
+        t0 = time.perf_counter()
+        results[name] = samplers[name].generate(prompts, keys)
+        compile_s[name] = time.perf_counter() - t0
+    calls = [lambda s=s: s.generate(prompts, keys) for s in samplers.values()]
+    for (name, sampler), seconds in zip(samplers.items(), _alternate(calls, 1 if quick else 5)):
+        lengths = results[name].completion_mask.sum(1)
+        out[name] = {"rollout_s": seconds, "first_call_s": compile_s[name], "decode_steps": sampler.last_decode_steps,
                      "mean_length": float(lengths.mean()), "max_length": int(lengths.max())}
     out["time_ratio"] = out["with_stop"]["rollout_s"] / out["no_stop"]["rollout_s"]
+    out["compaction_speedup"] = out["with_stop_no_compaction"]["rollout_s"] / out["with_stop"]["rollout_s"]
     return out
 
 

@@ -64,6 +64,10 @@ def test_length_sweep_quick_mode_prints_one_json_line_per_point():
     assert eos["eos"] is True and set(eos["with_stop"]) >= {"rollout_s", "decode_steps", "mean_length", "max_length"}
     # Stops end rows early: every row of the no-stop call is full length, the stop call's are not all.
     assert eos["no_stop"]["mean_length"] == eos["completion"] > eos["with_stop"]["mean_length"]
+    # Compaction and the segment length change the cost, never the samples.
+    stopped = [v for k, v in eos.items() if k.startswith("with_stop")]
+    assert len(stopped) == 3 and len({(v["mean_length"], v["max_length"]) for v in stopped}) == 1
+    assert eos["compaction_speedup"] > 0
 
 
 @pytest.mark.slow

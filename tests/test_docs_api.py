@@ -87,6 +87,7 @@ MODULES = [
     ("Rollout", "rlbolt.rollout.engine"),
     ("Rollout", "rlbolt.rollout.sampler"),
     ("Rollout", "rlbolt.rollout.sampling"),
+    ("Rollout", "rlbolt.rollout.compaction"),
     ("Rollout", "rlbolt.rollout.logps"),
     ("Rewards", "rlbolt.rewards.base"),
     ("Rewards", "rlbolt.rewards.combine"),

@@ -35,6 +35,7 @@ from rlbolt.distributed.sharding import host_value
 from rlbolt.models.cache import KVCache, init_cache
 from rlbolt.models.decoder import Decoder
 from rlbolt.models.shared_prefix import decode_with_prefix, prompt_group_size
+from rlbolt.rollout.compaction import compaction_sizes, run_compacted, take_rows
 from rlbolt.rollout.engine import RolloutOutput
 from rlbolt.rollout.logps import left_pad_positions
 from rlbolt.rollout.sampling import SamplingParams, sample_tokens
@@ -59,7 +60,8 @@ class _MeshLayout:
 
 
 def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: SamplingParams, noise_upfront: bool,
-              group: int = 1, segments: tuple[int, ...] | None = None, layout: _MeshLayout | None = None):
+              group: int = 1, segments: tuple[int, ...] | None = None, layout: _MeshLayout | None = None,
+              compact: bool = False):
     """Prefill + decode for one micro batch. See NativeSampler. Returns ids, mask, logps [B, C], steps [].
 
     prompt_ids / prompt_mask are [U, P]: one row per group of `group` consecutive samples
@@ -83,9 +85,11 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
     greedy = sp.temperature == 0
     if not greedy and noise_upfront:
         all_noise = jax.vmap(lambda k: jax.vmap(lambda s: draw(k, s))(jnp.arange(steps_total)))(keys)  # [B, C, V]
-        noise_at = lambda step: jax.lax.dynamic_index_in_dim(all_noise, step, axis=1, keepdims=False)
+        noise_all = lambda step: jax.lax.dynamic_index_in_dim(all_noise, step, axis=1, keepdims=False)
+        noise_at = lambda step, idx=None: noise_all(step) if idx is None else jnp.take(noise_all(step), idx, axis=0)
     else:
-        noise_at = lambda step: None if greedy else jax.vmap(draw, in_axes=(0, None))(keys, step)
+        noise_at = lambda step, idx=None: None if greedy else jax.vmap(draw, in_axes=(0, None))(
+            keys if idx is None else keys[idx], step)
 
     # Prefill, once per group: the prompt's last hidden state gives each sample's first token.
     prompt_cache = on_mesh(init_cache(model.config, prompt_ids.shape[0], prompt_ids.shape[1]))
@@ -106,11 +110,16 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
     next_position = jnp.repeat(prompt_mask.sum(axis=1).astype(jnp.int32), group)  # first completion token's
     carry = (jnp.ones((), jnp.int32), tokens, own_cache, is_stop(tokens), out_ids, out_mask, out_logps)
 
-    def decode_step(carry, read):
+    def decode_step(carry, read, idx):
+        """One step; idx None: all rows in their groups, else the compacted rows' indices."""
         step, tokens, cache, done, out_ids, out_mask, out_logps = carry
-        logits, cache = decode_with_prefix(model, tokens, next_position + step - 1, prompt_cache, cache, read)
+        if idx is None:
+            prefix, positions = prompt_cache, next_position
+        else:  # compacted rows: one gathered prompt row per sample (G = 1)
+            prefix, positions = take_rows(prompt_cache, idx // group), next_position[idx]
+        logits, cache = decode_with_prefix(model, tokens, positions + step - 1, prefix, cache, read)
         cache = on_mesh(cache)
-        new_tokens, new_logps = sample_tokens(logits, noise_at(step), sp)
+        new_tokens, new_logps = sample_tokens(logits, noise_at(step, idx), sp)
         alive = ~done
         new_tokens = jnp.where(alive, new_tokens, sp.pad_id)
         out_ids = jax.lax.dynamic_update_index_in_dim(out_ids, new_tokens, step, axis=1)
@@ -119,16 +128,24 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
         done = done | (alive & is_stop(new_tokens))
         return step + 1, new_tokens, cache, done, out_ids, out_mask, out_logps
 
+    def run_segment(begin, end):
+        """`run(carry, idx)` for run_compacted: steps begin .. end - 1 on the carry's rows."""
+        def run(carry, idx):
+            body = functools.partial(decode_step, read=end - 1, idx=idx)
+            if sp.stop_token_ids:  # early exit once every row has stopped
+                return jax.lax.while_loop(lambda c: (c[0] < end) & ~jnp.all(c[3]), body, carry)
+            return jax.lax.fori_loop(begin, end, lambda _, c: body(c), carry)
+        return run
+
+    # Rows that stopped are left out of the segments after the first (rlbolt.rollout.compaction):
+    # only with stop tokens (otherwise every row runs to the end).
+    sizes = compaction_sizes(batch) if sp.stop_token_ids and compact else (batch,)
     begin = 1
     for end in segments:
         # Every step of this segment reads the whole (grown) cache: a static shape, no slicing of
         # the buffer the step writes into (a slice copied it every step: 2x slower on CPU).
         carry = carry[:2] + (on_mesh(_grow(carry[2], end - 1)),) + carry[3:]
-        body = functools.partial(decode_step, read=end - 1)
-        if sp.stop_token_ids:  # early exit once every row has stopped
-            carry = jax.lax.while_loop(lambda c, end=end: (c[0] < end) & ~jnp.all(c[3]), body, carry)
-        else:
-            carry = jax.lax.fori_loop(begin, end, lambda _, c, body=body: body(c), carry)
+        carry = run_compacted(carry, carry[3], run_segment(begin, end), sizes if begin > 1 else sizes[:1])
         begin = end
     step, _, _, _, out_ids, out_mask, out_logps = carry
     if layout is not None:
@@ -168,7 +185,8 @@ def decode_segments(max_new_tokens: int, segment: int | None) -> tuple[int, ...]
 
 # One jit shared by all samplers: the GraphDef (hashable) is a static argument, so samplers of the
 # same architecture (policy, eval, tests) share executables.
-_generate_jit = jax.jit(_generate, static_argnames=("graphdef", "sp", "noise_upfront", "group", "segments", "layout"))
+_generate_jit = jax.jit(_generate, static_argnames=("graphdef", "sp", "noise_upfront", "group", "segments", "layout",
+                                                        "compact"))
 
 
 def _mesh_layout(sharding: Any, config: Any) -> _MeshLayout | None:
@@ -212,6 +230,10 @@ class NativeSampler:
       decode_segment: decode steps per segment; the completion cache grows at each segment's
         start to the slots that segment fills, so a step reads only those (None: the whole
         C - 1 slots every step). Each segment is compiled once into the same executable.
+      compact_finished: with stop tokens, leave the rows that stopped out of the decode segments
+        after the first: each runs the rows still going at the smallest of B, B/2, B/4 rows that
+        holds them (`rlbolt.rollout.compaction`; same tokens, more compile time: each size is
+        one more copy of the decode loop). Off on a mesh with more than one batch shard.
       sharding: a `rlbolt.distributed.ShardingPlan` to run on (see the module docstring); None
         runs on the default device.
     """
@@ -220,7 +242,7 @@ class NativeSampler:
                  top_p: float = 1.0, stop_token_ids: Sequence[int] = (), pad_id: int = 0,
                  prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS, micro_batch_size: int | None = None,
                  noise_upfront_max_bytes: int = 64 << 20, share_prompts: bool = True,
-                 decode_segment: int | None = 128, sharding: Any = None):
+                 decode_segment: int | None = 128, compact_finished: bool = True, sharding: Any = None):
         self.config = model.config
         self.sampling = SamplingParams(max_new_tokens, float(temperature), int(top_k), float(top_p),
                                        tuple(int(t) for t in stop_token_ids), int(pad_id)).validate(model.config.vocab_size)
@@ -237,6 +259,7 @@ class NativeSampler:
         self.decode_segment = decode_segment
         # A group's rows would span batch shards: sharing needs a mesh with one batch shard.
         self.share_prompts = bool(share_prompts) and (sharding is None or sharding.batch_shards == 1)
+        self.compact_finished = bool(compact_finished) and (sharding is None or sharding.batch_shards == 1)
         self.sharding = sharding
         self._layout = _mesh_layout(sharding, model.config)
         self._graphdef, self._params = nnx.split(model)
@@ -357,7 +380,7 @@ class NativeSampler:
         results = [_generate_jit(self._params, *put((ids[s:s + micro:group], mask_all[s:s + micro:group],
                                                      keys_all[s:s + micro])),
                                  graphdef=self._graphdef, sp=sp, noise_upfront=noise_upfront, group=group,
-                                 segments=segments, layout=self._layout)
+                                 segments=segments, layout=self._layout, compact=self.compact_finished)
                    for s in range(0, padded, micro)]  # dispatched asynchronously; the host syncs below
         self.last_group_size = group
         rows_of = np.asarray if self.sharding is None else self.sharding.local_rows
