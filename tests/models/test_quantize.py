@@ -10,6 +10,7 @@ from flax import nnx
 from rlbolt.models import Decoder, tiny_config
 from rlbolt.models.lora import LoraConfig, apply_lora, merge_adapters
 from rlbolt.models.quantize import dequantize_model, quantize_base
+from rlbolt.rollout import NativeSampler, token_logps
 
 CONFIG = tiny_config(vocab_size=48, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                      intermediate_size=128)
@@ -69,6 +70,25 @@ def test_dequantized_model_computes_the_quantised_one(quantized):
     # the dequantised kernel is what the 4-bit values and their block scales encode, so the merged
     # export of a QLoRA policy is that policy
     np.testing.assert_allclose(_logits(merge_adapters(plain)), _logits(quantized), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("qtype", ["int8", "nf4"])
+def test_prompt_shared_passes_run_the_quantised_kernels(quantized, qtype):
+    """The prompt-shared training forward and the sampler's decode step call the layers outside
+    `__call__`: they must go through the same qwix interception (they once handed the quantised
+    kernels to a plain matmul: a TypeError in every QLoRA rollout). Reference: the dequantised twin,
+    a plain Decoder, unshared (independent of the interception)."""
+    quantized = quantized[qtype]
+    plain = dequantize_model(quantized)
+    rng = np.random.default_rng(0)
+    prompts = [p for p in (rng.integers(1, CONFIG.vocab_size, n).tolist() for n in (5, 3)) for _ in range(2)]
+    out = NativeSampler(quantized, max_new_tokens=6, temperature=1.0, prompt_buckets=(8,)).generate(
+        prompts, np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), 4)), np.uint32))
+    batch = (out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask)
+    reference = token_logps(plain, None, *batch)
+    shared = token_logps(*nnx.split(quantized), *batch, group_size=2)
+    np.testing.assert_allclose(shared, reference, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(out.logps, reference, atol=1e-4, rtol=0)  # what the sampler computed while decoding
 
 
 def test_gradient_flows_to_the_adapters_through_the_quantised_base(quantized):

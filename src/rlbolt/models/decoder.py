@@ -294,6 +294,20 @@ class Decoder(nnx.Module):
         Returns:
           (logits [B, T, V] float32 or hidden [B, T, H], the updated KVCache or None).
         """
+        return self.run(Decoder._forward, input_ids, positions, attention_mask=attention_mask, cache=cache,
+                        return_hidden=return_hidden)
+
+    def run(self, fn, *args, **kwargs):
+        """`fn(self, *args, **kwargs)`: the one entry through which every pass over the layers runs.
+
+        `__call__` and the prompt-shared forward and decode step (`rlbolt.models.shared_prefix`)
+        all come through here, so a wrapper of this method sees each of them: qwix's quantised
+        base (`rlbolt.models.quantize`) intercepts the projections' matmuls here. A pass that
+        called the layers around it would hand qwix's quantised kernels to a plain matmul.
+        """
+        return fn(self, *args, **kwargs)
+
+    def _forward(self, input_ids, positions, *, attention_mask, cache, return_hidden):
         b, t = input_ids.shape
         if attention_mask is None:
             attention_mask = jnp.ones((b, t), bool)

@@ -36,7 +36,7 @@ def quantize_base(model: Decoder, qtype: str) -> Decoder:
       qtype: "int8" (per output column scales), "int4" or "nf4" (a scale per 64 inputs).
 
     Returns:
-      The quantised Decoder (qwix intercepts its `__call__`); `model` is not modified, but the
+      The quantised Decoder (qwix intercepts its `run`, which every pass goes through); `model` is not modified, but the
       arrays it does not quantise (embeddings, norms, adapters) are shared, not copied.
 
     Raises:
@@ -53,7 +53,10 @@ def quantize_base(model: Decoder, qtype: str) -> Decoder:
         tile = BLOCK
     provider = qwix.PtqProvider([qwix.QuantizationRule(module_path=PROJECTIONS, weight_qtype=qtype, tile_size=tile)])
     ids = jnp.zeros((1, 1), jnp.int32)
-    quantized = qwix.quantize_model(model, provider, ids, ids)  # one forward converts the kernels
+    # Intercept `Decoder.run`, the entry of every pass (the plain forward and the prompt-shared
+    # ones); one forward converts the kernels.
+    quantized = qwix.quantize_model(model, provider, Decoder._forward, ids, ids, attention_mask=None, cache=None,
+                                    return_hidden=False, methods=("run",))
     unused = provider.get_unused_rules()
     if unused:  # the decoder's layout moved and the rule no longer matches: never train unquantised silently
         raise RuntimeError(f"qwix rule {PROJECTIONS!r} matched no module of the decoder")

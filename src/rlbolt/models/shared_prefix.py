@@ -143,6 +143,11 @@ def grouped_completion_hidden(model: Decoder, prompt_ids: jnp.ndarray, prompt_ma
     Returns:
       [B, C, H] hidden states in the model's dtype.
     """
+    return model.run(_grouped_completion_hidden, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                     group_size)
+
+
+def _grouped_completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size):
     b, p = prompt_ids.shape
     c = completion_ids.shape[1]
     if group_size < 1 or b % group_size:
@@ -202,6 +207,10 @@ def decode_with_prefix(model: Decoder, tokens: jnp.ndarray, positions: jnp.ndarr
     Returns:
       (logits [B, V] float32, the updated own cache).
     """
+    return model.run(_decode_with_prefix, tokens, positions, prefix, own, read)
+
+
+def _decode_with_prefix(model, tokens, positions, prefix, own, read):
     cfg = model.config
     b = tokens.shape[0]
     cos, sin = rope_cos_sin(positions[:, None], rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
