@@ -71,6 +71,7 @@ MODULES = [
     ("Models", "rlbolt.models.decoder"),
     ("Models", "rlbolt.models.cache"),
     ("Models", "rlbolt.models.shared_prefix"),
+    ("Models", "rlbolt.models.attention_chunks"),
     ("Models", "rlbolt.models.rope"),
     ("Models", "rlbolt.models.hf_io"),
     ("Models", "rlbolt.models.hf_config"),

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rlbolt.models.attention_chunks import DEFAULT_QUERY_CHUNK, causal_query_chunks
 from rlbolt.models.cache import KVCache
 from rlbolt.models.config import ModelConfig
 from rlbolt.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
@@ -169,19 +170,22 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def __call__(self, x, cos, sin, visible, cache_kv):
-        """x [B,T,H]; cos/sin [B,T,D]; visible [B,T,S]; cache_kv None or (keys_t, values, index)."""
+    def __call__(self, x, cos, sin, visible, cache_kv, query_chunk=None):
+        """x [B,T,H]; cos/sin [B,T,D]; visible [B,T,S]; cache_kv None or (keys_t, values, index).
+
+        query_chunk: without a cache, the query rows per chunk of causal attention
+        (`rlbolt.models.attention_chunks`); None: one piece.
+        """
         q, k, v = self.project(x, cos, sin)
         k_t = k.transpose(0, 2, 3, 1)  # [B, nKV, D, T]
         v = v.transpose(0, 2, 1, 3)  # [B, nKV, T, D]
-        new_kv = None
-        if cache_kv is not None:
-            keys_t, values, index = cache_kv
-            zero = jnp.zeros((), jnp.int32)
-            k_t = jax.lax.dynamic_update_slice(keys_t, k_t.astype(keys_t.dtype), (zero, zero, zero, index))
-            v = jax.lax.dynamic_update_slice(values, v.astype(values.dtype), (zero, zero, index, zero))
-            new_kv = (k_t, v)
-        return self.o_proj(_attend(q, k_t, v, visible)), new_kv
+        if cache_kv is None:
+            return self.o_proj(causal_query_chunks(_attend, q, k_t, v, visible, query_chunk)), None
+        keys_t, values, index = cache_kv
+        zero = jnp.zeros((), jnp.int32)
+        k_t = jax.lax.dynamic_update_slice(keys_t, k_t.astype(keys_t.dtype), (zero, zero, zero, index))
+        v = jax.lax.dynamic_update_slice(values, v.astype(values.dtype), (zero, zero, index, zero))
+        return self.o_proj(_attend(q, k_t, v, visible)), (k_t, v)
 
 
 class MLP(nnx.Module):
@@ -235,8 +239,8 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "embed", config.dtype)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, x, cos, sin, visible, cache_kv):
-        attn_out, new_kv = self.attn(self.attn_norm(x), cos, sin, visible, cache_kv)
+    def __call__(self, x, cos, sin, visible, cache_kv, query_chunk=None):
+        attn_out, new_kv = self.attn(self.attn_norm(x), cos, sin, visible, cache_kv, query_chunk)
         x = x + attn_out
         return x + self.mlp(self.mlp_norm(x)), new_kv
 
@@ -274,6 +278,10 @@ class Decoder(nnx.Module):
         # Static attributes: part of the graph definition, not parameters.
         self.activation_sharding = None
         self.embedding_read_sharding = None
+        # Forwards without a cache (training, logps) run causal attention in chunks of this many
+        # query rows, each recomputed in the backward (`rlbolt.models.attention_chunks`): the
+        # [B, heads, T, T] softmax is never kept whole. None: one piece. Static, like the above.
+        self.attention_query_chunk = DEFAULT_QUERY_CHUNK
 
     def __call__(self, input_ids: jnp.ndarray, positions: jnp.ndarray, *,
                  attention_mask: jnp.ndarray | None = None, cache: KVCache | None = None,
@@ -329,7 +337,7 @@ class Decoder(nnx.Module):
         new_keys, new_values = [], []
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else (cache.keys[i], cache.values[i], index)
-            x, new_kv = layer(x, cos, sin, visible, layer_cache)
+            x, new_kv = layer(x, cos, sin, visible, layer_cache, self.attention_query_chunk)
             x = self._constrain(x)
             if new_kv is not None:
                 new_keys.append(new_kv[0])

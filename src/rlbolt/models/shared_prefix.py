@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rlbolt.models.attention_chunks import causal_query_chunks
 from rlbolt.models.cache import KVCache
 from rlbolt.models.decoder import _MASK_VALUE, Decoder, _attend
 from rlbolt.models.rope import rope_cos_sin, rope_inv_freq
@@ -123,6 +124,11 @@ def attend_with_prefix(q: jnp.ndarray, prefix_keys_t: jnp.ndarray, prefix_values
     return out.reshape(b, t, n_heads * d).astype(q.dtype)
 
 
+def _with_prefix(q, own_keys_t, own_values, own_visible, prefix_keys_t, prefix_values, prefix_mask):
+    """`attend_with_prefix` in `causal_query_chunks`' argument order (the prefix as its `extra`)."""
+    return attend_with_prefix(q, prefix_keys_t, prefix_values, prefix_mask, own_keys_t, own_values, own_visible)
+
+
 def grouped_completion_hidden(model: Decoder, prompt_ids: jnp.ndarray, prompt_mask: jnp.ndarray,
                               completion_ids: jnp.ndarray, completion_mask: jnp.ndarray,
                               group_size: int) -> jnp.ndarray:
@@ -172,10 +178,12 @@ def _grouped_completion_hidden(model, prompt_ids, prompt_mask, completion_ids, c
         pre = lambda a: a[0, :n_pre].reshape(u, p, *a.shape[2:])  # noqa: E731
         own = lambda a: a[0, n_pre:].reshape(b, t, *a.shape[2:])  # noqa: E731
         k_pre_t, v_pre = pre(k).transpose(0, 2, 3, 1), pre(v).transpose(0, 2, 1, 3)  # [U,nKV,D,P], [U,nKV,P,D]
-        out_pre = _attend(pre(q), k_pre_t, v_pre, p_visible)  # [U, P, nH*D]
+        chunk = model.attention_query_chunk  # causal query chunks (rlbolt.models.attention_chunks)
+        out_pre = causal_query_chunks(_attend, pre(q), k_pre_t, v_pre, p_visible, chunk)  # [U, P, nH*D]
         if t:
-            out_own = attend_with_prefix(own(q), k_pre_t, v_pre, p_mask, own(k).transpose(0, 2, 3, 1),
-                                         own(v).transpose(0, 2, 1, 3), c_visible)  # [B, T, nH*D]
+            out_own = causal_query_chunks(_with_prefix, own(q), own(k).transpose(0, 2, 3, 1),
+                                          own(v).transpose(0, 2, 1, 3), c_visible, chunk,
+                                          extra=(k_pre_t, v_pre, p_mask))  # [B, T, nH*D]
             attn = jnp.concatenate([out_pre.reshape(1, n_pre, -1), out_own.reshape(1, b * t, -1)], axis=1)
         else:
             attn = out_pre.reshape(1, n_pre, -1)

@@ -12,6 +12,9 @@ sample's tokens never depend on batch composition, and drawing all steps' noise 
 (cheaper on CPU, measured) gives bit-identical draws to drawing it per step (used when
 [B, C, V] noise would be large).
 
+With stop tokens, the rows that stopped are left out of later decode segments (each runs at B,
+B/2 or B/4 rows: `rlbolt.rollout.compaction`), so completions that end early cost less.
+
 On a mesh (`sharding=`, a `rlbolt.distributed.ShardingPlan`) the weights stay where the plan
 puts them (never gathered onto one device), the rows of a call are split over data x fsdp and
 the KV cache keeps its rows there and its key/value heads over `tp` (replicated over `tp` when

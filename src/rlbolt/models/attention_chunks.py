@@ -1,0 +1,61 @@
+"""Causal self-attention over query chunks: the masked half of the score matrix is never built.
+
+Attention in one piece computes, and for the backward keeps, every layer's `[B, heads, T, T]`
+scores and softmax, although causal masking zeroes half of them. Here the queries run in chunks
+of `chunk` rows, and a chunk of queries `[start, end)` reads keys `[0, end)` only: the later keys
+are masked for all of its rows, so its outputs are those of attention in one piece (to float32
+rounding) and the chunks together build only the lower triangle, in `chunk`-row steps.
+
+Measured on CPU (gradient of the logps of 8 sequences of 1,056 tokens, 2 layers, 4 heads,
+one process, variants taking turns; scratch from XLA's compiled memory analysis):
+
+    one piece        1,003 MB   1.46-1.57 s
+    chunks of 256      640 MB   1.17 s
+    chunks of 128      591 MB   0.97-1.03 s   (the default)
+    chunks of 64       447 MB   1.01 s        (more chunks: more to compile)
+
+Recomputing each chunk in the backward instead of keeping its softmax saved little more here (a
+`jax.checkpoint` per chunk: 550 MB at 128, 11% slower; a custom VJP walking the chunks one at a
+time behind optimization barriers: the same), so neither is used. A fused attention kernel is
+what keeps no score matrix at all.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax.numpy as jnp
+
+# Query rows per chunk when a forward without a cache has more (training and logps forwards).
+DEFAULT_QUERY_CHUNK = 128
+
+
+def causal_query_chunks(attend: Callable, q: jnp.ndarray, keys_t: jnp.ndarray, values: jnp.ndarray,
+                        visible: jnp.ndarray, chunk: int | None, extra: tuple = ()) -> jnp.ndarray:
+    """`attend(q, keys_t, values, visible, *extra)` computed over query chunks of at most `chunk` rows.
+
+    Key j must be the token at query position j (self-attention without a cache), so that a
+    query never sees a key after its own position.
+
+    Args:
+      attend: the attention on one chunk, `(q [B, t, nH, D], keys_t [B, nKV, D, s],
+        values [B, nKV, s, D], visible [B, t, s], *extra) -> [B, t, nH * D]`.
+      q: [B, T, nH, D] rotated queries.
+      keys_t: [B, nKV, D, T] rotated keys, transposed.
+      values: [B, nKV, T, D].
+      visible: [B, T, T] bool (causal and padding mask).
+      chunk: query rows per chunk (static); None or >= T runs `attend` once, unchunked.
+      extra: more arrays every chunk reads whole (e.g. a shared prefix's keys, values and mask).
+
+    Returns:
+      [B, T, nH * D], as `attend(q, keys_t, values, visible, *extra)`.
+    """
+    t = q.shape[1]
+    if chunk is None or t <= chunk:
+        return attend(q, keys_t, values, visible, *extra)
+    outs = []
+    for start in range(0, t, chunk):
+        end = min(t, start + chunk)
+        outs.append(attend(q[:, start:end], keys_t[..., :end], values[:, :, :end], visible[:, start:end, :end],
+                           *extra))
+    return jnp.concatenate(outs, axis=1)
