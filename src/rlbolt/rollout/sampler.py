@@ -92,7 +92,7 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
         noise_at = lambda step, idx=None: noise_all(step) if idx is None else jnp.take(noise_all(step), idx, axis=0)
     else:
         noise_at = lambda step, idx=None: None if greedy else jax.vmap(draw, in_axes=(0, None))(
-            keys if idx is None else keys[idx], step)
+            keys if idx is None else jnp.take(keys, idx, axis=0), step)
 
     # Prefill, once per group: the prompt's last hidden state gives each sample's first token.
     prompt_cache = on_mesh(init_cache(model.config, prompt_ids.shape[0], prompt_ids.shape[1]))
@@ -113,13 +113,10 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
     next_position = jnp.repeat(prompt_mask.sum(axis=1).astype(jnp.int32), group)  # first completion token's
     carry = (jnp.ones((), jnp.int32), tokens, own_cache, is_stop(tokens), out_ids, out_mask, out_logps)
 
-    def decode_step(carry, read, idx):
-        """One step; idx None: all rows in their groups, else the compacted rows' indices."""
+    def decode_step(carry, read, idx, prefix, positions):
+        """One step; idx None: all rows in their groups, else the compacted rows' indices (their
+        prompt cache `prefix` and first positions gathered once per segment)."""
         step, tokens, cache, done, out_ids, out_mask, out_logps = carry
-        if idx is None:
-            prefix, positions = prompt_cache, next_position
-        else:  # compacted rows: one gathered prompt row per sample (G = 1)
-            prefix, positions = take_rows(prompt_cache, idx // group), next_position[idx]
         logits, cache = decode_with_prefix(model, tokens, positions + step - 1, prefix, cache, read)
         cache = on_mesh(cache)
         new_tokens, new_logps = sample_tokens(logits, noise_at(step, idx), sp)
@@ -134,7 +131,11 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
     def run_segment(begin, end):
         """`run(carry, idx)` for run_compacted: steps begin .. end - 1 on the carry's rows."""
         def run(carry, idx):
-            body = functools.partial(decode_step, read=end - 1, idx=idx)
+            if idx is None:
+                prefix, positions = prompt_cache, next_position
+            else:  # compacted rows: one gathered prompt row per sample (G = 1), outside the loop
+                prefix, positions = take_rows(prompt_cache, idx // group), jnp.take(next_position, idx, axis=0)
+            body = functools.partial(decode_step, read=end - 1, idx=idx, prefix=prefix, positions=positions)
             if sp.stop_token_ids:  # early exit once every row has stopped
                 return jax.lax.while_loop(lambda c: (c[0] < end) & ~jnp.all(c[3]), body, carry)
             return jax.lax.fori_loop(begin, end, lambda _, c: body(c), carry)
