@@ -279,8 +279,8 @@ class Decoder(nnx.Module):
         self.activation_sharding = None
         self.embedding_read_sharding = None
         # Forwards without a cache (training, logps) run causal attention in chunks of this many
-        # query rows, each recomputed in the backward (`rlbolt.models.attention_chunks`): the
-        # [B, heads, T, T] softmax is never kept whole. None: one piece. Static, like the above.
+        # query rows, each reading only the keys up to its last row (`rlbolt.models.attention_chunks`):
+        # the masked half of the scores is never built. None: one piece. Static, like the above.
         self.attention_query_chunk = DEFAULT_QUERY_CHUNK
 
     def __call__(self, input_ids: jnp.ndarray, positions: jnp.ndarray, *,

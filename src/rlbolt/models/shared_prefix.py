@@ -173,12 +173,12 @@ def _grouped_completion_hidden(model, prompt_ids, prompt_mask, completion_ids, c
     x = model.embed_ids(ids)  # [1, tokens, H]
     p_visible = jnp.tril(jnp.ones((p, p), bool))[None] & p_mask[:, None, :]  # [U, P, P]
     c_visible = jnp.tril(jnp.ones((t, t), bool))[None] & c_mask[:, None, :]  # [B, T, T]
+    chunk = model.attention_query_chunk  # causal query chunks (rlbolt.models.attention_chunks)
     for layer in model.layers:
         q, k, v = layer.attn.project(layer.attn_norm(x), cos, sin)  # [1, tokens, N, D]
         pre = lambda a: a[0, :n_pre].reshape(u, p, *a.shape[2:])  # noqa: E731
         own = lambda a: a[0, n_pre:].reshape(b, t, *a.shape[2:])  # noqa: E731
         k_pre_t, v_pre = pre(k).transpose(0, 2, 3, 1), pre(v).transpose(0, 2, 1, 3)  # [U,nKV,D,P], [U,nKV,P,D]
-        chunk = model.attention_query_chunk  # causal query chunks (rlbolt.models.attention_chunks)
         out_pre = causal_query_chunks(_attend, pre(q), k_pre_t, v_pre, p_visible, chunk)  # [U, P, nH*D]
         if t:
             out_own = causal_query_chunks(_with_prefix, own(q), own(k).transpose(0, 2, 3, 1),
