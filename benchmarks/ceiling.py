@@ -128,6 +128,20 @@ def time_calls(fn, inputs: tuple, repeats: int) -> list[float]:
     return seconds
 
 
+def alternate(calls, rounds: int) -> list[float]:
+    """Median seconds of each call, the calls taking turns for `rounds` rounds (variants compared
+    under the same load drift); each call is waited for (`jax.block_until_ready`)."""
+    import jax
+
+    seconds = [[] for _ in calls]
+    for _ in range(rounds):
+        for i, call in enumerate(calls):
+            t0 = time.perf_counter()
+            jax.block_until_ready(call())
+            seconds[i].append(time.perf_counter() - t0)
+    return [statistics.median(s) for s in seconds]
+
+
 def main(argv=None) -> dict:
     args = _parse(argv)
     from rlbolt.utils.xla_flags import configure_xla_flags

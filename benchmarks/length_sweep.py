@@ -38,6 +38,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ceiling import alternate  # noqa: E402
+
 MODEL = dict(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
              intermediate_size=128, max_position_embeddings=2048)
 FULL = [dict(completion=c, prompt=p, group=g) for p in (32, 512) for g in (4, 16) for c in (64, 256, 1024)]
@@ -139,21 +142,10 @@ def _attention_share(model, sequences: int, group: int, prompt: int, completion:
         return call
 
     # The three variants alternate call by call (medians): a busy machine slows all of them alike.
-    bare, real, whole = _alternate([step_call(1, 1), step_call(prompt, segmented_read), step_call(prompt, own_slots)],
+    bare, real, whole = alternate([step_call(1, 1), step_call(prompt, segmented_read), step_call(prompt, own_slots)],
                                    repeats)
     return {"decode_step_s": real, "decode_attention_share": max(0.0, 1 - bare / real),
             "whole_cache_decode_step_s": whole, "whole_cache_attention_share": max(0.0, 1 - bare / whole)}
-
-
-def _alternate(calls: list, repeats: int) -> list[float]:
-    """Median seconds of each call, the calls taking turns `repeats` times."""
-    seconds = [[] for _ in calls]
-    for _ in range(repeats):
-        for i, call in enumerate(calls):
-            t0 = time.perf_counter()
-            call()
-            seconds[i].append(time.perf_counter() - t0)
-    return [statistics.median(s) for s in seconds]
 
 
 def _segment_ab(module, batch, completion: int, repeats: int) -> dict:
@@ -170,7 +162,7 @@ def _segment_ab(module, batch, completion: int, repeats: int) -> dict:
                                 prompt_buckets=(len(ids[0]),), decode_segment=segment)
         sampler.generate(ids, keys)  # compile
         calls.append(lambda sampler=sampler: sampler.generate(ids, keys))
-    whole, segmented = _alternate(calls, repeats)
+    whole, segmented = alternate(calls, repeats)
     return {"rollout_s_whole_cache": whole, "rollout_s_segmented": segmented}
 
 
@@ -214,7 +206,7 @@ def run_eos(quick: bool) -> dict:
         results[name] = samplers[name].generate(prompts, keys)
         compile_s[name] = time.perf_counter() - t0
     calls = [lambda s=s: s.generate(prompts, keys) for s in samplers.values()]
-    for (name, sampler), seconds in zip(samplers.items(), _alternate(calls, 1 if quick else 5)):
+    for (name, sampler), seconds in zip(samplers.items(), alternate(calls, 1 if quick else 5)):
         lengths = results[name].completion_mask.sum(1)
         out[name] = {"rollout_s": seconds, "first_call_s": compile_s[name], "decode_steps": sampler.last_decode_steps,
                      "mean_length": float(lengths.mean()), "max_length": int(lengths.max())}

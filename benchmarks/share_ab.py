@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ceiling import alternate  # noqa: E402
 from flops import duplicate_prompt_share  # noqa: E402
 
 
@@ -63,15 +62,10 @@ def main(argv=None) -> dict:
     calls |= {("update", s): (lambda s=s: grads[s](params)) for s in (True, False)}
     for fn in calls.values():  # compile and warm
         jax.block_until_ready(fn())
-    seconds = {k: [] for k in calls}
-    for _ in range(2 if args.quick else args.rounds):
-        for key, fn in calls.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn())
-            seconds[key].append(time.perf_counter() - t0)
-    med = {k: statistics.median(v) for k, v in seconds.items()}
+    rounds = 2 if args.quick else args.rounds
+    med = dict(zip(calls, alternate(list(calls.values()), rounds)))
     result = {"system": "rlbolt-share-ab", "prompts": args.prompts, "group": g, "prompt_len": p, "new_tokens": c,
-              "rounds": len(seconds["rollout", True]),
+              "rounds": rounds,
               "duplicate_prompt_token_share": duplicate_prompt_share(n, p, c, g),
               **{f"{phase}_s_{'shared' if s else 'unshared'}": v for (phase, s), v in med.items()},
               **{f"{phase}_speedup": med[phase, False] / med[phase, True] for phase in ("rollout", "logps", "update")}}
