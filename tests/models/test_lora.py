@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from float_tolerance import dot_error_bound, network_tolerance
 from rlbolt.models import Decoder, tiny_config
 from rlbolt.models.lora import TARGETS, LoraConfig, apply_lora, lora_param_count, merge_adapters
 
@@ -62,7 +63,9 @@ def test_apply_lora_shares_the_base_and_starts_as_the_base(base):
     assert plain.keys() == frozen.keys() and all(frozen[p] is plain[p] for p in plain)  # the same arrays: no copy
     assert base.layers[0].attn.qkv_proj.lora is None  # the base model is left as it was
     ids, pos = _ids()
-    np.testing.assert_array_equal(np.asarray(_logits(adapted, ids, pos)), np.asarray(_logits(base, ids, pos)))  # B = 0
+    # B = 0: the adapted graph computes the base's math through other fusions (float32 rounding may differ)
+    want = np.asarray(_logits(base, ids, pos))
+    np.testing.assert_allclose(np.asarray(_logits(adapted, ids, pos)), want, rtol=0, atol=network_tolerance(want))
 
 
 @pytest.mark.parametrize("targets, dense, block", [
@@ -87,7 +90,11 @@ def test_a_target_on_a_fused_kernel_changes_only_its_own_columns(base, targets, 
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     outside = np.ones(kernel.shape[1], bool)
     outside[block] = False
-    np.testing.assert_array_equal(got[:, outside].astype(np.float32), (x @ np.asarray(module.kernel[...]))[:, outside])
+    # Outside the block the adapter adds nothing: the plain product, to float32 rounding (XLA may block
+    # the fused [5, K] x [K, N] product differently from any other, so bits are not the contract here).
+    plain, bound = x.astype(np.float64) @ kernel, dot_error_bound(x, kernel)
+    assert np.all(np.abs(got[:, outside] - plain[:, outside]) <= bound[:, outside])
+    assert np.abs(got[:, block] - plain[:, block]).max() > 1e3 * bound.max()  # inside, the adapter shows
     assert alpha_over_r == lora.scale
 
 
