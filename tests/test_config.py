@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 import yaml
 
-from rlbolt.app.config import (
-    ALGORITHMS,
+from rlbolt.config import (
+    algorithm_names,
     ConfigError,
     RunConfig,
     config_to_dict,
@@ -114,7 +114,7 @@ def test_enum_fields_list_allowed_values():
     with pytest.raises(ConfigError) as err:
         load_config(None, ["algorithm.name=grpoo"])
     msg = str(err.value)
-    for name in ALGORITHMS:
+    for name in algorithm_names():
         assert name in msg
     assert "did you mean 'grpo'" in msg
     with pytest.raises(ConfigError, match="k1"):
@@ -179,7 +179,7 @@ def test_every_field_has_help_text():
 def test_callbacks_section_builds_the_configured_callbacks(tmp_path):
     from rlbolt import callbacks as cb
     from rlbolt.app.build import build_callbacks
-    from rlbolt.app.config import load_config
+    from rlbolt.config import load_config
 
     cfg = load_config(None, ["callbacks.checkpoint_every_n_steps=5", "callbacks.offload=true",
                              "callbacks.early_stopping_metric=val/accuracy", "callbacks.progress=false",
@@ -199,7 +199,7 @@ def test_callbacks_section_builds_the_configured_callbacks(tmp_path):
 
 
 def test_trainer_placement_is_checked_when_the_config_is_read():
-    from rlbolt.app.config import ConfigError, load_config
+    from rlbolt.config import ConfigError, load_config
 
     assert load_config(None, []).trainer.placement == "colocated"
     cfg = load_config(None, ['trainer.placement={train: {devices: [0, 1]}, rollout: {devices: [1, 2]}}'])

@@ -14,18 +14,24 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import optax
 
 from rlbolt.batch import Batch
+from rlbolt.config.algorithms import register_algorithm
 
 
 class RLModule:
     """Base class of every algorithm. Override the hooks; the Trainer calls them.
 
     Class attributes:
+      algorithm_name: set it to make the class an algorithm a config can name (`algorithm.name`);
+        defining the class registers it. None (the default): not selectable by name.
+      algorithm_defaults: what the algorithm fills in for `algorithm.*` fields left None (e.g.
+        `{"clip_high": 0.28}`; a value may be a function of the resolved config). Inherited.
       whole_groups: stages in which this module computes a group statistic, so their micro
         batches must hold whole groups ("rollout", "logps", "train", "mini"). The Trainer checks
         the BatchPlan against it before compiling anything.
@@ -36,6 +42,15 @@ class RLModule:
 
     whole_groups: tuple[str, ...] = ()
     trainer: Any = None
+    algorithm_name: str | None = None
+    algorithm_defaults: Mapping[str, Any] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A class that sets its own `algorithm_name` registers it: `algorithm.name` in a config
+        (and `rlbolt fit`) then builds this class (`rlbolt.config.algorithms`)."""
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("algorithm_name") is not None:
+            register_algorithm(cls)
 
     # -- set-up ---------------------------------------------------------------------------
     def setup(self, trainer) -> None:

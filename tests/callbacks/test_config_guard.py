@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from rlbolt.app.config import SECTIONS, config_to_dict, load_config
+from rlbolt.config import SECTIONS, config_to_dict, load_config
 from rlbolt.app.demo import DemoConfig
 from rlbolt.callback import CallbackList
 from rlbolt.callbacks import config_guard

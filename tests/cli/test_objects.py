@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import yaml
 
-from rlbolt.app import objects
+from rlbolt.config import references as objects
 from rlbolt.app.build import build_run
 from rlbolt.app.cli import main
 from rlbolt.app.config import ConfigError, load_config
@@ -23,7 +23,7 @@ CONSTANT = 0.375  # exact in float32; no built-in reward term gives it on every 
 def test_reference_of_finds_module_level_objects_only():
     assert objects.reference_of(digit_fraction_reward) == "rlbolt.rewards.format:digit_fraction_reward"
     assert objects.reference_of(WeightedReward) == "rlbolt.rewards.combine:WeightedReward"
-    assert objects.resolve("objects.reward", "rlbolt.rewards.format:digit_fraction_reward") is digit_fraction_reward
+    assert objects.import_reference("rlbolt.rewards.format:digit_fraction_reward", "objects.reward") is digit_fraction_reward
 
     def nested(completion, sample):
         return 1.0
@@ -36,14 +36,14 @@ def test_reference_of_finds_module_level_objects_only():
         note = objects.record(obj)
         assert note.startswith("<not importable: ") and note.endswith(">")
         with pytest.raises(ConfigError, match=r"objects.reward: this run was built with a Python object .*script"):
-            objects.resolve("objects.reward", note)
+            objects.import_reference(note, "objects.reward")
 
 
 def test_resolve_names_the_field_and_the_fix():
     with pytest.raises(ConfigError, match=r"objects.reward='nope' must look like 'package.module:name'"):
-        objects.resolve("objects.reward", "nope")
+        objects.import_reference("nope", "objects.reward")
     with pytest.raises(ConfigError, match=r"objects.model='rlbolt.models:NoSuchThing' does not import"):
-        objects.resolve("objects.model", "rlbolt.models:NoSuchThing")
+        objects.import_reference("rlbolt.models:NoSuchThing", "objects.model")
 
 
 def _config(run_dir, **extra):
@@ -83,7 +83,7 @@ def reward_package(tmp_path, monkeypatch):
 
 def test_module_level_instances_are_found_by_the_name_that_holds_them(reward_package):
     assert objects.reference_of(reward_package.REWARD) == "newcomer_rewards_pkg.rewards:REWARD"
-    assert objects.resolve("objects.reward", "newcomer_rewards_pkg.rewards:REWARD") is reward_package.REWARD
+    assert objects.import_reference("newcomer_rewards_pkg.rewards:REWARD", "objects.reward") is reward_package.REWARD
     assert objects.reference_of(WeightedReward([("constant", reward_package.score, 1.0)])) is None  # a copy
 
 

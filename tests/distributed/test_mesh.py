@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, PartitionSpec as P
 
 import jax
-from rlbolt.app.config import ConfigError, load_config
+from rlbolt.config import ConfigError, load_config
 from rlbolt.distributed import (AXES, DataShare, MeshError, MeshSpec, ShardingPlan, any_process, as_mesh,
                                 gather_objects, gather_shares, max_over_processes, sum_over_processes)
 from rlbolt.models import Decoder, tiny_config

@@ -213,7 +213,7 @@ def test_validation_step_accuracy_and_pass_at_k(grpo):
 
 
 def test_module_rejects_a_config_for_another_algorithm():
-    from rlbolt.app.config import ConfigError, load_config
+    from rlbolt.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="algorithm.name=dapo"):
         DAPO(load_config(None, ["algorithm.name=grpo"]))

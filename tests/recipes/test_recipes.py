@@ -87,7 +87,7 @@ def test_recipe_smoke(name, tmp_path):
 
 
 def test_recipe_rejects_other_algorithm(tmp_path):
-    from rlbolt.app.config import ConfigError
+    from rlbolt.config import ConfigError
 
     with pytest.raises(ConfigError, match="recipes/dapo_gsm8k.py"):
         _load("grpo").main([*FAST, f"trainer.run_dir={tmp_path}", "algorithm.name=dapo"])

@@ -32,12 +32,10 @@ from rlbolt.algorithms.policy_loss import (
     gspo_surrogate,
     truncated_importance_weights,
 )
-from rlbolt.algorithms.registry import ADVANTAGE_ESTIMATORS, get_advantage_estimator
 from rlbolt.algorithms.shaping import overlong_penalty
 
 __all__ = [
     "grpo_process_advantages",
-    "ADVANTAGE_ESTIMATORS",
     "KL_KINDS",
     "GroupSpread",
     "LossAggregation",
@@ -47,7 +45,6 @@ __all__ = [
     "dense_group_index",
     "drgrpo_advantages",
     "gae_advantages",
-    "get_advantage_estimator",
     "group_centred",
     "group_count",
     "group_mean",

@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from rlbolt.app import input_checks as checks
-from rlbolt.app import objects as pyobjects
+from rlbolt.config import references as pyobjects
+from rlbolt.config.algorithms import algorithm_class
 from rlbolt.app import rundir
-from rlbolt.app.config import ConfigError, RunConfig, config_to_dict, load_config, save_config
+from rlbolt.config import ConfigError, RunConfig, config_to_dict, load_config, save_config
 from rlbolt.data import DataFileError, gsm8k_style_rows, load_rows
 from rlbolt.fit_checks import check_fit
 from rlbolt.plan import BatchPlan, PlanError
@@ -52,10 +53,9 @@ class Run(NamedTuple):
 
 
 def build_module(cfg: RunConfig, **objects: Any):
-    """The ready module named by `cfg.algorithm.name` (objects: model=, tokenizer=, reward=)."""
-    from rlbolt.modules import MODULES
-
-    return MODULES[cfg.algorithm.name](cfg, **objects)
+    """The module class registered as `cfg.algorithm.name` (a ready one, or a user's class that
+    objects.module named), built from the config (objects: model=, tokenizer=, reward=)."""
+    return algorithm_class(cfg.algorithm.name)(cfg, **objects)
 
 
 def load_data(cfg: RunConfig, check: Callable[[Mapping[str, Any]], None] | None = None
@@ -177,7 +177,7 @@ def assemble_run(cfg: RunConfig, *, callbacks: Sequence[Any] = (), **objects: An
         cfg = dataclasses.replace(cfg, objects=dataclasses.replace(
             cfg.objects, **{name: pyobjects.record(obj) for name, obj in given.items()}))
     named = {name: getattr(cfg.objects, name) for name in OBJECT_NAMES if name not in given}
-    objects = {**pyobjects.resolve_all(named), **given}
+    objects = {**pyobjects.import_all(named), **given}
     from rlbolt.modules.prompts import PromptEncoder
 
     model_config = None if "model" in objects else checks.model_config(cfg)  # before the tokenizer: model.path may hold both

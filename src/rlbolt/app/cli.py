@@ -152,7 +152,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_fit(args: argparse.Namespace, extra: Sequence[str]) -> int:
-    from rlbolt.app.config import describe_fields, load_config
+    from rlbolt.config import describe_fields, load_config
 
     if args.list_fields:
         print(describe_fields())
@@ -192,7 +192,7 @@ def _cmd_resume(args: argparse.Namespace) -> int:
             run_demo(config, run_dir, resume=True, allow_config_change=args.allow_config_change)
             return 0
         from rlbolt.app.cli_run import run_config
-        from rlbolt.app.config import load_config
+        from rlbolt.config import load_config
 
         overrides = [f"trainer.run_dir={run_dir}"]
         if args.max_steps is not None:
@@ -238,7 +238,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 _USER_ERRORS = (  # (module, class): bad input or a refusal, reported in one line with exit status 2
     ("rlbolt.app.rundir", "RunDirError"), ("rlbolt.plan", "PlanError"), ("rlbolt.app.demo_config", "DemoConfigError"),
-    ("rlbolt.app.config_fields", "ConfigError"), ("rlbolt.utils.runlock", "RunDirBusy"),
+    ("rlbolt.config.fields", "ConfigError"), ("rlbolt.utils.runlock", "RunDirBusy"),
     ("rlbolt.callbacks.checkpoint_io", "NoUsableCheckpoint"), ("rlbolt.callbacks.config_guard", "ConfigChanged"),
     ("rlbolt.callbacks.checkpoint_meta", "FrozenParamsMismatch"),  # a LoRA resume or export on another base
     ("rlbolt.data.loaders", "DataFileError"),

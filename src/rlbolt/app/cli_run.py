@@ -160,7 +160,7 @@ def run_demo(config: DemoConfig, run_dir: str | Path, *, resume: bool = False, p
 
 def run_config(cfg: Any, *, resume: bool = False, out: TextIO | None = None,
                allow_config_change: bool = False) -> RunSummary:
-    """Trains a recipe config (a resolved `rlbolt.app.config.RunConfig`) into `cfg.trainer.run_dir`.
+    """Trains a recipe config (a resolved `rlbolt.config.RunConfig`) into `cfg.trainer.run_dir`.
 
     Everything that can be checked is checked before the run folder is created (see
     `rlbolt.app.build.assemble_run`); a fresh run that fails before its first step removes
@@ -179,7 +179,7 @@ def run_config(cfg: Any, *, resume: bool = False, out: TextIO | None = None,
       RunInterrupted: SIGINT/SIGTERM stopped the run (its last step is saved).
     """
     from rlbolt.app.build import assemble_run, start_distributed
-    from rlbolt.app.config import save_config
+    from rlbolt.config import save_config
     from rlbolt.callbacks.checkpoint import ModelCheckpoint
 
     if start_distributed(cfg):  # before anything touches a device; every process runs this command

@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from rlbolt.app.config import ConfigError, RunConfig
+from rlbolt.config import ConfigError, RunConfig
 from rlbolt.data import DataFileError
 
 

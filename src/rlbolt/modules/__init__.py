@@ -1,5 +1,6 @@
 """Ready RLModules for language models: GRPO, DAPO, Dr.GRPO, RLOO, REINFORCE++, GSPO and PPO. The base
-class `RLModule` (defined in `rlbolt.module`) is importable from here too."""
+class `RLModule` (defined in `rlbolt.module`) is importable from here too. Each class registers its
+`algorithm_name` when defined (`rlbolt.config.algorithms`: name -> class, for configs and the CLI)."""
 
 from rlbolt.module import RLModule
 
@@ -9,6 +10,4 @@ from rlbolt.modules.policy import LMPolicyModule
 from rlbolt.modules.ppo import PPO
 from rlbolt.modules.reinforcepp import ReinforcePP
 
-MODULES = {"grpo": GRPO, "dapo": DAPO, "drgrpo": DrGRPO, "rloo": RLOO, "reinforcepp": ReinforcePP, "gspo": GSPO, "ppo": PPO}
-
-__all__ = ["DAPO", "RLModule", "GRPO", "GSPO", "MODULES", "PPO", "RLOO", "DrGRPO", "LMPolicyModule", "ReinforcePP"]
+__all__ = ["DAPO", "RLModule", "GRPO", "GSPO", "PPO", "RLOO", "DrGRPO", "LMPolicyModule", "ReinforcePP"]

@@ -25,6 +25,8 @@ class DAPO(LMPolicyModule):
     """GRPO with DAPO's four changes (see the module docstring)."""
 
     algorithm_name = "dapo"
+    algorithm_defaults = {"clip_high": 0.28, "loss_aggregation": "token-mean", "dynamic_sampling": True,
+                          "overlong_cache_length": lambda cfg: cfg.rollout.max_new_tokens // 4}
 
     def filter_groups(self, batch: Batch) -> Batch:
         """Keeps the groups whose rewards differ (max - min > 0); logs how many were dropped."""

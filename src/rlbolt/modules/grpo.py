@@ -1,7 +1,7 @@
 """The critic-free group-relative family: GRPO, Dr.GRPO, RLOO and GSPO.
 
 Each is `LMPolicyModule` with one or two pieces swapped; the config's algorithm defaults
-(rlbolt.app.config.ALGORITHM_DEFAULTS) pick each paper's clip range and loss aggregation.
+(each class's `algorithm_defaults`) pick each paper's clip range and loss aggregation.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ class GRPO(LMPolicyModule):
     `seq-mean-token-mean` aggregation (Eq. 3)."""
 
     algorithm_name = "grpo"
+    algorithm_defaults = {"loss_aggregation": "seq-mean-token-mean"}
 
 
 class DrGRPO(LMPolicyModule):
@@ -27,6 +28,7 @@ class DrGRPO(LMPolicyModule):
     `seq-mean-token-sum-norm` aggregation (divide by the generation budget, not the length)."""
 
     algorithm_name = "drgrpo"
+    algorithm_defaults = {"loss_aggregation": "seq-mean-token-sum-norm"}
 
     def compute_advantages(self, batch: Batch):
         """Dr.GRPO: each reward minus its group's mean, not divided by the group's std ([N])."""
@@ -39,6 +41,7 @@ class RLOO(LMPolicyModule):
     and the loss is sequence-level (`seq-mean-token-sum`: A_i * log pi(y_i))."""
 
     algorithm_name = "rloo"
+    algorithm_defaults = {"loss_aggregation": "seq-mean-token-sum"}
     kl_in_loss = False
 
     def compute_rewards(self, batch: Batch) -> np.ndarray:
@@ -61,6 +64,7 @@ class GSPO(LMPolicyModule):
     (GSPO-token form), tiny clip ranges 3e-4 / 4e-4, group z-scored advantages."""
 
     algorithm_name = "gspo"
+    algorithm_defaults = {"clip_low": 3e-4, "clip_high": 4e-4, "loss_aggregation": "seq-mean-token-mean"}
 
     def policy_loss(self, logps: jax.Array, batch: Batch):
         """GSPO: the clipped surrogate on the length-normalised sequence importance ratio

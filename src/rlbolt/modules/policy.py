@@ -33,7 +33,7 @@ from flax import nnx
 from rlbolt.algorithms import LossAggregation, aggregate_loss, clipped_surrogate, kl_penalty, overlong_penalty
 from rlbolt.algorithms import grpo_advantages, truncated_importance_weights
 from rlbolt.batch import Batch
-from rlbolt.app.config import RunConfig, config_to_dict
+from rlbolt.config import RunConfig, config_to_dict
 from rlbolt.module import RLModule
 from rlbolt.modules import lm_ops
 from rlbolt.plan import PlanError
@@ -61,7 +61,6 @@ class LMPolicyModule(PolicySetup, RLModule):
       reward: a `RewardFn` or `WeightedReward` instead of `config.reward.weights`.
     """
 
-    algorithm_name = "grpo"
     kl_in_loss = True  # False: the KL is folded into the reward instead (REINFORCE++, RLOO, PPO)
 
     def __init__(self, config: RunConfig | Mapping | None = None, *, model=None, tokenizer=None, reward=None):

@@ -22,7 +22,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from rlbolt.app.config import ConfigError, RunConfig, load_config
+from rlbolt.config import ConfigError, RunConfig, load_config
 from rlbolt.distributed.mesh import MeshError
 from rlbolt.modules import lm_ops
 from rlbolt.modules.prompts import PromptEncoder, builtin_tokenizer
@@ -149,6 +149,9 @@ def _sharding(trainer: Any, role: str):
 
 def _config_for(cls: type, config: RunConfig | Mapping | None) -> RunConfig:
     name = cls.algorithm_name
+    if name is None:
+        raise TypeError(f"{cls.__name__} is a base class; build one of its algorithms (GRPO, DAPO, ...) or subclass it "
+                        "with its own algorithm_name")
     if isinstance(config, RunConfig):
         if config.algorithm.name != name:
             raise ConfigError(

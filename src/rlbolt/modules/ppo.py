@@ -28,6 +28,7 @@ class PPO(LMPolicyModule):
     """PPO with GAE and a value head (see the module docstring)."""
 
     algorithm_name = "ppo"
+    algorithm_defaults = {"loss_aggregation": "token-mean"}
     kl_in_loss = False
 
     def setup(self, trainer) -> None:

@@ -19,6 +19,7 @@ class ReinforcePP(LMPolicyModule):
     """REINFORCE++ with its global-batch advantage normalisation ([N, C] advantages)."""
 
     algorithm_name = "reinforcepp"
+    algorithm_defaults = {"loss_aggregation": "token-mean"}
     kl_in_loss = False
 
     def compute_advantages(self, batch: Batch):

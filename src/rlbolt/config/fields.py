@@ -1,6 +1,6 @@
 """Config field helpers: a field with help text and choices, and type checking of raw values.
 
-Generic over any frozen dataclass; `rlbolt.app.config` declares the sections with them.
+Generic over any frozen dataclass; `rlbolt.config` declares the sections with them.
 """
 
 from __future__ import annotations

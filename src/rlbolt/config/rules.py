@@ -7,10 +7,10 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from rlbolt.app.config_fields import ConfigError
+from rlbolt.config.fields import ConfigError
 
 if TYPE_CHECKING:
-    from rlbolt.app.config import RunConfig
+    from rlbolt.config.sections import RunConfig
 
 METRIC_WRITERS = ("console", "jsonl", "tensorboard", "wandb")
 REWARD_TERMS = ("answer", "format", "digits")  # rlbolt.modules.rewarding builds them

@@ -3,7 +3,7 @@
 `build_run(cfg, reward=score)` trains with a Python object instead of what the config names.
 For `rlbolt resume` to rebuild the same run, config.yaml must say so: `reference_of(score)`
 gives `"mypkg.rewards:score"` when importing that name gives back the very same object, and
-`resolve` imports it again at resume (a module-level instance, `REWARD = WeightedReward(...)`,
+`import_reference` imports it again at resume (a module-level instance, `REWARD = WeightedReward(...)`,
 is found by the name that holds it). An object that cannot be found that way (a lambda, a
 function defined in the script being run, an instance built at run time) is recorded as a
 `<not importable: ...>` note, so resume refuses in one line instead of silently training with
@@ -17,7 +17,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from rlbolt.app.config_fields import ConfigError
+from rlbolt.config.fields import ConfigError
 
 NOT_IMPORTABLE = "<not importable"
 
@@ -76,7 +76,7 @@ def record(obj: Any) -> str:
     return f"{NOT_IMPORTABLE}: {what} from {where}>"
 
 
-def resolve(field: str, value: str) -> Any:
+def import_reference(value: str, field: str) -> Any:
     """Imports the object a config field names.
 
     Args:
@@ -103,10 +103,11 @@ def resolve(field: str, value: str) -> Any:
                           "that its package is installed or on PYTHONPATH") from None
 
 
-def resolve_all(section: Any) -> dict[str, Any]:
-    """`{name: object}` for every field of an ObjectsSection that is set (see `resolve`)."""
+def import_all(section: Any, names: tuple[str, ...] = ("model", "tokenizer", "reward")) -> dict[str, Any]:
+    """`{name: object}` for the fields `names` of an ObjectsSection that are set (see `import_reference`)."""
     values = section if isinstance(section, Mapping) else vars(section)
-    return {name: resolve(f"objects.{name}", value) for name, value in values.items() if value is not None}
+    values = {k: v for k, v in values.items() if k in names}
+    return {name: import_reference(value, f"objects.{name}") for name, value in values.items() if value is not None}
 
 
 def _import(reference: str) -> Any:

@@ -1,0 +1,204 @@
+"""The run config's sections: frozen dataclasses, one per section, every field with a default,
+help text and its allowed values (`rlbolt.config.fields.option`). `RunConfig` holds them all; an
+empty file is a valid config (the tiny random model on built-in GSM8K-style rows).
+
+Fields left None in the algorithm section take the algorithm's own default when the config is
+resolved (`rlbolt.config.load.resolve`, from the module class's `algorithm_defaults`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from rlbolt.config.fields import option as _f
+from rlbolt.config.rules import METRIC_WRITERS
+
+LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """The policy model."""
+
+    path: str | None = _f(None, "local Hugging Face model folder (config.json + safetensors); None: a tiny random model")
+    tiny: dict = _f({}, "ModelConfig overrides for the tiny random model, e.g. {hidden_size: 128, num_layers: 4}")
+    param_dtype: str = _f("float32", "parameter dtype (compute stays float32 where it matters)", ("float32", "bfloat16"))
+    tokenizer: str | None = _f(None, "tokenizer folder; None: model.path, or a built-in character tokenizer for the tiny model")
+    share_prompt: bool = _f(True, "run each prompt once per group of num_generations samples (rollout prefill, logps, training) instead of once per sample; same results to float32 rounding; stages whose micro batches split groups, and meshes with more than one batch shard, run unshared")
+    lora: dict | None = _f(None, "train LoRA adapters on a frozen base: {rank: 8, alpha: 16, targets: [q, k, v, o, gate, up, down], quantize: null|int8|int4|nf4, rollout: merged|adapters} (omitted keys take these defaults; rollout defaults to adapters when quantized); None: train every parameter")
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """Prompt rows for training and validation."""
+
+    train: str | None = _f(None, "train rows: a .jsonl, .json or .parquet file; None: built-in GSM8K-style rows")
+    val: str | None = _f(None, "validation rows (same formats); None: no validation unless data.builtin_val_rows > 0")
+    prompt_field: str = _f("question", "row field holding the prompt text")
+    answer_field: str = _f("answer", "row field holding the gold answer ('... #### 42' or '42')")
+    system_prompt: str | None = _f(None, "system message put before each prompt when the tokenizer has a chat template")
+    use_chat_template: bool = _f(True, "format prompts with the tokenizer's chat template when it has one")
+    max_prompt_tokens: int = _f(256, "longer prompts keep their last max_prompt_tokens tokens (the question's end)", at_least=1)
+    shuffle: bool = _f(True, "reshuffle the train rows every epoch")
+    builtin_train_rows: int = _f(256, "how many built-in rows to generate when data.train is None", at_least=1)
+    builtin_val_rows: int = _f(0, "how many built-in validation rows to generate when data.val is None", at_least=0)
+    builtin_seed: int = _f(0, "seed of the built-in row generator")
+
+
+@dataclass(frozen=True)
+class PlanSection:
+    """Batch sizes, in samples unless the name says prompts (see rlbolt.plan.BatchPlan)."""
+
+    prompts_per_step: int = _f(4, "prompts per global step", at_least=1)
+    num_generations: int = _f(4, "completions sampled per prompt (the group size G)", at_least=1)
+    mini_batch_size: int | None = _f(None, "samples per optimizer update; None: the whole global batch", at_least=1)
+    train_micro_batch_size: int | None = _f(None, "samples per gradient call; None: the mini batch", at_least=1)
+    logps_micro_batch_size: int | None = _f(None, "samples per logps forward; None: train_micro_batch_size", at_least=1)
+    rollout_micro_batch_size: int | None = _f(None, "samples per sampler call; None: the global batch", at_least=1)
+    reward_micro_batch_size: int | None = _f(None, "samples per reward call (scored while later samples still "
+                                                 "generate); None: the global batch", at_least=1)
+    num_iterations: int = _f(1, "update passes over each global batch (mu)", at_least=1)
+    max_refill_rounds: int | None = _f(None, "extra prompt draws when groups are dropped (DAPO); None: 4 with dynamic sampling, else 0", at_least=0)
+
+
+@dataclass(frozen=True)
+class RolloutSection:
+    """Sampling."""
+
+    max_new_tokens: int = _f(32, "completion budget in tokens (also the Dr.GRPO length constant)", at_least=1)
+    temperature: float = _f(1.0, "sampling temperature; 0 = greedy", at_least=0)
+    top_k: int = _f(0, "keep the k most likely tokens; 0 = off", at_least=0)
+    top_p: float = _f(1.0, "nucleus sampling mass; 1.0 = off", above=0, at_most=1)
+    stop_at_eos: bool = _f(True, "stop a completion at the tokenizer's eos token")
+    val_temperature: float = _f(1.0, "temperature of the pass@k samples in validation (accuracy is always greedy)", at_least=0)
+    val_num_samples: int = _f(4, "k of pass@k in validation; 1 = greedy accuracy only", at_least=1)
+
+
+@dataclass(frozen=True)
+class AlgorithmSection:
+    """The RL algorithm. Fields left None take the algorithm's own default (its module class's `algorithm_defaults`)."""
+
+    name: str = _f("grpo", "which algorithm (RLModule class) trains: a registered name (`rlbolt fit --list-algorithms`; the ready ones are grpo, dapo, drgrpo, rloo, reinforcepp, gspo, ppo) or the algorithm_name of the class objects.module names")
+    lr: float = _f(1e-6, "AdamW learning rate", above=0)
+    weight_decay: float = _f(0.0, "AdamW weight decay", at_least=0)
+    warmup_steps: int = _f(0, "linear learning-rate warm-up, in optimizer updates", at_least=0)
+    max_grad_norm: float = _f(1.0, "clip gradients to this global norm; 0 = off", at_least=0)
+    beta: float = _f(0.0, "KL coefficient to a frozen reference copy; > 0 builds the reference model", at_least=0)
+    kl_kind: str = _f("k3", "KL estimator (Schulman 2020)", ("k1", "k2", "k3"))
+    kl_clamp: float | None = _f(None, "clamp the per-token KL to [-kl_clamp, kl_clamp]; None = off", above=0)
+    clip_low: float | None = _f(None, "lower ratio clip epsilon; None: algorithm default (GSPO 3e-4, else 0.2)", at_least=0)
+    clip_high: float | None = _f(None, "upper ratio clip epsilon; None: algorithm default (DAPO 0.28, GSPO 4e-4, else 0.2)", at_least=0)
+    dual_clip: float | None = _f(None, "dual-clip constant c > 1 bounding the loss for negative advantages; None = off", above=1)
+    loss_aggregation: str | None = _f(None, "how per-token losses become one scalar; None: algorithm default", LOSS_AGGREGATIONS)
+    dynamic_sampling: bool | None = _f(None, "drop groups whose rewards are all equal and refill (DAPO); None: on for dapo only")
+    overlong_cache_length: int | None = _f(None, "DAPO soft overlong ramp width L_cache in tokens (0 = off); None: max_new_tokens // 4 for dapo, else 0", at_least=0)
+    entropy_coef: float = _f(0.0, "entropy bonus coefficient (subtracted from the loss)", at_least=0)
+    importance_cap: float | None = _f(None, "truncate sampler/policy importance weights at this cap (async staleness correction); None = off", above=0)
+    gamma: float = _f(1.0, "discount for REINFORCE++ returns and PPO GAE", at_least=0, at_most=1)
+    lam: float = _f(0.95, "GAE lambda (PPO)", at_least=0, at_most=1)
+    value_coef: float = _f(0.5, "value loss coefficient (PPO)", at_least=0)
+    value_clip: float = _f(0.2, "value clip range (PPO)", above=0)
+
+
+@dataclass(frozen=True)
+class RewardSection:
+    """Reward functions, scored per sample with failure isolation."""
+
+    weights: dict = _f({"answer": 1.0, "format": 0.0}, "reward term -> weight; terms: answer (GSM8K final answer), format (think/answer tags), digits (fraction of digit characters: a dense signal for tiny-model smoke runs); weight 0 drops a term")
+    timeout_s: float = _f(10.0, "seconds one sample's reward may run before it gets the penalty", above=0)
+    penalty: float = _f(0.0, "reward of a sample whose reward function failed or timed out")
+    max_workers: int = _f(4, "concurrent reward workers", at_least=1)
+    executor: str = _f("auto", "where rewards run: process (a worker process per slot: a reward that exits, holds the GIL or hangs costs only its sample), thread (no isolation from those), auto (process, or thread with a warning when the reward cannot be pickled)", ("auto", "process", "thread"))
+    max_failed_batches: int = _f(3, "stop with an error naming the reward when every sample's reward failed in this many consecutive batches; 0: never stop", at_least=0)
+
+
+@dataclass(frozen=True)
+class TrainerSection:
+    """The fit loop (see rlbolt.trainer.Trainer)."""
+
+    max_steps: int | None = _f(None, "global steps to run; None: until max_epochs", at_least=1)
+    max_epochs: int | None = _f(None, "passes over the train rows; None: 1 when max_steps is None", at_least=1)
+    seed: int = _f(0, "seeds parameter init and every rollout key")
+    data_seed: int | None = _f(None, "seeds the per-epoch shuffle; None: trainer.seed")
+    mode: str = _f("sync", "sync: on-policy; async: the producer runs ahead, bounded by max_staleness", ("sync", "async"))
+    max_staleness: int | None = _f(None, "async only: most policy versions a trained sample may lag", at_least=1)
+    val_every_n_steps: int | None = _f(None, "validate every n steps (and after the last step when there are val rows)", at_least=1)
+    val_batch_size: int | None = _f(None, "prompts per validation batch; None: plan.prompts_per_step", at_least=1)
+    run_dir: str | None = _f(None, "where metrics and checkpoints go; None: runs/<algorithm>-<time>")
+    prefetch_timeout_s: float | None = _f(None, "fail if the producer yields nothing for this long; None: wait", above=0)
+    placement: str | dict = _f("colocated", "colocated: every role on the mesh; or {train: {devices: [start, stop], mesh: {..}}, rollout: {devices: [..], mesh: {..}}, reference: train | {devices: [..], mesh: {..}}}: rollout on its own devices, weights resharded there after each update; the reference forward on train's devices or its own (docs/howto/placement.md)")
+
+
+@dataclass(frozen=True)
+class MeshSection:
+    """The device mesh data x fsdp x tp (-1: every device the other axes leave; docs/howto/multi-device.md)."""
+
+    data: int = _f(1, "data-parallel replicas (each holds the whole fsdp-sharded model)")
+    fsdp: int = _f(-1, "fully-sharded data parallel: params, gradients and optimizer state split over it, and the batch")
+    tp: int = _f(1, "tensor parallel: heads, MLP columns and the vocabulary split over it")
+
+
+@dataclass(frozen=True)
+class DistributedSection:
+    """Several processes (hosts) on JAX's distributed runtime (docs/howto/multi-host.md)."""
+
+    mode: str = _f("auto", "auto: start when an address/count is set here or in $JAX_COORDINATOR_ADDRESS / $JAX_NUM_PROCESSES / $JAX_PROCESS_ID, or Slurm runs > 1 task; on: always (JAX detects TPU/Slurm/MPI); off: one process", ("auto", "on", "off"))
+    coordinator_address: str | None = _f(None, "host:port of process 0; None: $JAX_COORDINATOR_ADDRESS or detected")
+    num_processes: int | None = _f(None, "processes taking part; None: $JAX_NUM_PROCESSES or detected", at_least=1)
+    process_id: int | None = _f(None, "this process's index; None: $JAX_PROCESS_ID or detected", at_least=0)
+    heartbeat_timeout_s: int = _f(30, "a process silent this long is declared dead and every other process exits with an error", at_least=1)
+    initialization_timeout_s: int = _f(300, "how long to wait for every process to connect", at_least=1)
+
+
+@dataclass(frozen=True)
+class CallbacksSection:
+    """Built-in callbacks."""
+
+    checkpoint: bool = _f(True, "save checkpoints: the last step at the end and when stopped by SIGINT/SIGTERM, plus every checkpoint_every_n_steps; false: none (the run cannot be resumed or exported)")
+    checkpoint_every_n_steps: int | None = _f(None, "also save a checkpoint every n steps; None: only at the end (and when stopped by a signal)", at_least=1)
+    keep: int = _f(3, "checkpoints to keep", at_least=1)
+    resume: bool = _f(True, "resume from the newest checkpoint in run_dir when there is one")
+    metrics: tuple = _f(("console", "jsonl"), f"metric writers, any of {METRIC_WRITERS}")
+    log_every_n_steps: int = _f(1, "write metrics every n steps", at_least=1)
+    progress: bool = _f(True, "show a progress bar")
+    timeline: bool = _f(True, "append every stage's start and end to timeline.jsonl (rlbolt plot draws it)")
+    export_hf: bool = _f(False, "write a Hugging Face folder (safetensors + config + tokenizer) at the end")
+    nan_guard: bool = _f(True, "stop with a clear error when the loss or grad norm is not finite")
+    lr_monitor: bool = _f(True, "log the learning rate of each step's last update as `lr`")
+    throughput: bool = _f(True, "log FLOP/s, MFU (where the device's peak is known) and each stage's share of the step")
+    offload: bool = _f(False, "keep the optimizer state and the reference model in host memory outside the stages that use them")
+    early_stopping_metric: str | None = _f(None, "stop when this metric (e.g. val/accuracy) stops improving; None: off")
+    early_stopping_mode: str = _f("max", "whether the early-stopping metric should go up or down", ("max", "min"))
+    early_stopping_patience: int = _f(3, "checks without improvement before stopping", at_least=1)
+    wandb_project: str | None = _f(None, "Weights & Biases project when metrics include wandb")
+
+
+@dataclass(frozen=True)
+class ObjectsSection:
+    """Python objects the run uses instead of building them from the other sections."""
+
+    model: str | None = _f(None, "an nnx Decoder to train, as an importable reference 'package.module:name'; replaces model.path / model.tiny")
+    tokenizer: str | None = _f(None, "a tokenizer, as 'package.module:name'; replaces model.tokenizer")
+    module: str | None = _f(None, "the RLModule class that trains, as 'package.module:Class' (a class with its own algorithm_name, e.g. a GRPO subclass); importing it registers its name, which becomes algorithm.name")
+    reward: str | None = _f(None, "a reward function fn(completion, sample) -> float (or a WeightedReward), as 'package.module:name'; replaces reward.weights. build_run(cfg, reward=fn) records it here")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything one run needs."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    plan: PlanSection = field(default_factory=PlanSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    reward: RewardSection = field(default_factory=RewardSection)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    callbacks: CallbacksSection = field(default_factory=CallbacksSection)
+    mesh: MeshSection = field(default_factory=MeshSection)
+    distributed: DistributedSection = field(default_factory=DistributedSection)
+    objects: ObjectsSection = field(default_factory=ObjectsSection)
+
+
+SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)}
