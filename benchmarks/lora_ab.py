@@ -47,6 +47,7 @@ def main(argv=None) -> dict:
     from rlbolt.models.lora import adapted_denses
     from rlbolt.modules import GRPO
     from rlbolt.plan import BatchPlan
+    from rlbolt.setup_context import SetupContext
 
     config = workload_config()
     rng = np.random.default_rng(0)
@@ -59,8 +60,7 @@ def main(argv=None) -> dict:
                        "data": {"prompt_field": "prompt", "max_prompt_tokens": 32, "use_chat_template": False}},
                       model=Decoder(config, rngs=nnx.Rngs(0)), tokenizer=IntTokenizer(config.vocab_size),
                       reward=lambda c, s: 0.0)
-        module.trainer = type("T", (), {"plan": BatchPlan(8, 4), "seed": 0, "run_dir": "unused"})()
-        module.setup(module.trainer)
+        module.setup(SetupContext(BatchPlan(8, 4)))
         params = module.init_params(jax.random.key(0))
         if lora is not None:
             module.lora.config = dataclasses.replace(module.lora.config, rollout="merged" if merged else "adapters")

@@ -6,9 +6,9 @@ The work is `Trainer.validate(params, eval_data, step)`: it batches the rows, ca
 `best_metric="val/..."` keeps the best step and EarlyStopping can watch them.
 
 pass@k: the number of samples per prompt is the module's business (LMPolicyModule reads
-`rollout.val_num_samples`). `Evaluation(num_samples=k)` sets `trainer.val_num_samples = k` while
-it validates; a module that supports it reads `getattr(self.trainer, "val_num_samples", None)`
-and falls back to its own setting when that is None.
+`rollout.val_num_samples`). `Evaluation(num_samples=k)` passes it as an argument,
+`validation_step(params, batch, num_samples=k)`; a module whose `validation_step` takes no
+`num_samples` keyword is refused when the fit starts.
 
 Ordering: `order = 20` runs it after ModelCheckpoint (whose `best_metric` save needs the step's
 state, recorded in its own `on_step_end`) whatever the list order. A user callback with an order
@@ -24,6 +24,7 @@ from typing import Any
 
 from rlbolt.callback import Callback, Periodic
 from rlbolt.state import StepInfo
+from rlbolt.validation import accepts_keyword
 
 
 class Evaluation(Callback):
@@ -33,7 +34,7 @@ class Evaluation(Callback):
       eval_data: validation rows (dicts with the fields `validation_step` reads).
       every_n_steps: validate when `steps completed % every_n_steps == 0`.
       every_secs: validate when this many seconds passed since the last validation.
-      num_samples: k of pass@k, exposed to the module as `trainer.val_num_samples` (None: the
+      num_samples: k of pass@k, passed as `validation_step(..., num_samples=k)` (None: the
         module's own setting).
       at_end: also validate the final params (once, even when a periodic validation fell on that step).
       clock: seconds source for `every_secs` (injectable for tests).
@@ -62,6 +63,10 @@ class Evaluation(Callback):
         return self.every_n_steps is not None or self.every_secs is not None
 
     def on_fit_start(self, trainer, state) -> None:
+        step = trainer.module.validation_step
+        if self.num_samples is not None and not accepts_keyword(step, "num_samples"):
+            raise TypeError(f"Evaluation(num_samples={self.num_samples}): {type(trainer.module).__name__}.validation_step "
+                            "takes no num_samples keyword; add `*, num_samples=None` to it or leave num_samples out")
         self.periodic = Periodic(self.every_n_steps, self.every_secs, self.clock)
 
     def on_step_end(self, trainer, info: StepInfo) -> None:
@@ -71,17 +76,12 @@ class Evaluation(Callback):
 
     def on_fit_end(self, trainer, state) -> None:
         # Reached only when a callback after this one stopped the run (should_stop).
-        if self.at_end and self._last_step != state.step and state.step > 0 and not getattr(trainer, "interrupted", False):
+        if self.at_end and self._last_step != state.step and state.step > 0 and not trainer.interrupted:
             self.evaluate(trainer, state.params, state.step)
 
     def evaluate(self, trainer, params: Any, step: int) -> dict[str, float]:
         """Runs one validation pass now; returns its `val/*` metrics."""
-        previous = getattr(trainer, "val_num_samples", None)
-        trainer.val_num_samples = self.num_samples
-        try:
-            metrics = trainer.validate(params, self.eval_data, step)
-        finally:
-            trainer.val_num_samples = previous
+        metrics = trainer.validate(params, self.eval_data, step, num_samples=self.num_samples)
         self.periodic.fired(step)
         self._last_step = step
         self.history.append((step, dict(metrics)))
@@ -98,14 +98,14 @@ def _is_last_step(trainer, info: StepInfo) -> bool:
     """Whether fit ends after this step: max_steps reached, prompts for max_epochs used up (the
     producer's own rule), or an earlier callback asked to stop. A signal is not an end of run:
     an interrupted fit skips the end-of-run evaluation."""
-    if getattr(trainer, "stop_signal", None) is not None:
+    if trainer.stop_signal is not None:
         return False
-    if getattr(trainer, "should_stop", False):
+    if trainer.should_stop:
         return True
-    max_steps = getattr(trainer, "max_steps", None)
+    max_steps = trainer.max_steps
     if max_steps is not None and info.step >= max_steps:
         return True
-    max_epochs, source, plan = getattr(trainer, "max_epochs", None), getattr(trainer, "source", None), getattr(trainer, "plan", None)
+    max_epochs, source, plan = trainer.max_epochs, trainer.source, trainer.plan
     if max_epochs is not None and source is not None and plan is not None:
         return info.state.data_position + plan.prompts_per_step > max_epochs * len(source)
     return False

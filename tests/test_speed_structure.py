@@ -19,6 +19,7 @@ from rlbolt.data.tokenizers import IntTokenizer
 from rlbolt.models import Decoder, tiny_config
 from rlbolt.modules import GRPO
 from rlbolt.plan import BatchPlan
+from rlbolt.setup_context import SetupContext
 from rlbolt.trainer import Trainer
 from rlbolt.update import add_mini_batch_totals
 
@@ -47,8 +48,8 @@ def _rows(count: int, vocab: int, lengths: tuple[int, ...], seed: int = 0) -> li
 class CountingGRPO(GRPO):
     """GRPO that records each call of its jitted logps forward: True for the reference params."""
 
-    def setup(self, trainer):
-        super().setup(trainer)
+    def setup(self, context):
+        super().setup(context)
         self.logps_calls: list[bool] = []
         forward = self._logps
 
@@ -109,8 +110,7 @@ def test_logps_and_training_step_memory_stay_under_full_logits():
     # projection keeps a few [B, chunk_size=128, V] blocks instead (about 4 in the backward).
     vocab, batch, prompt_len, new_tokens = 65536, 2, 8, 1024
     module = _module(vocab, beta=0.04, new_tokens=new_tokens, stop_at_eos=False, prompt_tokens=prompt_len)
-    module.trainer = type("T", (), {"plan": BatchPlan(2, 2), "seed": 0})()
-    module.setup(module.trainer)
+    module.setup(SetupContext(BatchPlan(2, 2)))
     params = nnx.state(module.model, nnx.Param)
     shapes = {
         "prompt_ids": ((batch, prompt_len), jnp.int32), "prompt_mask": ((batch, prompt_len), bool),

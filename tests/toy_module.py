@@ -62,7 +62,7 @@ class ToyModule(RLModule):
         )
 
     def compute_logps(self, params, batch: Batch) -> Batch:
-        if self.trainer.plan.num_iterations == 1:
+        if self.context.plan.num_iterations == 1:
             return super().compute_logps(params, batch)  # the sampler's logps are the old logps
         logps = self._logps(params, jnp.asarray(batch["prompt_ids"]), jnp.asarray(batch["completion_ids"]))
         return batch.with_columns(old_logps=np.asarray(logps, np.float32))

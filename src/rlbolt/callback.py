@@ -38,10 +38,21 @@ class Callback:
         step it may keep as best).
       writes_run_dir: True for a callback that writes into `trainer.run_dir`; `Trainer.fit`
         then locks the directory for the fit (one writer per run directory).
+      validates_periodically: True for a callback that runs validation during the fit (Evaluation
+        with a period), so a check that needs mid-run validation is satisfied.
+      needs_periodic_validation: why this callback needs mid-run validation (e.g. EarlyStopping on
+        a `val/` metric), or None; `fit` refuses a run that never validates mid-run.
+      saved_step: the newest step whose checkpoint this callback wrote or restored (None: it keeps
+        none); the `rlbolt` command reports it after an interrupted run.
+
+    These are every attribute the Trainer and the `rlbolt` command read from a callback.
     """
 
     order: int = 0
     writes_run_dir: bool = False
+    validates_periodically: bool = False
+    needs_periodic_validation: str | None = None
+    saved_step: int | None = None
 
     def wrap_optimizer(self, trainer, tx):
         """Once, before the state is built: may wrap the module's optax transformation (e.g.

@@ -51,9 +51,9 @@ def check_fit(plan: BatchPlan, module: Any, train_data: Any, val_data: Sequence 
         raise ValueError(f"val_every_n_steps={val_every_n_steps} but fit got no val_data, so nothing would be "
                          "validated; pass val_data=... or drop val_every_n_steps")
     periodic = (val_data is not None and bool(val_every_n_steps)) or any(
-        getattr(callback, "validates_periodically", False) for callback in callbacks)  # e.g. Evaluation
+        callback.validates_periodically for callback in callbacks)  # e.g. Evaluation
     for callback in callbacks:
-        reason = getattr(callback, "needs_periodic_validation", None)
+        reason = callback.needs_periodic_validation
         if reason and not periodic:
             missing = "val_every_n_steps (fit validates only after the last step)" if val_data is not None else \
                 "val_data=... and val_every_n_steps (or add an Evaluation callback)"

@@ -22,6 +22,7 @@ import optax
 
 from rlbolt.batch import Batch
 from rlbolt.config.algorithms import register_algorithm
+from rlbolt.setup_context import SetupContext
 
 
 class RLModule:
@@ -37,11 +38,12 @@ class RLModule:
         the BatchPlan against it before compiling anything.
 
     Attributes set by the Trainer before `setup`:
-      trainer: the Trainer running this module (read `trainer.plan` for batch sizes).
+      context: the run's `SetupContext` (plan, seed, mode, each role's ShardingPlan), the same
+        object `setup` receives; hooks read the plan from it. None before `setup`.
     """
 
     whole_groups: tuple[str, ...] = ()
-    trainer: Any = None
+    context: SetupContext | None = None
     algorithm_name: str | None = None
     algorithm_defaults: Mapping[str, Any] = {}
 
@@ -53,8 +55,9 @@ class RLModule:
             register_algorithm(cls)
 
     # -- set-up ---------------------------------------------------------------------------
-    def setup(self, trainer) -> None:
-        """Builds or loads models, tokenizer and reward functions. Called once by `fit`."""
+    def setup(self, context: SetupContext) -> None:
+        """Builds or loads models, tokenizer and reward functions. Called once by `fit`, with the
+        run's `SetupContext` (also set as `self.context` before the call)."""
 
     def init_params(self, rng: jax.Array) -> Any:
         """Returns the trainable parameter pytree. Default: the `nnx.Param`s of `self.model`."""
@@ -125,7 +128,7 @@ class RLModule:
         logps are the old logps and no forward pass is spent."""
         if "old_logps" in batch:
             return batch
-        if self.trainer is not None and self.trainer.plan.num_iterations == 1 and "sampler_logps" in batch:
+        if self.context is not None and self.context.plan.num_iterations == 1 and "sampler_logps" in batch:
             return batch.with_columns(old_logps=batch["sampler_logps"])
         raise NotImplementedError(
             f"{type(self).__name__}.compute_logps: num_iterations > 1 (or no sampler_logps column) needs a "
@@ -158,7 +161,11 @@ class RLModule:
 
     # -- evaluation -------------------------------------------------------------------------
     def validation_step(self, params: Any, batch: Batch) -> dict[str, float]:
-        """Task metrics (accuracy, pass@k) for one batch of validation prompt rows."""
+        """Task metrics (accuracy, pass@k) for one batch of validation prompt rows.
+
+        A module whose validation samples several completions per prompt may take a keyword
+        `num_samples: int | None = None` (k of pass@k); `Evaluation(num_samples=k)` then passes
+        it (None: the module's own setting), and refuses a module without it."""
         return {}
 
     # -- logging from host hooks --------------------------------------------------------------

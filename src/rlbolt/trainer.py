@@ -26,6 +26,7 @@ from rlbolt.fit_checks import check_fit, lag_steps
 from rlbolt.module import RLModule
 from rlbolt.plan import BatchPlan
 from rlbolt.producer import STAGE_ROLES, ProducedStep, Producer
+from rlbolt.setup_context import SetupContext
 from rlbolt.signals import StopOnSignal
 from rlbolt.state import StepInfo, TrainState
 from rlbolt.step_metrics import add_throughput
@@ -179,7 +180,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------
     def _setup(self, module: RLModule, train_data: Any, val_data: Sequence[dict] | None) -> TrainState:
-        self.module, module.trainer = module, self
+        self.module = module
         self.plan = check_fit(self.plan, module, train_data, val_data, val_every_n_steps=self.val_every_n_steps,
                               callbacks=self.callbacks)
         self.source = train_data if isinstance(train_data, PromptSource) else PromptSource(train_data, shuffle=self.shuffle, seed=self.data_seed)
@@ -187,13 +188,15 @@ class Trainer:
         self.sharding = self.plans["train"]
         self.weights.transfer = None if self.placement.colocated else WeightSync(self.sharding, self.plans["rollout"])
         placement.check_batch_plan(self.plan, self.sharding, self.mode, reference=self.plans["reference"])
-        module.setup(self)
+        module.context = context = SetupContext(plan=self.plan, seed=self.seed, mode=self.mode, shardings=self.plans)
+        module.setup(context)
         rng = jax.random.PRNGKey(self.seed)
         params = self.sharding.place(module.init_params(jax.random.fold_in(rng, 0)))
         self.optimizer = module.configure_optimizers()
         self.optimizer = self.callbacks.wrap_optimizer(self, self.optimizer)  # e.g. NaNGuard(action="skip")
         opt_state = placement.init_optimizer(self.optimizer, params, self.sharding)
-        self.memory_plan = placement.memory_plan(self, params, opt_state)  # before anything compiles
+        self.memory_plan = placement.memory_plan(module.memory_plan(self.sharding), params, opt_state, self.sharding,
+                                                 device_bytes=self.device_memory_bytes)  # before anything compiles
         self._update = make_update_fn(module.training_step, self.optimizer, self.plan.grad_accum_steps,
                                       frozen=module.frozen_params(), with_frozen=module.with_frozen,
                                       sharding=self.sharding, params=params, opt_state=opt_state)
@@ -233,9 +236,21 @@ class Trainer:
         metrics.update(produced.metrics)
         return state, metrics
 
-    def validate(self, params: Any, val_data: Sequence[dict], step: int) -> dict[str, float]:
-        """Runs `validation_step` over `val_data` in batches; returns `val/*` means (sample-weighted)."""
-        metrics = run_validation(self, params, val_data, step)
+    def validate(self, params: Any, val_data: Sequence[dict], step: int, *,
+                 num_samples: int | None = None) -> dict[str, float]:
+        """Runs `validation_step` over `val_data` in batches; returns `val/*` means (sample-weighted).
+
+        Args:
+          params: the parameters to validate.
+          val_data: the rows.
+          step: the global step just completed.
+          num_samples: k of pass@k, passed to `validation_step(..., num_samples=k)` (None: not passed,
+            the module's own setting).
+        """
+        options = {} if num_samples is None else {"num_samples": num_samples}
+        metrics = run_validation(self.module.validation_step, params, val_data, batch_size=self.val_batch_size,
+                                 seed=self.seed, share=self.sharding.share, timeline=self.timeline, step=step,
+                                 options=options)
         self.callbacks.on_validation_end(self, step, metrics)
         return metrics
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -11,35 +12,49 @@ import numpy as np
 from rlbolt.batch import Batch
 from rlbolt.distributed import state as placement, sum_over_processes
 from rlbolt.producer import STAGE_ROLES
+from rlbolt.timeline import Timeline
 
 
-def run_validation(trainer: Any, params: Any, val_data: Sequence[dict], step: int) -> dict[str, float]:
-    """`trainer.module.validation_step` over `val_data` in batches of `trainer.val_batch_size`.
+def run_validation(validation_step: Callable[..., dict[str, float]], params: Any, val_data: Sequence[dict], *,
+                   batch_size: int, seed: int, share: Any, timeline: Timeline, step: int,
+                   options: dict[str, Any] | None = None) -> dict[str, float]:
+    """`validation_step(params, batch, **options)` over `val_data` in batches of `batch_size`.
 
     Args:
-      trainer: the Trainer (its module, seed, val_batch_size, sharding and timeline).
+      validation_step: the module's hook.
       params: the parameters to validate.
       val_data: the rows.
+      batch_size: prompts per validation batch.
+      seed: the run's seed (validation keys derive from it: the same keys at every validation).
+      share: this process's `DataShare` (its rows of each batch).
+      timeline: where the "validate" event is recorded.
       step: the global step just completed (the timeline event is the 0-based step it follows).
+      options: keyword arguments for every `validation_step` call (e.g. `num_samples`).
 
     Returns:
       `val/*` means over every row of every process (sample-weighted).
     """
     totals: dict[str, float] = {}
-    count, began = 0, trainer.timeline.clock()
-    for start in range(0, len(val_data), trainer.val_batch_size):
-        stop = min(start + trainer.val_batch_size, len(val_data))
-        keys = np.asarray(jax.random.split(jax.random.PRNGKey(trainer.seed + 7919), stop - start))
+    count, began = 0, timeline.clock()
+    for start in range(0, len(val_data), batch_size):
+        stop = min(start + batch_size, len(val_data))
+        keys = np.asarray(jax.random.split(jax.random.PRNGKey(seed + 7919), stop - start))
         # This process's rows (all of them on one process); weight 0 for a filler row.
-        indices, weight = placement.validation_rows(start, stop, trainer.sharding.share)
+        indices, weight = placement.validation_rows(start, stop, share)
         rows = [{**val_data[i], "prompt_index": i} for i in indices]
         batch = Batch.from_rows(rows).with_columns(sample_keys=keys[np.asarray(indices) - start])
-        for k, v in trainer.module.validation_step(params, batch).items():
+        for k, v in validation_step(params, batch, **(options or {})).items():
             totals[k] = totals.get(k, 0.0) + float(v) * weight
         count += weight
     totals = sum_over_processes({**totals, "__count__": float(count)})  # every process's rows
     count = totals.pop("__count__")
     metrics = {(k if k.startswith("val/") else f"val/{k}"): v / max(count, 1) for k, v in totals.items()}
-    trainer.timeline.record("validate", step - 1, began, trainer.timeline.clock(), samples=count,
-                            role=STAGE_ROLES["validate"])
+    timeline.record("validate", step - 1, began, timeline.clock(), samples=count, role=STAGE_ROLES["validate"])
     return metrics
+
+
+def accepts_keyword(fn: Callable, name: str) -> bool:
+    """Whether `fn` takes the keyword argument `name` (named, or through **kwargs)."""
+    parameters = inspect.signature(fn).parameters.values()
+    return any(p.name == name and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) or p.kind == p.VAR_KEYWORD
+               for p in parameters)

@@ -51,7 +51,7 @@ class ResumeToy(ToyModule):
         self.nan_at_step, self.prompts_per_step = nan_at_step, prompts_per_step
 
     def compute_logps(self, params, batch: Batch) -> Batch:
-        if self.trainer.plan.num_iterations == 1:
+        if self.context.plan.num_iterations == 1:
             return super().compute_logps(params, batch)
         logps = self._logps(params, jnp.asarray(batch["prompt_ids"]), jnp.asarray(batch["completion_ids"]))
         return batch.with_columns(old_logps=np.asarray(logps, np.float32))

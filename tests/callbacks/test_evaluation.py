@@ -19,9 +19,9 @@ EVAL_ROWS = prompt_rows(5, seed=7)  # 5 rows in val batches of 2: chunks 2, 2, 1
 class ScoreModule(ToyModule):
     """validation_step returns a closed-form function of the params: mean table[last prompt token, target]."""
 
-    def validation_step(self, params, batch):
+    def validation_step(self, params, batch, *, num_samples=None):
         last = np.array([p[-1] for p in batch["prompt"]])
-        k = getattr(self.trainer, "val_num_samples", None)
+        k = num_samples
         return {"score": float(np.asarray(params["table"])[last, self.target].mean()), "k": float(k or 0)}
 
 

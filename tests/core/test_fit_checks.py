@@ -8,7 +8,7 @@ from toy_module import ToyModule, prompt_rows
 
 from rlbolt.algorithms import grpo_advantages, reinforcepp_advantages
 from rlbolt.callbacks import EarlyStopping
-from rlbolt.modules import MODULES
+from rlbolt.config import algorithm_class, algorithm_names
 from rlbolt.plan import BatchPlan, PlanError
 from rlbolt.trainer import Trainer
 
@@ -25,9 +25,9 @@ def test_the_reference_split_by_hand():
     np.testing.assert_allclose(returns, (rewards - rewards.mean()) / (rewards.std() + 1e-8), rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", sorted(MODULES))
+@pytest.mark.parametrize("name", sorted(algorithm_names()))
 def test_groups_of_one_refused_exactly_for_group_relative_algorithms(name):
-    module = MODULES[name]()
+    module = algorithm_class(name)()
     if name in GROUP_RELATIVE:
         with pytest.raises(PlanError, match=r"num_generations=1 .*every advantage is 0.*num_generations >= 2"):
             module.check_plan(BatchPlan(prompts_per_step=4, num_generations=1))

@@ -126,10 +126,10 @@ def test_should_stop_ends_the_wait_for_a_step_at_once():
     from rlbolt.weights import WeightStore
 
     module = StuckRollout()
-    module.trainer = type("T", (), {"plan": BatchPlan(prompts_per_step=2, num_generations=2)})()
+    plan = BatchPlan(prompts_per_step=2, num_generations=2)
     weights = WeightStore(0)
     weights.publish(0, module.init_params(jax.random.key(0)), 0)
-    producer = Producer(module, module.trainer.plan, PromptSource(prompt_rows(4)), weights, jax.random.key(1),
+    producer = Producer(module, plan, PromptSource(prompt_rows(4)), weights, jax.random.key(1),
                         max_steps=2, max_prompts=None)
     stop = threading.Event()
     with producer.start(0, 0, should_stop=stop.is_set) as steps:

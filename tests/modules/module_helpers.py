@@ -1,4 +1,4 @@
-"""Shared tiny setup for module tests: one model/tokenizer, a fake trainer, and rollout batches.
+"""Shared tiny setup for module tests: one model/tokenizer, a SetupContext, and rollout batches.
 
 Imported by the test files (tests/modules/conftest.py puts this folder on sys.path)."""
 
@@ -13,6 +13,7 @@ from rlbolt.data import gsm8k_style_rows
 from rlbolt.models import Decoder, tiny_config
 from rlbolt.modules.prompts import builtin_tokenizer
 from rlbolt.plan import BatchPlan
+from rlbolt.setup_context import SetupContext
 
 G = 4
 TINY = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64)
@@ -23,8 +24,8 @@ def module_config(name, **algorithm):
             "data": {"max_prompt_tokens": 32}, "reward": {"weights": {"answer": 1.0, "digits": 1.0}}}
 
 
-def fake_trainer(num_iterations=1):
-    return types.SimpleNamespace(plan=BatchPlan(2, G, num_iterations=num_iterations), seed=0, run_dir="unused")
+def setup_context(num_iterations=1):
+    return SetupContext(BatchPlan(2, G, num_iterations=num_iterations))
 
 
 def prompt_batch(rows, seed=0):
@@ -39,10 +40,9 @@ def tiny_model(tokenizer):
     return Decoder(tiny_config(vocab_size=tokenizer.vocab_size, **TINY), rngs=nnx.Rngs(0))
 
 
-def setup_module_instance(cls, model, tokenizer, trainer=None, **algorithm):
+def setup_module_instance(cls, model, tokenizer, context=None, **algorithm):
     module = cls(module_config(cls.algorithm_name, **algorithm), model=model, tokenizer=tokenizer)
-    module.trainer = trainer or fake_trainer()
-    module.setup(module.trainer)
+    module.setup(context or setup_context())
     return module
 
 

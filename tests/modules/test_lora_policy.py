@@ -24,6 +24,7 @@ from rlbolt.models.lora import merge_adapters
 from rlbolt.modules import GRPO, PPO
 from rlbolt.modules import lm_ops
 from rlbolt.plan import BatchPlan
+from rlbolt.setup_context import SetupContext
 from rlbolt.rollout.logps import token_logps
 from rlbolt.trainer import Trainer
 from rlbolt.update import make_update_fn, split_micro_batches
@@ -216,8 +217,7 @@ def test_resuming_on_another_base_is_refused_in_one_line(run):
 
 def test_ppo_with_lora_trains_the_adapters_and_the_value_head(tokenizer):
     module = PPO({**_config(), "algorithm": {"name": "ppo", "beta": 0.04}})
-    module.trainer = Trainer(BatchPlan(2, 4), max_steps=1)
-    module.setup(module.trainer)
+    module.setup(SetupContext(BatchPlan(2, 4)))
     params = module.init_params(jax.random.key(0))
     assert set(params) == {"policy", "value_head"}
     assert all(isinstance(v, nnx.LoRAParam) for v in jax.tree.leaves(

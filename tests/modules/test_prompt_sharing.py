@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from module_helpers import G, fake_trainer, module_config, prompt_batch
+from module_helpers import G, module_config, prompt_batch, setup_context
 
 from rlbolt.modules import DAPO, GRPO, GSPO, PPO
 from rlbolt.modules.prompt_sharing import require_shared_layout, stage_group_size
@@ -32,8 +32,7 @@ def _module(cls, model, tokenizer, share, **algorithm):
     config = module_config(cls.algorithm_name, **algorithm)
     config["model"] = {"share_prompt": share}
     module = cls(config, model=model, tokenizer=tokenizer)
-    module.trainer = fake_trainer(num_iterations=2)  # old logps come from a forward, not the sampler
-    module.setup(module.trainer)
+    module.setup(setup_context(num_iterations=2))  # old logps come from a forward, not the sampler
     return module
 
 

@@ -7,7 +7,6 @@ with such a placement, where the reference is the frozen base with the adapters 
 
 from __future__ import annotations
 
-import types
 
 import jax
 import pytest
@@ -15,6 +14,7 @@ import pytest
 from rlbolt.distributed import MeshError, MeshSpec, ShardingPlan
 from rlbolt.modules import GRPO
 from rlbolt.plan import BatchPlan
+from rlbolt.setup_context import SetupContext
 
 TINY = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64)
 LORA = {"rank": 2, "alpha": 4, "targets": ["q", "v"]}
@@ -26,7 +26,7 @@ def _trainer_with_reference_apart():
     train = ShardingPlan(MeshSpec().build(jax.devices()[:1]))
     reference = ShardingPlan(MeshSpec().build(jax.devices()[:1]))
     plans = {"train": train, "rollout": train, "reference": reference}
-    return types.SimpleNamespace(plan=BatchPlan(2, 2), seed=0, run_dir="unused", sharding_for=plans.__getitem__)
+    return SetupContext(BatchPlan(2, 2), shardings=plans)
 
 
 def _lora_module(beta):

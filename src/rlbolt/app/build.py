@@ -124,10 +124,15 @@ def build_callbacks(cfg: RunConfig, run_dir: str | Path) -> list:
     return out
 
 
+def build_plan(cfg: RunConfig) -> BatchPlan:
+    """The BatchPlan of the config's plan section (checked when built)."""
+    return BatchPlan(**dataclasses.asdict(cfg.plan))
+
+
 def build_trainer(cfg: RunConfig, callbacks: Sequence[Any] = ()) -> Trainer:
     """A Trainer from the Plan and Trainer sections; `callbacks` come after the built-in ones."""
     t = cfg.trainer
-    plan = BatchPlan(**dataclasses.asdict(cfg.plan))
+    plan = build_plan(cfg)
     run_dir = t.run_dir or str(Path("runs") / f"{cfg.algorithm.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     return Trainer(plan, max_steps=t.max_steps, max_epochs=t.max_epochs, seed=t.seed, data_seed=t.data_seed,
                    shuffle=cfg.data.shuffle, callbacks=[*build_callbacks(cfg, run_dir), *callbacks], mode=t.mode,

@@ -143,14 +143,14 @@ def _module_for(run_dir: Path) -> tuple[Any, Any]:
         module.init_params(jax.random.fold_in(jax.random.PRNGKey(cfg.seed), 0))  # as Trainer._setup derives it
         return module, None
     from rlbolt.config import references as objects
-    from rlbolt.app.build import build_module, build_trainer
+    from rlbolt.app.build import build_module, build_plan
+    from rlbolt.setup_context import SetupContext
     from rlbolt.config import load_config
 
     cfg = load_config(data, [f"trainer.run_dir={run_dir}"])
     # The model and tokenizer objects the run was built with (a reward is not needed to export).
     module = build_module(cfg, **objects.import_all({k: getattr(cfg.objects, k) for k in ("model", "tokenizer")}))
-    module.trainer = build_trainer(cfg)
-    module.setup(module.trainer)
+    module.setup(SetupContext(plan=build_plan(cfg), seed=cfg.trainer.seed))
     return module, cfg
 
 

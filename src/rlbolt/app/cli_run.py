@@ -267,7 +267,7 @@ def _fit_and_report(trainer: Trainer, module: Any, train_rows: Any, val_rows: An
     try:
         state = trainer.fit(module, train_rows, val_rows)
         if trainer.interrupted:
-            saved = [cb.saved_step for cb in trainer.callbacks if getattr(cb, "saved_step", None) is not None]
+            saved = [cb.saved_step for cb in trainer.callbacks if cb.saved_step is not None]
             raise RunInterrupted(trainer.stop_signal or signal.SIGINT, state.step, max(saved, default=None), run_dir)
         if not main:
             return RunSummary(run_dir, state.step, time.perf_counter() - started, None, None, None, target, ())

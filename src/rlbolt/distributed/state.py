@@ -89,11 +89,18 @@ def micro_batches(sharding: ShardingPlan, host_mini: Batch, grad_accum_steps: in
     return sharding.put_full(split_micro_batches(host_mini, grad_accum_steps), sample_dim=1)
 
 
-def memory_plan(trainer: Any, params: Any, opt_state: Any) -> MemoryPlan:
-    """Logs the per-device memory plan and refuses one that cannot fit (see `rlbolt.distributed.memory`)."""
-    module = trainer.module
-    extra = module.memory_plan(trainer.sharding) if hasattr(module, "memory_plan") else {}
-    plan = plan_memory(trainer.sharding, params, opt_state, extra, device_bytes=trainer.device_memory_bytes)
+def memory_plan(module_bytes: dict[str, int], params: Any, opt_state: Any, sharding: ShardingPlan, *,
+                device_bytes: int | None = None) -> MemoryPlan:
+    """Logs the per-device memory plan and refuses one that cannot fit (see `rlbolt.distributed.memory`).
+
+    Args:
+      module_bytes: what the module keeps besides params and optimizer state (`RLModule.memory_plan`).
+      params: the trainable parameters, placed.
+      opt_state: the optimizer state, placed.
+      sharding: the training ShardingPlan.
+      device_bytes: the per-device budget (None: what the backend reports).
+    """
+    plan = plan_memory(sharding, params, opt_state, module_bytes, device_bytes=device_bytes)
     log.info("%s", plan.text())
     plan.check()
     return plan

@@ -37,7 +37,7 @@ from rlbolt.config import RunConfig, config_to_dict
 from rlbolt.module import RLModule
 from rlbolt.modules import lm_ops
 from rlbolt.plan import PlanError
-from rlbolt.modules.policy_setup import PolicySetup, _config_for, _sharding, replace_section  # noqa: F401 (re-export)
+from rlbolt.modules.policy_setup import PolicySetup, _config_for, replace_section  # noqa: F401 (re-export)
 from rlbolt.modules.prompt_sharing import require_shared_layout, stage_group_size
 from rlbolt.modules.prompts import rows_of
 from rlbolt.modules.rewarding import answer_score, score_shared
@@ -142,7 +142,7 @@ class LMPolicyModule(PolicySetup, RLModule):
                     temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
                     stop_token_ids=(self.tokenizer.eos_id,) if r.stop_at_eos else (),
                     pad_id=self.tokenizer.pad_id, prompt_width=self.encoder.width,
-                    sharding=_sharding(self.trainer, "rollout"), share_prompts=self.config.model.share_prompt)
+                    sharding=self.context.sharding_for("rollout"), share_prompts=self.config.model.share_prompt)
             lm_params = self.policy_params(self.full_params(params))
             if self.lora is not None:  # merged kernels are a transient copy: the sampler lets go of them
                 return self._sampler.generate(self.lora.rollout_params(lm_params), ids, np.asarray(keys, np.uint32),
@@ -153,7 +153,7 @@ class LMPolicyModule(PolicySetup, RLModule):
         """The model the sampler runs: on its own devices (placement), a view of it whose
         activation constraints name the rollout mesh (the arrays are shared, not copied)."""
         model = self.model if self.lora is None else self.lora.rollout_model()
-        rollout = _sharding(self.trainer, "rollout")
+        rollout = self.context.sharding_for("rollout")
         if rollout is None or rollout is self.sharding:
             return model
         model = nnx.merge(*nnx.split(model))
@@ -175,7 +175,7 @@ class LMPolicyModule(PolicySetup, RLModule):
     def logps_group_size(self, batch: Batch) -> int:
         """The group size a logps forward over `batch` shares prompts over (1: unshared); the
         batch's layout is checked first (prompt_sharing.py)."""
-        size = self._group_size(batch.num_samples, self.trainer.plan)
+        size = self._group_size(batch.num_samples, self.context.plan)
         require_shared_layout(batch["prompt_ids"], batch["prompt_mask"], size, "on_rollout")
         return size
 
@@ -206,7 +206,7 @@ class LMPolicyModule(PolicySetup, RLModule):
         ([N, C], truncated old/sampler ratios) when `algorithm.importance_cap` is set."""
         inputs = self._rows_on_mesh(batch)
         cols: dict[str, Any] = {}
-        forward_old = self.trainer.plan.num_iterations > 1 or self.algo.importance_cap is not None
+        forward_old = self.context.plan.num_iterations > 1 or self.algo.importance_cap is not None
         lm_params = self.policy_params(self.full_params(params))
         group = self.logps_group_size(batch) if forward_old or self.algo.beta > 0 else 1
         old = self._local(self._logps(lm_params, *inputs, group_size=group)) if forward_old else batch["sampler_logps"]
@@ -322,8 +322,9 @@ class LMPolicyModule(PolicySetup, RLModule):
         return jnp.zeros((), jnp.float32), {}
 
     # -- validation ----------------------------------------------------------------------------------
-    def validation_step(self, params: Any, batch: Batch) -> dict[str, float]:
-        """Greedy accuracy, and pass@k over k = `rollout.val_num_samples` samples per prompt."""
+    def validation_step(self, params: Any, batch: Batch, *, num_samples: int | None = None) -> dict[str, float]:
+        """Greedy accuracy, and pass@k over k samples per prompt (`num_samples`, which
+        `Evaluation(num_samples=k)` passes; None: `rollout.val_num_samples`)."""
         rows = rows_of(batch, [k for k in _row_fields(batch) if k != "prompt_index"])
         ids = self.encoder.encode_rows(rows)
         keys = np.asarray(batch["sample_keys"], np.uint32)
@@ -331,8 +332,7 @@ class LMPolicyModule(PolicySetup, RLModule):
         greedy = self._generate(params, ids, keys, 0.0)
         texts = self._decode(greedy.completion_ids, greedy.completion_mask)
         metrics = {"accuracy": float(np.mean([answer_score(t, r, answer_field) for t, r in zip(texts, rows)]))}
-        # Evaluation(num_samples=k) sets trainer.val_num_samples while it validates.
-        k = getattr(self.trainer, "val_num_samples", None) or self.rollout_cfg.val_num_samples
+        k = num_samples or self.rollout_cfg.val_num_samples
         if k > 1:
             many_keys = np.asarray(jax.vmap(lambda key: jax.random.split(key, k))(jnp.asarray(keys)), np.uint32)
             out = self._generate(params, [i for i in ids for _ in range(k)], many_keys.reshape(-1, 2),

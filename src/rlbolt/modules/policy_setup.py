@@ -27,22 +27,24 @@ from rlbolt.distributed.mesh import MeshError
 from rlbolt.modules import lm_ops
 from rlbolt.modules.prompts import PromptEncoder, builtin_tokenizer
 from rlbolt.modules.rewarding import build_reward
+from rlbolt.setup_context import SetupContext
 
 
 class PolicySetup:
     """The set-up and parameter hooks of `LMPolicyModule` (a mixin; see the module docstring)."""
 
-    def setup(self, trainer) -> None:
+    def setup(self, context: SetupContext) -> None:
         """Builds the tokenizer, the model placed on the training mesh, LoRA (model.lora), the prompt
-        encoder, the reward runner, the frozen reference and the jitted logps forwards. Called once by `fit`."""
+        encoder, the reward runner, the frozen reference and the jitted logps forwards. Called once by
+        `fit`; called directly (a test, `rlbolt export`), it records `context` as `self.context`."""
+        self.context = context
         cfg = self.config
         if self.tokenizer is None:
             folder = cfg.model.tokenizer or cfg.model.path
             self.tokenizer = lm_ops.load_tokenizer(folder) if folder else builtin_tokenizer()
-        self.sharding = _sharding(trainer, "train")
+        self.sharding = context.sharding_for("train")
         if self.model is None:
-            seed = trainer.seed if trainer is not None else 0
-            self.model = lm_ops.build_model(cfg.model, self.tokenizer.vocab_size, seed, self.sharding)
+            self.model = lm_ops.build_model(cfg.model, self.tokenizer.vocab_size, context.seed, self.sharding)
         if self.sharding is not None:  # the weights move onto the mesh once (no copy if built there)
             nnx.update(self.model, self.sharding.place(nnx.state(self.model)))
             self.sharding.shard_activations(self.model)
@@ -55,8 +57,7 @@ class PolicySetup:
             from rlbolt.models.lora import LoraConfig
             from rlbolt.modules.lora_policy import LoraPolicy
 
-            seed = trainer.seed if trainer is not None else 0
-            self.lora = LoraPolicy(self.model, LoraConfig.from_mapping(cfg.model.lora), rngs=nnx.Rngs(seed),
+            self.lora = LoraPolicy(self.model, LoraConfig.from_mapping(cfg.model.lora), rngs=nnx.Rngs(context.seed),
                                    path=cfg.model.path)
             self.model = self.lora.policy_model  # the float base is no longer held here (QLoRA frees it)
         self.graphdef, _ = nnx.split(self.model)
@@ -66,7 +67,7 @@ class PolicySetup:
         if self.reward is None:
             self.reward = build_reward(cfg.reward.weights, answer_field=cfg.data.answer_field)
         self.reward_runner = lm_ops.reward_runner(self.reward, cfg.reward)
-        ref_plan = _sharding(trainer, "reference")
+        ref_plan = context.sharding_for("reference")
         apart = ref_plan is not None and ref_plan is not self.sharding
         if apart and self.lora is not None and self.algo.beta > 0:
             raise MeshError("placement.reference has devices of its own, but with model.lora the reference is the "
@@ -83,8 +84,7 @@ class PolicySetup:
             self.ref_params = nnx.state(self.model, nnx.Param)
         # Each group's prompt runs once where a stage's micro batches hold whole groups and the
         # mesh has one batch shard (prompt_sharing.py).
-        plan = getattr(trainer, "plan", None)
-        self.train_group_size = 1 if plan is None else self._group_size(plan.train_micro_batch_size, plan)
+        self.train_group_size = self._group_size(context.plan.train_micro_batch_size, context.plan)
         rows = {} if self.sharding is None else {"out_shardings": self.sharding.batch_sharding()}
         self._logps = jax.jit(functools.partial(self._forward_logps, with_entropy=False),
                               static_argnames="group_size", **rows)
@@ -103,7 +103,7 @@ class PolicySetup:
         out = {"reference": per_device_bytes(self.ref_params)} if on_train else {}
         if self.lora is not None:
             out["frozen base"] = per_device_bytes(self.lora.base)
-        rows = self.trainer.plan.rollout_micro_batch_size if self.trainer is not None else 1
+        rows = self.context.plan.rollout_micro_batch_size
         rows = 1 << max(0, (rows - 1).bit_length())  # the sampler pads a call to a power of two
         # An upper bound: with the prompt shared the prompt slots are held once per group.
         out["kv cache"] = kv_cache_bytes(self.model.config, rows, self.encoder.width + self.rollout_cfg.max_new_tokens - 1,
@@ -139,12 +139,6 @@ class PolicySetup:
             return self.lora.merged_model(policy)
         graphdef, _, rest = nnx.split(self.model, nnx.Param, ...)
         return nnx.merge(graphdef, policy, rest)
-
-
-def _sharding(trainer: Any, role: str):
-    """The trainer's ShardingPlan for `role`, or None without a trainer (or a stand-in without a mesh)."""
-    sharding_for = getattr(trainer, "sharding_for", None)
-    return sharding_for(role) if sharding_for is not None else None
 
 
 def _config_for(cls: type, config: RunConfig | Mapping | None) -> RunConfig:

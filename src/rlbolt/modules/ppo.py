@@ -31,9 +31,9 @@ class PPO(LMPolicyModule):
     algorithm_defaults = {"loss_aggregation": "token-mean"}
     kl_in_loss = False
 
-    def setup(self, trainer) -> None:
+    def setup(self, context) -> None:
         """The base set-up, plus a jitted value-head forward for `compute_logps`."""
-        super().setup(trainer)
+        super().setup(context)
         rows = {} if self.sharding is None else {"out_shardings": self.sharding.batch_sharding()}
         self._values = jax.jit(lambda params, *inputs, group_size: self._hidden_outputs(
             params, *inputs, with_entropy=False, group_size=group_size)[2], static_argnames="group_size", **rows)

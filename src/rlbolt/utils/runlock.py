@@ -117,7 +117,7 @@ def _read_holder(fd: int) -> str:
 def hold_run_dir(trainer) -> Iterator[bool]:
     """Holds `trainer.run_dir` for a fit when one of its callbacks writes there
     (`writes_run_dir = True`) and this is process 0; yields whether it locked."""
-    writes = any(getattr(cb, "writes_run_dir", False) for cb in trainer.callbacks)
+    writes = any(cb.writes_run_dir for cb in trainer.callbacks)
     if not (writes and trainer.is_main_process):
         yield False
         return
