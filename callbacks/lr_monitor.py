@@ -72,8 +72,8 @@ class LearningRateMonitor(Callback):
                 "optax.inject_hyperparams(optax.adamw)(learning_rate=...) or define module.lr_schedule(count) -> lr"
             )
 
-    def on_step_end(self, trainer, info: StepInfo) -> None:
-        info.metrics[self.name] = self.learning_rate(trainer, info.state)
+    def step_metrics(self, trainer, info: StepInfo) -> dict[str, float]:
+        return {self.name: self.learning_rate(trainer, info.state)}
 
     def learning_rate(self, trainer, state: TrainState) -> float:
         """The learning rate of the last update that produced `state`."""

@@ -61,6 +61,7 @@ class NaNGuard(Callback):
         self.metrics, self.action, self.max_consecutive_skips = tuple(metrics), action, max_consecutive_skips
         self.skipped_updates = 0
         self._consecutive = 0
+        self._skipped_now = 0  # skipped updates of the step in progress (step_metrics -> on_step_end)
         self.saved_step: int | None = None
 
     def wrap_optimizer(self, trainer, tx: optax.GradientTransformation) -> optax.GradientTransformation:
@@ -70,9 +71,20 @@ class NaNGuard(Callback):
         # NaNGuard counts the consecutive failures itself; optax must never apply a bad update.
         return optax.apply_if_finite(tx, max_consecutive_errors=np.iinfo(np.int32).max)
 
+    def step_metrics(self, trainer, info: StepInfo) -> dict[str, float]:
+        """skip mode: `nan_guard/skipped_updates`, the updates of this step that were skipped."""
+        if self.action != "skip":
+            return {}
+        state = _find_apply_if_finite(info.state.opt_state)
+        if state is None:
+            return {}
+        total = int(host_value(state.total_notfinite))
+        self._skipped_now, self.skipped_updates = total - self.skipped_updates, total
+        return {"nan_guard/skipped_updates": float(self._skipped_now)}
+
     def on_step_end(self, trainer, info: StepInfo) -> None:
         if self.action == "skip":
-            self._count_skips(info)
+            self._count_skips(info.step)
             return
         bad = {k: info.metrics[k] for k in self.metrics if k in info.metrics and not math.isfinite(info.metrics[k])}
         if any_process(bool(bad)):  # every process saves and stops together (the save is a collective)
@@ -104,19 +116,14 @@ class NaNGuard(Callback):
                              f"to {saver.directory}; resume with ModelCheckpoint(resume={good.step}) after fixing "
                              "the cause (lower the learning rate, check the reward and loss for division by zero)")
 
-    def _count_skips(self, info: StepInfo) -> None:
-        state = _find_apply_if_finite(info.state.opt_state)
-        if state is None:
-            return
-        total = int(host_value(state.total_notfinite))
-        skipped_now = total - self.skipped_updates
-        self.skipped_updates = total
-        info.metrics["nan_guard/skipped_updates"] = float(skipped_now)
+    def _count_skips(self, step: int) -> None:
+        skipped_now, self._skipped_now = self._skipped_now, 0
         if skipped_now:
             self._consecutive += 1
-            log.warning("step %d: skipped %d update(s) with non-finite gradients (%d in total)", info.step, skipped_now, total)
+            log.warning("step %d: skipped %d update(s) with non-finite gradients (%d in total)", step, skipped_now,
+                        self.skipped_updates)
             if self._consecutive >= self.max_consecutive_skips:  # from replicated counts: equal on every process
-                raise NonFiniteError(f"step {info.step}: {self._consecutive} consecutive steps skipped non-finite updates "
+                raise NonFiniteError(f"step {step}: {self._consecutive} consecutive steps skipped non-finite updates "
                                      f"(NaNGuard(max_consecutive_skips={self.max_consecutive_skips})); stopping")
         else:
             self._consecutive = 0

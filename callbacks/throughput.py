@@ -128,23 +128,24 @@ class Throughput(Callback):
             self.num_params = int(sum(np.size(x) for x in jax.tree.leaves(state.params)))
         self._shape = attention_shape(getattr(trainer.module, "model", None))
 
-    def on_step_end(self, trainer, info: StepInfo) -> None:
-        m, batch = info.metrics, info.batch
+    def step_metrics(self, trainer, info: StepInfo) -> dict[str, float]:
+        m, batch, out = info.metrics, info.batch, {}
         step_s = m.get("time/step", 0.0)
         for stage in STAGES:
             if f"time/{stage}" in m and step_s > 0:
-                m[f"time/share/{stage}"] = m[f"time/{stage}"] / step_s
+                out[f"time/share/{stage}"] = m[f"time/{stage}"] / step_s
         if batch is None or step_s <= 0:
-            return
+            return out
         iterations = trainer.plan.num_iterations
         forwards = self.logps_forwards
         if forwards is None:
             forwards = int("ref_logps" in batch) + int(iterations > 1)
         self.last_flops = step_flops(self.num_params, sequence_lengths(batch), num_iterations=iterations,
                                      logps_forwards=forwards, num_layers=self._shape[0], attention_width=self._shape[1])
-        m["throughput/flops_per_s"] = self.last_flops["total"] / step_s
+        out["throughput/flops_per_s"] = self.last_flops["total"] / step_s
         if self.peak:
-            m["throughput/mfu"] = m["throughput/flops_per_s"] / self.peak
+            out["throughput/mfu"] = out["throughput/flops_per_s"] / self.peak
+        return out
 
 
 def sequence_lengths(batch: Any) -> np.ndarray:

@@ -19,7 +19,6 @@ from rlbolt.batch import Batch, check_stage
 from rlbolt.callback import Callback
 from rlbolt.module import collect_logs
 from rlbolt.producer import ProducedStep, sample_keys
-from rlbolt.step_metrics import batch_metrics
 
 TIMING_PREFIXES = ("time/", "throughput/")
 
@@ -71,7 +70,7 @@ class SequentialProducer:
         if batch.num_samples < want:
             raise RuntimeError(f"step {step}: kept {batch.num_samples} of {want} samples")
         batch = batch.slice(0, want)
-        metrics = {**batch_metrics(batch), **logged}
+        metrics = dict(logged)  # the Trainer adds the batch metrics (rlbolt.step_metrics), as for the producer
         if plan.max_refill_rounds:
             metrics["refill/dropped_samples"] = float(dropped)
         return ProducedStep(step, batch, position, self.weights.key_for_step(step), version, metrics)

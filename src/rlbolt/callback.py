@@ -6,8 +6,10 @@ schedule logic serves checkpoints, evaluation and logging and is tested once wit
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable, Sequence
+import types
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 HOOKS = (
@@ -81,8 +83,17 @@ class Callback:
         """After the step's optimizer updates, before `on_step_end`. May return a replacement
         TrainState (CPUOffload moves the optimizer state back to host memory here)."""
 
+    def step_metrics(self, trainer, info) -> Mapping[str, float]:
+        """Metrics this callback adds to the step (e.g. the learning rate, FLOP/s), before any
+        `on_step_end` runs: `info.metrics` holds the step's metrics and what callbacks of a lower
+        order added. Return new names only (a name already present is refused). Default: none.
+
+        Not a hook of its own in the trace: it is how a step's metrics are completed, and the
+        completed, read-only `StepInfo` is what every `on_step_end` receives."""
+        return {}
+
     def on_step_end(self, trainer, info) -> None:
-        """After the step's updates, with a `StepInfo`."""
+        """After the step's updates, with a `StepInfo` whose metrics are complete and read-only."""
 
     def on_validation_end(self, trainer, step: int, metrics: dict[str, float]) -> None:
         """After a validation pass, with its `val/*` metrics."""
@@ -121,6 +132,24 @@ class CallbackList(Callback):
 
     def __iter__(self):
         return iter(self.callbacks)
+
+    def add_step_metrics(self, trainer, info):
+        """`info` with every callback's `step_metrics` added, in order, as a read-only mapping.
+
+        Raises:
+          ValueError: a callback returned a metric name the step already has (one home per metric).
+        """
+        metrics = dict(info.metrics)
+        for cb in self.callbacks:
+            if type(cb).step_metrics is Callback.step_metrics:
+                continue
+            added = cb.step_metrics(trainer, dataclasses.replace(info, metrics=types.MappingProxyType(metrics)))
+            clash = sorted(set(added or {}) & set(metrics))
+            if clash:
+                raise ValueError(f"{type(cb).__name__}.step_metrics returned {clash}, which the step already has; "
+                                 "give the metric another name")
+            metrics.update({k: float(v) for k, v in (added or {}).items()})
+        return dataclasses.replace(info, metrics=types.MappingProxyType(metrics))
 
     def find(self, kind: type) -> list[Callback]:
         return [cb for cb in self.callbacks if isinstance(cb, kind)]

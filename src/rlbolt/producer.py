@@ -52,7 +52,6 @@ from rlbolt.handoff import INDEX_COLUMN, added_columns, gather_round, kept_sampl
 from rlbolt.module import RLModule, collect_log_values, mean_logs
 from rlbolt.plan import BatchPlan
 from rlbolt.prefetch import _POLL_S, ProducerStopped, StageThreads
-from rlbolt.step_metrics import batch_metrics
 from rlbolt.timeline import Timeline
 from rlbolt.utils.xla_flags import release_freed_host_memory
 from rlbolt.weights import WeightStore
@@ -82,8 +81,9 @@ class ProducedStep:
       data_position: the prompt counter after this step's prompts (refills included).
       weights_step: the weights used were those after this many steps.
       policy_version: the policy version of those weights.
-      metrics: producer metrics (reward/*, response_length/*, time/rollout, time/logps,
-        time/reward, the dock's time/dock_wait/<stage>, ...).
+      metrics: what the producer measured (time/rollout, time/logps, time/reward, the dock's
+        time/dock_wait/<stage>, refills, RLModule.log values); `rlbolt.step_metrics` joins them
+        with the batch's and the update's.
     """
 
     step: int
@@ -353,7 +353,7 @@ class _Run:
                 raise RuntimeError(f"step {taken.keys[0]}: the dock held {len(idx)} of {want} samples for training")
             step = taken.keys[0]
             record = self.steps.pop(step)
-            metrics = {**batch_metrics(batch), **record.times(), **mean_logs(_merged_logs(record))}
+            metrics = {**record.times(), **mean_logs(_merged_logs(record))}
             if p.plan.max_refill_rounds:
                 metrics["refill/dropped_samples"] = float(sum(len(i) - len(k) for i, k, _ in record.rounds))
             for stage, s in self.dock.stats().items():

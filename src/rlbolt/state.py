@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import flax.struct
@@ -42,13 +43,14 @@ class StepInfo:
     Attributes:
       step: global steps completed (1 after the first step).
       state: the TrainState after the step.
-      metrics: host floats: losses, rewards, `time/*` and `throughput/*` figures.
+      metrics: host floats: losses, rewards, `time/*` and `throughput/*` figures; read-only once
+        callbacks see it (a callback adds metrics through `Callback.step_metrics`).
       epoch: epochs of the data source consumed so far (fractional).
       batch: the trained global batch (host/device columns), for callbacks that inspect samples.
     """
 
     step: int
     state: TrainState
-    metrics: dict[str, float]
+    metrics: Mapping[str, float]
     epoch: float
     batch: Any = None

@@ -29,7 +29,7 @@ from rlbolt.producer import STAGE_ROLES, ProducedStep, Producer
 from rlbolt.setup_context import SetupContext
 from rlbolt.signals import StopOnSignal
 from rlbolt.state import StepInfo, TrainState
-from rlbolt.step_metrics import add_throughput
+from rlbolt.step_metrics import step_metrics
 from rlbolt.timeline import Timeline
 from rlbolt.update import make_update_fn
 from rlbolt.utils.runlock import hold_run_dir
@@ -143,11 +143,11 @@ class Trainer:
                     data_wait = time.perf_counter() - waited
                     self.callbacks.on_step_start(self, state.step)
                     self.callbacks.on_rollout_end(self, produced)
-                    state, metrics = self._train_on(state, produced)
-                    metrics["time/data_wait"] = data_wait
-                    metrics["time/step"] = time.perf_counter() - waited
-                    add_throughput(metrics, produced.batch)
+                    state, update, staleness = self._train_on(state, produced)
+                    metrics = step_metrics(produced.batch, produced.metrics, update, staleness, data_wait_s=data_wait,
+                                           step_s=time.perf_counter() - waited)
                     info = StepInfo(state.step, state, metrics, self.source.epoch(state.data_position), produced.batch)
+                    info = self.callbacks.add_step_metrics(self, info)  # each callback's own metrics, then read-only
                     self.callbacks.on_step_end(self, info)
                     if val_data is not None and self.val_every_n_steps and state.step % self.val_every_n_steps == 0:
                         self.validate(state.params, val_data, state.step)
@@ -205,8 +205,9 @@ class Trainer:
         self.last_state = state
         return state
 
-    def _train_on(self, state: TrainState, produced: ProducedStep) -> tuple[TrainState, dict[str, float]]:
-        """num_iterations passes of mini-batch updates over one global batch."""
+    def _train_on(self, state: TrainState, produced: ProducedStep) -> tuple[TrainState, dict[str, float], np.ndarray]:
+        """num_iterations passes of mini-batch updates over one global batch; returns the new state,
+        the update metrics (means over the updates, and time/update) and each trained sample's staleness."""
         t0, began = time.perf_counter(), self.timeline.clock()
         state = self.callbacks.on_update_start(self, state)
         batch = produced.batch.numeric().to_host()  # every process holds the whole global batch
@@ -225,16 +226,13 @@ class Trainer:
         # The one host sync of the step: all update metrics at once.
         host = host_tree(device_metrics)
         metrics = {k: float(np.mean([m[k] for m in host])) for k in host[0]}
-        stale = np.concatenate(staleness)
-        metrics.update({"staleness/mean": float(stale.mean()), "staleness/max": float(stale.max())})
         state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                               policy_version=version, data_position=produced.data_position)
         state = self.callbacks.on_update_end(self, state)
         metrics["time/update"] = time.perf_counter() - t0
         self.timeline.record("update", produced.step, began, self.timeline.clock(), samples=produced.batch.num_samples,
                              role=STAGE_ROLES["update"])
-        metrics.update(produced.metrics)
-        return state, metrics
+        return state, metrics, np.concatenate(staleness)
 
     def validate(self, params: Any, val_data: Sequence[dict], step: int, *,
                  num_samples: int | None = None) -> dict[str, float]:

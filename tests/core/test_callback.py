@@ -114,3 +114,34 @@ def test_state_dict_roundtrip_and_duplicate_keys():
     assert b.n == 5
     with pytest.raises(ValueError, match="appear twice"):
         CallbackList([Counter(), Counter()])
+
+
+def test_step_metrics_are_added_in_order_then_read_only():
+    from rlbolt.state import StepInfo
+
+    class Rate(Callback):
+        order = -20
+
+        def step_metrics(self, trainer, info):
+            return {"rate": info.metrics["tokens"] / info.metrics["time"]}
+
+    class UsesRate(Callback):
+        def step_metrics(self, trainer, info):
+            return {"rate/x2": 2 * info.metrics["rate"]}  # sees the lower order's addition
+
+    class Writer(Callback):
+        def on_step_end(self, trainer, info):
+            with pytest.raises(TypeError):
+                info.metrics["late"] = 1.0  # the one path is step_metrics
+
+    callbacks = CallbackList([UsesRate(), Writer(), Rate()])
+    info = callbacks.add_step_metrics(None, StepInfo(1, None, {"tokens": 30.0, "time": 2.0}, 0.0))
+    assert dict(info.metrics) == {"tokens": 30.0, "time": 2.0, "rate": 15.0, "rate/x2": 30.0}
+    callbacks.on_step_end(None, info)
+
+    class Clash(Callback):
+        def step_metrics(self, trainer, info):
+            return {"tokens": 0.0}
+
+    with pytest.raises(ValueError, match=r"Clash.step_metrics returned \['tokens'\]"):
+        CallbackList([Clash()]).add_step_metrics(None, StepInfo(1, None, {"tokens": 30.0}, 0.0))
