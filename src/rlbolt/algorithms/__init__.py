@@ -1,4 +1,5 @@
-"""Pure, jittable RL math: advantages, policy/value losses, KL estimators, loss aggregation."""
+"""Pure, jittable RL math: advantages, policy/value losses, KL estimators, loss aggregation,
+rollout correction and distillation signals."""
 
 from rlbolt.algorithms.advantages import (
     grpo_process_advantages,
@@ -33,11 +34,14 @@ from rlbolt.algorithms.policy_loss import (
     truncated_importance_weights,
 )
 from rlbolt.algorithms.registry import ADVANTAGE_ESTIMATORS, get_advantage_estimator
+from rlbolt.algorithms.rollout_correction import CORRECTION_LEVELS, CORRECTION_MODES, rollout_correction
 from rlbolt.algorithms.shaping import overlong_penalty
 
 __all__ = [
     "grpo_process_advantages",
     "ADVANTAGE_ESTIMATORS",
+    "CORRECTION_LEVELS",
+    "CORRECTION_MODES",
     "KL_KINDS",
     "GroupSpread",
     "LossAggregation",
@@ -64,6 +68,7 @@ __all__ = [
     "overlong_penalty",
     "reinforcepp_advantages",
     "rloo_advantages",
+    "rollout_correction",
     "sequence_to_token_rewards",
     "truncated_importance_weights",
 ]
