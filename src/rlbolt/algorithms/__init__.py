@@ -12,6 +12,14 @@ from rlbolt.algorithms.advantages import (
     rloo_advantages,
 )
 from rlbolt.algorithms.aggregation import LossAggregation, aggregate_loss
+from rlbolt.algorithms.covariance import (
+    clip_cov_select,
+    clip_cov_surrogate,
+    kl_cov_select,
+    kl_cov_surrogate,
+    token_covariance,
+)
+from rlbolt.algorithms.distillation import distillation_loss, reverse_kl_advantages
 from rlbolt.algorithms.groups import (
     dense_group_index,
     group_centred,
@@ -33,6 +41,7 @@ from rlbolt.algorithms.policy_loss import (
     gspo_surrogate,
     truncated_importance_weights,
 )
+from rlbolt.algorithms.policy_objectives import cispo_surrogate, gmpo_surrogate, sapo_surrogate
 from rlbolt.algorithms.registry import ADVANTAGE_ESTIMATORS, get_advantage_estimator
 from rlbolt.algorithms.rollout_correction import CORRECTION_LEVELS, CORRECTION_MODES, rollout_correction
 from rlbolt.algorithms.shaping import overlong_penalty
@@ -46,12 +55,17 @@ __all__ = [
     "GroupSpread",
     "LossAggregation",
     "aggregate_loss",
+    "cispo_surrogate",
+    "clip_cov_select",
+    "clip_cov_surrogate",
     "clipped_surrogate",
     "clipped_value_loss",
     "dense_group_index",
+    "distillation_loss",
     "drgrpo_advantages",
     "gae_advantages",
     "get_advantage_estimator",
+    "gmpo_surrogate",
     "group_centred",
     "group_count",
     "group_mean",
@@ -60,6 +74,8 @@ __all__ = [
     "group_std",
     "grpo_advantages",
     "gspo_surrogate",
+    "kl_cov_select",
+    "kl_cov_surrogate",
     "kl_in_reward",
     "kl_penalty",
     "last_token_one_hot",
@@ -67,8 +83,11 @@ __all__ = [
     "masked_whiten",
     "overlong_penalty",
     "reinforcepp_advantages",
+    "reverse_kl_advantages",
     "rloo_advantages",
     "rollout_correction",
+    "sapo_surrogate",
     "sequence_to_token_rewards",
+    "token_covariance",
     "truncated_importance_weights",
 ]
