@@ -4,11 +4,11 @@
 falls with the covariance between a token's log-prob and its advantage, and a handful of tokens
 with large covariance cause most of the collapse. Per token, over the N valid tokens passed in,
 
-    Cov_t = (log pi(y_t) - mean log pi) * (A_t - mean A)                       (Eq. 11)
+    Cov_t = (log pi(y_t) - mean log pi) * (A_t - mean A)
 
-- Clip-Cov (Eq. 12): draw ``max(1, floor(r N))`` tokens at random among those with
+- Clip-Cov: draw ``max(1, floor(r N))`` tokens at random among those with
   ``Cov_t in [omega_low, omega_high]`` and detach their gradient. Paper: r = 2e-4, omega = [1, 5].
-- KL-Cov (Eq. 13): add ``beta * |log pi - log pi_old|`` (a KL-like penalty) to the
+- KL-Cov: add ``beta * |log pi - log pi_old|`` (a KL-like penalty) to the
   ``max(1, floor(k N))`` tokens of largest Cov_t. Paper: k = 2e-3 (7B) or 2e-4 (32B), beta = 1.
 
 Conventions the paper leaves open, and what verl (``compute_policy_loss_clip_cov`` /

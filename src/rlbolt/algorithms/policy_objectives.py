@@ -25,8 +25,8 @@ def cispo_surrogate(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """CISPO: clip the importance-sampling weight (no gradient), never the update.
 
-    MiniMax-M1 (arXiv 2506.13585), Eq. 4-5: ``J = sg(r_hat) * A * log pi(y_t)`` with ``r_hat =
-    clip(r, 1 - eps_low, 1 + eps_high)``, ``r = pi / pi_old``. Unlike PPO every token keeps the
+    MiniMax-M1 (arXiv 2506.13585), the CISPO objective: ``J = sg(r_hat) * A * log pi(y_t)``
+    with ``r_hat = clip(r, 1 - eps_low, 1 + eps_high)``, ``r = pi / pi_old``. Unlike PPO every token keeps the
     gradient ``r_hat * A * grad log pi``, also where ``r`` left the clip range (PPO's is 0 there).
 
     Conventions: the paper writes the loss with ``log pi`` itself (verl and TRL too), whose
@@ -75,7 +75,7 @@ def sapo_surrogate(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """SAPO: a smooth, temperature-controlled gate on the ratio instead of PPO's hard clip.
 
-    Soft Adaptive Policy Optimization (arXiv 2511.20347), Eq. 5-7: ``J = f(r) A`` with
+    Soft Adaptive Policy Optimization (arXiv 2511.20347): ``J = f(r) A`` with
     ``f(r) = (4 / tau) * sigmoid(tau (r - 1))``, ``tau = tau_pos`` if ``A > 0`` else ``tau_neg``.
     Its gradient is ``w(r) r A grad log pi`` with ``w = 4 s (1 - s)``, ``s = sigmoid(tau (r -
     1))``: ``w(1) = 1`` (on-policy tokens get the plain policy gradient) and ``w`` decays
@@ -131,7 +131,7 @@ def gmpo_surrogate(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """GMPO: the geometric mean of token ratios per sequence, clipped per token in log space.
 
-    Geometric-Mean Policy Optimization (arXiv 2507.20673), Eq. 4: ``J_i = sgn(A_i) * prod_t
+    Geometric-Mean Policy Optimization (arXiv 2507.20673), its objective: ``J_i = sgn(A_i) * prod_t
     |min(r_t A_i, clip(r_t, e^-eps_low, e^eps_high) A_i)|^(1/|o_i|)``, i.e. ``J_i = A_i * s_i``
     with ``s_i = exp(mean_t c_t)`` and ``c_t = sgn(A) min(sgn(A) log r_t, sgn(A) clip(log r_t,
     -eps_low, eps_high))``: the PPO pessimistic clip applied to each token's log-ratio, so a

@@ -10,7 +10,7 @@ measure. With ``rho_t = pi_old(y_t) / mu(y_t)`` (computed as ``exp(old_logp - ro
 - ``mis``: masked importance sampling: tokens (or whole sequences) whose ratio leaves
   ``[lo, hi]`` (default ``[1/cap, cap]``) are dropped; the kept ones are weighted by ``rho``
   (Liu, Li et al., "When speed kills stability", 2025; TRL's ``token_mask`` / ``sequence_mask``).
-- ``icepop``: IcePop (Ring-1T, arXiv 2510.18855, Eq. 5): ``M(rho) = rho if alpha <= rho <= beta
+- ``icepop``: IcePop (Ring-1T, arXiv 2510.18855): ``M(rho) = rho if alpha <= rho <= beta
   else 0`` per token, i.e. token-level ``mis`` with the paper's ``[alpha, beta] = [0.5, 5]``.
 - ``mask``: rejection only: tokens or sequences outside ``[lo, hi]`` are dropped, kept ones
   weigh 1 (verl's ``rollout_rs`` with ``token_k1`` / ``seq_sum_k1`` bounds, no ``rollout_is``).
