@@ -165,5 +165,7 @@ def test_bad_arguments_name_the_field():
         rollout_correction(OLD, ROLLOUT, MASK, mode="mis", cap=0.5)
     with pytest.raises(ValueError, match="bounds="):
         rollout_correction(OLD, ROLLOUT, MASK, mode="mis", bounds=(1.2, 2.0))
+    with pytest.raises(ValueError, match="bounds="):
+        rollout_correction(OLD, ROLLOUT, MASK, mode="tis", bounds=(0.5, 2.0))
     with pytest.raises(ValueError, match="rollout_logps"):
         rollout_correction(OLD, ROLLOUT[:, :2], MASK)

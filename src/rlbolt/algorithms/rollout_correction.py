@@ -124,6 +124,9 @@ def rollout_correction(
                          f"level={level!r}: use mode='mis' for a sequence-level mask")
     if cap <= 0:
         raise ValueError(f"rollout_correction: cap={cap} must be > 0 (e.g. 2.0)")
+    if bounds is not None and mode in ("tis", "none"):
+        raise ValueError(f"rollout_correction: bounds={bounds} only apply to modes 'mis', 'icepop' and 'mask' "
+                         f"(mode={mode!r} truncates at cap and drops nothing); drop bounds or change mode")
     mask = jnp.asarray(mask, bool)
     check_token_shapes("old_logps", old_logps, mask)
     check_token_shapes("rollout_logps", rollout_logps, mask)
