@@ -37,6 +37,9 @@ def test_cispo_by_hand():
     # No lower bound by default: row 0 (A=1): weights 1.28, .5, 1.1; row 1 (A=-2): 1.28, .5, .7, 1.28.
     np.testing.assert_allclose(loss, [[-1.28, -0.5, -1.1, 0.0], [2.56, 1.0, 1.4, 2.56]], rtol=1e-5)
     np.testing.assert_array_equal(info["clipped"], [[True, False, False, False], [True, False, False, True]])
+    # The value is exactly -A * r_hat (the log pi factor of the paper's form only shapes the gradient).
+    want = np.where(MASK_NP, -(np.asarray(A_TOK, np.float32) * np.asarray(info["weight"])), 0.0)
+    np.testing.assert_array_equal(loss, want)
     loss, _ = cispo_surrogate(LOGPS, OLD, ADV, MASK, clip_low=0.2, clip_high=0.28)
     np.testing.assert_allclose(loss[:, 1], [-0.8, 1.6], rtol=1e-5)
 

@@ -1,6 +1,6 @@
 """Clip-Cov and KL-Cov: restrain the few tokens whose log-prob/advantage covariance drives entropy down.
 
-"The Entropy Mechanism of RL for Reasoning LMs" (Cui et al., arXiv 2505.22617), Sec. 4: entropy
+"The Entropy Mechanism of RL for Reasoning LMs" (Cui et al., arXiv 2505.22617): entropy
 falls with the covariance between a token's log-prob and its advantage, and a handful of tokens
 with large covariance cause most of the collapse. Per token, over the N valid tokens passed in,
 
@@ -20,7 +20,7 @@ Conventions the paper leaves open, and what verl (``compute_policy_loss_clip_cov
 - The random draw uses a PRNG key passed in (verl: ``torch.randperm``), so a step is
   reproducible: the chosen tokens are the candidates with the smallest
   ``jax.random.uniform(key, [N, C])``.
-- Clip-Cov's base objective: the paper writes ``r_t A_t``; the authors' code and verl use PPO's
+- Clip-Cov's base objective: the paper states it on ``r_t A_t``; the authors' code and verl use PPO's
   clipped surrogate and exclude tokens PPO already clipped from the candidates. We follow the
   code. verl zeroes the selected tokens' loss (value and gradient); we stop their gradient and
   keep the value, so the loss metric stays PPO's. verl's bounds are strict (``lo < Cov < hi``);

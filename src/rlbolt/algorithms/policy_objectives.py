@@ -26,8 +26,9 @@ def cispo_surrogate(
     """CISPO: clip the importance-sampling weight (no gradient), never the update.
 
     MiniMax-M1 (arXiv 2506.13585), the CISPO objective: ``J = sg(r_hat) * A * log pi(y_t)``
-    with ``r_hat = clip(r, 1 - eps_low, 1 + eps_high)``, ``r = pi / pi_old``. Unlike PPO every token keeps the
-    gradient ``r_hat * A * grad log pi``, also where ``r`` left the clip range (PPO's is 0 there).
+    with ``r_hat = clip(r, 1 - eps_low, 1 + eps_high)``, ``r = pi / pi_old``. Unlike PPO every
+    token keeps the gradient ``r_hat * A * grad log pi``, also where ``r`` left the clip range
+    (PPO's is 0 there).
 
     Conventions: the paper writes the loss with ``log pi`` itself (verl and TRL too), whose
     *value* carries ``log pi``; we return ``-A * r_hat * (1 + log pi - sg(log pi))``: the same
@@ -58,7 +59,8 @@ def cispo_surrogate(
     advantages = _token_advantages(advantages, mask)
     ratio = jnp.exp(_log_ratio(logps, old_logps, mask))  # may be inf: clipped to 1 + clip_high
     weight = jax.lax.stop_gradient(jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high))
-    unit = 1.0 + logps - jax.lax.stop_gradient(logps)  # value 1, gradient grad log pi
+    # Exactly 1 in value (x - x == 0; "1 + x - x" would round), gradient grad log pi.
+    unit = 1.0 + (logps - jax.lax.stop_gradient(logps))
     loss = jnp.where(mask, -advantages * weight * unit, 0.0)
     clipped = ((ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)) & mask
     return loss, {"ratio": jax.lax.stop_gradient(ratio), "weight": weight, "clipped": clipped}

@@ -25,10 +25,12 @@ whole row. Weights carry no gradient and are 0 on padding and on dropped tokens.
 Conventions and differences from verl (``verl/trainer/ppo/rollout_corr_helper.py``) and TRL:
 verl clamps log-ratios to +-20 before ``exp``; here truncation and masking compare in log space
 (or take ``min`` after an ``exp`` that may overflow to ``inf``), so no clamp is needed and a
-ratio of ``1e30`` gives exactly ``cap`` (``tis``) or a dropped token (``mis``). verl's masking
-uses closed bounds ``lo <= rho <= hi`` like ours; TRL's too. TRL's truncation also clamps from
-below (``clip_min``); the TIS papers and verl do not, nor do we. verl reports the IS mean/max
-before truncation (its max in log space); we report the weights actually applied.
+ratio of ``1e30`` gives exactly ``cap`` (``tis``) or a dropped token (``mis``). Bounds are
+closed (``lo <= rho <= hi``), as in verl and TRL. verl's ``*_k1`` rejection bounds apply to its
+``k1 = -log rho``, i.e. to ``mu / pi_old``: the same as ours for symmetric ``[1/C, C]``, mirrored
+for asymmetric ones (ours, like IcePop's, bound ``pi_old / mu``). TRL's truncation also clamps
+from below (``clip_min``); the TIS papers and verl do not, nor do we. verl reports the IS
+mean/max before truncation; we report the weights actually applied.
 """
 
 from __future__ import annotations
@@ -110,8 +112,8 @@ def rollout_correction(
         ``keep_mask`` is ``mask`` minus the dropped tokens. ``metrics`` holds float32 scalars
         (masked means over the valid tokens of ``mask``): ``rollout_corr/kl_k1`` (mean of
         ``rollout - old``: KL(mu || pi_old) on mu's samples), ``rollout_corr/kl_k3`` (mean of
-        ``rho - 1 - log rho``, its low-variance k3 form, log rho clamped to +-20), ``rollout_corr/is_weight_mean`` and
-        ``rollout_corr/is_weight_max`` (of the weights applied, over kept tokens),
+        ``rho - 1 - log rho``, its low-variance k3 form, log rho clamped to +-20),
+        ``rollout_corr/is_weight_mean`` and ``rollout_corr/is_weight_max`` (of the weights applied, over kept tokens),
         ``rollout_corr/token_masked_frac`` (dropped / valid tokens) and
         ``rollout_corr/seq_masked_frac`` (rows with a dropped token / rows with a valid token).
     """
