@@ -40,3 +40,40 @@ def test_jit_matches_eager():
         for e, j in zip(jax.tree.leaves(eager[name]), jax.tree.leaves(jitted[name])):
             assert np.all(np.isfinite(e)), name
             np.testing.assert_allclose(j, e, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_newer_objectives_jit_match_eager():
+    from rlbolt.algorithms import (
+        cispo_surrogate,
+        clip_cov_surrogate,
+        distillation_loss,
+        gmpo_surrogate,
+        kl_cov_surrogate,
+        rollout_correction,
+        sapo_surrogate,
+    )
+
+    rng = np.random.default_rng(4)
+    n, c = 4, 5
+    a, b, t = (jnp.asarray(rng.normal(size=(n, c)) * 0.3 - 1.0, jnp.float32) for _ in range(3))
+    mask = jnp.asarray(np.arange(c)[None, :] < np.array([5, 2, 0, 3])[:, None])
+    adv = jnp.asarray(rng.normal(size=(n,)), jnp.float32)
+    key = jax.random.key(7)
+
+    def everything(a, b, t, mask, adv, key):
+        return {
+            "cispo": cispo_surrogate(a, b, adv, mask)[0],
+            "sapo": sapo_surrogate(a, b, adv, mask)[0],
+            "gmpo": gmpo_surrogate(a, b, adv, mask)[0],
+            "clip_cov": clip_cov_surrogate(a, b, adv, mask, key, select_ratio=0.3, cov_low=-1.0)[0],
+            "kl_cov": kl_cov_surrogate(a, b, adv, mask, select_ratio=0.3)[0],
+            "distill": distillation_loss(a, b, t, mask, task_advantages=adv)[0],
+            "mis": rollout_correction(a, b, mask, mode="mis", level="geometric"),
+        }
+
+    eager = everything(a, b, t, mask, adv, key)
+    jitted = jax.jit(everything)(a, b, t, mask, adv, key)
+    for name in eager:
+        for e, j in zip(jax.tree.leaves(eager[name]), jax.tree.leaves(jitted[name])):
+            assert np.all(np.isfinite(e)), name
+            np.testing.assert_allclose(j, e, rtol=1e-5, atol=1e-6, err_msg=name)

@@ -1,4 +1,5 @@
-"""Pure, jittable RL math: advantages, policy/value losses, KL estimators, loss aggregation."""
+"""Pure, jittable RL math: advantages, policy/value losses, KL estimators, loss aggregation,
+rollout correction and distillation signals."""
 
 from rlbolt.algorithms.advantages import (
     grpo_process_advantages,
@@ -11,6 +12,14 @@ from rlbolt.algorithms.advantages import (
     rloo_advantages,
 )
 from rlbolt.algorithms.aggregation import LossAggregation, aggregate_loss
+from rlbolt.algorithms.covariance import (
+    clip_cov_select,
+    clip_cov_surrogate,
+    kl_cov_select,
+    kl_cov_surrogate,
+    token_covariance,
+)
+from rlbolt.algorithms.distillation import distillation_loss, reverse_kl_advantages
 from rlbolt.algorithms.groups import (
     dense_group_index,
     group_centred,
@@ -32,19 +41,28 @@ from rlbolt.algorithms.policy_loss import (
     gspo_surrogate,
     truncated_importance_weights,
 )
+from rlbolt.algorithms.policy_objectives import cispo_surrogate, gmpo_surrogate, sapo_surrogate
+from rlbolt.algorithms.rollout_correction import CORRECTION_LEVELS, CORRECTION_MODES, rollout_correction
 from rlbolt.algorithms.shaping import overlong_penalty
 
 __all__ = [
     "grpo_process_advantages",
+    "CORRECTION_LEVELS",
+    "CORRECTION_MODES",
     "KL_KINDS",
     "GroupSpread",
     "LossAggregation",
     "aggregate_loss",
+    "cispo_surrogate",
+    "clip_cov_select",
+    "clip_cov_surrogate",
     "clipped_surrogate",
     "clipped_value_loss",
     "dense_group_index",
+    "distillation_loss",
     "drgrpo_advantages",
     "gae_advantages",
+    "gmpo_surrogate",
     "group_centred",
     "group_count",
     "group_mean",
@@ -53,6 +71,8 @@ __all__ = [
     "group_std",
     "grpo_advantages",
     "gspo_surrogate",
+    "kl_cov_select",
+    "kl_cov_surrogate",
     "kl_in_reward",
     "kl_penalty",
     "last_token_one_hot",
@@ -60,7 +80,11 @@ __all__ = [
     "masked_whiten",
     "overlong_penalty",
     "reinforcepp_advantages",
+    "reverse_kl_advantages",
     "rloo_advantages",
+    "rollout_correction",
+    "sapo_surrogate",
     "sequence_to_token_rewards",
+    "token_covariance",
     "truncated_importance_weights",
 ]
