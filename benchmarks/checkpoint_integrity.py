@@ -43,8 +43,8 @@ def main(argv=None) -> dict:
     import jax.numpy as jnp
     import optax
 
-    from rlbolt.callbacks.checkpoint_integrity import checksums, named_leaves
-    from rlbolt.callbacks.checkpoint_io import CheckpointIO
+    from rlbolt.checkpointing.integrity import checksums, named_leaves
+    from rlbolt.checkpointing.io import CheckpointIO
 
     layers = max(1, mb // 4)  # a 1024 x 1024 float32 matrix is 4 MB
     keys = jax.random.split(jax.random.PRNGKey(0), layers)

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from rlbolt.batch import Batch
-from rlbolt.dock import ExperienceDock
+from rlbolt.producer.dock import ExperienceDock
 from rlbolt.producer import STAGE_INPUTS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -193,7 +193,7 @@ def _floor_step_s(module, trainer, state, produced, repeats: int) -> tuple[float
     import jax
     import numpy as np
 
-    from rlbolt.distributed.state import micro_batches
+    from rlbolt.distributed.layout import micro_batches
 
     batch = produced.batch
     ids = [list(r[m]) for r, m in zip(np.asarray(batch["prompt_ids"]), np.asarray(batch["prompt_mask"]))]
@@ -228,7 +228,7 @@ def _memory(trainer, state, produced) -> dict:
     gc.collect()
     live = {shard.data.unsafe_buffer_pointer(): shard.data.nbytes  # per shard: a mesh's arrays are sharded
             for x in jax.live_arrays() if not x.is_deleted() for shard in x.addressable_shards}
-    from rlbolt.distributed.state import micro_batches
+    from rlbolt.distributed.layout import micro_batches
 
     batch = micro_batches(trainer.sharding, produced.batch.numeric().to_host(), trainer.plan.grad_accum_steps)
     compiled = trainer._update.func.lower(state.params, state.opt_state, batch,

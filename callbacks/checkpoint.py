@@ -39,9 +39,9 @@ from typing import Any
 import jax
 
 from rlbolt.callback import Callback, Periodic
-from rlbolt.callbacks import checkpoint_meta, config_guard
-from rlbolt.callbacks.checkpoint_meta import FrozenParamsMismatch, check_frozen_identity  # noqa: F401 - re-exported
-from rlbolt.callbacks.checkpoint_io import CheckpointIO, NoUsableCheckpoint, read_json, write_json_atomic
+from rlbolt.checkpointing import config_guard, meta as checkpoint_meta
+from rlbolt.checkpointing.meta import FrozenParamsMismatch, check_frozen_identity  # noqa: F401 - re-exported
+from rlbolt.checkpointing.io import CheckpointIO, NoUsableCheckpoint, read_json, write_json_atomic
 from rlbolt.state import StepInfo, TrainState
 
 log = logging.getLogger(__name__)

@@ -5,11 +5,39 @@ does not pay for importing JAX):
 
     from rlbolt import Trainer, RLModule, Callback, BatchPlan
 
-Layout: the core (trainer, producer, prefetch, weights, update, module, callback, state, batch,
-plan, fit_checks, timeline) sits in this folder, with the ExperienceDock in `rlbolt.dock`; the
-building blocks in subpackages (algorithms, modules, models, rollout, rewards, data, loggers);
-the application layer (the `rlbolt` command, config files, run directories, the demo, plots)
-in `rlbolt.app`; small shared helpers in `rlbolt.utils`.
+Layout (a test keeps this list complete):
+
+    the user-facing core
+      trainer          Trainer: the fit loop
+      module           RLModule: the hooks an algorithm overrides
+      callback         Callback, CallbackList, Periodic
+      setup_context    SetupContext: what a module's setup is told about the run
+      state            TrainState, StepInfo
+      batch            Batch: named columns with a leading sample axis
+      plan             BatchPlan: global / mini / micro batch sizes
+    the loop's own parts
+      producer/        the stage threads around the ExperienceDock, the weight store
+      update           the jitted update (gradient accumulation + optimizer step)
+      validation       Trainer.validate's loop
+      fit_checks       what fit refuses before building anything
+      step_metrics     a step's metrics, assembled in one place
+      signals          SIGINT / SIGTERM as a stop at the next step boundary
+      timeline         start / end events of every stage call and update
+      checkpointing/   checkpoint I/O (ModelCheckpoint and the CLI use it)
+    building blocks
+      config/          the run configuration and the algorithm registry
+      algorithms/      pure RL math
+      modules/         ready RLModules (GRPO, DAPO, Dr.GRPO, RLOO, REINFORCE++, GSPO, PPO)
+      models/          decoders, Hugging Face I/O, LoRA
+      rollout/         rollout engines (the protocol, the native sampler), token logps
+      rewards/         reward functions, the failure-isolated runner, the code sandbox
+      data/            prompt sources, loaders, tokenizers
+      distributed/     meshes, shardings, processes, placement
+      loggers/         metric writers
+      utils/           small shared helpers
+    the application
+      app/             the `rlbolt` command, run folders, the demo, plots
+      callbacks        (the top-level `callbacks/` folder, installed as rlbolt.callbacks)
 """
 
 from __future__ import annotations
@@ -28,7 +56,7 @@ _EXPORTS = {
     "Batch": "rlbolt.batch",
     "TrainState": "rlbolt.state",
     "StepInfo": "rlbolt.state",
-    "ExperienceDock": "rlbolt.dock",
+    "ExperienceDock": "rlbolt.producer.dock",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -19,7 +19,7 @@ import numpy as np
 
 from rlbolt.callback import Callback, CallbackList
 from rlbolt.data.source import PromptSource
-from rlbolt.distributed import any_process, host_tree, host_value, state as placement
+from rlbolt.distributed import any_process, host_tree, host_value, layout
 from rlbolt.distributed.placement import Placement, WeightSync
 from rlbolt.distributed.sharding import ShardingPlan
 from rlbolt.fit_checks import check_fit, lag_steps
@@ -34,7 +34,7 @@ from rlbolt.timeline import Timeline
 from rlbolt.update import make_update_fn
 from rlbolt.utils.runlock import hold_run_dir
 from rlbolt.validation import run_validation
-from rlbolt.weights import WeightStore
+from rlbolt.producer.weights import WeightStore
 
 MODES = ("sync", "async")
 
@@ -187,15 +187,15 @@ class Trainer:
         self.plans = self.placement.plans(self.mesh_spec)
         self.sharding = self.plans["train"]
         self.weights.transfer = None if self.placement.colocated else WeightSync(self.sharding, self.plans["rollout"])
-        placement.check_batch_plan(self.plan, self.sharding, self.mode, reference=self.plans["reference"])
+        layout.check_batch_plan(self.plan, self.sharding, self.mode, reference=self.plans["reference"])
         module.context = context = SetupContext(plan=self.plan, seed=self.seed, mode=self.mode, shardings=self.plans)
         module.setup(context)
         rng = jax.random.PRNGKey(self.seed)
         params = self.sharding.place(module.init_params(jax.random.fold_in(rng, 0)))
         self.optimizer = module.configure_optimizers()
         self.optimizer = self.callbacks.wrap_optimizer(self, self.optimizer)  # e.g. NaNGuard(action="skip")
-        opt_state = placement.init_optimizer(self.optimizer, params, self.sharding)
-        self.memory_plan = placement.memory_plan(module.memory_plan(self.sharding), params, opt_state, self.sharding,
+        opt_state = layout.init_optimizer(self.optimizer, params, self.sharding)
+        self.memory_plan = layout.memory_plan(module.memory_plan(self.sharding), params, opt_state, self.sharding,
                                                  device_bytes=self.device_memory_bytes)  # before anything compiles
         self._update = make_update_fn(module.training_step, self.optimizer, self.plan.grad_accum_steps,
                                       frozen=module.frozen_params(), with_frozen=module.with_frozen,
@@ -213,7 +213,7 @@ class Trainer:
         batch = produced.batch.numeric().to_host()  # every process holds the whole global batch
         versions = np.asarray(batch["policy_version"])
         mini_size, accum = self.plan.mini_batch_size, self.plan.grad_accum_steps
-        minis = [placement.micro_batches(self.sharding, batch.slice(s, s + mini_size), accum)
+        minis = [layout.micro_batches(self.sharding, batch.slice(s, s + mini_size), accum)
                  for s in range(0, batch.num_samples, mini_size)]
         params, opt_state, version = state.params, state.opt_state, state.policy_version
         device_metrics, staleness = [], []

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from rlbolt.batch import Batch
-from rlbolt.distributed import state as placement, sum_over_processes
+from rlbolt.distributed import layout, sum_over_processes
 from rlbolt.producer import STAGE_ROLES
 from rlbolt.timeline import Timeline
 
@@ -40,7 +40,7 @@ def run_validation(validation_step: Callable[..., dict[str, float]], params: Any
         stop = min(start + batch_size, len(val_data))
         keys = np.asarray(jax.random.split(jax.random.PRNGKey(seed + 7919), stop - start))
         # This process's rows (all of them on one process); weight 0 for a filler row.
-        indices, weight = placement.validation_rows(start, stop, share)
+        indices, weight = layout.validation_rows(start, stop, share)
         rows = [{**val_data[i], "prompt_index": i} for i in indices]
         batch = Batch.from_rows(rows).with_columns(sample_keys=keys[np.asarray(indices) - start])
         for k, v in validation_step(params, batch, **(options or {})).items():

@@ -19,11 +19,11 @@ from toy_module import ToyModule, prompt_rows
 
 from rlbolt.callback import Callback, CallbackList
 from rlbolt.callbacks.checkpoint import ModelCheckpoint
-from rlbolt.callbacks.checkpoint_io import CheckpointIO
+from rlbolt.checkpointing.io import CheckpointIO
 from rlbolt.plan import BatchPlan
 from rlbolt.state import StepInfo, TrainState
 from rlbolt.trainer import Trainer
-from rlbolt.weights import WeightStore
+from rlbolt.producer.weights import WeightStore
 
 TX = optax.adam(0.1)
 

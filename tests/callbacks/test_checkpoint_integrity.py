@@ -25,10 +25,10 @@ import pytest
 
 from rlbolt.callback import CallbackList
 from rlbolt.callbacks.checkpoint import ModelCheckpoint
-from rlbolt.callbacks.checkpoint_integrity import checksums, numpy_checksum
-from rlbolt.callbacks.checkpoint_io import CheckpointIO, NoUsableCheckpoint
+from rlbolt.checkpointing.integrity import checksums, numpy_checksum
+from rlbolt.checkpointing.io import CheckpointIO, NoUsableCheckpoint
 from rlbolt.state import StepInfo, TrainState
-from rlbolt.weights import WeightStore
+from rlbolt.producer.weights import WeightStore
 
 TX = optax.adam(0.1)
 

@@ -20,9 +20,9 @@ from orbax.checkpoint._src.path import atomicity
 
 from rlbolt.callback import CallbackList
 from rlbolt.callbacks.checkpoint import ModelCheckpoint
-from rlbolt.callbacks.checkpoint_io import CheckpointIO, CheckpointWriteError
+from rlbolt.checkpointing.io import CheckpointIO, CheckpointWriteError
 from rlbolt.state import StepInfo, TrainState
-from rlbolt.weights import WeightStore
+from rlbolt.producer.weights import WeightStore
 
 TX = optax.adam(0.1)
 

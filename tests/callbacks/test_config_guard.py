@@ -19,12 +19,12 @@ import pytest
 from rlbolt.config import SECTIONS, config_to_dict, load_config
 from rlbolt.app.demo import DemoConfig
 from rlbolt.callback import CallbackList
-from rlbolt.callbacks import config_guard
+from rlbolt.checkpointing import config_guard
 from rlbolt.callbacks.checkpoint import ModelCheckpoint
-from rlbolt.callbacks.config_guard import ConfigChanged
+from rlbolt.checkpointing.config_guard import ConfigChanged
 from rlbolt.plan import BatchPlan
 from rlbolt.state import StepInfo, TrainState
-from rlbolt.weights import WeightStore
+from rlbolt.producer.weights import WeightStore
 
 FREE = {
     "trainer.max_steps", "trainer.max_epochs", "trainer.val_every_n_steps", "trainer.val_batch_size",

@@ -10,7 +10,7 @@ from toy_module import ToyModule, prompt_rows
 from rlbolt.batch import Batch
 from rlbolt.callback import Callback
 from rlbolt.callbacks.checkpoint import ModelCheckpoint
-from rlbolt.callbacks.checkpoint_io import CheckpointIO
+from rlbolt.checkpointing.io import CheckpointIO
 from rlbolt.callbacks.nan_guard import NaNGuard, NonFiniteError
 from rlbolt.plan import BatchPlan
 from rlbolt.trainer import Trainer

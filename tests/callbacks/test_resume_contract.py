@@ -81,7 +81,7 @@ def test_sigkill_during_save_keeps_previous_checkpoints_usable(setting, tmp_path
     assert any(n.startswith("3.") and "tmp" in n for n in names), names
     assert finalized_steps(run_dir) == [1, 2]
 
-    from rlbolt.callbacks.checkpoint_io import CheckpointIO
+    from rlbolt.checkpointing.io import CheckpointIO
 
     io = CheckpointIO(run_dir / "checkpoints", async_save=False)
     assert io.steps() == [1, 2]

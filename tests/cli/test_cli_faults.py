@@ -89,7 +89,7 @@ def reference(tmp_path_factory, env):
             outcomes.append(step)
         except Exception as error:  # noqa: BLE001 - each failure must be a one-line refusal
             from rlbolt.app.rundir import RunDirError
-            from rlbolt.callbacks.checkpoint_io import NoUsableCheckpoint
+            from rlbolt.checkpointing.io import NoUsableCheckpoint
 
             assert isinstance(error, (NoUsableCheckpoint, RunDirError)), repr(error)
             assert "\n" not in str(error)

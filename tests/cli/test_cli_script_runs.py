@@ -88,7 +88,7 @@ def test_a_policy_nested_in_the_trainable_pytree_exports(tmp_path):
     from rlbolt.models import Decoder, tiny_config
     from rlbolt.models.hf_io import save_hf
     from rlbolt.state import TrainState
-    from rlbolt.weights import WeightStore
+    from rlbolt.producer.weights import WeightStore
 
     model = Decoder(tiny_config(vocab_size=32, hidden_size=32, intermediate_size=64, head_dim=8), rngs=nnx.Rngs(3))
     params = {"policy": nnx.state(model, nnx.Param), "value_head": {"kernel": jnp.ones((32, 1)), "bias": jnp.zeros(1)}}

@@ -4,7 +4,7 @@ import traceback
 
 import pytest
 
-from rlbolt.prefetch import ProducerStopped, StageThreads
+from rlbolt.producer.stage_threads import ProducerStopped, StageThreads
 
 
 def _threads():

@@ -123,7 +123,7 @@ def test_should_stop_ends_the_wait_for_a_step_at_once():
 
     from rlbolt.data.source import PromptSource
     from rlbolt.producer import Producer
-    from rlbolt.weights import WeightStore
+    from rlbolt.producer.weights import WeightStore
 
     module = StuckRollout()
     plan = BatchPlan(prompts_per_step=2, num_generations=2)

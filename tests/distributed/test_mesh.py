@@ -17,7 +17,7 @@ from rlbolt.config import ConfigError, load_config
 from rlbolt.distributed import (AXES, DataShare, MeshError, MeshSpec, ShardingPlan, any_process, as_mesh,
                                 gather_objects, gather_shares, max_over_processes, sum_over_processes)
 from rlbolt.models import Decoder, tiny_config
-from rlbolt.distributed.state import validation_rows as _val_share
+from rlbolt.distributed.layout import validation_rows as _val_share
 
 
 @pytest.mark.parametrize("spec, devices, want", [

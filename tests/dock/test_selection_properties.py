@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlbolt.dock import ExperienceDock, balanced_order
+from rlbolt.producer.dock import ExperienceDock, balanced_order
 
 SETTINGS = settings(max_examples=60, deadline=None)
 

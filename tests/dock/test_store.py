@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from rlbolt.dock import DockClosed, DockError, ExperienceDock
+from rlbolt.producer.dock import DockClosed, DockError, ExperienceDock
 
 STAGES = {"score": ("text",), "train": ("text", "score")}
 

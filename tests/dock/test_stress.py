@@ -16,7 +16,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from rlbolt.dock import ExperienceDock
+from rlbolt.producer.dock import ExperienceDock
 
 # a -> (stage "b" writes b = 2a + 1) -> (stage "c", whole groups, writes c = b * 3 or drops
 # the group) -> (stage "d" takes c)

@@ -18,7 +18,7 @@ from module_helpers import prompt_batch
 from rlbolt.callback import Callback
 from rlbolt.callbacks import ModelCheckpoint
 from rlbolt.callbacks.checkpoint import FrozenParamsMismatch
-from rlbolt.callbacks.checkpoint_io import CheckpointIO
+from rlbolt.checkpointing.io import CheckpointIO
 from rlbolt.data import gsm8k_style_rows
 from rlbolt.models.lora import merge_adapters
 from rlbolt.modules import GRPO, PPO

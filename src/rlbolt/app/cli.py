@@ -114,7 +114,7 @@ def _positive_int(text: str) -> int:
 
 
 def _demo_default(name: str):
-    from rlbolt.app.demo_config import DemoConfig
+    from rlbolt.config.demo import DemoConfig
 
     return getattr(DemoConfig(), name)
 
@@ -139,7 +139,7 @@ def split_overrides(extra: Sequence[str]) -> list[str]:
 # -- subcommands ------------------------------------------------------------------------------------
 def _cmd_demo(args: argparse.Namespace) -> int:
     from rlbolt.app.cli_run import run_demo
-    from rlbolt.app.demo_config import DemoConfig
+    from rlbolt.config.demo import DemoConfig
 
     changes = {k: v for k, v in (("max_steps", args.max_steps), ("checkpoint_every", args.checkpoint_every),
                                  ("seed", args.seed), ("task", args.task), ("lora_rank", args.lora_rank),
@@ -172,7 +172,7 @@ def _cmd_fit(args: argparse.Namespace, extra: Sequence[str]) -> int:
 
 def _cmd_resume(args: argparse.Namespace) -> int:
     from rlbolt.app import rundir
-    from rlbolt.app.demo_config import is_demo_config
+    from rlbolt.config.demo import is_demo_config
     from rlbolt.utils import runlock
 
     run_dir = Path(args.run_dir)
@@ -184,7 +184,7 @@ def _cmd_resume(args: argparse.Namespace) -> int:
     with runlock.hold(run_dir):  # before JAX is imported: a second writer is refused at once
         if is_demo_config(data):
             from rlbolt.app.cli_run import run_demo
-            from rlbolt.app.demo_config import DemoConfig
+            from rlbolt.config.demo import DemoConfig
 
             config = DemoConfig.from_dict(data)
             if args.max_steps is not None:
@@ -237,10 +237,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 _USER_ERRORS = (  # (module, class): bad input or a refusal, reported in one line with exit status 2
-    ("rlbolt.app.rundir", "RunDirError"), ("rlbolt.plan", "PlanError"), ("rlbolt.app.demo_config", "DemoConfigError"),
+    ("rlbolt.app.rundir", "RunDirError"), ("rlbolt.plan", "PlanError"), ("rlbolt.config.demo", "DemoConfigError"),
     ("rlbolt.config.fields", "ConfigError"), ("rlbolt.utils.runlock", "RunDirBusy"),
-    ("rlbolt.callbacks.checkpoint_io", "NoUsableCheckpoint"), ("rlbolt.callbacks.config_guard", "ConfigChanged"),
-    ("rlbolt.callbacks.checkpoint_meta", "FrozenParamsMismatch"),  # a LoRA resume or export on another base
+    ("rlbolt.checkpointing.io", "NoUsableCheckpoint"), ("rlbolt.checkpointing.config_guard", "ConfigChanged"),
+    ("rlbolt.checkpointing.meta", "FrozenParamsMismatch"),  # a LoRA resume or export on another base
     ("rlbolt.data.loaders", "DataFileError"),
 )
 
@@ -286,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             kind = f"{type(error).__module__}.{type(error).__name__}"
             if kind == "rlbolt.app.cli_run.RunInterrupted":  # the run saved its last step, then stopped
                 return fail(_one_line(error), error.exit_code)
-            if kind == "rlbolt.callbacks.checkpoint_io.CheckpointWriteError" and not debug:
+            if kind == "rlbolt.checkpointing.io.CheckpointWriteError" and not debug:
                 return fail("error: " + _one_line(error), EXIT_FAILED)
             raise
 

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rlbolt.app import rundir
-from rlbolt.app.demo_config import DemoConfig, is_demo_config
+from rlbolt.config.demo import DemoConfig, DemoConfigError, is_demo_config
 
 READ_ATTEMPTS = 5
 
@@ -53,7 +53,7 @@ def read_latest(run_dir: str | Path, template: dict | None = None) -> tuple[int,
       RunDirError: no checkpoints/ folder or no checkpoint in it.
       NoUsableCheckpoint: every checkpoint fails its checks (each reason is listed).
     """
-    from rlbolt.callbacks.checkpoint_io import CheckpointIO, NoUsableCheckpoint
+    from rlbolt.checkpointing.io import CheckpointIO, NoUsableCheckpoint
 
     ckpt_dir = Path(run_dir) / rundir.CHECKPOINTS_DIR
     if not ckpt_dir.is_dir():
@@ -85,7 +85,7 @@ def read_latest(run_dir: str | Path, template: dict | None = None) -> tuple[int,
 
 def decoder_from_checkpoint(params: Any, model: dict | None, run_dir: Path):
     """The policy's Decoder holding the checkpoint's parameters (see the module docstring)."""
-    from rlbolt.callbacks.checkpoint_integrity import named_leaves, path_name
+    from rlbolt.checkpointing.integrity import named_leaves, path_name
     from rlbolt.models import Decoder
     from rlbolt.models.config import ModelConfig
 
@@ -136,10 +136,10 @@ def _module_for(run_dir: Path) -> tuple[Any, Any]:
     """(module with its model built and initial params loaded, the config it was built from)."""
     data = rundir.read_config(run_dir)
     if is_demo_config(data):
-        from rlbolt.app.demo import DigitsGRPO
+        from rlbolt.modules.digits import DigitsGRPO
 
         cfg = DemoConfig.from_dict(data)
-        module = DigitsGRPO(cfg)
+        module = DigitsGRPO(cfg, base_model=demo_base_model(cfg))
         module.init_params(jax.random.fold_in(jax.random.PRNGKey(cfg.seed), 0))  # as Trainer._setup derives it
         return module, None
     from rlbolt.config import references as objects
@@ -152,6 +152,21 @@ def _module_for(run_dir: Path) -> tuple[Any, Any]:
     module = build_module(cfg, **objects.import_all({k: getattr(cfg.objects, k) for k in ("model", "tokenizer")}))
     module.setup(SetupContext(plan=build_plan(cfg), seed=cfg.trainer.seed))
     return module, cfg
+
+
+def demo_base_model(config: DemoConfig):
+    """The Decoder a demo run starts from when `demo.base_run` names an earlier demo run: that
+    run's latest policy (LoRA adapters merged); None without a base run."""
+    if config.base_run is None:
+        return None
+    module, _, _ = latest_params(config.base_run)
+    from rlbolt.modules.digits import DigitsGRPO
+
+    if not isinstance(module, DigitsGRPO):
+        raise DemoConfigError(f"demo.base_run={config.base_run!r} is not a demo run (its config.yaml has no demo section)")
+    if module.lora is None:
+        return module.model
+    return module.lora.merged_model(nnx.state(module.model, nnx.LoRAParam))
 
 
 def _trains_adapters(data: dict[str, Any]) -> bool:
@@ -176,7 +191,7 @@ def latest_params(run_dir: str | Path) -> tuple[Any, int, Any]:
       RunDirError: the directory is not a run or holds no checkpoint.
       FrozenParamsMismatch: the checkpoint was trained on another base than config.yaml loads.
     """
-    from rlbolt.callbacks.checkpoint_meta import check_frozen_identity
+    from rlbolt.checkpointing.meta import check_frozen_identity
 
     run_dir = Path(run_dir)
     module, cfg = _module_for(run_dir)

@@ -9,9 +9,10 @@ here, and the `rlbolt` command builds a run from them.
 from rlbolt.config.algorithms import GENERIC_DEFAULTS, algorithm_class, algorithm_names, register_algorithm
 from rlbolt.config.fields import ConfigError
 from rlbolt.config.load import config_to_dict, describe_fields, load_config, resolve, save_config
-from rlbolt.config.rules import METRIC_WRITERS, REWARD_TERMS
 from rlbolt.config.sections import (
     LOSS_AGGREGATIONS,
+    METRIC_WRITERS,
+    REWARD_TERMS,
     SECTIONS,
     AlgorithmSection,
     CallbacksSection,

@@ -8,12 +8,11 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from rlbolt.config.fields import ConfigError
+from rlbolt.config.sections import METRIC_WRITERS, REWARD_TERMS
 
 if TYPE_CHECKING:
     from rlbolt.config.sections import RunConfig
 
-METRIC_WRITERS = ("console", "jsonl", "tensorboard", "wandb")
-REWARD_TERMS = ("answer", "format", "digits")  # rlbolt.modules.rewarding builds them
 
 
 def check_rules(cfg: RunConfig) -> None:

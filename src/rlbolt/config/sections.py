@@ -12,8 +12,9 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from rlbolt.config.fields import option as _f
-from rlbolt.config.rules import METRIC_WRITERS
 
+METRIC_WRITERS = ("console", "jsonl", "tensorboard", "wandb")
+REWARD_TERMS = ("answer", "format", "digits")  # rlbolt.modules.rewarding builds them
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 

@@ -100,7 +100,7 @@ class Placement:
           MeshError: a range past the visible devices, a mesh shape that does not fit its range,
             a disaggregated placement with several processes, or with a `mesh` besides it.
         """
-        from rlbolt.distributed.state import training_plan
+        from rlbolt.distributed.layout import training_plan
 
         if self.colocated:
             plan = training_plan(mesh)

@@ -15,6 +15,7 @@ or applies them on the fly (`rollout="adapters"`: no copy; the default with a qu
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import jax
 from flax import nnx
@@ -99,3 +100,22 @@ class LoraPolicy:
     def adapted_model(self, adapters: nnx.State) -> Decoder:
         """The adapted Decoder holding the base and these adapters (for the PEFT export)."""
         return nnx.merge(self.graphdef, self.base, adapters)
+
+
+class LoraHooks:
+    """The RLModule parameter hooks of a module whose `self.lora` is a `LoraPolicy` (or None:
+    nothing frozen). Shared by the LM modules (`PolicySetup`) and the demo's module."""
+
+    lora: LoraPolicy | None = None
+
+    def frozen_params(self) -> Any:
+        """With LoRA, the base (trained never, differentiated never); else None."""
+        return self.lora.base if self.lora is not None else None
+
+    def with_frozen(self, params: Any, frozen: Any) -> Any:
+        """With LoRA, the adapters joined with the base into the adapted model's State."""
+        return self.lora.join(params, frozen) if self.lora is not None else params
+
+    def frozen_identity(self) -> dict | None:
+        """With LoRA: the base's folder, a fingerprint of its weights and its quantisation."""
+        return self.lora.identity if self.lora is not None else None

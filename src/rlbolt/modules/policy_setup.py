@@ -25,12 +25,13 @@ from flax import nnx
 from rlbolt.config import ConfigError, RunConfig, load_config
 from rlbolt.distributed.mesh import MeshError
 from rlbolt.modules import lm_ops
+from rlbolt.modules.lora_policy import LoraHooks
 from rlbolt.modules.prompts import PromptEncoder, builtin_tokenizer
 from rlbolt.modules.rewarding import build_reward
 from rlbolt.setup_context import SetupContext
 
 
-class PolicySetup:
+class PolicySetup(LoraHooks):
     """The set-up and parameter hooks of `LMPolicyModule` (a mixin; see the module docstring)."""
 
     def setup(self, context: SetupContext) -> None:
@@ -113,18 +114,6 @@ class PolicySetup:
     def init_params(self, rng: jax.Array) -> Any:
         """The trainable pytree: the model's parameters, or only the LoRA adapters (model.lora)."""
         return self.lora.adapters if self.lora is not None else super().init_params(rng)
-
-    def frozen_params(self) -> Any:
-        """With LoRA, the base (trained never, differentiated never); else None."""
-        return self.lora.base if self.lora is not None else None
-
-    def with_frozen(self, params: Any, frozen: Any) -> Any:
-        """With LoRA, the adapters joined with the base into the adapted model's State."""
-        return self.lora.join(params, frozen) if self.lora is not None else params
-
-    def frozen_identity(self) -> dict | None:
-        """With LoRA: the base's folder, a fingerprint of its weights and its quantisation."""
-        return self.lora.identity if self.lora is not None else None
 
     def full_params(self, params: Any) -> Any:
         """`params` as the producer-side hooks get them (the trainable pytree) joined with the

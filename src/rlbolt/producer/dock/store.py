@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 
 from rlbolt.batch import Batch
-from rlbolt.dock.columns import ColumnStore, as_arrays, common_size, few
-from rlbolt.dock.queues import StageQueue, StageStats, units_of
-from rlbolt.dock.selection import DockError, balance_units
+from rlbolt.producer.dock.columns import ColumnStore, as_arrays, common_size, few
+from rlbolt.producer.dock.queues import StageQueue, StageStats, units_of
+from rlbolt.producer.dock.selection import DockError, balance_units
 
 
 class DockClosed(RuntimeError):

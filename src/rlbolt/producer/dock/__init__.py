@@ -1,6 +1,6 @@
 """The ExperienceDock: a column store between pipeline stages (MindSpeed-RL's TransferDock idea).
 
-    from rlbolt.dock import ExperienceDock
+    from rlbolt.producer.dock import ExperienceDock
     dock = ExperienceDock({"logps": ("completion_ids",), "train": ("completion_ids", "old_logps")})
 
 `store.py` holds the dock (the registry of samples and batches, waiting, the calls);
@@ -9,8 +9,8 @@ samples, lock and counters; `selection.py` the pure rules of what a `get` takes 
 up to n) and how it orders them (balanced micro-batch lengths).
 """
 
-from rlbolt.dock.selection import DockError, balanced_order
-from rlbolt.dock.queues import StageStats
-from rlbolt.dock.store import DockClosed, ExperienceDock, Taken
+from rlbolt.producer.dock.selection import DockError, balanced_order
+from rlbolt.producer.dock.queues import StageStats
+from rlbolt.producer.dock.store import DockClosed, ExperienceDock, Taken
 
 __all__ = ["DockClosed", "DockError", "ExperienceDock", "StageStats", "Taken", "balanced_order"]

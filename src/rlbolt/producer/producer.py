@@ -47,14 +47,14 @@ import numpy as np
 from rlbolt.batch import STAGE_SCHEMAS, Batch, check_stage
 from rlbolt.data.source import PromptSource
 from rlbolt.distributed.sharding import DataShare
-from rlbolt.dock import DockClosed, ExperienceDock
-from rlbolt.handoff import INDEX_COLUMN, added_columns, gather_round, kept_samples, step_rows, with_rewards
+from rlbolt.producer.dock import DockClosed, ExperienceDock
+from rlbolt.producer.handoff import INDEX_COLUMN, added_columns, gather_round, kept_samples, step_rows, with_rewards
 from rlbolt.module import RLModule, collect_log_values, mean_logs
 from rlbolt.plan import BatchPlan
-from rlbolt.prefetch import _POLL_S, ProducerStopped, StageThreads
+from rlbolt.producer.stage_threads import _POLL_S, ProducerStopped, StageThreads
 from rlbolt.timeline import Timeline
 from rlbolt.utils.xla_flags import release_freed_host_memory
-from rlbolt.weights import WeightStore
+from rlbolt.producer.weights import WeightStore
 
 # The columns a sample needs before each stage may take it ("reward" runs only for a module
 # that overrides on_reward; "advantage" then also waits for its rewards).

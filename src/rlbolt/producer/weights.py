@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from rlbolt.prefetch import StageThreads
+from rlbolt.producer.stage_threads import StageThreads
 
 
 class WeightStore:

@@ -10,7 +10,7 @@ import dataclasses
 import threading
 from collections.abc import Iterator, Mapping
 
-from rlbolt.dock.selection import Choice, DockError, choose
+from rlbolt.producer.dock.selection import Choice, DockError, choose
 
 
 @dataclasses.dataclass

@@ -35,8 +35,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from rlbolt.callbacks import checkpoint_integrity as integrity
-from rlbolt.callbacks.checkpoint_integrity import CheckpointCorrupt
+from rlbolt.checkpointing import integrity
+from rlbolt.checkpointing.integrity import CheckpointCorrupt
 from rlbolt.utils.files import write_text_atomic
 
 STATE, META, RETAINED = "state", "meta", "retained_weights"

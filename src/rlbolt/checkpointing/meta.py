@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from rlbolt.callbacks.checkpoint_integrity import CheckpointCorrupt
+from rlbolt.checkpointing.integrity import CheckpointCorrupt
 from rlbolt.utils.files import to_plain
 
 FORMAT_VERSION = 2

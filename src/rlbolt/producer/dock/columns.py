@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from rlbolt.batch import Batch
-from rlbolt.dock.selection import DockError
+from rlbolt.producer.dock.selection import DockError
 
 
 class _Column:
