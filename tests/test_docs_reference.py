@@ -140,3 +140,22 @@ def test_every_public_class_and_function_has_a_docstring():
             if (inspect.isclass(obj) or inspect.isfunction(obj)) and not inspect.getdoc(obj):
                 missing.append(f"{module_name}.{name}")
     assert not missing, f"public objects without a docstring (the reference would show nothing): {missing}"
+
+
+def test_package_pages_link_every_direct_submodule_to_its_page():
+    gen = _generator()
+    pages = gen.public_modules()
+    paths = {gen.page_path(name, package).as_posix() for name, package in pages.items()}
+    for name, package in pages.items():
+        if not package:
+            continue
+        children = gen.children_of(name, pages)
+        text = gen.page_text(name, package, children)
+        here = gen.page_path(name, package).parent
+        links = re.findall(r"\]\(([^)]+)\)", text)
+        assert len(links) == len(children), name
+        for link in links:
+            assert (here / link).as_posix() in paths, f"{name}'s page links {link}, which is no page"
+    dock = gen.children_of("rlbolt.dock", pages)
+    assert set(dock) == {"rlbolt.dock.columns", "rlbolt.dock.queues", "rlbolt.dock.selection", "rlbolt.dock.store"}
+    assert gen.summary("rlbolt.dock.store", False).startswith("ExperienceDock: ")
