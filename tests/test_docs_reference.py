@@ -156,6 +156,9 @@ def test_package_pages_link_every_direct_submodule_to_its_page():
         assert len(links) == len(children), name
         for link in links:
             assert (here / link).as_posix() in paths, f"{name}'s page links {link}, which is no page"
-    dock = gen.children_of("rlbolt.dock", pages)
-    assert set(dock) == {"rlbolt.dock.columns", "rlbolt.dock.queues", "rlbolt.dock.selection", "rlbolt.dock.store"}
-    assert gen.summary("rlbolt.dock.store", False).startswith("ExperienceDock: ")
+    import rlbolt.dock
+
+    direct = {f"rlbolt.dock.{info.name}" for info in pkgutil.iter_modules(rlbolt.dock.__path__) if _public(info.name)}
+    assert set(gen.children_of("rlbolt.dock", pages)) == direct and direct
+    paragraph = inspect.getdoc(importlib.import_module("rlbolt.dock.store")).split("\n\n")[0]
+    assert gen.summary("rlbolt.dock.store", False) == " ".join(paragraph.split()).split(". ")[0].rstrip(".") + "."
