@@ -45,7 +45,7 @@ def summary(name: str, package: bool) -> str:
 
 
 def page_path(name: str, package: bool) -> Path:
-    """Where a module's page goes, under `reference/`: rlbolt/dock/store.md, rlbolt/dock/index.md."""
+    """Where a module's page goes, under `reference/`: rlbolt/producer/dock/store.md, rlbolt/producer/dock/index.md."""
     parts = name.split(".")
     return Path(*parts, "index.md") if package else Path(*parts[:-1], parts[-1] + ".md")
 

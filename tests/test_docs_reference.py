@@ -57,11 +57,11 @@ def test_page_paths_are_distinct_and_packages_become_index_pages():
     pages = gen.public_modules()
     paths = [gen.page_path(name, package) for name, package in pages.items()]
     assert len(set(paths)) == len(paths)
-    assert gen.page_path("rlbolt.dock", True).as_posix() == "rlbolt/dock/index.md"
-    assert gen.page_path("rlbolt.dock.store", False).as_posix() == "rlbolt/dock/store.md"
-    text = gen.page_text("rlbolt.dock.store", False)
-    assert re.search(r"^::: rlbolt\.dock\.store$", text, re.M)
-    assert "members: false" in gen.page_text("rlbolt.dock", True)
+    assert gen.page_path("rlbolt.producer.dock", True).as_posix() == "rlbolt/producer/dock/index.md"
+    assert gen.page_path("rlbolt.producer.dock.store", False).as_posix() == "rlbolt/producer/dock/store.md"
+    text = gen.page_text("rlbolt.producer.dock.store", False)
+    assert re.search(r"^::: rlbolt\.producer\.dock\.store$", text, re.M)
+    assert "members: false" in gen.page_text("rlbolt.producer.dock", True)
 
 
 def _documented(module_name: str) -> set[str]:
@@ -86,9 +86,14 @@ def test_every_exported_name_is_defined_in_a_module_with_a_page():
     assert not missing, f"exported but on no reference page (defined in a private module?): {missing}"
 
 
-def _algorithm_names() -> dict[str, str]:
-    from rlbolt.modules import MODULES as READY
+def _ready_algorithms() -> dict[str, type]:
+    from rlbolt.config import algorithm_class, algorithm_names
 
+    return {name: algorithm_class(name) for name in algorithm_names()}
+
+
+def _algorithm_names() -> dict[str, str]:
+    READY = _ready_algorithms()
     spelled = {"drgrpo": "Dr.GRPO", "reinforcepp": "REINFORCE++"}
     return {key: spelled.get(key, key.upper()) for key in READY}
 
@@ -107,8 +112,7 @@ def test_mentions_tells_algorithm_names_apart(text, spelling, expected):
 
 
 def test_no_method_shows_a_docstring_that_describes_another_algorithm():
-    from rlbolt.modules import MODULES as READY
-
+    READY = _ready_algorithms()
     names = _algorithm_names()
     own_key = {cls: key for key, cls in READY.items()}
     wrong = []
@@ -156,9 +160,9 @@ def test_package_pages_link_every_direct_submodule_to_its_page():
         assert len(links) == len(children), name
         for link in links:
             assert (here / link).as_posix() in paths, f"{name}'s page links {link}, which is no page"
-    import rlbolt.dock
+    import rlbolt.producer.dock
 
-    direct = {f"rlbolt.dock.{info.name}" for info in pkgutil.iter_modules(rlbolt.dock.__path__) if _public(info.name)}
-    assert set(gen.children_of("rlbolt.dock", pages)) == direct and direct
-    paragraph = inspect.getdoc(importlib.import_module("rlbolt.dock.store")).split("\n\n")[0]
-    assert gen.summary("rlbolt.dock.store", False) == " ".join(paragraph.split()).split(". ")[0].rstrip(".") + "."
+    direct = {f"rlbolt.producer.dock.{info.name}" for info in pkgutil.iter_modules(rlbolt.producer.dock.__path__) if _public(info.name)}
+    assert set(gen.children_of("rlbolt.producer.dock", pages)) == direct and direct
+    paragraph = inspect.getdoc(importlib.import_module("rlbolt.producer.dock.store")).split("\n\n")[0]
+    assert gen.summary("rlbolt.producer.dock.store", False) == " ".join(paragraph.split()).split(". ")[0].rstrip(".") + "."
