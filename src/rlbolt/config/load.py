@@ -121,6 +121,14 @@ def resolve(cfg: RunConfig) -> RunConfig:
     chosen = algorithm_defaults(algo.name, cfg)
     fills = {k: v for k, v in chosen.items() if getattr(algo, k, None) is None}
     algo = dataclasses.replace(algo, **fills)
+    if algo.importance_cap is not None and algo.rollout_correction not in (None, "tis"):
+        raise ConfigError(f"algorithm.importance_cap={algo.importance_cap} is rollout_correction=tis, but "
+                          f"rollout_correction={algo.rollout_correction}; set one of them")
+    if algo.rollout_correction is None:  # a non-native engine's logps are not the trainer's: correct by default
+        correct = algo.importance_cap is not None or cfg.rollout.engine != "native"
+        algo = dataclasses.replace(algo, rollout_correction="tis" if correct else "none")
+    if algo.importance_cap is not None:
+        algo = dataclasses.replace(algo, rollout_correction_cap=algo.importance_cap)
     plan = cfg.plan
     if plan.max_refill_rounds is None:
         plan = dataclasses.replace(plan, max_refill_rounds=4 if algo.dynamic_sampling else 0)

@@ -5,6 +5,7 @@ names the fields and the fix. Imports no JAX unless a rule needs it (placement, 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import TYPE_CHECKING, Any
 
 from rlbolt.config.fields import ConfigError
@@ -13,6 +14,9 @@ from rlbolt.config.sections import METRIC_WRITERS, REWARD_TERMS
 if TYPE_CHECKING:
     from rlbolt.config.sections import RunConfig
 
+
+
+_REFERENCE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
 
 def check_rules(cfg: RunConfig) -> None:
@@ -51,6 +55,8 @@ def check_rules(cfg: RunConfig) -> None:
     if t.val_every_n_steps is not None and not has_val:
         raise ConfigError(f"trainer.val_every_n_steps={t.val_every_n_steps} but the run has no validation rows; "
                           "set data.val (or data.builtin_val_rows > 0), or trainer.val_every_n_steps=null")
+    if r.engine not in ("native", "vllm") and not _REFERENCE.fullmatch(r.engine):
+        raise ConfigError(f"rollout.engine={r.engine!r}: use native, vllm, or a factory 'package.module:make_engine'")
     _check_mode(cfg)
     if t.placement != "colocated":
         _check_placement(t.placement)

@@ -33,7 +33,7 @@ from rlbolt.models import Decoder, tiny_config
 from rlbolt.module import RLModule
 from rlbolt.modules.lora_policy import LoraHooks
 from rlbolt.plan import PlanError
-from rlbolt.rollout.sampler import NativeSampler
+from rlbolt.rollout.engines import EngineHandle, EngineSpec, build_engine
 
 DIGITS = "0123456789"
 
@@ -79,8 +79,8 @@ class DigitsGRPO(LoraHooks, RLModule):
                                         max_position_embeddings=2 * config.num_digits + 2)
         self.graphdef = None
         self.lora = None  # a LoraPolicy when config.lora_rank is set
-        self._sampler: NativeSampler | None = None
-        self._sampler_lock = threading.Lock()  # rollout (producer thread) and validation share it
+        self._engine: EngineHandle | None = None
+        self._engine_lock = threading.Lock()  # rollout (producer thread) and validation share it
 
     @property
     def model(self) -> Decoder:
@@ -105,8 +105,9 @@ class DigitsGRPO(LoraHooks, RLModule):
             self._model = self.lora.policy_model
         self.graphdef, params = nnx.split(self._model, nnx.Param)
         prompt_len = self.config.num_digits + 1  # every prompt has this length: one bucket, no padding
-        self._sampler = NativeSampler(self._model, max_new_tokens=self.config.num_digits,
-                                      temperature=self.config.temperature, prompt_buckets=(prompt_len,))
+        spec = EngineSpec(max_new_tokens=self.config.num_digits, temperature=self.config.temperature,
+                          prompt_width=prompt_len)
+        self._engine = EngineHandle(build_engine("native", self._model, spec))
         return self.lora.adapters if self.lora is not None else params
 
     def hf_model(self, params: nnx.State) -> Decoder:
@@ -115,22 +116,24 @@ class DigitsGRPO(LoraHooks, RLModule):
             return self.lora.merged_model(params)
         return nnx.merge(self.graphdef, params)
 
-    def generate(self, params: nnx.State, prompts: list[str], sample_keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Samples one completion per prompt with the NativeSampler.
+    def generate(self, params: nnx.State, prompts: list[str], sample_keys: np.ndarray,
+                 version: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Samples one completion per prompt with the rollout engine (rlbolt's native sampler).
 
         Args:
           params: the policy parameters to sample with.
           prompts: N prompt strings.
           sample_keys: [N, 2] uint32 raw keys, one per sample.
+          version: the policy version of `params` (None: the engine's latest, for validation).
 
         Returns:
           (prompt_ids [N, P] int32, completion_ids [N, C] int32, sampler logps [N, C] float32).
         """
         prompt_ids = np.asarray([self.tokenizer.encode(p) for p in prompts], np.int32)
-        with self._sampler_lock:
-            self._sampler.update_weights(self.with_frozen(params, self.frozen_params()), 0)
-            out = self._sampler.generate(prompt_ids, np.asarray(sample_keys, np.uint32),
-                                         prompt_mask=np.ones_like(prompt_ids, bool))
+        with self._engine_lock:
+            version = self._engine.version if version is None else version
+            out = self._engine.generate(self.with_frozen(params, self.frozen_params()), version, prompt_ids.tolist(),
+                                        np.asarray(sample_keys, np.uint32))
         return prompt_ids, np.asarray(out.completion_ids, np.int32), np.asarray(out.logps, np.float32)
 
     def check_plan(self, plan) -> None:
@@ -170,7 +173,8 @@ class DigitsGRPO(LoraHooks, RLModule):
 
     # -- hooks ------------------------------------------------------------------------------------
     def on_rollout(self, params: nnx.State, batch: Batch) -> Batch:
-        prompt_ids, tokens, logps = self.generate(params, list(batch["prompt"]), batch["sample_keys"])
+        prompt_ids, tokens, logps = self.generate(params, list(batch["prompt"]), batch["sample_keys"],
+                                                  version=int(np.asarray(batch["policy_version"])[0]))
         return batch.with_columns(
             prompt_ids=prompt_ids, prompt_mask=np.ones_like(prompt_ids, bool),
             completion_ids=tokens, completion_mask=np.ones_like(tokens, bool),

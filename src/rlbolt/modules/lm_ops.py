@@ -68,38 +68,3 @@ def token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, compl
                                         completion_mask, temperature=temperature, group_size=group_size)
     return _token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
                         temperature=temperature, group_size=group_size)
-
-
-class SamplerHandle:
-    """A NativeSampler plus the policy version it last received, so weights move only on change."""
-
-    def __init__(self, model: Decoder, **options: Any):
-        from rlbolt.rollout import NativeSampler
-
-        self.sampler = NativeSampler(model, **options)
-        self._params = None
-        self._template = self.sampler._params  # the model's own arrays: holding them costs nothing
-
-    def generate(self, params: Any, prompt_ids: list[list[int]], keys: np.ndarray, *, keep: bool = True, **opts: Any):
-        """Samples with `params`; `keep=False` lets go of them afterwards (transient merged weights)."""
-        if params is not self._params:  # a new params pytree: hand it over (held, so `is` stays valid)
-            self.sampler.update_weights(params, 0)
-            self._params = params
-        out = self.sampler.generate(prompt_ids, keys, **opts)
-        if not keep:
-            self.sampler.update_weights(self._template, 0)
-            self._params = None
-        return out
-
-
-def make_sampler(model: Decoder, *, prompt_width: int, **options: Any) -> SamplerHandle:
-    """The rollout engine for a Decoder.
-
-    Args:
-      model: the policy model (its weights are replaced by each `generate`'s params).
-      prompt_width: the longest prompt; prompt buckets are powers of two up to it.
-      **options: NativeSampler options (max_new_tokens, temperature, top_k, top_p, stop_token_ids,
-        pad_id, sharding).
-    """
-    buckets = tuple(sorted({b for b in (32, 64, 128, 256, 512, 1024, 2048, 4096) if b < prompt_width} | {prompt_width}))
-    return SamplerHandle(model, prompt_buckets=buckets, **options)

@@ -31,7 +31,7 @@ import optax
 from flax import nnx
 
 from rlbolt.algorithms import LossAggregation, aggregate_loss, clipped_surrogate, kl_penalty, overlong_penalty
-from rlbolt.algorithms import grpo_advantages, truncated_importance_weights
+from rlbolt.algorithms import grpo_advantages, rollout_correction
 from rlbolt.batch import Batch
 from rlbolt.config import RunConfig, config_to_dict
 from rlbolt.module import RLModule
@@ -41,6 +41,10 @@ from rlbolt.modules.policy_setup import PolicySetup, _config_for, replace_sectio
 from rlbolt.modules.prompt_sharing import require_shared_layout, stage_group_size
 from rlbolt.modules.prompts import rows_of
 from rlbolt.modules.rewarding import answer_score, score_shared
+from rlbolt.config import ConfigError
+from rlbolt.config.references import import_reference
+from rlbolt.rollout.engine import RolloutEngine
+from rlbolt.rollout.engines import BUILT_IN, EngineHandle, EngineSpec, build_engine
 
 # Columns the framework adds; every other column of an arriving batch is a prompt-row field.
 _FRAMEWORK_COLUMNS = frozenset({
@@ -59,11 +63,15 @@ class LMPolicyModule(PolicySetup, RLModule):
       model: an `rlbolt.models.Decoder` to train instead of building one from `config.model`.
       tokenizer: a tokenizer instead of the one `config.model` names.
       reward: a `RewardFn` or `WeightedReward` instead of `config.reward.weights`.
+      engine: the rollout engine instead of `config.rollout.engine`: a name ("native", "vllm"), a
+        factory `(model, EngineSpec) -> RolloutEngine`, or a RolloutEngine instance. The module
+        calls it only through the protocol (`rlbolt.rollout.engines`).
     """
 
     kl_in_loss = True  # False: the KL is folded into the reward instead (REINFORCE++, RLOO, PPO)
 
-    def __init__(self, config: RunConfig | Mapping | None = None, *, model=None, tokenizer=None, reward=None):
+    def __init__(self, config: RunConfig | Mapping | None = None, *, model=None, tokenizer=None, reward=None,
+                 engine=None):
         self.config = _config_for(type(self), config)
         self.algo, self.rollout_cfg = self.config.algorithm, self.config.rollout
         self.hparams = {k: v for k, v in config_to_dict(self.config).items() if k in ("algorithm", "rollout", "reward")}
@@ -73,8 +81,9 @@ class LMPolicyModule(PolicySetup, RLModule):
         self.sharding = None  # the trainer's ShardingPlan, from setup
         self.lora = None  # a LoraPolicy when config.model.lora is set
         self.train_group_size = 1  # G when the training forward runs each group's prompt once (setup)
-        self._sampler_lock = threading.Lock()  # validation (main thread) and rollout (producer) share it
-        self._sampler = None
+        self._engine_lock = threading.Lock()  # validation (main thread) and rollout (producer) share it
+        self._engine_choice = engine if engine is not None else self.config.rollout.engine
+        self._engine: EngineHandle | None = None  # built on first use (rollout_engine)
 
     # -- plan and optimizer -----------------------------------------------------------------------
     def check_plan(self, plan) -> None:
@@ -126,28 +135,49 @@ class LMPolicyModule(PolicySetup, RLModule):
         `completion_text` (object [N])."""
         rows = rows_of(batch, [k for k in _row_fields(batch) if k != "prompt_index"])
         ids = self.encoder.encode_rows(rows)
-        out = self._generate(params, ids, batch["sample_keys"], self.rollout_cfg.temperature)
+        out = self._generate(params, ids, batch["sample_keys"], self.rollout_cfg.temperature,
+                             version=int(np.asarray(batch["policy_version"])[0]))
         prompt_ids, prompt_mask = self.encoder.pad_left(ids)
         return batch.with_columns(
             prompt_ids=prompt_ids, prompt_mask=prompt_mask,
             completion_ids=out.completion_ids, completion_mask=out.completion_mask,
             sampler_logps=out.logps, completion_text=self._decode(out.completion_ids, out.completion_mask))
 
-    def _generate(self, params: Any, ids: list[list[int]], keys: Any, temperature: float):
-        with self._sampler_lock:
-            if self._sampler is None:
-                r = self.rollout_cfg
-                self._sampler = lm_ops.make_sampler(
-                    self._rollout_model(), max_new_tokens=r.max_new_tokens,
-                    temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-                    stop_token_ids=(self.tokenizer.eos_id,) if r.stop_at_eos else (),
-                    pad_id=self.tokenizer.pad_id, prompt_width=self.encoder.width,
-                    sharding=self.context.sharding_for("rollout"), share_prompts=self.config.model.share_prompt)
+    def rollout_engine(self) -> EngineHandle:
+        """The module's rollout engine (built on first use from `rollout.engine` or `engine=`),
+        behind an EngineHandle: only the RolloutEngine protocol is used."""
+        if self._engine is None:
+            choice, r = self._engine_choice, self.rollout_cfg
+            model = self._rollout_model()
+            if isinstance(choice, RolloutEngine):
+                engine = choice
+            else:
+                if isinstance(choice, str) and choice not in BUILT_IN:
+                    choice = import_reference(choice, "rollout.engine")
+                if choice == "vllm" and self.lora is not None and not self.lora.merge_for_rollout:
+                    raise ConfigError("rollout.engine=vllm takes plain weights: set model.lora.rollout=merged (the "
+                                      "adapters are merged into the base before each push)")
+                spec = EngineSpec(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
+                                  top_p=r.top_p, stop_token_ids=(self.tokenizer.eos_id,) if r.stop_at_eos else (),
+                                  pad_id=self.tokenizer.pad_id, prompt_width=self.encoder.width,
+                                  model_path=self.config.model.path, param_dtype=self.config.model.param_dtype,
+                                  sharding=self.context.sharding_for("rollout"),
+                                  share_prompts=self.config.model.share_prompt)
+                engine = build_engine(choice, model, spec)
+            # merged kernels are a transient copy: the engine lets go of them after each call
+            release = nnx.state(model) if self.lora is not None and self.lora.merge_for_rollout else None
+            self._engine = EngineHandle(engine, release=release)
+        return self._engine
+
+    def _generate(self, params: Any, ids: list[list[int]], keys: Any, temperature: float, *, version: int | None = None):
+        with self._engine_lock:
+            handle = self.rollout_engine()
+            version = handle.version if version is None else version  # validation: the latest weights' stamp
             lm_params = self.policy_params(self.full_params(params))
-            if self.lora is not None:  # merged kernels are a transient copy: the sampler lets go of them
-                return self._sampler.generate(self.lora.rollout_params(lm_params), ids, np.asarray(keys, np.uint32),
-                                              temperature=temperature, keep=not self.lora.merge_for_rollout)
-            return self._sampler.generate(lm_params, ids, np.asarray(keys, np.uint32), temperature=temperature)
+            if self.lora is not None:
+                lm_params = self.lora.rollout_params(lm_params)
+            return handle.generate(lm_params, version, ids, np.asarray(keys, np.uint32), temperature=temperature,
+                                   keep=self.lora is None or not self.lora.merge_for_rollout)
 
     def _rollout_model(self) -> Any:
         """The model the sampler runs: on its own devices (placement), a view of it whose
@@ -201,20 +231,28 @@ class LMPolicyModule(PolicySetup, RLModule):
         return np.asarray(x if self.sharding is None else self.sharding.local_rows(x), np.float32)
 
     def compute_logps(self, params: Any, batch: Batch) -> Batch:
-        """Adds `old_logps` (a forward pass only when num_iterations > 1 or importance
-        weights are on; else the sampler's), `ref_logps` when beta > 0, and `importance_weights`
-        ([N, C], truncated old/sampler ratios) when `algorithm.importance_cap` is set."""
+        """Adds `old_logps` (a forward pass when num_iterations > 1 or a rollout correction is on;
+        else the sampler's), `ref_logps` when beta > 0, and `importance_weights` [N, C] when
+        `algorithm.rollout_correction` corrects the engine's logps toward the trainer's
+        (`rlbolt.algorithms.rollout_correction`: 0 on dropped tokens; its metrics are logged)."""
         inputs = self._rows_on_mesh(batch)
         cols: dict[str, Any] = {}
-        forward_old = self.context.plan.num_iterations > 1 or self.algo.importance_cap is not None
+        correcting = self.algo.rollout_correction != "none"
+        forward_old = self.context.plan.num_iterations > 1 or correcting
         lm_params = self.policy_params(self.full_params(params))
         group = self.logps_group_size(batch) if forward_old or self.algo.beta > 0 else 1
         old = self._local(self._logps(lm_params, *inputs, group_size=group)) if forward_old else batch["sampler_logps"]
         cols["old_logps"] = np.asarray(old, np.float32)
-        if self.algo.importance_cap is not None:
-            cols["importance_weights"] = np.asarray(truncated_importance_weights(
-                jnp.asarray(old), batch["sampler_logps"], jnp.asarray(batch["completion_mask"]),
-                self.algo.importance_cap), np.float32)
+        if correcting:
+            a = self.algo
+            weights, keep, metrics = rollout_correction(
+                jnp.asarray(old), jnp.asarray(batch["sampler_logps"]), jnp.asarray(batch["completion_mask"]),
+                mode=a.rollout_correction, level=a.rollout_correction_level, cap=a.rollout_correction_cap)
+            # A dropped token keeps its place in the normaliser with weight 0, so the loss's scale does not
+            # depend on how many tokens were dropped (verl instead removes them from the mask).
+            cols["importance_weights"] = np.asarray(jnp.where(keep, weights, 0.0), np.float32)
+            for name, value in metrics.items():
+                self.log(name, float(value))
         if self.reference is not None:  # on the reference's own devices (its forward runs unshared)
             cols["ref_logps"] = self.reference.logps(self.ref_params, batch)
         elif self.ref_params is not None:
