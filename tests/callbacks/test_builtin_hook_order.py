@@ -20,7 +20,7 @@ from rlbolt.trainer import Trainer
 
 def _record(callback: Callback, trace: list) -> Callback:
     name, active = type(callback).__name__, []
-    for hook in HOOKS:
+    for hook in (*HOOKS, "step_metrics"):
         if getattr(type(callback), hook) is getattr(Callback, hook):
             continue  # not overridden: CallbackList never calls it
         original = getattr(callback, hook)
@@ -57,9 +57,10 @@ def test_every_builtin_callback_in_declared_order(tmp_path):
     trainer.fit(module, rows)
 
     # Declared orders: NaNGuard -30; Throughput, LearningRateMonitor -20 (list order between them);
-    # order 0 in list order; ModelCheckpoint 10; Evaluation 20.
-    step_end = ["NaNGuard.on_step_end", "Throughput.on_step_end", "LearningRateMonitor.on_step_end",
-                "HFExport.on_step_end", "EarlyStopping.on_step_end", "LogFile.on_step_end",
+    # order 0 in list order; ModelCheckpoint 10; Evaluation 20. The metric producers add theirs
+    # (step_metrics) before any on_step_end sees the step.
+    step_end = ["NaNGuard.step_metrics", "Throughput.step_metrics", "LearningRateMonitor.step_metrics",
+                "NaNGuard.on_step_end", "HFExport.on_step_end", "EarlyStopping.on_step_end", "LogFile.on_step_end",
                 "ProgressBar.on_step_end", "MetricsLogger.on_step_end", "ModelCheckpoint.on_step_end",
                 "Evaluation.on_step_end",
                 # Evaluation validates; every listener hears it, in order:
