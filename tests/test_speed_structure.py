@@ -20,6 +20,7 @@ from rlbolt.models import Decoder, tiny_config
 from rlbolt.modules import GRPO
 from rlbolt.plan import BatchPlan
 from rlbolt.setup_context import SetupContext
+from rlbolt.rollout.logps import sequence_logps
 from rlbolt.trainer import Trainer
 from rlbolt.update import add_mini_batch_totals
 
@@ -121,7 +122,8 @@ def test_logps_and_training_step_memory_stay_under_full_logits():
     columns = {k: jax.ShapeDtypeStruct(s, d) for k, (s, d) in shapes.items()}
     full_logits_bytes = batch * (prompt_len + new_tokens) * vocab * 4  # [B, T, V] float32
 
-    logps_fn = jax.jit(module._forward_logps, static_argnames="with_entropy")
+    logps_fn = jax.jit(lambda p, *inputs, with_entropy: sequence_logps(module.graphdef, p, *inputs, with_entropy=with_entropy,
+                                                                        temperature=1.0), static_argnames="with_entropy")
     inputs = [columns[k] for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")]
     logps_temp = logps_fn.lower(params, *inputs, with_entropy=False).compile().memory_analysis().temp_size_in_bytes
 

@@ -10,8 +10,6 @@ from flax import nnx
 
 from rlbolt.models import Decoder, tiny_config
 from rlbolt.rewards import RewardRunner
-from rlbolt.rollout.logps import token_logps as _token_logps
-from rlbolt.rollout.logps import token_logps_and_entropy as _token_logps_and_entropy
 
 
 def load_tokenizer(folder: str):
@@ -57,14 +55,3 @@ def reward_runner(reward, reward_cfg) -> RewardRunner:
     return RewardRunner(reward, timeout_s=reward_cfg.timeout_s, penalty=reward_cfg.penalty,
                         max_workers=reward_cfg.max_workers, executor=reward_cfg.executor,
                         max_failed_batches=reward_cfg.max_failed_batches)
-
-
-def token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
-                temperature: float, with_entropy: bool, group_size: int = 1):
-    """(logps [B, C], entropy [B, C] or None) of the completion tokens (chunked; jittable);
-    `group_size` G > 1 runs each group of G consecutive rows' shared prompt once."""
-    if with_entropy:
-        return _token_logps_and_entropy(graphdef, params, prompt_ids, prompt_mask, completion_ids,
-                                        completion_mask, temperature=temperature, group_size=group_size)
-    return _token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                        temperature=temperature, group_size=group_size)

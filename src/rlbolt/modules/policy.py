@@ -35,7 +35,6 @@ from rlbolt.algorithms import grpo_advantages, rollout_correction
 from rlbolt.batch import Batch
 from rlbolt.config import RunConfig, config_to_dict
 from rlbolt.module import RLModule
-from rlbolt.modules import lm_ops
 from rlbolt.plan import PlanError
 from rlbolt.modules.policy_setup import PolicySetup, _config_for, replace_section  # noqa: F401 (re-export)
 from rlbolt.modules.prompt_sharing import require_shared_layout, stage_group_size
@@ -44,6 +43,7 @@ from rlbolt.modules.rewarding import answer_score, score_shared
 from rlbolt.config import ConfigError
 from rlbolt.config.references import import_reference
 from rlbolt.rollout.engine import RolloutEngine
+from rlbolt.rollout.logps import sequence_logps
 from rlbolt.rollout.engines import BUILT_IN, EngineHandle, EngineSpec, build_engine
 
 # Columns the framework adds; every other column of an arriving batch is a prompt-row field.
@@ -197,11 +197,6 @@ class LMPolicyModule(PolicySetup, RLModule):
         return texts
 
     # -- logps --------------------------------------------------------------------------------------
-    def _forward_logps(self, lm_params: Any, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
-                       with_entropy: bool, group_size: int = 1):
-        return lm_ops.token_logps(self.graphdef, lm_params, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                  temperature=self._train_temperature, with_entropy=with_entropy, group_size=group_size)
-
     def logps_group_size(self, batch: Batch) -> int:
         """The group size a logps forward over `batch` shares prompts over (1: unshared); the
         batch's layout is checked first (prompt_sharing.py)."""
@@ -331,8 +326,9 @@ class LMPolicyModule(PolicySetup, RLModule):
 
     def forward(self, params: Any, batch: Batch) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
         """One policy forward: (logps [N, C], entropy [N, C], aux) where aux feeds `extra_loss`."""
-        logps, entropy = self._forward_logps(self.policy_params(params), *self._token_inputs(batch), with_entropy=True,
-                                             group_size=self.train_group_size)
+        logps, entropy = sequence_logps(self.graphdef, self.policy_params(params), *self._token_inputs(batch),
+                                        temperature=self._train_temperature, with_entropy=True,
+                                        group_size=self.train_group_size)
         return logps, entropy, {}
 
     def training_step(self, params: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:

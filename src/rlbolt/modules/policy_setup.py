@@ -8,7 +8,7 @@ counts what those parts hold beyond the trainable state. The parameter hooks (`i
 adapters and a frozen base shows; without LoRA they are the plain model's parameters.
 
 `PolicySetup` is a mixin of `LMPolicyModule` (policy.py) and relies on what that class defines:
-`config`, `algo`, `rollout_cfg` and the slots set in its `__init__`, and `_forward_logps`,
+`config`, `algo`, `rollout_cfg` and the slots set in its `__init__`, and
 `_group_size`, `_train_temperature` and `policy_params`.
 """
 
@@ -28,6 +28,7 @@ from rlbolt.modules import lm_ops
 from rlbolt.modules.lora_policy import LoraHooks
 from rlbolt.modules.prompts import PromptEncoder, builtin_tokenizer
 from rlbolt.modules.rewarding import build_reward
+from rlbolt.rollout.logps import token_logps
 from rlbolt.setup_context import SetupContext
 
 
@@ -87,12 +88,13 @@ class PolicySetup(LoraHooks):
         # mesh has one batch shard (prompt_sharing.py).
         self.train_group_size = self._group_size(context.plan.train_micro_batch_size, context.plan)
         rows = {} if self.sharding is None else {"out_shardings": self.sharding.batch_sharding()}
-        self._logps = jax.jit(functools.partial(self._forward_logps, with_entropy=False),
+        # compute_logps -> this jitted forward -> rlbolt.rollout.logps
+        self._logps = jax.jit(functools.partial(token_logps, self.graphdef, temperature=self._train_temperature),
                               static_argnames="group_size", **rows)
         if self.lora is not None:  # the reference is the base with the adapters off: no second copy
-            self._ref_logps = jax.jit(functools.partial(
-                lm_ops.token_logps, self.lora.base_graphdef, temperature=self._train_temperature, with_entropy=False),
-                static_argnames="group_size", **rows)
+            self._ref_logps = jax.jit(functools.partial(token_logps, self.lora.base_graphdef,
+                                                        temperature=self._train_temperature),
+                                      static_argnames="group_size", **rows)
 
     def memory_plan(self, sharding) -> dict[str, int]:
         """The frozen reference model (when beta > 0) or LoRA's frozen base, and the sampler's KV

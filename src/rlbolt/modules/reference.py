@@ -27,7 +27,7 @@ from rlbolt.batch import Batch
 from rlbolt.distributed.mesh import MeshError
 from rlbolt.distributed.placement import WeightSync
 from rlbolt.distributed.sharding import ShardingPlan
-from rlbolt.modules import lm_ops
+from rlbolt.rollout.logps import token_logps
 
 TOKEN_COLUMNS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
 
@@ -51,8 +51,7 @@ class PlacedReference:
         self.graphdef = nnx.split(view)[0]
         del view
         self.params = _move(nnx.state(model, nnx.Param), train_plan, plan)
-        self._forward = jax.jit(functools.partial(lm_ops.token_logps, self.graphdef, temperature=temperature,
-                                                  with_entropy=False),
+        self._forward = jax.jit(functools.partial(token_logps, self.graphdef, temperature=temperature),
                                 out_shardings=plan.batch_sharding())
 
     def logps(self, params: Any, batch: Batch) -> np.ndarray:

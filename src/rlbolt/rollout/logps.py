@@ -127,3 +127,15 @@ def token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, compl
                                       group_size)
     logps, _ = chunked_logps(hidden, weight, completion_ids.astype(jnp.int32), temperature, chunk_size, False)
     return jnp.where(completion_mask.astype(bool), logps, 0.0)
+
+
+def sequence_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
+                   temperature: float, with_entropy: bool, group_size: int = 1):
+    """(logps [B, C], entropy [B, C] or None) of the completion tokens: `token_logps_and_entropy`
+    when the entropy is wanted, else `token_logps` (jittable; `group_size` as there). The one
+    function the LM modules' logps and training forwards call."""
+    if with_entropy:
+        return token_logps_and_entropy(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                       temperature=temperature, group_size=group_size)
+    return token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                       temperature=temperature, group_size=group_size), None
