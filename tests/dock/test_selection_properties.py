@@ -40,7 +40,7 @@ def test_whole_groups_take_ready_groups_in_order_until_one_does_not_fit(case, n)
     if sizes.max() > n:
         n = int(sizes.max())  # a group larger than n is an error (tested in test_store)
     dock = build(groups, ready)
-    batch, got = dock.get("s", n=n, whole_groups=True, block=False)
+    batch, got = dock.get("s", n=n, whole_groups=True, timeout=0)
     # the rule, stated plainly: walk groups in order, skip those not all ready, stop at the
     # first ready group that would overshoot n
     expected = []
@@ -59,7 +59,7 @@ def test_whole_groups_take_ready_groups_in_order_until_one_does_not_fit(case, n)
         np.testing.assert_array_equal(batch["x"], got)
     else:
         assert batch.num_samples == 0 and not list(batch)  # nothing taken: an empty Batch
-    again = dock.get("s", n=n, whole_groups=True, block=False)[1]
+    again = dock.get("s", n=n, whole_groups=True, timeout=0)[1]
     assert not set(again.tolist()) & set(got.tolist())  # taken once
 
 
@@ -68,7 +68,7 @@ def test_whole_groups_take_ready_groups_in_order_until_one_does_not_fit(case, n)
 def test_n_larger_than_what_is_ready_takes_every_ready_sample(case, n):
     groups, ready = case
     dock = build(groups, ready)
-    _, got = dock.get("s", n=n, block=False)
+    _, got = dock.get("s", n=n, timeout=0)
     assert got.tolist() == np.flatnonzero(ready).tolist()[:n]
 
 

@@ -22,16 +22,16 @@ def dock_with(n=8, group=2, **kw):
 def test_a_stage_takes_only_ready_samples_once_and_in_order():
     dock, idx = dock_with()
     assert idx.tolist() == list(range(8))
-    batch, got = dock.get("train", n=4, block=False)  # nothing scored yet
+    batch, got = dock.get("train", n=4, timeout=0)  # nothing scored yet
     assert len(got) == 0 and batch.num_samples == 0
     dock.put({"score": np.array([0.5, 0.25, 0.125])}, [5, 1, 6])
-    batch, got = dock.get("train", n=2, block=False)
+    batch, got = dock.get("train", n=2, timeout=0)
     assert got.tolist() == [1, 5]  # the lowest ready indices, in index order
     np.testing.assert_array_equal(batch["text"], [10, 50])
     np.testing.assert_array_equal(batch["score"], [0.25, 0.5])  # rows follow their samples, not put order
-    batch, got = dock.get("train", n=5, block=False)
+    batch, got = dock.get("train", n=5, timeout=0)
     assert got.tolist() == [6]  # n larger than what is ready: what is ready
-    assert dock.get("train", n=5, block=False)[1].tolist() == []  # taken samples never come back
+    assert dock.get("train", n=5, timeout=0)[1].tolist() == []  # taken samples never come back
     batch, got = dock.get("score", n=3)
     assert got.tolist() == [0, 1, 2] and sorted(batch) == ["group_ids", "text"]
 
@@ -39,17 +39,17 @@ def test_a_stage_takes_only_ready_samples_once_and_in_order():
 def test_explicit_columns_are_required_and_returned():
     dock, _ = dock_with(4)
     dock.put({"score": np.ones(2)}, [2, 3])
-    batch, got = dock.get("score", columns=["text", "score"], n=4, block=False)
+    batch, got = dock.get("score", columns=["text", "score"], n=4, timeout=0)
     assert got.tolist() == [2, 3] and sorted(batch) == ["score", "text"]
 
 
 def test_whole_groups_are_never_split():
     dock, _ = dock_with(9, group=3)
     dock.put({"score": np.ones(4)}, [0, 1, 2, 3])  # group 0 complete, group 1 only partly
-    batch, got = dock.get("train", n=9, whole_groups=True, block=False)
+    batch, got = dock.get("train", n=9, whole_groups=True, timeout=0)
     assert got.tolist() == [0, 1, 2]
     dock.put({"score": np.ones(5)}, [4, 5, 6, 7, 8])
-    _, got = dock.get("train", n=5, whole_groups=True, block=False)
+    _, got = dock.get("train", n=5, whole_groups=True, timeout=0)
     assert got.tolist() == [3, 4, 5]  # the next group (6, 7, 8) would overshoot n=5
     with pytest.raises(DockError, match="group of 3 samples does not fit n=2"):
         dock.get("train", n=2, whole_groups=True)
@@ -96,7 +96,7 @@ def test_partial_false_takes_nothing_until_the_whole_request_is_ready():
     dock.put({"score": np.ones(3)}, [0, 1, 2])
     taken = dock.get("train", n=4, timeout=0.05, partial=False)
     assert taken.timed_out and taken.indices.tolist() == []  # 3 of 4: nothing taken
-    assert dock.get("train", n=4, block=False, partial=False).indices.tolist() == []
+    assert dock.get("train", n=4, timeout=0, partial=False).indices.tolist() == []
     dock.put({"score": np.ones(1)}, [3])
     assert dock.get("train", n=4, timeout=1, partial=False).indices.tolist() == [0, 1, 2, 3]
 
@@ -143,7 +143,7 @@ def test_errors_name_the_problem():
     dock.put({"score": np.ones(2)}, [0, 1])
     with pytest.raises(DockError, match=r"column 'score' of sample\(s\) \[1\] is already written \(a double write\)"):
         dock.put({"score": np.ones(2)}, [1, 2])
-    assert dock.get("train", n=4, block=False)[1].tolist() == [0, 1]  # the refused put wrote nothing
+    assert dock.get("train", n=4, timeout=0)[1].tolist() == [0, 1]  # the refused put wrote nothing
     with pytest.raises(DockError, match="indices repeat"):
         dock.put({"score": np.ones(2)}, [3, 3])
     with pytest.raises(DockError, match="3 rows for 2 indices"):
@@ -231,9 +231,9 @@ def test_samples_added_for_some_stages_only_reach_those_and_are_then_forgotten()
     # Rows entering mid-pipeline (e.g. another process's share, already scored): train only.
     late = dock.add({"text": np.array([7, 8]), "score": np.array([0.7, 0.8])}, key="step0", stages=["train"])
     assert late.tolist() == [4, 5]
-    _, got = dock.get("score", n=8, block=False)
+    _, got = dock.get("score", n=8, timeout=0)
     assert got.tolist() == [0, 1, 2, 3]  # "score" never sees them
-    batch, got = dock.get("train", n=8, block=False)
+    batch, got = dock.get("train", n=8, timeout=0)
     assert got.tolist() == [4, 5] and batch["score"].tolist() == [0.7, 0.8]
     dock.discard(idx)  # the unscored originals leave train's queue: every stage is done with everything
     assert len(dock) == 0

@@ -68,7 +68,7 @@ def run_stress(seconds: float, producers: int, consumers: int, seed: int) -> Log
             n = rng.randint(4 if whole else 1, 9)
             mode = rng.choice(["block", "timeout", "nowait"]) if not finishing else "block"
             batch, idx = dock.get(stage, n=n, whole_groups=whole, one_batch=rng.random() < 0.3,
-                                  block=mode != "nowait", timeout=rng.random() * 0.01 if mode == "timeout" else None)
+                                  timeout={"block": None, "nowait": 0, "timeout": rng.random() * 0.01}[mode])
             after = next(log.clock)
             if not len(idx):
                 if finishing and mode == "block":

@@ -218,13 +218,16 @@ class ExperienceDock:
     # -- reading ------------------------------------------------------------------------------
     def get(self, stage: str, columns: Sequence[str] | None = None, n: int | None = None, *,
             whole_groups: bool = False, one_batch: bool = False, balance: int | None = None,
-            lengths: str = "completion_mask", block: bool = True,
-            timeout: float | None = None, partial: bool = True) -> Taken:
+            lengths: str = "completion_mask", timeout: float | None = None, partial: bool = True) -> Taken:
         """Takes up to `n` samples that are ready for `stage`, marking them taken by it.
 
         Ready means every input column of the stage (and every column asked for) is written.
         Samples are taken in dock order (batches in the order they were added, then index
         order), skipping those not ready yet.
+
+        The producer's stages use `n`, `whole_groups`, `one_batch`, `timeout` and `partial`;
+        `columns` and `balance` / `lengths` serve a consumer that wants fewer columns or micro
+        batches of equal work.
 
         Args:
           stage: a stage named at construction.
@@ -241,10 +244,10 @@ class ExperienceDock:
             shortest; with whole_groups, groups move whole).
           lengths: the column giving a sample's length: [N] numbers, or an [N, L] mask (its
             row sums).
-          block: wait until `n` samples are taken (or, with one_batch, the batch is done; or
-            `finish()` left nothing to wait for). False: take what is ready now.
-          timeout: the most seconds to wait; then what is ready is returned (maybe nothing).
-          partial: False: a time-out (or block=False) takes nothing unless `n` samples (or,
+          timeout: the most seconds to wait until `n` samples are taken (or, with one_batch, the
+            batch is done; or `finish()` left nothing to wait for); then what is ready is returned
+            (maybe nothing). None: wait as long as it takes; 0: take what is ready now.
+          partial: False: a time-out (or timeout=0) takes nothing unless `n` samples (or,
             with one_batch, the rest of the batch) are ready, so a consumer can wait in slices
             without splitting what it waits for.
 
@@ -268,6 +271,7 @@ class ExperienceDock:
         need = frozenset(st.inputs) | frozenset(columns or ())
         start = self._clock()
         deadline = None if timeout is None else start + max(0.0, timeout)
+        block = timeout is None or timeout > 0
         waited = timed_out = False
         with st.cond:
             while True:
