@@ -230,7 +230,7 @@ def check_stage(batch: Batch, stage: str, extra: Mapping[str, tuple] | None = No
       extra: more required columns, as {name: (dims options, kind)} (modules add their own).
 
     Raises:
-      BatchSchemaError naming the stage, the column, and expected vs actual shape/dtype.
+      BatchSchemaError: naming the stage, the column, and expected vs actual shape/dtype.
     """
     if stage not in STAGE_SCHEMAS:
         raise ValueError(f"unknown stage {stage!r}; stages: {list(STAGE_SCHEMAS)}")

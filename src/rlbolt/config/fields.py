@@ -71,7 +71,7 @@ def coerce(where: str, value: Any, tp: Any, choices: tuple | None, bounds: Mappi
     list -> tuple, "a,b" -> tuple, `token_mean` -> `token-mean`).
 
     Raises:
-      ConfigError naming `where` (e.g. "trainer.max_steps"), the value, and what is expected.
+      ConfigError: naming `where` (e.g. "trainer.max_steps"), the value, and what is expected.
     """
     types_, nullable = _allowed(tp)
     expected = " or ".join(_type_name(t) for t in types_) + (" or null" if nullable else "")

@@ -55,7 +55,7 @@ def check_batch_plan(plan: Any, sharding: ShardingPlan, mode: str = "sync",
         logps micro batches), else None or `sharding`.
 
     Raises:
-      MeshError naming the field, its value and the sizes that would work (or the mode).
+      MeshError: naming the field, its value and the sizes that would work (or the mode).
     """
     sharding.check_divides("plan.train_micro_batch_size", plan.train_micro_batch_size)
     if reference is not None and reference is not sharding and plan.logps_micro_batch_size % reference.batch_shards:
