@@ -23,7 +23,7 @@ from rlbolt.config.fields import ConfigError, closest
 
 # The algorithm fields every algorithm fills the same way unless its class says otherwise.
 GENERIC_DEFAULTS: dict[str, Any] = {"clip_low": 0.2, "clip_high": 0.2, "dynamic_sampling": False,
-                                    "overlong_cache_length": 0, "loss_aggregation": "token-mean"}
+                                    "overlong_cache_length": 0, "loss_aggregation": "token-mean", "policy_loss": "ppo"}
 _READY_MODULES = "rlbolt.modules"  # importing it registers the ready algorithms
 _REGISTRY: dict[str, type] = {}
 

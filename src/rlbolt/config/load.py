@@ -22,7 +22,7 @@ import yaml
 from rlbolt.config.algorithms import algorithm_defaults, algorithm_names, import_algorithm
 from rlbolt.config.fields import ConfigError, closest as _closest, coerce as _coerce, describe_bounds
 from rlbolt.config.rules import check_rules
-from rlbolt.config.sections import SECTIONS, RunConfig
+from rlbolt.config.sections import POLICY_LOSS_DEFAULTS, SECTIONS, RunConfig
 from rlbolt.utils.files import to_plain, write_text_atomic
 
 def _build_section(name: str, values: Mapping[str, Any]) -> Any:
@@ -119,6 +119,8 @@ def resolve(cfg: RunConfig) -> RunConfig:
                               f"{named!r}; set algorithm.name={named} or leave it out")
         algo = dataclasses.replace(algo, name=named)
     chosen = algorithm_defaults(algo.name, cfg)
+    policy_loss = algo.policy_loss or chosen.get("policy_loss", "ppo")
+    chosen = {**chosen, **POLICY_LOSS_DEFAULTS.get(policy_loss, {}), "policy_loss": policy_loss}
     fills = {k: v for k, v in chosen.items() if getattr(algo, k, None) is None}
     algo = dataclasses.replace(algo, **fills)
     if algo.importance_cap is not None and algo.rollout_correction not in (None, "tis"):

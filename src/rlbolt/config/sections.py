@@ -15,6 +15,14 @@ from rlbolt.config.fields import option as _f
 
 METRIC_WRITERS = ("console", "jsonl", "tensorboard", "wandb")
 REWARD_TERMS = ("answer", "format", "digits")  # rlbolt.modules.rewarding builds them
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "sapo", "gmpo", "clip_cov", "kl_cov")  # modules/policy_losses.py implements them
+# The fields each policy objective fills when the config left them None (the papers' settings).
+POLICY_LOSS_DEFAULTS = {
+    "cispo": {"clip_low": 1.0, "clip_high": 4.0},  # MiniMax-M1 (arXiv 2506.13585): no lower bound; an upper cap of 5
+    "gmpo": {"clip_low": 0.4, "clip_high": 0.4},  # log-space token clip (arXiv 2507.20673)
+    "clip_cov": {"cov_select_ratio": 2e-4},  # arXiv 2505.22617
+    "kl_cov": {"cov_select_ratio": 2e-3},
+}
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
@@ -95,6 +103,13 @@ class AlgorithmSection:
     loss_aggregation: str | None = _f(None, "how per-token losses become one scalar; None: algorithm default", LOSS_AGGREGATIONS)
     dynamic_sampling: bool | None = _f(None, "drop groups whose rewards are all equal and refill (DAPO); None: on for dapo only")
     overlong_cache_length: int | None = _f(None, "DAPO soft overlong ramp width L_cache in tokens (0 = off); None: max_new_tokens // 4 for dapo, else 0", at_least=0)
+    policy_loss: str | None = _f(None, "the per-token policy objective: ppo (PPO-clip with clip-higher / dual-clip), gspo (sequence ratio), cispo (clipped IS weight, every token keeps its gradient; MiniMax-M1), sapo (soft sigmoid gate), gmpo (geometric mean of token ratios), clip_cov / kl_cov (clip or KL-penalise the tokens of highest log-prob/advantage covariance); None: the algorithm's own (gspo for GSPO, else ppo)", POLICY_LOSSES)
+    sapo_tau_pos: float = _f(1.0, "sapo: the gate's temperature for positive advantages", above=0)
+    sapo_tau_neg: float = _f(1.05, "sapo: the gate's temperature for negative advantages", above=0)
+    cov_select_ratio: float | None = _f(None, "clip_cov / kl_cov: the share of tokens the covariance rule selects; None: 2e-4 for clip_cov, 2e-3 for kl_cov", above=0, at_most=1)
+    clip_cov_low: float = _f(1.0, "clip_cov: tokens whose covariance lies in [clip_cov_low, clip_cov_high] may be selected")
+    clip_cov_high: float = _f(5.0, "clip_cov: upper end of the covariance band")
+    kl_cov_coef: float = _f(1.0, "kl_cov: the coefficient of the |log ratio| penalty on selected tokens", at_least=0)
     entropy_coef: float = _f(0.0, "entropy bonus coefficient (subtracted from the loss)", at_least=0)
     importance_cap: float | None = _f(None, "shorthand for rollout_correction: tis with rollout_correction_cap at this value; None = off", above=0)
     rollout_correction: str | None = _f(None, "correct the policy-gradient ratio for rollout logps that are not the trainer's (another engine, bf16 sampling, staleness): tis (truncated IS weights, capped), mis (drop tokens/sequences whose ratio leaves [1/cap, cap]), icepop (drop tokens whose ratio leaves [0.5, 5]), mask (drop without reweighting), none; None: tis when rollout.engine is not native (or importance_cap is set), else none", ("tis", "mis", "icepop", "mask", "none"))

@@ -6,11 +6,10 @@ Each is `LMPolicyModule` with one or two pieces swapped; the config's algorithm 
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rlbolt.algorithms import drgrpo_advantages, gspo_surrogate, kl_in_reward, rloo_advantages
+from rlbolt.algorithms import drgrpo_advantages, kl_in_reward, rloo_advantages
 from rlbolt.batch import Batch
 from rlbolt.modules.policy import LMPolicyModule
 
@@ -64,10 +63,5 @@ class GSPO(LMPolicyModule):
     (GSPO-token form), tiny clip ranges 3e-4 / 4e-4, group z-scored advantages."""
 
     algorithm_name = "gspo"
-    algorithm_defaults = {"clip_low": 3e-4, "clip_high": 4e-4, "loss_aggregation": "seq-mean-token-mean"}
-
-    def policy_loss(self, logps: jax.Array, batch: Batch):
-        """GSPO: the clipped surrogate on the length-normalised sequence importance ratio
-        (GSPO-token form), per token [N, C], with the configured clip_low / clip_high."""
-        return gspo_surrogate(logps, batch["old_logps"], batch["advantages"], batch["completion_mask"],
-                              clip_low=self.algo.clip_low, clip_high=self.algo.clip_high)
+    algorithm_defaults = {"clip_low": 3e-4, "clip_high": 4e-4, "loss_aggregation": "seq-mean-token-mean",
+                          "policy_loss": "gspo"}

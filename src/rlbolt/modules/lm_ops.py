@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 
 from rlbolt.models import Decoder, tiny_config

@@ -30,7 +30,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from rlbolt.algorithms import LossAggregation, aggregate_loss, clipped_surrogate, kl_penalty, overlong_penalty
+from rlbolt.algorithms import LossAggregation, aggregate_loss, kl_penalty, overlong_penalty
 from rlbolt.algorithms import grpo_advantages, rollout_correction
 from rlbolt.batch import Batch
 from rlbolt.config import RunConfig, config_to_dict
@@ -39,6 +39,7 @@ from rlbolt.plan import PlanError
 from rlbolt.modules.policy_setup import PolicySetup, _config_for, replace_section  # noqa: F401 (re-export)
 from rlbolt.modules.prompt_sharing import require_shared_layout, stage_group_size
 from rlbolt.modules.prompts import rows_of
+from rlbolt.modules.policy_losses import POLICY_LOSSES
 from rlbolt.modules.rewarding import answer_score, score_shared
 from rlbolt.config import ConfigError
 from rlbolt.config.references import import_reference
@@ -306,11 +307,9 @@ class LMPolicyModule(PolicySetup, RLModule):
 
     # -- training (jitted) -------------------------------------------------------------------------------
     def policy_loss(self, logps: jax.Array, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """The per-token policy loss [N, C]: PPO-clip with clip-higher and dual-clip."""
-        a = self.algo
-        return clipped_surrogate(logps, batch["old_logps"], batch["advantages"], batch["completion_mask"],
-                                 clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip,
-                                 importance_weights=batch.get("importance_weights"))
+        """The per-token policy loss [N, C] that `algorithm.policy_loss` names (`modules/policy_losses.py`:
+        PPO-clip with clip-higher and dual-clip by default; GSPO, CISPO, SAPO, GMPO, Clip-Cov, KL-Cov)."""
+        return POLICY_LOSSES[self.algo.policy_loss](logps, batch, self.algo)
 
     def aggregate(self, per_token: jax.Array, batch: Batch) -> jax.Array:
         """`aggregate_loss` in the configured mode with the mini-batch totals."""
