@@ -120,11 +120,11 @@ def random_k_blocks(rows: int, cols: int, qtype, rng) -> np.ndarray:
 # ----------------------------------------------------------------------------- GGUF files, as llama.cpp writes them
 
 
-def build_family_model(name: str, seed: int = 0):
+def build_family_model(name: str, seed: int = 0, **overrides):
     """A float32 transformers model of a test_hf_config family at DIMS, norms and biases random."""
     config_class, kwargs = FAMILIES[name]
     torch.manual_seed(seed)
-    model = MODEL_CLASSES[config_class](config_class(**{**kwargs, **DIMS})).to(torch.float32).eval()
+    model = MODEL_CLASSES[config_class](config_class(**{**kwargs, **DIMS, **overrides})).to(torch.float32).eval()
     with torch.no_grad():
         for param_name, param in model.named_parameters():
             if param_name.endswith("norm.weight"):
@@ -156,10 +156,11 @@ def _llama3_rope_factors(config, head_dim: int) -> np.ndarray:
 
 
 def write_gguf(path, name: str, model, qtype, *, arch: str | None = None, extra_tensors=(), seed: int = 0,
-               metadata=None) -> dict[str, np.ndarray]:
+               metadata=None, add_tokenizer=None) -> dict[str, np.ndarray]:
     """Writes `model` as a GGUF file with its matrices in `qtype`; returns the HF tensors the file holds.
 
-    Vectors (norms, biases) stay float32, as llama.cpp keeps them.
+    Vectors (norms, biases) stay float32, as llama.cpp keeps them. `add_tokenizer(writer)` adds
+    tokenizer metadata.
     """
     rng = np.random.default_rng(seed)
     config, family_arch = model.config, ARCH[name]
@@ -179,6 +180,8 @@ def write_gguf(path, name: str, model, qtype, *, arch: str | None = None, extra_
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     for key, value in (metadata or {}).items():
         writer.add_uint32(key, value)
+    if add_tokenizer is not None:
+        add_tokenizer(writer)
     expected = {}
     state = {k: v.numpy() for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:

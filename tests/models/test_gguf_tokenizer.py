@@ -63,26 +63,14 @@ def train_reference(pre: str, tmp_path) -> Tokenizer:
     return Tokenizer.from_str(json.dumps(data))
 
 
-def write_tokenizer_gguf(path, reference: Tokenizer, pre: str, *, arch="llama", model="gpt2", eos=True,
-                         add_bos=False, with_weights=False):
-    """The reference tokenizer as GGUF metadata (llama.cpp's converter layout)."""
+def add_tokenizer_metadata(writer, reference: Tokenizer, pre: str, *, model="gpt2", eos=True, add_bos=False):
+    """The reference tokenizer as GGUF metadata (llama.cpp's converter layout); returns its tokens."""
     data = json.loads(reference.to_str())
     vocab = reference.get_vocab(with_added_tokens=True)
     tokens = [token for token, _ in sorted(vocab.items(), key=lambda item: item[1])]
     assert [vocab[t] for t in tokens] == list(range(len(tokens)))
     merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
     types = [3 if t in SPECIALS else 4 if t in ("<think>", "</think>") else 1 for t in tokens]
-    writer = gguf.GGUFWriter(str(path), arch)
-    if with_weights:  # transformers' loader reads the model's hyper-parameters too
-        writer.add_block_count(1)
-        writer.add_context_length(64)
-        writer.add_embedding_length(32)
-        writer.add_feed_forward_length(32)
-        writer.add_head_count(2)
-        writer.add_head_count_kv(2)
-        writer.add_rope_freq_base(10000.0)
-        writer.add_layer_norm_rms_eps(1e-6)
-        writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 32), np.float32))
     writer.add_tokenizer_model(model)
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
@@ -94,6 +82,23 @@ def write_tokenizer_gguf(path, reference: Tokenizer, pre: str, *, arch="llama", 
     writer.add_pad_token_id(vocab["<|endoftext|>"])
     writer.add_add_bos_token(add_bos)
     writer.add_chat_template(TEMPLATE)
+    return tokens
+
+
+def write_tokenizer_gguf(path, reference: Tokenizer, pre: str, *, arch="llama", with_weights=False, **options):
+    """A GGUF file holding the reference tokenizer (and, with_weights, a model stub transformers needs)."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    tokens = add_tokenizer_metadata(writer, reference, pre, **options)
+    if with_weights:  # transformers' loader reads the model's hyper-parameters too
+        writer.add_block_count(1)
+        writer.add_context_length(64)
+        writer.add_embedding_length(32)
+        writer.add_feed_forward_length(32)
+        writer.add_head_count(2)
+        writer.add_head_count_kv(2)
+        writer.add_rope_freq_base(10000.0)
+        writer.add_layer_norm_rms_eps(1e-6)
+        writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 32), np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -168,3 +173,36 @@ def test_tokenizers_it_cannot_rebuild_are_refused(tmp_path):
     write_tokenizer_gguf(tmp_path / "eos.gguf", reference, "qwen2", eos=False)
     with pytest.raises(ValueError, match="eos_token_id is missing"):
         gguf_tokenizer(tmp_path / "eos.gguf")
+
+
+def test_load_gguf_then_export_writes_a_normal_hf_folder(tmp_path):
+    """load_gguf gives (model, tokenizer); what `rlbolt export` would write from them (save_hf with
+    the tokenizer folder of save_gguf_tokenizer) loads in transformers with the same logits and ids."""
+    import torch
+    from models.test_gguf import build_family_model, write_gguf
+
+    from rlbolt.models.gguf_io import load_gguf
+    from rlbolt.models.hf_io import save_hf
+
+    reference = train_reference("qwen2", tmp_path)
+    vocab = reference.get_vocab_size(with_added_tokens=True)
+    hf_model = build_family_model("qwen2_bias", vocab_size=vocab)
+    write_gguf(tmp_path / "m.gguf", "qwen2_bias", hf_model, gguf.GGMLQuantizationType.Q8_0,
+               add_tokenizer=lambda writer: add_tokenizer_metadata(writer, reference, "qwen2"))
+    model, tokenizer = load_gguf(tmp_path / "m.gguf")
+    assert tokenizer.vocab_size == model.config.vocab_size == vocab
+    save_hf(model, model.config, tmp_path / "export",
+            tokenizer_folder=save_gguf_tokenizer(tmp_path / "m.gguf", tmp_path / "tokenizer"))
+
+    auto_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
+    auto_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32).eval()
+    messages = [{"role": "user", "content": "What is 2+3? Answer in <think>one</think> line."}]
+    prompt = tokenizer.apply_chat_template(messages)
+    assert auto_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == prompt
+    ids = tokenizer.encode(prompt)
+    assert auto_tokenizer.encode(prompt, add_special_tokens=False) == ids
+    with torch.no_grad():
+        theirs = auto_model(input_ids=torch.tensor([ids])).logits.float().numpy()
+    ours, _ = model(np.asarray([ids], np.int32), np.arange(len(ids), dtype=np.int32)[None],
+                    attention_mask=np.ones((1, len(ids)), bool))
+    np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4, rtol=0)
