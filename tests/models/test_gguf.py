@@ -168,6 +168,7 @@ def write_gguf(path, name: str, model, qtype, *, arch: str | None = None, extra_
     writer = gguf.GGUFWriter(str(path), arch)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     writer.add_block_count(config.num_hidden_layers)
+    writer.add_vocab_size(config.vocab_size)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
@@ -346,3 +347,18 @@ def test_bad_rope_freqs_and_bad_files_are_refused(tmp_path):
     (tmp_path / "cut.gguf").write_bytes(full[: len(full) // 2])
     with pytest.raises(ValueError, match="is not a readable GGUF file"):
         load_gguf_model(tmp_path / "cut.gguf")
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_untied", "qwen2_bias", "qwen3_qk_norm"])
+def test_same_logits_as_transformers_reading_the_same_file(tmp_path, name):
+    """transformers' own GGUF loader (`gguf_file=`: its name map, q/k un-permutation and
+    de-quantiser) is an independent reading of the file. (Its Qwen3 config ignores
+    attention.key_length and takes head_dim 128, so the Qwen3 case has heads of 128.)"""
+    overrides = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=128) if name == "qwen3_qk_norm" else {}
+    model = build_family_model(name, **overrides)
+    write_gguf(tmp_path / "m.gguf", name, model, Q.Q8_0)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
+    ours, config = load_gguf_model(tmp_path / "m.gguf")
+    ids, mask = _ids(config.vocab_size)
+    np.testing.assert_allclose(rlbolt_logits(ours, ids, mask)[mask], hf_logits(theirs, ids, mask)[mask],
+                               atol=TOLERANCE, rtol=0)
