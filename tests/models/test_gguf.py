@@ -314,6 +314,12 @@ def test_qwen3_q4_k_file_and_bfloat16_default(tmp_path):
     write_gguf(tmp_path / "b.gguf", name, model, Q.BF16)
     assert read_gguf_config(tmp_path / "b.gguf").param_dtype == "bfloat16"
     assert read_gguf_config(tmp_path / "b.gguf", param_dtype="float32").param_dtype == "float32"
+    bf16, _ = load_gguf_model(tmp_path / "b.gguf")
+    kernel = np.asarray(bf16.layers[0].attn.qkv_proj.kernel.get_value())
+    assert kernel.dtype.name == "bfloat16"  # BF16 values are exact in bfloat16: the first q row, transposed
+    np.testing.assert_array_equal(kernel[:, 0].astype(np.float32),
+                                  decode_blocks(gguf.quants.quantize(model.state_dict()[
+                                      "model.layers.0.self_attn.q_proj.weight"].numpy()[:1], Q.BF16), Q.BF16)[0])
 
 
 def test_unsupported_architecture_is_refused_in_one_line(tmp_path):
