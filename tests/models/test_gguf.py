@@ -368,3 +368,34 @@ def test_same_logits_as_transformers_reading_the_same_file(tmp_path, name):
     ids, mask = _ids(config.vocab_size)
     np.testing.assert_allclose(rlbolt_logits(ours, ids, mask)[mask], hf_logits(theirs, ids, mask)[mask],
                                atol=TOLERANCE, rtol=0)
+
+
+_SHARDED_CHECK = """
+import sys, jax, numpy as np
+from flax import nnx
+from rlbolt.distributed import MeshSpec, ShardingPlan
+from rlbolt.models.gguf_io import load_gguf_model
+plan = ShardingPlan(MeshSpec(fsdp=2, tp=2).build())
+plain, _ = load_gguf_model(sys.argv[1])
+sharded, _ = load_gguf_model(sys.argv[1], sharding=plan)
+a, b = jax.tree.leaves(nnx.state(plain)), jax.tree.leaves(nnx.state(sharded))
+assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b))
+wanted = jax.tree.leaves(plan.param_shardings(nnx.state(sharded)))
+assert all(x.sharding == s for x, s in zip(b, wanted))
+assert sum(not x.sharding.is_fully_replicated for x in b) >= 8
+print("SHARDED_OK")
+"""
+
+
+@pytest.mark.slow
+def test_sharded_load_places_each_tensor_as_planned(tmp_path):
+    """A GGUF file read straight into a 2 x 2 (fsdp x tp) mesh's shardings equals the plain read."""
+    import os
+    import subprocess
+    import sys
+
+    write_gguf(tmp_path / "m.gguf", "qwen2_bias", build_family_model("qwen2_bias"), Q.Q8_0)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run([sys.executable, "-c", _SHARDED_CHECK, str(tmp_path / "m.gguf")], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert "SHARDED_OK" in result.stdout, result.stderr[-3000:]
