@@ -156,7 +156,7 @@ def _llama3_rope_factors(config, head_dim: int) -> np.ndarray:
 
 
 def write_gguf(path, name: str, model, qtype, *, arch: str | None = None, extra_tensors=(), seed: int = 0,
-               metadata=None, add_tokenizer=None) -> dict[str, np.ndarray]:
+               metadata=None, add_tokenizer=None, drop=()) -> dict[str, np.ndarray]:
     """Writes `model` as a GGUF file with its matrices in `qtype`; returns the HF tensors the file holds.
 
     Vectors (norms, biases) stay float32, as llama.cpp keeps them. `add_tokenizer(writer)` adds
@@ -193,6 +193,8 @@ def write_gguf(path, name: str, model, qtype, *, arch: str | None = None, extra_
         else:
             layer, rest = hf_name.removeprefix("model.layers.").split(".", 1)
             gguf_name = f"blk.{layer}.{LAYER_NAMES[rest]}"
+        if gguf_name in drop:
+            continue
         stored = value
         if family_arch == "llama" and rest_of(hf_name) in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
             stored = interleave_rows(value, heads if "q_proj" in hf_name else kv_heads)
@@ -336,6 +338,14 @@ def test_tensors_the_decoder_lacks_are_refused(tmp_path):
                extra_tensors=[("blk.0.attn_output.bias", np.ones(256, np.float32))])
     with pytest.raises(ValueError, match=r"blk.0.attn_output.bias have no place"):
         load_gguf_model(tmp_path / "b.gguf")
+
+
+def test_a_missing_tensor_is_named(tmp_path):
+    model = build_family_model("llama_gqa_untied")
+    write_gguf(tmp_path / "m.gguf", "llama_gqa_untied", model, Q.F32, drop=("blk.1.ffn_up.weight",))
+    with pytest.raises(ValueError, match=r"tensor blk.1.ffn_up.weight is missing") as error:
+        load_gguf_model(tmp_path / "m.gguf")
+    assert "\n" not in str(error.value)
 
 
 def test_bad_rope_freqs_and_bad_files_are_refused(tmp_path):

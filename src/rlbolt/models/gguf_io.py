@@ -255,7 +255,8 @@ def _unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return split.swapaxes(1, 2).reshape(weight.shape)
 
 
-def _read_hf_tensors(reader, config: ModelConfig, path: Path) -> dict[str, np.ndarray]:
+def _hf_sources(reader, config: ModelConfig, path: Path) -> dict[str, Any]:
+    """{Hugging Face tensor name: the file's tensor}, refusing tensors rlbolt's decoder has no place for."""
     names = _gguf_to_hf_names(config.num_layers)
     present = {t.name: t for t in reader.tensors}
     unknown = sorted(set(present) - set(names) - {_ROPE_FREQS})
@@ -263,16 +264,15 @@ def _read_hf_tensors(reader, config: ModelConfig, path: Path) -> dict[str, np.nd
         shown = ", ".join(unknown[:4]) + (f" and {len(unknown) - 4} more" if len(unknown) > 4 else "")
         raise ValueError(f"{path}: tensors {shown} have no place in rlbolt's {config.architecture} decoder (an "
                          "o_proj/MLP bias or another feature it lacks)")
-    out = {}
-    for gguf_name, tensor in present.items():
-        if gguf_name == _ROPE_FREQS:
-            continue
-        value = _dequantize(tensor)
-        if config.architecture == "LlamaForCausalLM" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
-            heads = config.num_heads if gguf_name.endswith("attn_q.weight") else config.num_kv_heads
-            value = _unpermute_rows(value, heads)
-        out[names[gguf_name]] = value
-    return out
+    return {names[name]: tensor for name, tensor in present.items() if name != _ROPE_FREQS}
+
+
+def _read_hf(tensor, config: ModelConfig) -> np.ndarray:
+    """One tensor de-quantised to float32 in Hugging Face's layout (llama's q/k rows restored)."""
+    value = _dequantize(tensor)
+    if config.architecture == "LlamaForCausalLM" and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
+        value = _unpermute_rows(value, config.num_heads if tensor.name.endswith("attn_q.weight") else config.num_kv_heads)
+    return value
 
 
 def load_gguf_model(path: str | os.PathLike, *, param_dtype: str | None = None,
@@ -299,7 +299,7 @@ def load_gguf_model(path: str | os.PathLike, *, param_dtype: str | None = None,
     path = Path(path)
     reader = open_gguf(path)
     config = _config(reader, path, param_dtype)
-    tensors = _read_hf_tensors(reader, config, path)
+    sources = _hf_sources(reader, config, path)  # read one parameter at a time: float32 copies stay small
     reverse = {hf: gguf_name for gguf_name, hf in _gguf_to_hf_names(config.num_layers).items()}
 
     abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
@@ -311,10 +311,10 @@ def load_gguf_model(path: str | os.PathLike, *, param_dtype: str | None = None,
     for name, variable in params.items():
         entry = layout[name]
         expected = variable.get_value().shape
-        missing = [reverse[source] for source in entry.sources if source not in tensors]
+        missing = [reverse[source] for source in entry.sources if source not in sources]
         if missing:
             raise ValueError(f"{path}: tensor {missing[0]} is missing; a {config.architecture} of this config needs it")
-        parts = [tensors[source] for source in entry.sources]
+        parts = [_read_hf(sources[source], config) for source in entry.sources]
         sizes = _split_sizes(name, config, len(parts), expected[-1] if entry.transpose else expected[0])
         for source, part, size in zip(entry.sources, parts, sizes):
             want = (size, expected[0]) if entry.transpose else (size, *expected[1:])
