@@ -267,9 +267,8 @@ def _hf_sources(reader, config: ModelConfig, path: Path) -> dict[str, Any]:
     return {names[name]: tensor for name, tensor in present.items() if name != _ROPE_FREQS}
 
 
-def _read_hf(tensor, config: ModelConfig) -> np.ndarray:
-    """One tensor de-quantised to float32 in Hugging Face's layout (llama's q/k rows restored)."""
-    value = _dequantize(tensor)
+def _hf_rows(value: np.ndarray, tensor, config: ModelConfig) -> np.ndarray:
+    """A de-quantised tensor in Hugging Face's row order (llama's q/k rows restored)."""
     if config.architecture == "LlamaForCausalLM" and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
         value = _unpermute_rows(value, config.num_heads if tensor.name.endswith("attn_q.weight") else config.num_kv_heads)
     return value
@@ -314,13 +313,14 @@ def load_gguf_model(path: str | os.PathLike, *, param_dtype: str | None = None,
         missing = [reverse[source] for source in entry.sources if source not in sources]
         if missing:
             raise ValueError(f"{path}: tensor {missing[0]} is missing; a {config.architecture} of this config needs it")
-        parts = [_read_hf(sources[source], config) for source in entry.sources]
+        parts = [_dequantize(sources[source]) for source in entry.sources]
         sizes = _split_sizes(name, config, len(parts), expected[-1] if entry.transpose else expected[0])
         for source, part, size in zip(entry.sources, parts, sizes):
             want = (size, expected[0]) if entry.transpose else (size, *expected[1:])
             if part.shape != want:
                 raise ValueError(f"{path}: tensor {reverse[source]} has shape {part.shape[::-1]} (GGUF order), the "
                                  f"file's metadata implies {want[::-1]}; the file is inconsistent")
+        parts = [_hf_rows(part, sources[source], config) for source, part in zip(entry.sources, parts)]
         value = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
         value = (value.T if entry.transpose else value).astype(dtype)
         target = targets.get(name)
