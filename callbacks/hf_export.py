@@ -94,11 +94,11 @@ class HFExport(Callback):
     def _tokenizer_folder(self, module) -> Path | None:
         if self.tokenizer_folder is not None:
             return Path(self.tokenizer_folder)
+        from rlbolt.models.hf_io import tokenizer_source
+
         model_cfg = getattr(getattr(module, "config", None), "model", None)
-        for candidate in (getattr(model_cfg, "tokenizer", None), getattr(model_cfg, "path", None)):
-            if candidate and (Path(candidate) / "tokenizer.json").is_file():
-                return Path(candidate)
-        return None
+        source = tokenizer_source(getattr(model_cfg, "tokenizer", None), getattr(model_cfg, "path", None))
+        return None if source is None else Path(source)
 
 
 def with_params(model: nnx.Module, params: Any) -> nnx.Module:

@@ -219,7 +219,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, overwrite: bool = False,
     Returns:
       (the folder written, the checkpoint step it holds).
     """
-    from rlbolt.models.hf_io import save_hf
+    from rlbolt.models.hf_io import save_hf, tokenizer_source
 
     run_dir, out = Path(run_dir), Path(out)
     if out.exists() and not overwrite:
@@ -230,8 +230,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, overwrite: bool = False,
             raise rundir.RunDirError(f"{run_dir} trained every parameter (no LoRA), so it has no adapter to write; "
                                      "export without --adapter")
         model, step, folder = latest_model(run_dir)
-        tokenizer_folder = folder if folder and (Path(folder) / "tokenizer.json").is_file() else None
-        save_hf(model, model.config, out, tokenizer_folder=tokenizer_folder, overwrite=overwrite)
+        save_hf(model, model.config, out, tokenizer_folder=tokenizer_source(folder), overwrite=overwrite)
         return out, step
     module, step, cfg = latest_params(run_dir)
     lora = getattr(module, "lora", None)
@@ -242,10 +241,6 @@ def export_run(run_dir: str | Path, out: str | Path, *, overwrite: bool = False,
         save_peft_adapter(module.model, lora.config, out, base_model=base, overwrite=overwrite)
         return out, step
     model = lora.merged_model(nnx.state(module.model, nnx.LoRAParam))
-    tokenizer_folder = None
-    if cfg is not None:
-        folder = cfg.model.tokenizer or cfg.model.path
-        if folder and (Path(folder) / "tokenizer.json").is_file():
-            tokenizer_folder = folder
-    save_hf(model, model.config, out, tokenizer_folder=tokenizer_folder, overwrite=overwrite)
+    folders = (cfg.model.tokenizer, cfg.model.path) if cfg is not None else ()
+    save_hf(model, model.config, out, tokenizer_folder=tokenizer_source(*folders), overwrite=overwrite)
     return out, step

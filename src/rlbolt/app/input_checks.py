@@ -13,6 +13,7 @@ from typing import Any
 
 from rlbolt.config import ConfigError, RunConfig
 from rlbolt.data import DataFileError
+from rlbolt.models.gguf_io import is_gguf_path, read_gguf_config
 
 
 def check_builtin_row(check: Callable, row: Mapping[str, Any], index: int) -> None:
@@ -31,9 +32,9 @@ def tokenizer(cfg: RunConfig) -> Any:
     field, folder = ("model.tokenizer", cfg.model.tokenizer) if cfg.model.tokenizer else ("model.path", cfg.model.path)
     if not folder:
         return builtin_tokenizer()
-    if not Path(folder).is_dir():
-        fix = ("a local Hugging Face tokenizer folder" if field == "model.tokenizer" else
-               "a local Hugging Face model folder, or model.path=null for the tiny random model")
+    if not (Path(folder).is_dir() or (is_gguf_path(folder) and Path(folder).is_file())):
+        fix = ("a local Hugging Face tokenizer folder (or a .gguf file)" if field == "model.tokenizer" else
+               "a local Hugging Face model folder or .gguf file, or model.path=null for the tiny random model")
         raise ConfigError(f"{field}={folder} does not exist; give {fix}")
     try:
         return lm_ops.load_tokenizer(folder)
@@ -47,6 +48,13 @@ def model_config(cfg: RunConfig) -> Any:
     for the tiny model (whose vocabulary is the tokenizer's); errors name the field."""
     from rlbolt.models import ModelConfig, read_hf_config, tiny_config
 
+    if cfg.model.path and is_gguf_path(cfg.model.path):
+        if not Path(cfg.model.path).is_file():
+            raise ConfigError(f"model.path={cfg.model.path} does not exist; give a local .gguf file or model folder")
+        try:
+            return read_gguf_config(cfg.model.path, param_dtype=cfg.model.param_dtype)
+        except (OSError, ValueError, ImportError) as error:
+            raise ConfigError(f"model.path={cfg.model.path}: {error}") from None
     if cfg.model.path:
         if not Path(cfg.model.path).is_dir():
             raise ConfigError(f"model.path={cfg.model.path} does not exist; give a local Hugging Face model folder "

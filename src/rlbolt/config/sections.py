@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from rlbolt.config.fields import option as _f
 
 METRIC_WRITERS = ("console", "jsonl", "tensorboard", "wandb")
-REWARD_TERMS = ("answer", "format", "digits")  # rlbolt.modules.rewarding builds them
+REWARD_TERMS = ("answer", "format", "digits", "task")  # rlbolt.modules.rewarding builds them
 POLICY_LOSSES = ("ppo", "gspo", "cispo", "sapo", "gmpo", "clip_cov", "kl_cov")  # modules/policy_losses.py implements them
 # The fields each policy objective fills when the config left them None (the papers' settings).
 POLICY_LOSS_DEFAULTS = {
@@ -42,8 +42,12 @@ class ModelSection:
 class DataSection:
     """Prompt rows for training and validation."""
 
-    train: str | None = _f(None, "train rows: a .jsonl, .json or .parquet file; None: built-in GSM8K-style rows")
-    val: str | None = _f(None, "validation rows (same formats); None: no validation unless data.builtin_val_rows > 0")
+    train: str | None = _f(None, "train rows: a .jsonl, .json or .parquet file, or a generated reasoning-gym task 'reasoning_gym:<name>' (the rlbolt[tasks] extra; score it with reward.weights: {task: 1.0}); None: built-in GSM8K-style rows")
+    val: str | None = _f(None, "validation rows (same formats; 'reasoning_gym:<name>' of the train task draws rows from seeds training never used); None: no validation unless data.builtin_val_rows > 0")
+    task_options: dict = _f({}, "a reasoning_gym:<name> task's options (its dataset config fields, e.g. {min_terms: 2, max_terms: 3})")
+    task_train_size: int = _f(1000, "rows generated for a reasoning_gym:<name> data.train", at_least=1)
+    task_val_size: int = _f(200, "rows generated for a reasoning_gym:<name> data.val (fewer when some repeat a training question)", at_least=1)
+    task_seed: int = _f(0, "the seed of a reasoning_gym:<name> task's training rows (validation rows come from seeds after them)")
     prompt_field: str = _f("question", "row field holding the prompt text")
     answer_field: str = _f("answer", "row field holding the gold answer ('... #### 42' or '42')")
     system_prompt: str | None = _f(None, "system message put before each prompt when the tokenizer has a chat template")
@@ -125,7 +129,7 @@ class AlgorithmSection:
 class RewardSection:
     """Reward functions, scored per sample with failure isolation."""
 
-    weights: dict = _f({"answer": 1.0, "format": 0.0}, "reward term -> weight; terms: answer (GSM8K final answer), format (think/answer tags), digits (fraction of digit characters: a dense signal for tiny-model smoke runs); weight 0 drops a term")
+    weights: dict = _f({"answer": 1.0, "format": 0.0}, "reward term -> weight; terms: answer (GSM8K final answer), format (think/answer tags), digits (fraction of digit characters: a dense signal for tiny-model smoke runs), task (a reasoning_gym task's own scorer on the extracted final answer); weight 0 drops a term")
     timeout_s: float = _f(10.0, "seconds one sample's reward may run before it gets the penalty", above=0)
     penalty: float = _f(0.0, "reward of a sample whose reward function failed or timed out")
     max_workers: int = _f(4, "concurrent reward workers", at_least=1)

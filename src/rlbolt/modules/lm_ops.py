@@ -11,14 +11,21 @@ from rlbolt.rewards import RewardRunner
 
 
 def load_tokenizer(folder: str):
-    """A Hugging Face tokenizer folder -> `HFTokenizer`."""
+    """A Hugging Face tokenizer folder, or a `.gguf` file's own tokenizer -> `HFTokenizer`."""
     from rlbolt.data.tokenizers import HFTokenizer
+    from rlbolt.models.gguf_io import is_gguf_path
+
+    if is_gguf_path(folder):
+        from rlbolt.data.gguf_tokenizer import gguf_tokenizer
+
+        return gguf_tokenizer(folder)
 
     return HFTokenizer.from_folder(folder)
 
 
 def build_model(model_cfg, vocab_size: int, seed: int, sharding=None) -> Decoder:
-    """`model.path` -> `load_hf`; None -> a tiny random Decoder whose vocabulary fits the tokenizer.
+    """`model.path` -> `load_hf` (a `.gguf` file: `load_gguf_model`); None -> a tiny random Decoder
+    whose vocabulary fits the tokenizer.
 
     Args:
       model_cfg: the config's ModelSection.
@@ -28,7 +35,11 @@ def build_model(model_cfg, vocab_size: int, seed: int, sharding=None) -> Decoder
         into their shardings, never whole on one device. None: the default device.
     """
     if model_cfg.path:
+        from rlbolt.models.gguf_io import is_gguf_path, load_gguf_model
         from rlbolt.models.hf_io import load_hf
+
+        if is_gguf_path(model_cfg.path):
+            return load_gguf_model(model_cfg.path, param_dtype=model_cfg.param_dtype, sharding=sharding)[0]
 
         model, _ = load_hf(model_cfg.path, param_dtype=model_cfg.param_dtype, sharding=sharding)
         return model

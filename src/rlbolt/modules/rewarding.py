@@ -9,9 +9,10 @@ from typing import Any
 import numpy as np
 
 from rlbolt.rewards import WeightedReward, gsm8k_reward, make_format_reward
+from rlbolt.rewards.task_reward import reasoning_gym_reward
 from rlbolt.rewards.format import digit_fraction_reward  # noqa: F401 - defined there so worker processes import it without JAX
 
-REWARD_TERMS = ("answer", "format", "digits")
+from rlbolt.config.sections import REWARD_TERMS  # noqa: E402 - the config's vocabulary of terms
 
 
 def build_reward(weights: Mapping[str, float], *, answer_field: str = "answer") -> WeightedReward:
@@ -19,7 +20,8 @@ def build_reward(weights: Mapping[str, float], *, answer_field: str = "answer") 
 
     Args:
       weights: term -> weight, terms from REWARD_TERMS: "answer" (GSM8K final answer, 0/1),
-        "format" (think/answer tags, 0..1), "digits" (`digit_fraction_reward`).
+        "format" (think/answer tags, 0..1), "digits" (`digit_fraction_reward`), "task" (a
+        reasoning-gym row's own scorer on the extracted answer: `reasoning_gym_reward`).
       answer_field: the prompt-row field holding the gold answer.
 
     Returns:
@@ -32,6 +34,7 @@ def build_reward(weights: Mapping[str, float], *, answer_field: str = "answer") 
         "answer": lambda: functools.partial(gsm8k_reward, answer_key=answer_field),
         "format": make_format_reward,
         "digits": lambda: digit_fraction_reward,
+        "task": lambda: reasoning_gym_reward,
     }
     terms = [(name, makers[name](), float(w)) for name, w in weights.items() if w != 0]
     if not terms:
@@ -41,7 +44,10 @@ def build_reward(weights: Mapping[str, float], *, answer_field: str = "answer") 
 
 def answer_score(completion: str, row: Mapping[str, Any], answer_field: str) -> float:
     """1.0 when the completion's final answer matches the row's gold answer; 0.0 otherwise,
-    including when the row's answer cannot be parsed (validation must not crash on one bad row)."""
+    including when the row's answer cannot be parsed (validation must not crash on one bad row).
+    A reasoning-gym row (it names its `task`) is graded by its task's scorer, all or nothing."""
+    if "task" in row and "task_options" in row:
+        return float(reasoning_gym_reward(completion, row, binary=True))
     try:
         return gsm8k_reward(completion, row, answer_key=answer_field)
     except (KeyError, ValueError):
