@@ -90,6 +90,7 @@ MODULES = [
     ("Rollout", "rlbolt.rollout.sampling"),
     ("Rollout", "rlbolt.rollout.compaction"),
     ("Rollout", "rlbolt.rollout.logps"),
+    ("Rollout", "rlbolt.rollout.vllm_engine"),
     ("Rewards", "rlbolt.rewards.base"),
     ("Rewards", "rlbolt.rewards.combine"),
     ("Rewards", "rlbolt.rewards.format"),
