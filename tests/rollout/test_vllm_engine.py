@@ -2,8 +2,10 @@
 
 Runs only where vLLM is importable (the `.venv-vllm` of docs/howto/engines.md) and only with
 `-m vllm`. The models are tiny random Llama / Qwen2 folders written here with `save_hf`, with
-their output projection scaled up so next-token logits are far apart: greedy then cannot flip
-between two float32 implementations (XLA here, oneDNN kernels in vLLM) on a near tie.
+their final norm scaled up so next-token logits are far apart: greedy then cannot flip between
+two float32 implementations (XLA here, oneDNN kernels in vLLM) on a near tie. One vLLM engine
+serves most tests (starting one takes ~20 s); tests that change its stop tokens or weights put
+them back.
 """
 
 import jax
@@ -71,9 +73,7 @@ def _recomputed(model, out, temperature):
 def llama(tmp_path_factory):
     model = _model(0)
     folder = save_hf(model, CONFIG, tmp_path_factory.mktemp("llama") / "model")
-    engine = _engine(folder)
-    yield model, folder, engine
-    del engine
+    return model, folder, _engine(folder)
 
 
 def test_request_seed_joins_the_two_key_words():
