@@ -289,3 +289,23 @@ def test_qwen2_folder_whose_head_dim_vllm_would_ignore_is_refused(tmp_path):
     folder = save_hf(Decoder(config, rngs=nnx.Rngs(0)), config, tmp_path / "qwen2")
     with pytest.raises(ValueError, match="head_dim=32 != hidden_size / num_attention_heads = 64/4"):
         VLLMEngine(folder, max_new_tokens=4)
+
+
+def test_rlbolt_fit_with_rollout_engine_vllm_trains_with_small_mismatch(tmp_path):
+    """`rlbolt fit ... --rollout.engine=vllm`: the GRPO recipe's tiny model is written to a folder
+    for vLLM, the trainer's weights are pushed every step, and the rollout correction (TIS, on by
+    default for another engine) sees engine and trainer logps that agree to float32 rounding."""
+    from rlbolt.app.cli import main
+    from rlbolt.loggers import read_jsonl
+
+    run_dir = tmp_path / "run"
+    tiny = "{hidden_size: 64, num_layers: 2, num_heads: 2, num_kv_heads: 1, head_dim: 32}"  # vLLM CPU: head_dim >= 32
+    assert main(["fit", "recipes/configs/grpo_gsm8k.yaml", "--rollout.engine=vllm", "--trainer.max_steps=3", f"--model.tiny={tiny}",
+                 f"--trainer.run_dir={run_dir}", "--trainer.val_every_n_steps=null", "--data.builtin_val_rows=0",
+                 "--callbacks.progress=false", "--callbacks.metrics=[jsonl]", "--reward.executor=thread"]) == 0
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:
+        assert np.isfinite(r["loss/policy"])
+        assert abs(r["rollout_corr/kl_k1"]) < 1e-4 and abs(r["rollout_corr/is_weight_mean"] - 1) < 1e-3
+        assert r["rollout_corr/token_masked_frac"] == 0.0

@@ -165,8 +165,10 @@ class LMPolicyModule(PolicySetup, RLModule):
                                   sharding=self.context.sharding_for("rollout"),
                                   share_prompts=self.config.model.share_prompt)
                 engine = build_engine(choice, model, spec)
-            # merged kernels are a transient copy: the engine lets go of them after each call
-            release = nnx.state(model) if self.lora is not None and self.lora.merge_for_rollout else None
+            # Merged kernels are a transient copy: the native sampler lets go of them after each call by
+            # taking the model's own arrays back (free to hold). Another engine keeps its copy until the next push.
+            transient = self.lora is not None and self.lora.merge_for_rollout and self._engine_choice == "native"
+            release = nnx.state(model) if transient else None
             self._engine = EngineHandle(engine, release=release)
         return self._engine
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -54,25 +55,51 @@ class EngineSpec:
     share_prompts: bool = True
 
 
+def prompt_buckets(prompt_width: int) -> tuple[int, ...]:
+    """Padded prompt lengths: the powers of two below the longest prompt, and the longest itself."""
+    return tuple(sorted({b for b in (32, 64, 128, 256, 512, 1024, 2048, 4096) if b < prompt_width} | {prompt_width}))
+
+
 def native_engine(model: Any, spec: EngineSpec) -> RolloutEngine:
-    """rlbolt's own jitted sampler (`NativeSampler`), with prompt buckets of powers of two up to
-    the longest prompt."""
+    """rlbolt's own jitted sampler (`NativeSampler`)."""
     from rlbolt.rollout.sampler import NativeSampler
 
-    buckets = tuple(sorted({b for b in (32, 64, 128, 256, 512, 1024, 2048, 4096) if b < spec.prompt_width}
-                           | {spec.prompt_width}))
     return NativeSampler(model, max_new_tokens=spec.max_new_tokens, temperature=spec.temperature, top_k=spec.top_k,
                          top_p=spec.top_p, stop_token_ids=spec.stop_token_ids, pad_id=spec.pad_id,
-                         prompt_buckets=buckets, sharding=spec.sharding, share_prompts=spec.share_prompts)
+                         prompt_buckets=prompt_buckets(spec.prompt_width), sharding=spec.sharding,
+                         share_prompts=spec.share_prompts)
 
 
 def vllm_engine(model: Any, spec: EngineSpec) -> RolloutEngine:
-    """vLLM in process on the same weights (the `rlbolt[vllm]` extra; `rlbolt.rollout.vllm_engine`)."""
+    """vLLM in process (the `rlbolt[vllm]` extra; `rlbolt.rollout.vllm_engine`), started on the
+    model's Hugging Face folder, or on the model as `save_hf` writes it into a temporary folder
+    when it has none (a tiny random model, a `.gguf` file); the trainer's weights are pushed
+    before the first generate either way."""
     try:
         from rlbolt.rollout.vllm_engine import VLLMEngine
     except ImportError as error:
-        raise ImportError(f"rollout.engine=vllm needs vLLM: pip install 'rlbolt[vllm]' ({error})") from None
-    return VLLMEngine.for_model(model, spec)
+        raise ImportError(f"rollout.engine=vllm needs vLLM: pip install 'rlbolt[vllm]' in a venv of its own "
+                          f"(docs/howto/engines.md) ({error})") from None
+    if spec.sharding is not None and spec.sharding.mesh.size > 1:
+        raise ValueError("rollout.engine=vllm runs on one device here; use a mesh of one device or rollout.engine=native")
+    folder = spec.model_path
+    if folder is None or not Path(folder).is_dir():
+        import tempfile
+
+        from rlbolt.models.hf_io import save_hf
+
+        folder = Path(tempfile.mkdtemp(prefix="rlbolt-vllm-")) / "model"
+        save_hf(model, model.config, folder)
+    return VLLMEngine(folder, max_new_tokens=spec.max_new_tokens, temperature=spec.temperature, top_k=spec.top_k,
+                      top_p=spec.top_p, stop_token_ids=spec.stop_token_ids, pad_id=spec.pad_id,
+                      prompt_buckets=prompt_buckets(spec.prompt_width), dtype=spec.param_dtype,
+                      enforce_eager=_on_cpu())  # on CPU: no torch.compile (what was tested)
+
+
+def _on_cpu() -> bool:
+    import jax
+
+    return jax.default_backend() == "cpu"
 
 
 FACTORIES: dict[str, Callable[[Any, EngineSpec], RolloutEngine]] = {"native": native_engine, "vllm": vllm_engine}
