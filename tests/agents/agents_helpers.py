@@ -7,7 +7,7 @@ import numpy as np
 from rlbolt.data.chat_template import render_chat_template
 from rlbolt.rollout.engine import RolloutOutput
 
-SPECIALS = ("<pad>", "<|im_end|>", "<|im_start|>")
+SPECIALS = ("<pad>", "<|im_end|>", "<|im_start|>", "\ufffd")  # the last: any character outside CHARS
 CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
 
 # Qwen3-like: an assistant message that is not the last message loses its <think>...</think>
@@ -29,7 +29,7 @@ DROP_THINK_TEMPLATE = (
 
 
 class ChatTokenizer:
-    """Specials as single ids (pad 0, eos <|im_end|> 1, <|im_start|> 2), then one id per character."""
+    """Specials as single ids (pad 0, eos <|im_end|> 1, <|im_start|> 2, unknown 3), then one id per character."""
 
     pad_id, eos_id, bos_id = 0, 1, None
 
@@ -41,13 +41,13 @@ class ChatTokenizer:
     def encode(self, text: str) -> list[int]:
         ids, i = [], 0
         while i < len(text):
-            for k, special in enumerate(SPECIALS[1:], start=1):
+            for k, special in enumerate(SPECIALS[1:3], start=1):
                 if text.startswith(special, i):
                     ids.append(k)
                     i += len(special)
                     break
             else:
-                ids.append(len(SPECIALS) + CHARS.index(text[i]))
+                ids.append(len(SPECIALS) + CHARS.index(text[i]) if text[i] in CHARS else 3)
                 i += 1
         return ids
 
@@ -55,7 +55,7 @@ class ChatTokenizer:
         out = []
         for t in (int(i) for i in ids):
             if t < len(SPECIALS):
-                if not skip_special_tokens:
+                if not skip_special_tokens or t == 3:
                     out.append(SPECIALS[t])
             else:
                 out.append(CHARS[t - len(SPECIALS)])
