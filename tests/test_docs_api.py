@@ -90,6 +90,13 @@ MODULES = [
     ("Rollout", "rlbolt.rollout.sampling"),
     ("Rollout", "rlbolt.rollout.compaction"),
     ("Rollout", "rlbolt.rollout.logps"),
+    ("Agents", "rlbolt.agents.environment"),
+    ("Agents", "rlbolt.agents.tools"),
+    ("Agents", "rlbolt.agents.parsers"),
+    ("Agents", "rlbolt.agents.episode"),
+    ("Agents", "rlbolt.agents.rollout"),
+    ("Agents", "rlbolt.agents.tasks"),
+    ("Agents", "rlbolt.agents.demo_training"),
     ("Rewards", "rlbolt.rewards.base"),
     ("Rewards", "rlbolt.rewards.combine"),
     ("Rewards", "rlbolt.rewards.format"),
@@ -151,7 +158,7 @@ NOT_LISTED = {
 }
 # Packages whose exports must each have an entry (their own modules are listed above).
 PACKAGES = ("rlbolt", "rlbolt.algorithms", "rlbolt.modules", "rlbolt.callbacks", "rlbolt.rewards", "rlbolt.data",
-            "rlbolt.models", "rlbolt.rollout", "rlbolt.loggers")
+            "rlbolt.models", "rlbolt.rollout", "rlbolt.loggers", "rlbolt.agents")
 
 
 def _clean(text: str) -> str:
