@@ -75,14 +75,9 @@ class EpisodeGRPO(GRPO):
 
         episodes = run_episodes(generate, envs, np.asarray(batch["sample_keys"], np.uint32), tokenizer=self.tokenizer,
                                 temperature=self.rollout_cfg.temperature, **self.limits)
-        prompt_ids, prompt_mask = episodes.padded_prompts(self.tokenizer.pad_id, self.prompt_width)
         for name, value in episodes.metrics().items():
             self.log(name, value)
-        return batch.with_columns(
-            prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=episodes.completion_ids,
-            completion_mask=episodes.completion_mask, sequence_mask=episodes.sequence_mask,
-            sampler_logps=episodes.sampler_logps, env_reward=episodes.env_reward,
-            completion_text=episodes.transcript)
+        return batch.with_columns(episodes.columns(self.tokenizer.pad_id, self.prompt_width))
 
     def _generate_turn(self, lm_params: Any, prompt_ids: list[list[int]], rng_keys: np.ndarray, **opts: Any):
         """One turn's batched generate with the policy's sampler (built on first use)."""
@@ -113,15 +108,16 @@ class EpisodeGRPO(GRPO):
         return {}
 
 
-def _demo_config(learning_rate: float, max_turn_tokens: int) -> dict:
-    return {"algorithm": {"name": "grpo", "lr": learning_rate, "beta": 0.0, "loss_aggregation": "token-mean"},
+def _demo_config(learning_rate: float, entropy_coef: float, max_turn_tokens: int) -> dict:
+    return {"algorithm": {"name": "grpo", "lr": learning_rate, "beta": 0.0, "loss_aggregation": "token-mean",
+                          "entropy_coef": entropy_coef},
             "rollout": {"max_new_tokens": max_turn_tokens, "temperature": 1.0},
             "reward": {"weights": {"answer": 1.0}, "executor": "thread"},
             "model": {"share_prompt": False}}
 
 
 def train_demo(task: str = "tool", *, steps: int = 200, prompts_per_step: int = 16, num_generations: int = 8,
-               learning_rate: float = 3e-3, hidden_size: int = 64, seed: int = 0, run_dir: str | None = None,
+               learning_rate: float = 2e-3, entropy_coef: float = 0.01, hidden_size: int = 64, seed: int = 0, run_dir: str | None = None,
                on_step: Callable[[int, float], None] | None = None) -> list[float]:
     """Trains a 2-layer random-init model on a demo task with EpisodeGRPO; returns the reward per step.
 
@@ -131,6 +127,8 @@ def train_demo(task: str = "tool", *, steps: int = 200, prompts_per_step: int = 
       prompts_per_step: prompts per step.
       num_generations: episodes per prompt (the GRPO group).
       learning_rate: AdamW learning rate.
+      entropy_coef: entropy bonus; keeps the answer turn exploring while the call is being learned
+        (without it the answer collapses to one digit before the lookup is right often enough).
       hidden_size: model width (2 layers).
       seed: model init, rows and sampling.
       run_dir: where the trainer writes (a fresh temporary folder when None).
@@ -156,7 +154,7 @@ def train_demo(task: str = "tool", *, steps: int = 200, prompts_per_step: int = 
                          num_layers=2, num_heads=4, num_kv_heads=2, head_dim=hidden_size // 4,
                          max_position_embeddings=prompt_width + limits["max_total_tokens"] + 1)
     model = Decoder(config, rngs=nnx.Rngs(seed))
-    module = EpisodeGRPO(_demo_config(learning_rate, limits["max_turn_tokens"]), env_factory=factory,
+    module = EpisodeGRPO(_demo_config(learning_rate, entropy_coef, limits["max_turn_tokens"]), env_factory=factory,
                          prompt_width=prompt_width, model=model, tokenizer=tokenizer, **limits)
     rewards: list[float] = []
 
@@ -179,7 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", default="tool", choices=("tool", "guess"))
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--entropy", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     started = time.monotonic()
@@ -187,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     def show(step: int, reward: float) -> None:
         print(f"step {step:4d}  reward {reward:.3f}  ({time.monotonic() - started:.0f} s)", flush=True)
 
-    rewards = train_demo(args.task, steps=args.steps, learning_rate=args.lr, seed=args.seed, on_step=show)
+    rewards = train_demo(args.task, steps=args.steps, learning_rate=args.lr, entropy_coef=args.entropy, seed=args.seed, on_step=show)
     first, last = np.mean(rewards[:10]), np.mean(rewards[-10:])
     print(f"task {args.task}: mean reward of the first 10 steps {first:.3f}, of the last 10 steps {last:.3f}")
 

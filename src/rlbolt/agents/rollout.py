@@ -98,6 +98,22 @@ class EpisodeBatch:
                 mask[i, width - len(prompt):] = True
         return ids, mask
 
+    def columns(self, pad_id: int, prompt_width: int | None = None) -> dict[str, np.ndarray]:
+        """The columns an RLModule's `on_rollout` adds to its batch (`batch.with_columns(**columns)`).
+
+        Args:
+            pad_id: the tokenizer's pad id.
+            prompt_width: the prompts' padded width (a fixed width compiles once); None: the longest.
+
+        Returns:
+            prompt_ids [N, P], prompt_mask [N, P], completion_ids / completion_mask / sequence_mask /
+            sampler_logps [N, T], env_reward [N] and completion_text [N] (the transcripts).
+        """
+        prompt_ids, prompt_mask = self.padded_prompts(pad_id, prompt_width)
+        return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": self.completion_ids,
+                "completion_mask": self.completion_mask, "sequence_mask": self.sequence_mask,
+                "sampler_logps": self.sampler_logps, "env_reward": self.env_reward, "completion_text": self.transcript}
+
     def metrics(self) -> dict[str, float]:
         """Step metrics (means over episodes unless named a fraction or total)."""
         n = max(self.num_episodes, 1)

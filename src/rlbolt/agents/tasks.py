@@ -10,8 +10,8 @@ call it (`?k`, read by `CompactToolParser`), read the reply and answer with the 
 
     prompt "3\\n"  model "?3"  env "\\n5\\n"  model "5<eos>"  -> reward 1
 
-Reward: 1.0 for the right answer after looking up the right key; 0.2 for looking up the right
-key then answering wrong; 0.1 for any well-formed lookup (so a random policy finds the tool at
+Reward: 1.0 for the right answer (its first character is read) after looking up the right key;
+0.3 for looking up the right key then answering wrong; 0.1 for any well-formed lookup (so a random policy finds the tool at
 all: a few percent of its turns are calls). A right answer without the lookup earns nothing.
 A random policy scores about 0.003.
 
@@ -87,7 +87,7 @@ def lookup_env(row: Mapping) -> ToolEnvironment:
 
     def score(answer: str) -> float:
         if key in table.looked_up:
-            return 1.0 if answer == value else 0.2
+            return 1.0 if answer[:1] == value else 0.3
         return 0.1 if table.looked_up else 0.0
 
     return ToolEnvironment([{"role": "user", "content": str(row["prompt"])}], [table.lookup], score,
