@@ -20,6 +20,7 @@ Environment steps of a turn run concurrently, one daemon thread each, with a tim
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -217,8 +218,13 @@ def run_episodes(engine: Any, envs: Sequence[Environment], rng_keys: np.ndarray,
     opts = {"max_new_tokens": max_turn_tokens, **({"temperature": temperature} if temperature is not None else {})}
 
     renderers, states = [], []
+    shared: dict[str, TurnRenderer] = {}  # one renderer (and delta cache) per distinct tool set
     for i, env in enumerate(envs):
-        renderer = TurnRenderer(tokenizer, [t.schema for t in getattr(env, "tools", ())], template_kwargs, stop_text)
+        schemas = [t.schema for t in getattr(env, "tools", ())]
+        key = json.dumps(schemas, sort_keys=True, default=str)
+        renderer = shared.get(key)
+        if renderer is None:
+            renderer = shared[key] = TurnRenderer(tokenizer, schemas, template_kwargs, stop_text)
         opening = env.reset()
         if opening is None:
             if prompt_ids is None:
