@@ -184,3 +184,16 @@ def test_result_text_cuts_long_bytes_with_a_note():
 def test_runner_refuses_bad_settings_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         ToolRunner(**kwargs)
+
+
+def test_python_tool_runs_code_in_the_sandbox_and_reports_crashes_and_limits():
+    from rlbolt.agents import python_tool
+
+    tool = python_tool(wall_s=1.0)
+    assert tool.schema["function"]["parameters"]["required"] == ["code"]
+    printed, exited, looped = ToolRunner(timeout_s=30).run_many(
+        [(tool, {"code": "print(6 * 7)"}), (tool, {"code": "import os; os._exit(3)"}),
+         (tool, {"code": "while True: pass"})])
+    assert printed.ok and printed.text == "42\n"
+    assert exited.ok and "did not finish cleanly" in exited.text
+    assert looped.ok and "did not finish cleanly" in looped.text

@@ -116,9 +116,9 @@ def _demo_config(learning_rate: float, entropy_coef: float, max_turn_tokens: int
             "model": {"share_prompt": False}}
 
 
-def train_demo(task: str = "tool", *, steps: int = 200, prompts_per_step: int = 16, num_generations: int = 8,
-               learning_rate: float = 2e-3, entropy_coef: float = 0.01, hidden_size: int = 64, seed: int = 0, run_dir: str | None = None,
-               on_step: Callable[[int, float], None] | None = None) -> list[float]:
+def train_demo(task: str = "tool", *, steps: int = 400, prompts_per_step: int = 16, num_generations: int = 8,
+               learning_rate: float = 1e-3, entropy_coef: float = 0.02, hidden_size: int = 64, seed: int = 0,
+               run_dir: str | None = None, on_step: Callable[[int, float], None] | None = None) -> list[float]:
     """Trains a 2-layer random-init model on a demo task with EpisodeGRPO; returns the reward per step.
 
     Args:
@@ -176,9 +176,9 @@ def main(argv: list[str] | None = None) -> None:
     """`python -m rlbolt.agents.demo_training --task tool --steps 200`."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", default="tool", choices=("tool", "guess"))
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--entropy", type=float, default=0.01)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--entropy", type=float, default=0.02)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     started = time.monotonic()

@@ -301,7 +301,8 @@ class ToolRunner:
 
 
 def python_tool(wall_s: float = 5.0, memory_bytes: int = 512 << 20, max_output_bytes: int = 16 * 1024) -> Tool:
-    """A `python(code)` tool that runs the code in the sandbox and returns its output.
+    """A `python(code)` tool that runs the code in the sandbox and returns its output (and, when the
+    program crashed, exited non-zero or hit a limit, the sandbox's one-line reason).
 
     Args:
         wall_s: wall-clock limit of one run (keep it below the ToolRunner's timeout_s).
@@ -321,8 +322,7 @@ def python_tool(wall_s: float = 5.0, memory_bytes: int = 512 << 20, max_output_b
         """
         result = run_python_sandboxed(code, wall_s=wall_s, memory_bytes=memory_bytes,
                                       max_output_bytes=max_output_bytes)
-        out = getattr(result, "stdout", "") or ""
-        err = getattr(result, "stderr", "") or ""
-        return out + (("\n" + err) if err else "")
+        text = result.stdout + (("\n" + result.stderr) if result.stderr else "")
+        return text if result.ok else f"{text}\n[the program did not finish cleanly: {result.reason}]".lstrip("\n")
 
     return as_tool(python)
