@@ -199,3 +199,20 @@ def test_an_empty_batch_gives_empty_arrays():
                        max_turns=2, max_total_tokens=8, max_turn_tokens=2)
     assert out.completion_ids.shape == (0, 8) and out.num_episodes == 0
     assert out.metrics()["agents/turns"] == 0.0
+
+
+def test_a_final_turn_that_fills_the_budget_exactly_is_still_scored():
+    # prompt, then "abc" + stop = 4 ids: exactly max_total_tokens
+    _, out = _run([Counter(turns=1)], max_total_tokens=4)
+    assert out.end_reason[0] == "done" and out.env_reward[0] == 1.0 and out.completion_mask[0].all()
+    _, out = _run([Counter(turns=2)], max_total_tokens=4)  # room for no reply: cut by the budget
+    assert out.end_reason[0] == "budget" and out.env_reward[0] == 0.5
+
+
+def test_a_reset_that_raises_names_the_environment():
+    class Broken(Counter):
+        def reset(self):
+            raise KeyError("question")
+
+    with pytest.raises(RuntimeError, match=r"environment 1 \(Broken\).reset\(\) raised KeyError"):
+        _run([Counter(), Broken()])

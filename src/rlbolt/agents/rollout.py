@@ -204,6 +204,10 @@ def run_episodes(engine: Any, envs: Sequence[Environment], rng_keys: np.ndarray,
 
     Returns:
         An EpisodeBatch with T = max_total_tokens.
+
+    Raises:
+        ValueError: a limit, the keys or the prompts do not fit the environments (one line each).
+        RuntimeError: an environment's `reset()` raised (set-up, not the model's doing).
     """
     _check_limits(max_turns, max_total_tokens, max_turn_tokens)
     n = len(envs)
@@ -225,7 +229,11 @@ def run_episodes(engine: Any, envs: Sequence[Environment], rng_keys: np.ndarray,
         renderer = shared.get(key)
         if renderer is None:
             renderer = shared[key] = TurnRenderer(tokenizer, schemas, template_kwargs, stop_text)
-        opening = env.reset()
+        try:
+            opening = env.reset()
+        except Exception as error:  # a broken factory or row is a set-up bug: stop, naming the episode
+            raise RuntimeError(f"run_episodes: environment {i} ({type(env).__name__}).reset() raised "
+                               f"{type(error).__name__}: {error}") from error
         if opening is None:
             if prompt_ids is None:
                 raise ValueError(f"run_episodes: environment {i} ({type(env).__name__}) returned no opening messages "
@@ -255,7 +263,7 @@ def run_episodes(engine: Any, envs: Sequence[Environment], rng_keys: np.ndarray,
             state.messages.append({"role": "assistant", "content": text})
             texts.append(text)
             stopped.append(count > 0 and ids[min(count, room) - 1] in stops)
-            if cut or len(state.tokens) >= max_total_tokens:
+            if cut:  # the budget ended the turn: the environment never sees a turn it did not finish
                 state.end_reason = "budget"
         stepping = [(row, i) for row, i in enumerate(live) if not states[i].done]
         results = _step_all([envs[i] for _, i in stepping], [texts[row] for row, _ in stepping], step_timeout_s)
