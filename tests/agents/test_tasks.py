@@ -41,6 +41,10 @@ def test_rows_are_seeded_and_checked():
         guess_rows(3, num_values=11)
     tok = demo_tokenizer()
     assert tok.decode(tok.encode("?3\n<>!")) == "?3\n<>!"
+    # a turn's text drops the stop token only: a sampled pad or bos makes the turn malformed
+    four = tok.encode("4")[0]
+    assert tok.decode([four, tok.eos_id]) == "4" and tok.decode([tok.pad_id, four]) == "<pad>4"
+    assert not guess_env({"secret": 4}).step(tok.decode([tok.bos_id, four])).done
 
 
 @pytest.mark.slow

@@ -117,7 +117,7 @@ def _demo_config(learning_rate: float, entropy_coef: float, max_turn_tokens: int
 
 
 def train_demo(task: str = "tool", *, steps: int = 400, prompts_per_step: int = 16, num_generations: int = 8,
-               learning_rate: float = 1e-3, entropy_coef: float = 0.02, hidden_size: int = 64, seed: int = 0,
+               learning_rate: float | None = None, entropy_coef: float = 0.02, hidden_size: int = 64, seed: int = 0,
                run_dir: str | None = None, on_step: Callable[[int, float], None] | None = None) -> list[float]:
     """Trains a 2-layer random-init model on a demo task with EpisodeGRPO; returns the reward per step.
 
@@ -126,7 +126,7 @@ def train_demo(task: str = "tool", *, steps: int = 400, prompts_per_step: int = 
       steps: global steps.
       prompts_per_step: prompts per step.
       num_generations: episodes per prompt (the GRPO group).
-      learning_rate: AdamW learning rate.
+      learning_rate: AdamW learning rate; None: the task's (`DEMO_TASKS`).
       entropy_coef: entropy bonus; keeps the answer turn exploring while the call is being learned
         (without it the answer collapses to one digit before the lookup is right often enough).
       hidden_size: model width (2 layers).
@@ -147,7 +147,8 @@ def train_demo(task: str = "tool", *, steps: int = 400, prompts_per_step: int = 
 
     if task not in DEMO_TASKS:
         raise ValueError(f"task={task!r}; the demo tasks are {sorted(DEMO_TASKS)}")
-    make_rows, factory, limits = DEMO_TASKS[task]
+    make_rows, factory, limits, task_lr = DEMO_TASKS[task]
+    learning_rate = task_lr if learning_rate is None else learning_rate
     tokenizer = demo_tokenizer()
     prompt_width = 4
     config = tiny_config(vocab_size=tokenizer.vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", default="tool", choices=("tool", "guess"))
     parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--entropy", type=float, default=0.02)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

@@ -17,10 +17,12 @@ A random policy scores about 0.003.
 
 "guess" (`guess_rows`, `guess_env`): guess a secret in [0, num_values) in at most `max_turns`
 turns; each wrong guess is answered "<" (the secret is lower) or ">" (higher), a malformed turn
-(anything but one digit in range and the stop token) "!". Later turns must depend on the
-replies: with 8 values and 4 turns a fixed guessing order finds the secret half of the time,
-binary search always. Reward: 1.0 when found, else 0.1 x the fraction of well-formed guesses
-(a random policy scores about 0.01).
+(anything but one digit in range, then the stop token) "!". Later turns must depend on the
+replies: with 6 values and 4 turns a fixed guessing order finds the secret 4 times in 6 (0.67),
+binary search always. Reward: 1.0 when found, else 0.1 x the fraction of well-formed guesses.
+
+Both tasks decode a turn with `DemoTokenizer`, which drops only the stop token: a pad or bos
+the model samples inside a turn makes the turn malformed.
 """
 
 from __future__ import annotations
@@ -35,15 +37,32 @@ from rlbolt.agents.tools import ToolRunner
 from rlbolt.data.tokenizers import CharTokenizer
 
 __all__ = ["DEMO_ALPHABET", "demo_tokenizer", "lookup_rows", "lookup_env", "guess_rows", "guess_env",
-           "GuessEnvironment", "DEMO_TASKS"]
+           "GuessEnvironment", "DemoTokenizer", "DEMO_TASKS"]
 
 DEMO_ALPHABET = "0123456789?!<>\n"
 _DIGITS = "0123456789"
 
 
-def demo_tokenizer() -> CharTokenizer:
-    """The character tokenizer both demo tasks use (pad 0, eos 1, bos 2, then DEMO_ALPHABET)."""
-    return CharTokenizer(DEMO_ALPHABET)
+class DemoTokenizer(CharTokenizer):
+    """`CharTokenizer` over DEMO_ALPHABET whose text keeps a sampled pad or bos visible.
+
+    A turn's text is decoded without the stop token (eos), as usual; a pad or bos the model
+    sampled inside a turn stays in the text ("<pad>"), so "<pad>4" is a malformed turn, not "4".
+    """
+
+    def __init__(self):
+        super().__init__(DEMO_ALPHABET)
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        """Ids -> text; with `skip_special_tokens` only eos is dropped."""
+        if skip_special_tokens:
+            ids = [i for i in ids if int(i) != self.eos_id]
+        return super().decode(ids, skip_special_tokens=False)
+
+
+def demo_tokenizer() -> DemoTokenizer:
+    """The tokenizer both demo tasks use (pad 0, eos 1, bos 2, then DEMO_ALPHABET)."""
+    return DemoTokenizer()
 
 
 def lookup_rows(num_rows: int, seed: int = 0) -> list[dict]:
@@ -95,8 +114,8 @@ def lookup_env(row: Mapping) -> ToolEnvironment:
                            format_error=lambda text: "!")
 
 
-def guess_rows(num_rows: int, seed: int = 0, num_values: int = 8) -> list[dict]:
-    """Rows `{"prompt": "?", "secret": 5, "num_values": 8}`."""
+def guess_rows(num_rows: int, seed: int = 0, num_values: int = 6) -> list[dict]:
+    """Rows `{"prompt": "?", "secret": 5, "num_values": 6}`."""
     if not 2 <= num_values <= 10:
         raise ValueError(f"guess_rows: num_values={num_values} must be in [2, 10] (one digit per guess)")
     rng = np.random.default_rng(seed)
@@ -134,11 +153,11 @@ class GuessEnvironment:
 
 def guess_env(row: Mapping) -> GuessEnvironment:
     """The "guess" task's environment for one row."""
-    return GuessEnvironment(int(row["secret"]), int(row.get("num_values", 8)), int(row.get("max_turns", 4)))
+    return GuessEnvironment(int(row["secret"]), int(row.get("num_values", 6)), int(row.get("max_turns", 4)))
 
 
-# task -> (rows(num_rows, seed), env factory, run_episodes limits)
+# task -> (rows(num_rows, seed), env factory, run_episodes limits, learning rate that learns it)
 DEMO_TASKS = {
-    "tool": (lookup_rows, lookup_env, {"max_turns": 3, "max_turn_tokens": 2, "max_total_tokens": 12}),
-    "guess": (guess_rows, guess_env, {"max_turns": 4, "max_turn_tokens": 2, "max_total_tokens": 16}),
+    "tool": (lookup_rows, lookup_env, {"max_turns": 3, "max_turn_tokens": 2, "max_total_tokens": 12}, 1e-3),
+    "guess": (guess_rows, guess_env, {"max_turns": 4, "max_turn_tokens": 2, "max_total_tokens": 20}, 2e-3),
 }
