@@ -19,7 +19,8 @@ class Record(Callback):
 
 
 def test_episode_grpo_trains_on_multi_turn_batches(tmp_path):
-    rows, factory, limits, _ = DEMO_TASKS["guess"]
+    task = DEMO_TASKS["guess"]
+    rows, factory, limits = task.rows, task.env_factory, task.limits
     tok = demo_tokenizer()
     config = tiny_config(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
                          num_kv_heads=1, head_dim=16, max_position_embeddings=32)

@@ -109,8 +109,9 @@ def test_a_model_that_emits_malformed_calls_in_a_loop_costs_its_episode_and_show
     def script(history, key):
         if "go-bad" in history:
             return '<tool_call>{"name": "lookup", "arguments": {"key": </tool_call>'
-        return '<tool_call>{"name": "lookup", "arguments": {"key": "a"}}</tool_call>' if "tool_response" not in history \
-            else "1"
+        if "tool_response" not in history:
+            return '<tool_call>{"name": "lookup", "arguments": {"key": "a"}}</tool_call>'
+        return "1"
 
     def env(question):
         return ToolEnvironment([{"role": "user", "content": question}], [lookup], lambda a: float(a == "1"),

@@ -48,10 +48,10 @@ def test_rows_are_seeded_and_checked():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("task, steps", [("tool", 400), ("guess", 400)])
-def test_a_tiny_model_learns_the_task_from_scratch(task, steps, tmp_path):
+@pytest.mark.parametrize("task", ["tool", "guess"])
+def test_a_tiny_model_learns_the_task_from_scratch(task, tmp_path):
     from rlbolt.agents.demo_training import train_demo
 
-    rewards = train_demo(task, steps=steps, run_dir=str(tmp_path))
+    rewards = train_demo(task, run_dir=str(tmp_path))  # the task's steps: 600 (tool), 400 (guess)
     assert np.mean(rewards[:5]) < 0.1
-    assert np.mean(rewards[-10:]) >= 0.9
+    assert np.mean(rewards[-20:]) >= 0.9

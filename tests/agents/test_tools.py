@@ -180,7 +180,8 @@ def test_result_text_cuts_long_bytes_with_a_note():
     assert cut and text.startswith("x" * 10) and "1000 bytes" in text
 
 
-@pytest.mark.parametrize("kwargs, field", [({"timeout_s": 0}, "timeout_s"), ({"max_result_chars": 0}, "max_result_chars")])
+@pytest.mark.parametrize("kwargs, field", [({"timeout_s": 0}, "timeout_s"),
+                                           ({"max_result_chars": 0}, "max_result_chars")])
 def test_runner_refuses_bad_settings_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         ToolRunner(**kwargs)

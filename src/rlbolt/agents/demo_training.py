@@ -116,14 +116,15 @@ def _demo_config(learning_rate: float, entropy_coef: float, max_turn_tokens: int
             "model": {"share_prompt": False}}
 
 
-def train_demo(task: str = "tool", *, steps: int = 400, prompts_per_step: int = 16, num_generations: int = 8,
+def train_demo(task: str = "tool", *, steps: int | None = None, prompts_per_step: int = 16,
+               num_generations: int = 8,
                learning_rate: float | None = None, entropy_coef: float = 0.02, hidden_size: int = 64, seed: int = 0,
                run_dir: str | None = None, on_step: Callable[[int, float], None] | None = None) -> list[float]:
     """Trains a 2-layer random-init model on a demo task with EpisodeGRPO; returns the reward per step.
 
     Args:
       task: "tool" or "guess" (`rlbolt.agents.tasks.DEMO_TASKS`).
-      steps: global steps.
+      steps: global steps; None: the task's (`DEMO_TASKS`).
       prompts_per_step: prompts per step.
       num_generations: episodes per prompt (the GRPO group).
       learning_rate: AdamW learning rate; None: the task's (`DEMO_TASKS`).
@@ -147,8 +148,10 @@ def train_demo(task: str = "tool", *, steps: int = 400, prompts_per_step: int = 
 
     if task not in DEMO_TASKS:
         raise ValueError(f"task={task!r}; the demo tasks are {sorted(DEMO_TASKS)}")
-    make_rows, factory, limits, task_lr = DEMO_TASKS[task]
-    learning_rate = task_lr if learning_rate is None else learning_rate
+    spec = DEMO_TASKS[task]
+    make_rows, factory, limits = spec.rows, spec.env_factory, spec.limits
+    learning_rate = spec.learning_rate if learning_rate is None else learning_rate
+    steps = spec.steps if steps is None else steps
     tokenizer = demo_tokenizer()
     prompt_width = 4
     config = tiny_config(vocab_size=tokenizer.vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
@@ -174,10 +177,10 @@ def train_demo(task: str = "tool", *, steps: int = 400, prompts_per_step: int = 
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m rlbolt.agents.demo_training --task tool --steps 200`."""
+    """`python -m rlbolt.agents.demo_training --task tool` (the task's steps unless --steps is given)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--task", default="tool", choices=("tool", "guess"))
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--entropy", type=float, default=0.02)
     parser.add_argument("--seed", type=int, default=0)
@@ -187,9 +190,10 @@ def main(argv: list[str] | None = None) -> None:
     def show(step: int, reward: float) -> None:
         print(f"step {step:4d}  reward {reward:.3f}  ({time.monotonic() - started:.0f} s)", flush=True)
 
-    rewards = train_demo(args.task, steps=args.steps, learning_rate=args.lr, entropy_coef=args.entropy, seed=args.seed, on_step=show)
-    first, last = np.mean(rewards[:10]), np.mean(rewards[-10:])
-    print(f"task {args.task}: mean reward of the first 10 steps {first:.3f}, of the last 10 steps {last:.3f}")
+    rewards = train_demo(args.task, steps=args.steps, learning_rate=args.lr, entropy_coef=args.entropy, seed=args.seed,
+                         on_step=show)
+    first, last = np.mean(rewards[:10]), np.mean(rewards[-20:])
+    print(f"task {args.task}: mean reward of the first 10 steps {first:.3f}, of the last 20 steps {last:.3f}")
 
 
 if __name__ == "__main__":

@@ -157,7 +157,8 @@ class ToolEnvironment:
         for index, call in enumerate(parsed.calls):
             tool = self._by_name.get(call.name)
             if index >= self.max_calls_per_turn:
-                problem = f"too many tool calls in one turn (at most {self.max_calls_per_turn}); {call.name} was not run"
+                problem = (f"too many tool calls in one turn (at most {self.max_calls_per_turn}); "
+                           f"{call.name} was not run")
             elif tool is None:
                 problem = f"unknown tool {call.name!r}; the tools are {sorted(self._by_name)}"
             else:

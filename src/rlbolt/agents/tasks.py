@@ -11,15 +11,16 @@ call it (`?k`, read by `CompactToolParser`), read the reply and answer with the 
     prompt "3\\n"  model "?3"  env "\\n5\\n"  model "5<eos>"  -> reward 1
 
 Reward: 1.0 for the right answer (its first character is read) after looking up the right key;
-0.3 for looking up the right key then answering wrong; 0.1 for any well-formed lookup (so a random policy finds the tool at
-all: a few percent of its turns are calls). A right answer without the lookup earns nothing.
-A random policy scores about 0.003.
+0.3 for looking up the right key then answering wrong; 0.1 for any well-formed lookup (so a
+random policy finds the tool at all: a few percent of its turns are calls). A right answer
+without the lookup earns nothing. A random model scores about 0.01.
 
 "guess" (`guess_rows`, `guess_env`): guess a secret in [0, num_values) in at most `max_turns`
 turns; each wrong guess is answered "<" (the secret is lower) or ">" (higher), a malformed turn
 (anything but one digit in range, then the stop token) "!". Later turns must depend on the
 replies: with 6 values and 4 turns a fixed guessing order finds the secret 4 times in 6 (0.67),
-binary search always. Reward: 1.0 when found, else 0.1 x the fraction of well-formed guesses.
+binary search always. Reward: 1.0 when found, else 0.1 x the fraction of well-formed guesses
+(a random model scores a few hundredths).
 
 Both tasks decode a turn with `DemoTokenizer`, which drops only the stop token: a pad or bos
 the model samples inside a turn makes the turn malformed.
@@ -27,7 +28,9 @@ the model samples inside a turn makes the turn malformed.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -37,7 +40,7 @@ from rlbolt.agents.tools import ToolRunner
 from rlbolt.data.tokenizers import CharTokenizer
 
 __all__ = ["DEMO_ALPHABET", "demo_tokenizer", "lookup_rows", "lookup_env", "guess_rows", "guess_env",
-           "GuessEnvironment", "DemoTokenizer", "DEMO_TASKS"]
+           "GuessEnvironment", "DemoTokenizer", "DemoTask", "DEMO_TASKS"]
 
 DEMO_ALPHABET = "0123456789?!<>\n"
 _DIGITS = "0123456789"
@@ -156,8 +159,28 @@ def guess_env(row: Mapping) -> GuessEnvironment:
     return GuessEnvironment(int(row["secret"]), int(row.get("num_values", 6)), int(row.get("max_turns", 4)))
 
 
-# task -> (rows(num_rows, seed), env factory, run_episodes limits, learning rate that learns it)
+@dataclasses.dataclass(frozen=True)
+class DemoTask:
+    """A demo task and the settings that learn it (`rlbolt.agents.demo_training.train_demo`).
+
+    Attributes:
+        rows: `rows(num_rows, seed) -> list[dict]`.
+        env_factory: `Factory(row) -> Environment`.
+        limits: run_episodes' max_turns, max_turn_tokens, max_total_tokens.
+        learning_rate: AdamW learning rate.
+        steps: global steps that reach a mean reward >= 0.9 (measured).
+    """
+
+    rows: Callable[[int, int], list[dict]]
+    env_factory: Callable[[Mapping], Any]
+    limits: dict
+    learning_rate: float
+    steps: int
+
+
 DEMO_TASKS = {
-    "tool": (lookup_rows, lookup_env, {"max_turns": 3, "max_turn_tokens": 2, "max_total_tokens": 12}, 1e-3),
-    "guess": (guess_rows, guess_env, {"max_turns": 4, "max_turn_tokens": 2, "max_total_tokens": 20}, 2e-3),
+    "tool": DemoTask(lookup_rows, lookup_env, {"max_turns": 3, "max_turn_tokens": 2, "max_total_tokens": 12},
+                     learning_rate=1e-3, steps=600),
+    "guess": DemoTask(guess_rows, guess_env, {"max_turns": 4, "max_turn_tokens": 2, "max_total_tokens": 20},
+                      learning_rate=2e-3, steps=400),
 }

@@ -197,7 +197,8 @@ def result_text(value: Any, max_chars: int) -> tuple[str, bool]:
         text = text.encode("utf-8", errors="replace").decode("utf-8")  # lone surrogates cannot be encoded later
     if len(text) <= max_chars and not (unit == "bytes" and total > 4 * max_chars + 4):
         return text, False
-    return text[:max_chars] + f"\n[truncated: the result has {total} {unit}; showing the first {max_chars} characters]", True
+    note = f"\n[truncated: the result has {total} {unit}; showing the first {max_chars} characters]"
+    return text[:max_chars] + note, True
 
 
 class ToolRunner:
