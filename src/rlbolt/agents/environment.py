@@ -19,10 +19,10 @@ end reason "env_error", the batch carries on).
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from rlbolt.config.references import import_reference
 from rlbolt.agents.parsers import ParsedTurn, ToolCallParser
 from rlbolt.agents.tools import Tool, ToolRunner, as_tool
 
@@ -83,17 +83,9 @@ def load_env_factory(reference: str | EnvFactory) -> EnvFactory:
     """
     if callable(reference):
         return reference
-    if not isinstance(reference, str) or reference.count(":") != 1:
-        raise ValueError(f"env={reference!r} must be 'package.module:Factory' (an importable callable row -> "
-                         "Environment)")
-    module_name, attribute = reference.split(":")
-    try:
-        factory = getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"env={reference!r} cannot be loaded ({type(error).__name__}: {error}); check the module "
-                         "is importable and defines that name") from None
+    factory = import_reference(str(reference), "rollout.env")  # ConfigError (a ValueError) naming the field
     if not callable(factory):
-        raise ValueError(f"env={reference!r} is a {type(factory).__name__}, not a callable row -> Environment")
+        raise ValueError(f"rollout.env={reference!r} is a {type(factory).__name__}, not a callable row -> Environment")
     return factory
 
 

@@ -51,12 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Train the built-in demo: a tiny random-init decoder learns to copy a "
                                       "digit string with GRPO, from near-chance reward to >= 0.9.")
     demo.add_argument("--run-dir", help="the run directory (default: runs/demo-<time>); must be empty or absent")
-    demo.add_argument("--max-steps", type=_positive_int, help="global steps (default: %d)" % _demo_default("max_steps"))
+    demo.add_argument("--max-steps", type=_positive_int,
+                      help="global steps (default: the task's: 300 for the digit tasks, tool 600, guess 400)")
     demo.add_argument("--checkpoint-every", type=_positive_int,
                       help="checkpoint every K steps (default: only the last step)")
     demo.add_argument("--seed", type=int, help="seed of the model, the prompts and sampling (default: 0)")
-    demo.add_argument("--task", choices=("copy", "reverse", "increment"),
-                      help="the digit task (default: copy; reverse and increment are harder)")
+    demo.add_argument("--task", choices=("copy", "reverse", "increment", "tool", "guess"),
+                      help="copy (default), reverse or increment the digits; tool: answer with a value only a lookup "
+                           "tool knows; guess: find a number from higher/lower replies (both multi-turn episodes)")
     demo.add_argument("--lora-rank", type=_positive_int,
                       help="train only LoRA adapters of this rank on a frozen base (default: every parameter)")
     demo.add_argument("--base-run", help="start from the policy of another demo run's latest checkpoint, e.g. a "
@@ -111,12 +113,6 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be >= 1")
     return value
-
-
-def _demo_default(name: str):
-    from rlbolt.config.demo import DemoConfig
-
-    return getattr(DemoConfig(), name)
 
 
 def split_overrides(extra: Sequence[str]) -> list[str]:

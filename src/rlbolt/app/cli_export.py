@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rlbolt.app import rundir
-from rlbolt.config.demo import DemoConfig, DemoConfigError, is_demo_config
+from rlbolt.config.demo import AGENT_TASKS, DemoConfig, DemoConfigError, is_demo_config
 
 READ_ATTEMPTS = 5
 
@@ -136,10 +136,13 @@ def _module_for(run_dir: Path) -> tuple[Any, Any]:
     """(module with its model built and initial params loaded, the config it was built from)."""
     data = rundir.read_config(run_dir)
     if is_demo_config(data):
-        from rlbolt.modules.digits import DigitsGRPO
-
         cfg = DemoConfig.from_dict(data)
-        module = DigitsGRPO(cfg, base_model=demo_base_model(cfg))
+        module = demo_module(cfg)
+        if cfg.task in AGENT_TASKS:
+            from rlbolt.plan import BatchPlan
+            from rlbolt.setup_context import SetupContext
+
+            module.setup(SetupContext(plan=BatchPlan(cfg.prompts_per_step, cfg.num_generations), seed=cfg.seed))
         module.init_params(jax.random.fold_in(jax.random.PRNGKey(cfg.seed), 0))  # as Trainer._setup derives it
         return module, None
     from rlbolt.config import references as objects
@@ -152,6 +155,19 @@ def _module_for(run_dir: Path) -> tuple[Any, Any]:
     module = build_module(cfg, **objects.import_all({k: getattr(cfg.objects, k) for k in ("model", "tokenizer")}))
     module.setup(SetupContext(plan=build_plan(cfg), seed=cfg.trainer.seed))
     return module, cfg
+
+
+def demo_module(config: DemoConfig):
+    """The module a demo config trains: DigitsGRPO for the digit tasks (from `demo.base_run`'s model
+    when set), GRPO on episodes for the agent tasks (`rlbolt.agents.demo_training.demo_module`)."""
+    if config.task in AGENT_TASKS:
+        from rlbolt.agents.demo_training import demo_module as episode_module
+
+        return episode_module(config.task, learning_rate=config.learning_rate, hidden_size=config.hidden_size,
+                              seed=config.seed)
+    from rlbolt.modules.digits import DigitsGRPO
+
+    return DigitsGRPO(config, base_model=demo_base_model(config))
 
 
 def demo_base_model(config: DemoConfig):

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from rlbolt.app import rundir
-from rlbolt.app.cli_export import demo_base_model
-from rlbolt.app.demo import DemoConfig, DigitsGRPO, demo_rows
+from rlbolt.app.cli_export import demo_module
+from rlbolt.app.demo import DemoConfig, demo_rows
 from rlbolt.callback import Callback
 from rlbolt.fit_checks import check_fit
 from rlbolt.plan import BatchPlan
@@ -151,7 +151,7 @@ def run_demo(config: DemoConfig, run_dir: str | Path, *, resume: bool = False, p
                                    allow_config_change=allow_config_change)
     trainer = Trainer(BatchPlan(config.prompts_per_step, config.num_generations), max_steps=config.max_steps,
                       seed=config.seed, callbacks=callbacks, run_dir=run_dir)
-    module, rows = DigitsGRPO(config, base_model=demo_base_model(config)), demo_rows(config)
+    module, rows = demo_module(config), demo_rows(config)
     trainer.plan = check_fit(trainer.plan, module, rows, None)
     with _opened_run_dir(run_dir, resume) as path:
         if _main_process():

@@ -22,17 +22,19 @@ class DemoConfig:
 
     Attributes:
       seed: seeds the model init, the prompts and every sampled token.
-      max_steps: global steps to train.
+      max_steps: global steps to train (None: the task's, `TASK_DEFAULTS`).
       num_digits: digits per prompt (= completion tokens).
       num_prompts: size of the synthetic training set.
       prompts_per_step: prompts per global step.
       num_generations: completions per prompt (the GRPO group size G).
-      learning_rate: AdamW learning rate.
+      learning_rate: AdamW learning rate (None: the task's, `TASK_DEFAULTS`).
       clip: PPO clip range epsilon.
       temperature: sampling temperature.
       hidden_size: model width (2 layers, 4 query / 2 kv heads).
       checkpoint_every: save a checkpoint every this many steps (None: only at the end).
-      task: "copy", "reverse" or "increment".
+      task: "copy", "reverse" or "increment" (digit tasks); "tool" (the answer is a value only a
+        lookup tool knows) or "guess" (guess a number from higher/lower replies): multi-turn
+        episodes (`rlbolt.agents.tasks`).
       lora_rank: None trains every parameter; r trains only LoRA adapters of rank r (alpha 2r) on
         all seven projections of the frozen base (`rlbolt.models.lora`).
       base_run: start from the policy of another demo run's latest checkpoint (same hidden_size
@@ -42,12 +44,12 @@ class DemoConfig:
     """
 
     seed: int = 0
-    max_steps: int = 300
+    max_steps: int | None = None
     num_digits: int = 4
     num_prompts: int = 2000
     prompts_per_step: int = 16
     num_generations: int = 8
-    learning_rate: float = 5e-4
+    learning_rate: float | None = None
     clip: float = 0.2
     temperature: float = 1.0
     hidden_size: int = 64
@@ -57,6 +59,16 @@ class DemoConfig:
     base_run: str | None = None
 
     def __post_init__(self):
+        if self.task not in TASKS:
+            raise DemoConfigError(f"demo.task={self.task!r}; allowed: {list(TASKS)}")
+        steps, lr = TASK_DEFAULTS[self.task]
+        if self.max_steps is None:
+            object.__setattr__(self, "max_steps", steps)
+        if self.learning_rate is None:
+            object.__setattr__(self, "learning_rate", lr)
+        if self.task in AGENT_TASKS and (self.lora_rank is not None or self.base_run is not None):
+            raise DemoConfigError(f"demo.task={self.task}: lora_rank and base_run apply to the digit tasks "
+                                  f"{list(TASKS[:3])}; leave them out")
         for f in dataclasses.fields(self):
             value, kind = getattr(self, f.name), _FIELD_KINDS[f.name]
             ok = (value is None and f.name in ("checkpoint_every", "lora_rank", "base_run")) or (
@@ -102,7 +114,12 @@ class DemoConfigError(ValueError):
     """A demo setting is unknown or out of range (the message names it and the allowed values)."""
 
 
-TASKS = ("copy", "reverse", "increment")
+TASKS = ("copy", "reverse", "increment", "tool", "guess")
+AGENT_TASKS = ("tool", "guess")  # multi-turn episodes (rlbolt.agents.tasks.DEMO_TASKS)
+# (max_steps, learning_rate) each task learns with on the CI machine; the agent tasks' figures are
+# rlbolt.agents.tasks.DEMO_TASKS's (a test keeps the two in step).
+TASK_DEFAULTS = {"copy": (300, 5e-4), "reverse": (300, 5e-4), "increment": (300, 5e-4),
+                 "tool": (600, 1e-3), "guess": (400, 2e-3)}
 _FIELD_KINDS = {"seed": int, "max_steps": int, "num_digits": int, "num_prompts": int, "prompts_per_step": int,
                 "num_generations": int, "learning_rate": float, "clip": float, "temperature": float,
                 "hidden_size": int, "checkpoint_every": int, "task": str, "lora_rank": int, "base_run": str}

@@ -55,6 +55,8 @@ def check_rules(cfg: RunConfig) -> None:
     if t.val_every_n_steps is not None and not has_val:
         raise ConfigError(f"trainer.val_every_n_steps={t.val_every_n_steps} but the run has no validation rows; "
                           "set data.val (or data.builtin_val_rows > 0), or trainer.val_every_n_steps=null")
+    if r.env is not None and not _REFERENCE.fullmatch(r.env):
+        raise ConfigError(f"rollout.env={r.env!r} must look like 'package.module:Factory' (a callable row -> Environment)")
     if r.engine not in ("native", "vllm") and not _REFERENCE.fullmatch(r.engine):
         raise ConfigError(f"rollout.engine={r.engine!r}: use native, vllm, or a factory 'package.module:make_engine'")
     _check_mode(cfg)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from rlbolt.config.fields import option as _f
 
 METRIC_WRITERS = ("console", "jsonl", "tensorboard", "wandb")
-REWARD_TERMS = ("answer", "format", "digits", "task")  # rlbolt.modules.rewarding builds them
+REWARD_TERMS = ("answer", "format", "digits", "task", "env")  # rlbolt.modules.rewarding builds them
 POLICY_LOSSES = ("ppo", "gspo", "cispo", "sapo", "gmpo", "clip_cov", "kl_cov")  # modules/policy_losses.py implements them
 # The fields each policy objective fills when the config left them None (the papers' settings).
 POLICY_LOSS_DEFAULTS = {
@@ -84,6 +84,10 @@ class RolloutSection:
     top_k: int = _f(0, "keep the k most likely tokens; 0 = off", at_least=0)
     top_p: float = _f(1.0, "nucleus sampling mass; 1.0 = off", above=0, at_most=1)
     stop_at_eos: bool = _f(True, "stop a completion at the tokenizer's eos token")
+    env: str | None = _f(None, "multi-turn episodes: an environment factory 'package.module:Factory' called with each prompt row (docs/howto/agents.md); max_new_tokens is then the budget of one turn; None: one completion per prompt")
+    max_turns: int = _f(4, "with env: the most model turns per episode", at_least=1)
+    max_total_tokens: int | None = _f(None, "with env: the most ids after the prompt per episode, sampled and environment ids together; None: max_turns * max_new_tokens", at_least=1)
+    env_step_timeout_s: float = _f(60.0, "with env: seconds one environment step may take before its episode ends (end reason env_error)", above=0)
     engine: str = _f("native", "what generates the completions: native (rlbolt's jitted sampler), vllm (vLLM in process: the rlbolt[vllm] extra), or a factory 'package.module:make_engine' called as factory(model, EngineSpec) -> RolloutEngine (docs/howto/engines.md)")
     val_temperature: float = _f(1.0, "temperature of the pass@k samples in validation (accuracy is always greedy)", at_least=0)
     val_num_samples: int = _f(4, "k of pass@k in validation; 1 = greedy accuracy only", at_least=1)
@@ -129,7 +133,7 @@ class AlgorithmSection:
 class RewardSection:
     """Reward functions, scored per sample with failure isolation."""
 
-    weights: dict = _f({"answer": 1.0, "format": 0.0}, "reward term -> weight; terms: answer (GSM8K final answer), format (think/answer tags), digits (fraction of digit characters: a dense signal for tiny-model smoke runs), task (a reasoning_gym task's own scorer on the extracted final answer); weight 0 drops a term")
+    weights: dict = _f({"answer": 1.0, "format": 0.0}, "reward term -> weight; terms: answer (GSM8K final answer), format (think/answer tags), digits (fraction of digit characters: a dense signal for tiny-model smoke runs), task (a reasoning_gym task's own scorer on the extracted final answer), env (an episode's environment rewards, summed: with rollout.env); weight 0 drops a term")
     timeout_s: float = _f(10.0, "seconds one sample's reward may run before it gets the penalty", above=0)
     penalty: float = _f(0.0, "reward of a sample whose reward function failed or timed out")
     max_workers: int = _f(4, "concurrent reward workers", at_least=1)

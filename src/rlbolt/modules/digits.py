@@ -27,7 +27,7 @@ from flax import nnx
 
 from rlbolt.algorithms import aggregate_loss, clipped_surrogate, grpo_process_advantages
 from rlbolt.batch import Batch
-from rlbolt.config.demo import DemoConfig, DemoConfigError
+from rlbolt.config.demo import AGENT_TASKS, DemoConfig, DemoConfigError
 from rlbolt.data.tokenizers import CharTokenizer
 from rlbolt.models import Decoder, tiny_config
 from rlbolt.module import RLModule
@@ -39,7 +39,12 @@ DIGITS = "0123456789"
 
 
 def demo_rows(config: DemoConfig) -> list[dict[str, str]]:
-    """The synthetic prompts: `{"prompt": "3141=", "target": "1413"}` rows, seeded."""
+    """The synthetic prompts: `{"prompt": "3141=", "target": "1413"}` rows, seeded; an agent task's
+    rows (`rlbolt.agents.tasks.DEMO_TASKS`) for "tool" and "guess"."""
+    if config.task in AGENT_TASKS:
+        from rlbolt.agents.tasks import DEMO_TASKS
+
+        return DEMO_TASKS[config.task].rows(config.num_prompts, config.seed)
     rng = np.random.default_rng(config.seed)
     digits = rng.integers(0, 10, size=(config.num_prompts, config.num_digits))
     rows = []

@@ -32,6 +32,7 @@ from flax import nnx
 
 from rlbolt.algorithms import LossAggregation, aggregate_loss, kl_penalty, overlong_penalty
 from rlbolt.algorithms import grpo_advantages, rollout_correction
+from rlbolt.agents.rollout import run_episodes
 from rlbolt.batch import Batch
 from rlbolt.config import RunConfig, config_to_dict
 from rlbolt.module import RLModule
@@ -52,6 +53,7 @@ _FRAMEWORK_COLUMNS = frozenset({
     "group_ids", "policy_version", "sample_keys", "prompt_ids", "prompt_mask", "completion_ids",
     "completion_mask", "sampler_logps", "old_logps", "ref_logps", "rewards", "advantages", "completion_text",
     "old_values", "returns", "importance_weights", "mini_batch_num_tokens", "mini_batch_num_samples", "dock_index",
+    "sequence_mask",  # episodes: every real id (sampled and environment); env_reward stays visible to rewards
 })
 
 
@@ -67,12 +69,15 @@ class LMPolicyModule(PolicySetup, RLModule):
       engine: the rollout engine instead of `config.rollout.engine`: a name ("native", "vllm"), a
         factory `(model, EngineSpec) -> RolloutEngine`, or a RolloutEngine instance. The module
         calls it only through the protocol (`rlbolt.rollout.engines`).
+      env: an environment factory `Factory(row) -> Environment` (or its 'package.module:Factory'
+        name) instead of `config.rollout.env`: each sample becomes a multi-turn episode
+        (`rlbolt.agents.run_episodes`), trained token-in/token-out with environment ids masked out.
     """
 
     kl_in_loss = True  # False: the KL is folded into the reward instead (REINFORCE++, RLOO, PPO)
 
     def __init__(self, config: RunConfig | Mapping | None = None, *, model=None, tokenizer=None, reward=None,
-                 engine=None):
+                 engine=None, env=None):
         self.config = _config_for(type(self), config)
         self.algo, self.rollout_cfg = self.config.algorithm, self.config.rollout
         self.hparams = {k: v for k, v in config_to_dict(self.config).items() if k in ("algorithm", "rollout", "reward")}
@@ -85,6 +90,8 @@ class LMPolicyModule(PolicySetup, RLModule):
         self._engine_lock = threading.Lock()  # validation (main thread) and rollout (producer) share it
         self._engine_choice = engine if engine is not None else self.config.rollout.engine
         self._engine: EngineHandle | None = None  # built on first use (rollout_engine)
+        self._env_choice = env if env is not None else self.rollout_cfg.env
+        self.env_factory = None  # the environment factory (setup), when samples are episodes
 
     # -- plan and optimizer -----------------------------------------------------------------------
     def check_plan(self, plan) -> None:
@@ -135,14 +142,50 @@ class LMPolicyModule(PolicySetup, RLModule):
         and adds prompt/completion ids and masks ([N, P], [N, C]), `sampler_logps` [N, C] and
         `completion_text` (object [N])."""
         rows = rows_of(batch, [k for k in _row_fields(batch) if k != "prompt_index"])
+        version = int(np.asarray(batch["policy_version"])[0])
+        if self.env_factory is not None:
+            return batch.with_columns(self._episodes(params, rows, self._episode_prompts(rows), batch["sample_keys"],
+                                                     version, self.rollout_cfg.temperature))
         ids = self.encoder.encode_rows(rows)
-        out = self._generate(params, ids, batch["sample_keys"], self.rollout_cfg.temperature,
-                             version=int(np.asarray(batch["policy_version"])[0]))
+        out = self._generate(params, ids, batch["sample_keys"], self.rollout_cfg.temperature, version=version)
         prompt_ids, prompt_mask = self.encoder.pad_left(ids)
         return batch.with_columns(
             prompt_ids=prompt_ids, prompt_mask=prompt_mask,
             completion_ids=out.completion_ids, completion_mask=out.completion_mask,
             sampler_logps=out.logps, completion_text=self._decode(out.completion_ids, out.completion_mask))
+
+    @property
+    def completion_width(self) -> int:
+        """C of the completion columns: `rollout.max_new_tokens`, or with episodes the ids after the
+        prompt of a whole episode (`rollout.max_total_tokens`, default max_turns * max_new_tokens)."""
+        r = self.rollout_cfg
+        if self._env_choice is None:
+            return r.max_new_tokens
+        return r.max_total_tokens or r.max_turns * r.max_new_tokens
+
+    def _episode_prompts(self, rows: list[dict]) -> list[list[int]] | None:
+        """The rows' encoded prompts, for environments whose `reset()` leaves the prompt to the row;
+        None when the rows have no `data.prompt_field` (their environments open the conversation)."""
+        return self.encoder.encode_rows(rows) if all(self.config.data.prompt_field in r for r in rows) else None
+
+    def _episodes(self, params: Any, rows: list[dict], ids: list[list[int]] | None, keys: Any, version: int | None,
+                  temperature: float, log: bool = True) -> dict[str, np.ndarray]:
+        """One multi-turn episode per row (`rlbolt.agents.run_episodes`, each turn one engine call):
+        the columns of the episode batch, the `agents/*` metrics logged."""
+        r = self.rollout_cfg
+
+        def generate(prompt_ids, rng_keys, **opts):
+            return self._generate(params, prompt_ids, rng_keys, opts.pop("temperature", temperature), version=version,
+                                  **opts)
+
+        episodes = run_episodes(generate, [self.env_factory(row) for row in rows], np.asarray(keys, np.uint32),
+                                tokenizer=self.tokenizer, prompt_ids=ids, max_turns=r.max_turns,
+                                max_total_tokens=self.completion_width, max_turn_tokens=r.max_new_tokens,
+                                temperature=temperature, step_timeout_s=r.env_step_timeout_s)
+        if log:
+            for name, value in episodes.metrics().items():
+                self.log(name, value)
+        return episodes.columns(self.tokenizer.pad_id, self.encoder.width)
 
     def rollout_engine(self) -> EngineHandle:
         """The module's rollout engine (built on first use from `rollout.engine` or `engine=`),
@@ -160,7 +203,8 @@ class LMPolicyModule(PolicySetup, RLModule):
                                       "adapters are merged into the base before each push)")
                 spec = EngineSpec(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
                                   top_p=r.top_p, stop_token_ids=(self.tokenizer.eos_id,) if r.stop_at_eos else (),
-                                  pad_id=self.tokenizer.pad_id, prompt_width=self.encoder.width,
+                                  pad_id=self.tokenizer.pad_id, prompt_width=self.encoder.width + (
+                                      self.completion_width if self.env_factory is not None else 0),
                                   model_path=self.config.model.path, param_dtype=self.config.model.param_dtype,
                                   sharding=self.context.sharding_for("rollout"),
                                   share_prompts=self.config.model.share_prompt)
@@ -172,7 +216,8 @@ class LMPolicyModule(PolicySetup, RLModule):
             self._engine = EngineHandle(engine, release=release)
         return self._engine
 
-    def _generate(self, params: Any, ids: list[list[int]], keys: Any, temperature: float, *, version: int | None = None):
+    def _generate(self, params: Any, ids: list[list[int]], keys: Any, temperature: float, *, version: int | None = None,
+                  **opts: Any):
         with self._engine_lock:
             handle = self.rollout_engine()
             version = handle.version if version is None else version  # validation: the latest weights' stamp
@@ -180,7 +225,7 @@ class LMPolicyModule(PolicySetup, RLModule):
             if self.lora is not None:
                 lm_params = self.lora.rollout_params(lm_params)
             return handle.generate(lm_params, version, ids, np.asarray(keys, np.uint32), temperature=temperature,
-                                   keep=self.lora is None or not self.lora.merge_for_rollout)
+                                   keep=self.lora is None or not self.lora.merge_for_rollout, **opts)
 
     def _rollout_model(self) -> Any:
         """The model the sampler runs: on its own devices (placement), a view of it whose
@@ -217,12 +262,20 @@ class LMPolicyModule(PolicySetup, RLModule):
         t = self.rollout_cfg.temperature
         return t if t > 0 else 1.0
 
+    @staticmethod
+    def _forward_keys(batch: Batch) -> tuple[str, ...]:
+        """The forward's inputs. An episode's forward attends over every real id (`sequence_mask`:
+        sampled and environment ids), while the loss, KL and metrics use `completion_mask` (sampled
+        ids only), so environment ids are context but never trained."""
+        return ("prompt_ids", "prompt_mask", "completion_ids", "sequence_mask" if "sequence_mask" in batch else
+                "completion_mask")
+
     def _token_inputs(self, batch: Batch) -> tuple:
-        return tuple(jnp.asarray(batch[k]) for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask"))
+        return tuple(jnp.asarray(batch[k]) for k in self._forward_keys(batch))
 
     def _rows_on_mesh(self, batch: Batch) -> tuple:
         """This process's token inputs as arrays split over the mesh's batch shards."""
-        host = tuple(np.asarray(batch[k]) for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask"))
+        host = tuple(np.asarray(batch[k]) for k in self._forward_keys(batch))
         return host if self.sharding is None else self.sharding.put_local(host)
 
     def _local(self, x: Any) -> np.ndarray:
@@ -318,7 +371,7 @@ class LMPolicyModule(PolicySetup, RLModule):
         return aggregate_loss(per_token, batch["completion_mask"], LossAggregation(self.algo.loss_aggregation),
                               num_tokens_total=batch["mini_batch_num_tokens"][0],
                               num_samples_total=batch["mini_batch_num_samples"][0],
-                              max_completion_length=self.rollout_cfg.max_new_tokens)
+                              max_completion_length=self.completion_width)
 
     def token_mean(self, values: jax.Array, batch: Batch) -> jax.Array:
         """sum(values * mask) / mini-batch tokens: a metric that sums to the mini-batch mean."""
@@ -361,8 +414,11 @@ class LMPolicyModule(PolicySetup, RLModule):
         """Greedy accuracy, and pass@k over k samples per prompt (`num_samples`, which
         `Evaluation(num_samples=k)` passes; None: `rollout.val_num_samples`)."""
         rows = rows_of(batch, [k for k in _row_fields(batch) if k != "prompt_index"])
-        ids = self.encoder.encode_rows(rows)
         keys = np.asarray(batch["sample_keys"], np.uint32)
+        if self.env_factory is not None:  # greedy episodes: the mean environment reward
+            episodes = self._episodes(params, rows, self._episode_prompts(rows), keys, None, 0.0, log=False)
+            return {"env_reward": float(np.mean(episodes["env_reward"]))}
+        ids = self.encoder.encode_rows(rows)
         answer_field = self.config.data.answer_field
         greedy = self._generate(params, ids, keys, 0.0)
         texts = self._decode(greedy.completion_ids, greedy.completion_mask)

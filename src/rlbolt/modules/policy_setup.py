@@ -66,9 +66,19 @@ class PolicySetup(LoraHooks):
         self.encoder = PromptEncoder(
             self.tokenizer, prompt_field=cfg.data.prompt_field, max_prompt_tokens=cfg.data.max_prompt_tokens,
             system_prompt=cfg.data.system_prompt, use_chat_template=cfg.data.use_chat_template)
+        if cfg.reward.weights.get("env") and self._env_choice is None and self.reward is None:
+            raise ConfigError("reward.weights has the term env, an episode's environment reward, but the run has no "
+                              "environment; set rollout.env='package.module:Factory' (or env= from Python) or drop it")
         if self.reward is None:
             self.reward = build_reward(cfg.reward.weights, answer_field=cfg.data.answer_field)
         self.reward_runner = lm_ops.reward_runner(self.reward, cfg.reward)
+        if self._env_choice is not None:  # samples are multi-turn episodes (rlbolt.agents)
+            from rlbolt.agents.environment import load_env_factory
+
+            try:
+                self.env_factory = load_env_factory(self._env_choice)
+            except (ImportError, AttributeError, TypeError, ValueError) as error:
+                raise ConfigError(f"rollout.env={self._env_choice!r}: {error}") from None
         ref_plan = context.sharding_for("reference")
         apart = ref_plan is not None and ref_plan is not self.sharding
         if apart and self.lora is not None and self.algo.beta > 0:
@@ -109,7 +119,7 @@ class PolicySetup(LoraHooks):
         rows = self.context.plan.rollout_micro_batch_size
         rows = 1 << max(0, (rows - 1).bit_length())  # the sampler pads a call to a power of two
         # An upper bound: with the prompt shared the prompt slots are held once per group.
-        out["kv cache"] = kv_cache_bytes(self.model.config, rows, self.encoder.width + self.rollout_cfg.max_new_tokens - 1,
+        out["kv cache"] = kv_cache_bytes(self.model.config, rows, self.encoder.width + self.completion_width - 1,
                                          sharding)
         return out
 

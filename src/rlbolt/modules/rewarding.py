@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from rlbolt.rewards import WeightedReward, gsm8k_reward, make_format_reward
+from rlbolt.rewards.environment import env_reward
 from rlbolt.rewards.task_reward import reasoning_gym_reward
 from rlbolt.rewards.format import digit_fraction_reward  # noqa: F401 - defined there so worker processes import it without JAX
 
@@ -35,6 +36,7 @@ def build_reward(weights: Mapping[str, float], *, answer_field: str = "answer") 
         "format": make_format_reward,
         "digits": lambda: digit_fraction_reward,
         "task": lambda: reasoning_gym_reward,
+        "env": lambda: env_reward,
     }
     terms = [(name, makers[name](), float(w)) for name, w in weights.items() if w != 0]
     if not terms:
