@@ -74,6 +74,7 @@ class HFExport(Callback):
     def export(self, trainer, params: Any, folder: Path, step: int) -> Path | None:
         """Writes `params` (the trainable pytree) as a HF folder at `folder` (process 0 only; every
         process calls it, since params sharded over several processes are gathered first)."""
+        from rlbolt.data.gguf_tokenizer import hf_tokenizer_folder
         from rlbolt.distributed import gather_to_host
         from rlbolt.models.hf_io import save_hf
 
@@ -85,8 +86,8 @@ class HFExport(Callback):
         model = with_params(model, gather_to_host(nnx.state(model, nnx.Param)))  # whole, on every process
         if not trainer.is_main_process:
             return None
-        save_hf(model, model.config, folder, max_shard_bytes=self.max_shard_bytes,
-                tokenizer_folder=self._tokenizer_folder(module))
+        with hf_tokenizer_folder(self._tokenizer_folder(module)) as tokenizer_folder:
+            save_hf(model, model.config, folder, max_shard_bytes=self.max_shard_bytes, tokenizer_folder=tokenizer_folder)
         self.exported.append((step, folder))
         log.info("HFExport: step %d written to %s", step, folder)
         return folder

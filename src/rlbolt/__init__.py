@@ -29,7 +29,8 @@ Layout (a test keeps this list complete):
       algorithms/      pure RL math
       modules/         ready RLModules (GRPO, DAPO, Dr.GRPO, RLOO, REINFORCE++, GSPO, PPO)
       models/          decoders, Hugging Face I/O, LoRA
-      rollout/         rollout engines (the protocol, the native sampler), token logps
+      rollout/         rollout engines (the protocol, the native sampler, vLLM), token logps
+      agents/          multi-turn episodes: environments, tools, tool-call parsers
       rewards/         reward functions, the failure-isolated runner, the code sandbox
       data/            prompt sources, loaders, tokenizers
       distributed/     meshes, shardings, processes, placement

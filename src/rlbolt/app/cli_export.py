@@ -235,6 +235,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, overwrite: bool = False,
     Returns:
       (the folder written, the checkpoint step it holds).
     """
+    from rlbolt.data.gguf_tokenizer import hf_tokenizer_folder
     from rlbolt.models.hf_io import save_hf, tokenizer_source
 
     run_dir, out = Path(run_dir), Path(out)
@@ -246,7 +247,8 @@ def export_run(run_dir: str | Path, out: str | Path, *, overwrite: bool = False,
             raise rundir.RunDirError(f"{run_dir} trained every parameter (no LoRA), so it has no adapter to write; "
                                      "export without --adapter")
         model, step, folder = latest_model(run_dir)
-        save_hf(model, model.config, out, tokenizer_folder=tokenizer_source(folder), overwrite=overwrite)
+        with hf_tokenizer_folder(tokenizer_source(folder)) as tokenizer_folder:
+            save_hf(model, model.config, out, tokenizer_folder=tokenizer_folder, overwrite=overwrite)
         return out, step
     module, step, cfg = latest_params(run_dir)
     lora = getattr(module, "lora", None)
@@ -258,5 +260,6 @@ def export_run(run_dir: str | Path, out: str | Path, *, overwrite: bool = False,
         return out, step
     model = lora.merged_model(nnx.state(module.model, nnx.LoRAParam))
     folders = (cfg.model.tokenizer, cfg.model.path) if cfg is not None else ()
-    save_hf(model, model.config, out, tokenizer_folder=tokenizer_source(*folders), overwrite=overwrite)
+    with hf_tokenizer_folder(tokenizer_source(*folders)) as tokenizer_folder:
+        save_hf(model, model.config, out, tokenizer_folder=tokenizer_folder, overwrite=overwrite)
     return out, step

@@ -18,8 +18,11 @@ transformers' `AutoTokenizer` load: what an export of a run trained from a GGUF 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +63,7 @@ def _pre_tokenizer(kind: str):
 
 
 def _metadata(path: Path) -> dict[str, Any]:
-    from rlbolt.models.gguf_io import gguf_field, open_gguf
+    from rlbolt.data.gguf_file import gguf_field, open_gguf
 
     reader = open_gguf(path)
     keys = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.merges",
@@ -169,3 +172,14 @@ def save_gguf_tokenizer(path: str | os.PathLike, folder: str | os.PathLike) -> P
         config["chat_template"] = meta["tokenizer.chat_template"]
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return folder
+
+
+@contextlib.contextmanager
+def hf_tokenizer_folder(source: str | os.PathLike | None) -> Iterator[str | None]:
+    """A folder of Hugging Face tokenizer files for `source`: the folder itself, or for a `.gguf`
+    file a temporary folder its tokenizer is written into (`save_gguf_tokenizer`), removed after."""
+    if source is None or not str(source).lower().endswith(".gguf"):
+        yield None if source is None else str(source)
+        return
+    with tempfile.TemporaryDirectory(prefix="rlbolt-gguf-tokenizer-") as folder:
+        yield str(save_gguf_tokenizer(source, folder))

@@ -24,7 +24,6 @@ Architectures other than llama, qwen2 and qwen3 are refused in one line naming t
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,8 @@ from rlbolt.models.config import ModelConfig
 from rlbolt.models.decoder import Decoder
 from rlbolt.models.hf_io import _flat_params, _split_sizes, hf_tensor_layout
 from rlbolt.models.rope import rope_inv_freq
+
+from rlbolt.data.gguf_file import gguf_field, gguf_module as _gguf_module, is_gguf_path, open_gguf  # noqa: F401
 
 __all__ = ["GGUF_ARCHITECTURES", "load_gguf", "load_gguf_model", "read_gguf_config", "is_gguf_path",
            "open_gguf", "gguf_field"]
@@ -68,59 +69,6 @@ _GGUF_LAYER_NAMES = {
 _GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                       "output.weight": "lm_head.weight"}
 _ROPE_FREQS = "rope_freqs.weight"
-
-
-def is_gguf_path(path: str | os.PathLike | None) -> bool:
-    """Whether `path` names a GGUF file (by its `.gguf` suffix, any case)."""
-    return path is not None and str(path).lower().endswith(".gguf")
-
-
-def _gguf_module():
-    try:
-        import gguf
-    except ImportError:
-        raise ImportError("reading a .gguf file needs the gguf package: pip install 'rlbolt[gguf]'") from None
-    return gguf
-
-
-@functools.lru_cache(maxsize=2)
-def _reader(path: str, mtime_ns: int, size: int):
-    # Parsing the metadata is the slow part of opening (the reader makes a NumPy view per token
-    # string: ~13 s for a 49k vocabulary on a busy CPU), and a run opens its file several times
-    # (config check, tokenizer, weights): the same unchanged file is parsed once per process.
-    return _gguf_module().GGUFReader(path)
-
-
-def open_gguf(path: str | os.PathLike):
-    """Opens a GGUF file with the `gguf` package's reader (memory-mapped: tensors are read on use).
-
-    The reader of an unchanged file (same path, size and modification time) is reused.
-
-    Args:
-        path: the `.gguf` file.
-
-    Returns:
-        A `gguf.GGUFReader`.
-
-    Raises:
-        FileNotFoundError: no such file.
-        ValueError: the file is not a readable GGUF file.
-    """
-    _gguf_module()
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file {path} does not exist")
-    stat = path.stat()
-    try:
-        return _reader(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
-    except Exception as error:  # the reader raises ValueError, struct errors, IndexError... on bad files
-        raise ValueError(f"{path} is not a readable GGUF file (truncated, corrupt or not GGUF?): {error}") from error
-
-
-def gguf_field(reader, key: str, default: Any = None) -> Any:
-    """The value of metadata `key` (a number, bool, string or list), or `default` when absent."""
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
 
 
 def _architecture(reader, path: Path) -> str:

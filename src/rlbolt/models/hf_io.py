@@ -301,8 +301,8 @@ def save_hf(
         max_shard_bytes: split the weights into model-0000x-of-0000y.safetensors shards of at most
             this many bytes (a single larger tensor gets its own shard) plus an index; None writes
             one model.safetensors.
-        tokenizer_folder: copy the tokenizer files found there (tokenizer.json, tokenizer_config.json, ...),
-          or write a `.gguf` file's own tokenizer as those files.
+        tokenizer_folder: copy the tokenizer files found there (tokenizer.json, tokenizer_config.json, ...);
+          a `.gguf` file's tokenizer goes through `rlbolt.data.gguf_tokenizer.hf_tokenizer_folder` first.
         overwrite: replace an existing folder; False raises FileExistsError instead.
 
     Returns:
@@ -334,11 +334,7 @@ def save_hf(
             (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
         for path in staging.glob("*.safetensors"):  # safetensors creates its files 0600
             os.chmod(path, default_file_mode())
-        if tokenizer_folder is not None and str(tokenizer_folder).lower().endswith(".gguf"):
-            from rlbolt.data.gguf_tokenizer import save_gguf_tokenizer  # a GGUF file's own tokenizer, as HF files
-
-            save_gguf_tokenizer(tokenizer_folder, staging)
-        elif tokenizer_folder is not None:
+        if tokenizer_folder is not None:
             source = Path(tokenizer_folder)
             found = [source / name for name in TOKENIZER_FILES if (source / name).is_file()]
             if not any(p.name == "tokenizer.json" for p in found):
@@ -365,7 +361,8 @@ def _swap_into_place(staging: Path, folder: Path) -> None:
 
 def tokenizer_source(*candidates: str | os.PathLike | None) -> str | None:
     """The first candidate an export can take its tokenizer from: a folder with a tokenizer.json,
-    or a `.gguf` file (whose tokenizer `save_hf` writes as Hugging Face files); None if none."""
+    or a `.gguf` file (`rlbolt.data.gguf_tokenizer.hf_tokenizer_folder` writes its tokenizer as Hugging
+    Face files); None if none."""
     for candidate in candidates:
         if not candidate:
             continue
