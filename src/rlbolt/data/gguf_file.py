@@ -20,6 +20,7 @@ def is_gguf_path(path: str | os.PathLike | None) -> bool:
 
 
 def gguf_module():
+    """The `gguf` package (llama.cpp's reader), or an ImportError naming the extra that installs it."""
     try:
         import gguf
     except ImportError:
