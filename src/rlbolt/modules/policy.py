@@ -31,7 +31,7 @@ import optax
 from flax import nnx
 
 from rlbolt.algorithms import LossAggregation, aggregate_loss, kl_penalty, overlong_penalty
-from rlbolt.algorithms import grpo_advantages, rollout_correction
+from rlbolt.algorithms import grpo_advantages, reverse_kl_advantages, rollout_correction
 from rlbolt.agents.rollout import run_episodes
 from rlbolt.batch import Batch
 from rlbolt.config import RunConfig, config_to_dict
@@ -53,7 +53,7 @@ _FRAMEWORK_COLUMNS = frozenset({
     "group_ids", "policy_version", "sample_keys", "prompt_ids", "prompt_mask", "completion_ids",
     "completion_mask", "sampler_logps", "old_logps", "ref_logps", "rewards", "advantages", "completion_text",
     "old_values", "returns", "importance_weights", "mini_batch_num_tokens", "mini_batch_num_samples", "dock_index",
-    "sequence_mask",  # episodes: every real id (sampled and environment); env_reward stays visible to rewards
+    "teacher_logps", "sequence_mask",  # episodes: every real id (sampled and environment); env_reward stays visible to rewards
 })
 
 
@@ -69,6 +69,8 @@ class LMPolicyModule(PolicySetup, RLModule):
       engine: the rollout engine instead of `config.rollout.engine`: a name ("native", "vllm"), a
         factory `(model, EngineSpec) -> RolloutEngine`, or a RolloutEngine instance. The module
         calls it only through the protocol (`rlbolt.rollout.engines`).
+      teacher: a Decoder to distil from instead of `algorithm.distill_teacher` (on-policy
+        distillation: it scores the student's sampled tokens; same tokenizer as the student).
       env: an environment factory `Factory(row) -> Environment` (or its 'package.module:Factory'
         name) instead of `config.rollout.env`: each sample becomes a multi-turn episode
         (`rlbolt.agents.run_episodes`), trained token-in/token-out with environment ids masked out.
@@ -77,7 +79,7 @@ class LMPolicyModule(PolicySetup, RLModule):
     kl_in_loss = True  # False: the KL is folded into the reward instead (REINFORCE++, RLOO, PPO)
 
     def __init__(self, config: RunConfig | Mapping | None = None, *, model=None, tokenizer=None, reward=None,
-                 engine=None, env=None):
+                 engine=None, env=None, teacher=None):
         self.config = _config_for(type(self), config)
         self.algo, self.rollout_cfg = self.config.algorithm, self.config.rollout
         self.hparams = {k: v for k, v in config_to_dict(self.config).items() if k in ("algorithm", "rollout", "reward")}
@@ -91,6 +93,8 @@ class LMPolicyModule(PolicySetup, RLModule):
         self._engine_choice = engine if engine is not None else self.config.rollout.engine
         self._engine: EngineHandle | None = None  # built on first use (rollout_engine)
         self._env_choice = env if env is not None else self.rollout_cfg.env
+        self.teacher = teacher  # a Decoder (setup loads algorithm.distill_teacher)
+        self.teacher_params = None
         self.env_factory = None  # the environment factory (setup), when samples are episodes
 
     # -- plan and optimizer -----------------------------------------------------------------------
@@ -289,7 +293,9 @@ class LMPolicyModule(PolicySetup, RLModule):
         inputs = self._rows_on_mesh(batch)
         cols: dict[str, Any] = {}
         correcting = self.algo.rollout_correction != "none"
-        forward_old = self.context.plan.num_iterations > 1 or correcting
+        # A teacher's logps come from the trainer's forward: the student's must too, so that the
+        # reverse KL compares like with like (a teacher equal to the student gives exactly 0).
+        forward_old = self.context.plan.num_iterations > 1 or correcting or self.teacher is not None
         lm_params = self.policy_params(self.full_params(params))
         group = self.logps_group_size(batch) if forward_old or self.algo.beta > 0 else 1
         old = self._local(self._logps(lm_params, *inputs, group_size=group)) if forward_old else batch["sampler_logps"]
@@ -310,6 +316,8 @@ class LMPolicyModule(PolicySetup, RLModule):
             cols["ref_logps"] = self._local(self._logps(self.ref_params, *inputs, group_size=group))
         elif self.lora is not None and self.algo.beta > 0:
             cols["ref_logps"] = self._local(self._ref_logps(self.lora.base, *inputs, group_size=group))
+        if self.teacher is not None:
+            cols["teacher_logps"] = self._local(self._teacher_logps(self.teacher_params, *inputs, group_size=group))
         return batch.with_columns(cols)
 
     # -- rewards and advantages ------------------------------------------------------------------------
@@ -330,6 +338,14 @@ class LMPolicyModule(PolicySetup, RLModule):
         require_shared_layout(batch["prompt_ids"], batch["prompt_mask"], self.train_group_size, "on_advantage")
         out = self.compute_advantages(batch)
         cols = dict(out) if isinstance(out, Mapping) else {"advantages": out}
+        if self.teacher is not None:  # on-policy distillation: the teacher's per-token reverse KL
+            a, mask = self.algo, np.asarray(batch["completion_mask"], bool)
+            task = cols["advantages"] if a.distill_task_coef > 0 else None
+            advantages, reverse_kl = reverse_kl_advantages(
+                batch["old_logps"], batch["teacher_logps"], mask, kl_coef=a.distill_kl_coef, task_advantages=task,
+                task_coef=a.distill_task_coef)
+            cols["advantages"] = advantages
+            self.log("distill/reverse_kl", float(np.asarray(reverse_kl)[mask].mean()) if mask.any() else 0.0)
         return batch.with_columns({k: np.asarray(v, np.float32) for k, v in cols.items()})
 
     def compute_rewards(self, batch: Batch) -> np.ndarray:

@@ -79,6 +79,7 @@ class PolicySetup(LoraHooks):
                 self.env_factory = load_env_factory(self._env_choice)
             except (ImportError, AttributeError, TypeError, ValueError) as error:
                 raise ConfigError(f"rollout.env={self._env_choice!r}: {error}") from None
+        self._setup_teacher(cfg, context)
         ref_plan = context.sharding_for("reference")
         apart = ref_plan is not None and ref_plan is not self.sharding
         if apart and self.lora is not None and self.algo.beta > 0:
@@ -106,6 +107,33 @@ class PolicySetup(LoraHooks):
                                                         temperature=self._train_temperature),
                                       static_argnames="group_size", **rows)
 
+    def _setup_teacher(self, cfg, context: SetupContext) -> None:
+        """On-policy distillation: the teacher (`teacher=` or `algorithm.distill_teacher`) on the
+        training devices, its jitted logps forward; a teacher of another vocabulary is refused."""
+        if self.teacher is None and cfg.algorithm.distill_teacher is None:
+            return
+        field = "algorithm.distill_teacher"
+        if self.teacher is None:
+            path = cfg.algorithm.distill_teacher
+            teacher_tokenizer = lm_ops.load_tokenizer(path)
+            probe = "Distil: 12 + 7 = 19? <answer> yes </answer>"
+            if (teacher_tokenizer.vocab_size != self.tokenizer.vocab_size or teacher_tokenizer.eos_id != self.tokenizer.eos_id
+                    or list(teacher_tokenizer.encode(probe)) != list(self.tokenizer.encode(probe))):
+                raise ConfigError(f"{field}={path}: its tokenizer is not the student's ({teacher_tokenizer.vocab_size} vs "
+                                  f"{self.tokenizer.vocab_size} ids, or other ids for the same text); distillation "
+                                  "compares log-probs of the same token ids: use a teacher of the student's family")
+            self.teacher = lm_ops.build_model(dataclasses.replace(cfg.model, path=path, lora=None),
+                                              self.tokenizer.vocab_size, context.seed, self.sharding)
+        if self.teacher.config.vocab_size != self.model.config.vocab_size:
+            raise ConfigError(f"{field}: the teacher's vocab_size {self.teacher.config.vocab_size} is not the "
+                              f"student's {self.model.config.vocab_size}; use a teacher with the student's tokenizer")
+        teacher_graphdef, self.teacher_params = nnx.split(self.teacher)
+        if self.sharding is not None:
+            self.teacher_params = self.sharding.place(self.teacher_params)
+        rows = {} if self.sharding is None else {"out_shardings": self.sharding.batch_sharding()}
+        self._teacher_logps = jax.jit(functools.partial(token_logps, teacher_graphdef, temperature=self._train_temperature),
+                                      static_argnames="group_size", **rows)
+
     def memory_plan(self, sharding) -> dict[str, int]:
         """The frozen reference model (when beta > 0) or LoRA's frozen base, and the sampler's KV
         cache for one rollout micro batch (longest prompt + max_new_tokens slots), per device."""
@@ -116,6 +144,8 @@ class PolicySetup(LoraHooks):
         out = {"reference": per_device_bytes(self.ref_params)} if on_train else {}
         if self.lora is not None:
             out["frozen base"] = per_device_bytes(self.lora.base)
+        if self.teacher_params is not None:
+            out["teacher"] = per_device_bytes(self.teacher_params)
         rows = self.context.plan.rollout_micro_batch_size
         rows = 1 << max(0, (rows - 1).bit_length())  # the sampler pads a call to a power of two
         # An upper bound: with the prompt shared the prompt slots are held once per group.

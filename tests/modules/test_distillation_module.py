@@ -1,0 +1,80 @@
+"""On-policy distillation in the ready modules: the teacher scores the student's sampled tokens
+and each token's advantage is -kl_coef * (log student - log teacher) (+ the task's); with the
+student as its own teacher nothing moves; a teacher of another vocabulary is refused."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from module_helpers import G, TINY, module_config, prompt_batch, setup_context, tiny_model
+
+from rlbolt.config import ConfigError
+from rlbolt.data import gsm8k_style_rows
+from rlbolt.models import Decoder, tiny_config
+from rlbolt.modules import GRPO
+from rlbolt.modules.prompts import builtin_tokenizer
+from rlbolt.rollout.logps import token_logps
+
+
+def _module(teacher, **algorithm):
+    tokenizer = builtin_tokenizer()
+    module = GRPO(module_config("grpo", **algorithm), model=tiny_model(tokenizer), tokenizer=tokenizer,
+                  teacher=teacher)
+    module.setup(setup_context())
+    return module
+
+
+def _advantaged(module, seed=0):
+    params = module.init_params(jax.random.key(0))
+    batch = module.on_rollout(params, prompt_batch(gsm8k_style_rows(2), seed))
+    return params, module.on_advantage(module.compute_logps(params, batch))
+
+
+def test_the_student_as_its_own_teacher_gives_zero_advantages_and_no_update():
+    tokenizer = builtin_tokenizer()
+    student = tiny_model(tokenizer)
+    module = GRPO(module_config("grpo"), model=student, tokenizer=tokenizer, teacher=student)
+    module.setup(setup_context())
+    params, batch = _advantaged(module)
+    assert np.all(batch["advantages"] == 0.0)  # exactly: the same forward on the same tokens
+    micro = batch.numeric().with_columns(mini_batch_num_tokens=np.full(batch.num_samples, batch["completion_mask"].sum()),
+                                         mini_batch_num_samples=np.full(batch.num_samples, batch.num_samples))
+    grads = jax.grad(lambda p: module.training_step(p, micro)[0])(params)
+    assert all(float(np.abs(np.asarray(g)).max()) == 0.0 for g in jax.tree.leaves(grads))
+
+
+def test_advantages_are_the_teachers_reverse_kl_by_hand():
+    tokenizer = builtin_tokenizer()
+    teacher = Decoder(tiny_config(vocab_size=tokenizer.vocab_size, **TINY), rngs=nnx.Rngs(7))
+    module = _module(teacher, distill_kl_coef=0.5)
+    _, batch = _advantaged(module)
+    mask = np.asarray(batch["completion_mask"], bool)
+    graphdef, state = nnx.split(teacher)
+    want_teacher = np.asarray(token_logps(graphdef, state, *(batch[k] for k in ("prompt_ids", "prompt_mask",
+                                                                               "completion_ids", "completion_mask"))))
+    np.testing.assert_allclose(batch["teacher_logps"][mask], want_teacher[mask], atol=1e-5)
+    want = np.where(mask, -0.5 * (batch["old_logps"] - want_teacher), 0.0)
+    np.testing.assert_allclose(batch["advantages"], want, atol=1e-5)
+    assert np.abs(batch["advantages"]).max() > 1e-3  # the teacher differs, so the check above could fail
+    assert batch["advantages"].shape == (2 * G, module.rollout_cfg.max_new_tokens)
+
+
+def test_task_advantages_mix_in_with_their_weight():
+    tokenizer = builtin_tokenizer()
+    teacher = Decoder(tiny_config(vocab_size=tokenizer.vocab_size, **TINY), rngs=nnx.Rngs(7))
+    pure = _advantaged(_module(teacher))[1]
+    mixed = _advantaged(_module(teacher, distill_task_coef=2.0))[1]
+    mask = np.asarray(pure["completion_mask"], bool)
+    task = np.asarray(GRPO.compute_advantages(None, pure))  # the group z-scores of the same rewards
+    np.testing.assert_allclose(mixed["advantages"], np.where(mask, pure["advantages"] + 2.0 * task[:, None], 0.0),
+                               atol=1e-5)
+
+
+def test_a_teacher_of_another_vocabulary_is_refused_in_one_line():
+    tokenizer = builtin_tokenizer()
+    teacher = Decoder(tiny_config(vocab_size=tokenizer.vocab_size + 3, **TINY), rngs=nnx.Rngs(7))
+    with pytest.raises(ConfigError, match="teacher's vocab_size .* is not the student's") as error:
+        _module(teacher)
+    assert "\n" not in str(error.value)
