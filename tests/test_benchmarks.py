@@ -131,3 +131,13 @@ def test_mesh_benchmark_quick_mode():
     assert [r["mesh"]["fsdp"] for r in runs] == [1, 2]
     assert result["same_rewards"]  # the mesh changes no sample
     assert runs[1]["memory_plan_bytes"]["params"] * 2 == runs[0]["memory_plan_bytes"]["params"]
+
+
+def test_agents_overhead_benchmark_quick_mode():
+    out, result = _last_json("agents_overhead.py")
+    assert "multi-turn overhead per sampled token" in out
+    # No stop token on either side: both sample every one of 32 x 64 tokens, so the ratio compares like with like.
+    assert result["sampled_tokens"] == {"episodes": 32 * 64, "single": 32 * 64}
+    assert result["turns_per_episode"] == 4.0 and result["env_tokens_per_episode"] > 0
+    assert result["overhead_per_token"] == (result["seconds_per_sampled_token"]["episodes"]
+                                           / result["seconds_per_sampled_token"]["single"])
