@@ -1,7 +1,9 @@
 """Hugging Face checkpoints in and out: safetensors <-> Decoder (config mapping: `hf_config`).
 
 Supported architectures: LlamaForCausalLM (Llama 3 / 3.1 / 3.2, llama3 rope scaling),
-Qwen2ForCausalLM (Qwen2 / 2.5: q/k/v bias) and Qwen3ForCausalLM (per-head q/k RMSNorm).
+MistralForCausalLM (sliding window), Qwen2ForCausalLM (Qwen2 / 2.5: q/k/v bias), Qwen3ForCausalLM
+(per-head q/k RMSNorm), Gemma2ForCausalLM and Gemma3ForCausalLM (text; sandwich norms stored as HF's
+zero-centred weights, so they load and save unchanged).
 
 HF stores `nn.Linear` weights as [out, in] with separate q/k/v and gate/up projections; rlbolt
 keeps kernels as [in, out] with q|k|v and gate|up fused along the output axis (see the layout in
@@ -73,7 +75,12 @@ def hf_tensor_layout(config: ModelConfig) -> dict[str, _Tensor]:
         ours, hf = f"layers.{i}", f"model.layers.{i}"
         attn = f"{hf}.self_attn"
         layout[f"{ours}.attn_norm.scale"] = _Tensor((f"{hf}.input_layernorm.weight",), False)
-        layout[f"{ours}.mlp_norm.scale"] = _Tensor((f"{hf}.post_attention_layernorm.weight",), False)
+        if config.sandwich_norms:  # Gemma: post_attention_layernorm is the norm after attention
+            layout[f"{ours}.post_attn_norm.scale"] = _Tensor((f"{hf}.post_attention_layernorm.weight",), False)
+            layout[f"{ours}.mlp_norm.scale"] = _Tensor((f"{hf}.pre_feedforward_layernorm.weight",), False)
+            layout[f"{ours}.post_mlp_norm.scale"] = _Tensor((f"{hf}.post_feedforward_layernorm.weight",), False)
+        else:
+            layout[f"{ours}.mlp_norm.scale"] = _Tensor((f"{hf}.post_attention_layernorm.weight",), False)
         qkv = tuple(f"{attn}.{name}_proj" for name in "qkv")
         layout[f"{ours}.attn.qkv_proj.kernel"] = _Tensor(tuple(f"{p}.weight" for p in qkv), True)
         if config.attention_bias:
@@ -200,7 +207,7 @@ def _open_folder(folder: Path, param_dtype: str | None) -> tuple[ModelConfig, _S
 
 def load_hf(folder: str | os.PathLike, *, param_dtype: str | None = None,
             sharding: Any = None) -> tuple[Decoder, ModelConfig]:
-    """Loads a Hugging Face Llama 3 / Qwen2 / Qwen3 folder into an rlbolt Decoder.
+    """Loads a Hugging Face Llama 3 / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 folder into an rlbolt Decoder.
 
     Args:
         folder: holds config.json and model.safetensors, or sharded

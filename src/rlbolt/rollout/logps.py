@@ -34,7 +34,7 @@ def completion_hidden(graphdef, params, prompt_ids, prompt_mask, completion_ids,
     group's prompt runs once (`rlbolt.models.shared_prefix`); 1 runs every row's prompt.
     """
     model = nnx.merge(graphdef, params)
-    weight = model.embed.embedding[...].T if model.config.tie_word_embeddings else model.lm_head.kernel[...]
+    weight = model.output_weight()
     if group_size > 1:
         return grouped_completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                          group_size), weight
@@ -46,8 +46,17 @@ def completion_hidden(graphdef, params, prompt_ids, prompt_mask, completion_ids,
     return jax.lax.dynamic_slice_in_dim(hidden, p - 1, c, axis=1), weight
 
 
-def chunked_logps(hidden, weight, targets, temperature, chunk_size, with_entropy):
-    """lax.map over time chunks of `log_softmax(hidden @ weight / temperature)` gathered at targets."""
+def output_softcap(graphdef, params) -> float | None:
+    """The model's final logit soft-capping (Gemma 2), which `chunked_logps` must apply; None: off."""
+    return nnx.merge(graphdef, params).config.final_logit_softcapping
+
+
+def chunked_logps(hidden, weight, targets, temperature, chunk_size, with_entropy, softcap=None):
+    """lax.map over time chunks of `log_softmax(cap(hidden @ weight) / temperature)` gathered at targets.
+
+    `softcap`: the final logit soft-capping c (`c * tanh(logits / c)`, applied before the
+    temperature as the sampler does) or None; pass `output_softcap(graphdef, params)`.
+    """
     b, c, h = hidden.shape
     chunk = max(1, min(chunk_size, c))
     n_chunks = -(-c // chunk)
@@ -58,7 +67,10 @@ def chunked_logps(hidden, weight, targets, temperature, chunk_size, with_entropy
     @jax.checkpoint
     def one_chunk(args):
         h_chunk, t_chunk = args  # [B, chunk, H], [B, chunk]
-        logits = jnp.dot(h_chunk, weight).astype(jnp.float32) / temperature
+        logits = jnp.dot(h_chunk, weight).astype(jnp.float32)
+        if softcap is not None:
+            logits = softcap * jnp.tanh(logits / softcap)
+        logits = logits / temperature
         logp_all = jax.nn.log_softmax(logits, axis=-1)
         logp = jnp.take_along_axis(logp_all, t_chunk[..., None], axis=-1)[..., 0]
         if not with_entropy:
@@ -98,7 +110,8 @@ def token_logps_and_entropy(graphdef, params, prompt_ids, prompt_mask, completio
         graphdef, params = nnx.split(graphdef)
     hidden, weight = completion_hidden(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                       group_size)
-    logps, entropy = chunked_logps(hidden, weight, completion_ids.astype(jnp.int32), temperature, chunk_size, True)
+    logps, entropy = chunked_logps(hidden, weight, completion_ids.astype(jnp.int32), temperature, chunk_size, True,
+                                   output_softcap(graphdef, params))
     mask = completion_mask.astype(bool)
     return jnp.where(mask, logps, 0.0), jnp.where(mask, entropy, 0.0)
 
@@ -125,5 +138,6 @@ def token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, compl
         graphdef, params = nnx.split(graphdef)
     hidden, weight = completion_hidden(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                       group_size)
-    logps, _ = chunked_logps(hidden, weight, completion_ids.astype(jnp.int32), temperature, chunk_size, False)
+    logps, _ = chunked_logps(hidden, weight, completion_ids.astype(jnp.int32), temperature, chunk_size, False,
+                             output_softcap(graphdef, params))
     return jnp.where(completion_mask.astype(bool), logps, 0.0)
