@@ -32,7 +32,7 @@ def _scaled_hf_folder(name, folder):
     hf_model = build_hf_model(name)
     with torch.no_grad():
         for param_name, param in hf_model.named_parameters():
-            if param.ndim == 2 and "embed_tokens" not in param_name:
+            if param.ndim >= 2 and "embed_tokens" not in param_name:  # experts are 3-D
                 param.mul_(WEIGHT_SCALE)
     hf_model.generation_config.eos_token_id = None
     hf_model.generation_config.pad_token_id = 0

@@ -95,7 +95,7 @@ def torch_float32():
 @pytest.mark.parametrize("name, max_shard_bytes", [
     ("llama_gqa_untied", None), ("llama32_tied_rope_scaling", 20_000), ("qwen2_bias", None),
     ("qwen3_qk_norm", 20_000), ("mistral_window", None), ("gemma2_softcap_tied", 20_000),
-    ("gemma2_nocap_untied", None), ("gemma3_two_bases", None)])
+    ("gemma2_nocap_untied", None), ("gemma3_two_bases", None), ("qwen3_moe_top2", 20_000), ("qwen3_moe_top1", None)])
 def test_save_hf_loads_in_transformers(tmp_path, name, max_shard_bytes):
     model, config = _random_rlbolt_model(name, tmp_path / "cfg")
     out = save_hf(model, config, tmp_path / "out", max_shard_bytes=max_shard_bytes)

@@ -43,13 +43,22 @@ FAMILIES = {
         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10.0}})),
+    # Mixtures of 4 experts: top-2 renormalised with a dense layer 1, and top-1 unnormalised (tied).
+    "qwen3_moe_top2": (transformers.Qwen3MoeConfig, dict(
+        _COMMON, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True, mlp_only_layers=[1],
+        tie_word_embeddings=False)),
+    "qwen3_moe_top1": (transformers.Qwen3MoeConfig, dict(
+        _COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=1,
+        moe_intermediate_size=16, norm_topk_prob=False, tie_word_embeddings=True)),
 }
 MODEL_CLASSES = {transformers.LlamaConfig: transformers.LlamaForCausalLM,
                  transformers.Qwen2Config: transformers.Qwen2ForCausalLM,
                  transformers.Qwen3Config: transformers.Qwen3ForCausalLM,
                  transformers.MistralConfig: transformers.MistralForCausalLM,
                  transformers.Gemma2Config: transformers.Gemma2ForCausalLM,
-                 transformers.Gemma3TextConfig: transformers.Gemma3ForCausalLM}
+                 transformers.Gemma3TextConfig: transformers.Gemma3ForCausalLM,
+                 transformers.Qwen3MoeConfig: transformers.Qwen3MoeForCausalLM}
 
 
 def build_hf_model(name: str, seed: int = 0):
@@ -120,6 +129,10 @@ EXPECTED = {  # independent of the converter: read off the kwargs above and HF's
                              rope_local_theta=10.0, sliding_window=4, query_pre_attn_scalar=8,
                              layer_types=("sliding_attention", "sliding_attention", "full_attention"),
                              attn_logit_softcapping=None, final_logit_softcapping=None, sandwich_norms=True),
+    "qwen3_moe_top2": dict(qk_norm=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                           norm_topk_prob=True, mlp_only_layers=(1,), decoder_sparse_step=1, tie_word_embeddings=False),
+    "qwen3_moe_top1": dict(qk_norm=True, num_experts=4, num_experts_per_tok=1, norm_topk_prob=False,
+                           mlp_only_layers=(), tie_word_embeddings=True),
 }
 
 

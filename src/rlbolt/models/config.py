@@ -8,7 +8,7 @@ from typing import Any
 import jax.numpy as jnp
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+                           "Qwen3MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -55,6 +55,12 @@ class ModelConfig:
         layer_types: one of "full_attention" / "sliding_attention" per layer; None: all full.
         rope_local_theta: RoPE base of the sliding layers (Gemma 3's rope_local_base_freq, default
             rope there); None: sliding layers use `rope_theta` and `rope_scaling` like the others.
+        num_experts: E experts in each MoE layer (Qwen3-MoE); 0: every MLP is dense.
+        num_experts_per_tok: k experts per token.
+        moe_intermediate_size: each expert's SwiGLU width.
+        norm_topk_prob: renormalise the k routing probabilities to sum to 1.
+        decoder_sparse_step: layer i is MoE when (i + 1) % step == 0 (and not in mlp_only_layers).
+        mlp_only_layers: layers kept dense.
     """
 
     vocab_size: int
@@ -83,6 +89,12 @@ class ModelConfig:
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
     rope_local_theta: float | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __hash__(self):
         # rope_scaling is a dict (unhashable); hash its items so configs can be static jit args.
@@ -98,6 +110,11 @@ class ModelConfig:
     def is_sliding(self, layer: int) -> bool:
         """Whether layer `layer` attends through the sliding window."""
         return self.layer_types is not None and self.layer_types[layer] == "sliding_attention"
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer `layer`'s feed-forward is a mixture of experts."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @property
     def attention_scale(self) -> float:
@@ -168,6 +185,16 @@ class ModelConfig:
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
                                                 or isinstance(self.sliding_window, bool) or self.sliding_window < 1):
             raise ValueError(f"ModelConfig.sliding_window={self.sliding_window!r} must be a positive int or None.")
+        if self.num_experts:
+            for name in ("num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+                value = getattr(self, name)
+                if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                    raise ValueError(f"ModelConfig.{name}={value!r} must be a positive int when num_experts > 0.")
+            if self.num_experts_per_tok > self.num_experts:
+                raise ValueError(f"ModelConfig.num_experts_per_tok={self.num_experts_per_tok} exceeds "
+                                 f"num_experts={self.num_experts}; choose k <= E.")
+            if not isinstance(self.mlp_only_layers, tuple):
+                raise ValueError(f"ModelConfig.mlp_only_layers={self.mlp_only_layers!r} must be a tuple of layer indices.")
         if self.layer_types is not None:
             if not isinstance(self.layer_types, tuple) or len(self.layer_types) != self.num_layers:
                 raise ValueError(f"ModelConfig.layer_types must be a tuple of num_layers={self.num_layers} entries; "

@@ -12,7 +12,7 @@ Parameter layout (a contract with `rlbolt.models.hf_io`; nnx state paths, kernel
     layers.{i}.post_attn_norm.scale        [H]                 ("embed",)         sandwich_norms only
     layers.{i}.mlp_norm.scale              [H]                 ("embed",)
     layers.{i}.mlp.gate_up_proj.kernel     [H, 2I]             ("embed", "mlp")   fused gate|up
-    layers.{i}.mlp.down_proj.kernel        [I, H]              ("mlp", "embed")
+    layers.{i}.mlp.down_proj.kernel        [I, H]              ("mlp", "embed")   (MoE layers: rlbolt.models.moe)
     layers.{i}.post_mlp_norm.scale         [H]                 ("embed",)         sandwich_norms only
     final_norm.scale                       [H]                 ("embed",)
     lm_head.kernel                         [H, V]              ("embed", "vocab") absent when tied
@@ -47,6 +47,7 @@ from rlbolt.models.attention import and_window, attend, softcap, window_visible
 from rlbolt.models.attention_chunks import DEFAULT_QUERY_CHUNK, causal_query_chunks
 from rlbolt.models.cache import KVCache
 from rlbolt.models.config import ModelConfig
+from rlbolt.models.moe import MoeMLP
 from rlbolt.models.rope import apply_rope, layer_rope
 
 _attend = attend  # the name tests and older callers import
@@ -232,12 +233,12 @@ class DecoderLayer(nnx.Module):
     """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`; with sandwich norms (Gemma)
     each branch's output is RMS-normed again before its residual add."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
         h = config.hidden_size
         self.attn_norm = _norm(config, h, "embed")
         self.attn = Attention(config, rngs=rngs)
         self.mlp_norm = _norm(config, h, "embed")
-        self.mlp = MLP(config, rngs=rngs)
+        self.mlp = MoeMLP(config, rngs=rngs, param=_param, normal=_normal) if moe else MLP(config, rngs=rngs)
         self.sandwich_norms = config.sandwich_norms
         if config.sandwich_norms:
             self.post_attn_norm = _norm(config, h, "embed")
@@ -279,7 +280,7 @@ class Decoder(nnx.Module):
         config.validate()
         self.config = config
         self.embed = Embed(config.vocab_size, config.hidden_size, dtype=config.dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)])
+        self.layers = nnx.List([DecoderLayer(config, rngs=rngs, moe=config.is_moe(i)) for i in range(config.num_layers)])
         self.final_norm = _norm(config, config.hidden_size, "embed")
         if not config.tie_word_embeddings:
             self.lm_head = Dense(config.hidden_size, config.vocab_size, ("embed", "vocab"),

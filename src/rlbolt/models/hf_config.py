@@ -19,7 +19,7 @@ __all__ = ["config_from_hf", "config_to_hf", "CONFIG_FILE"]
 
 CONFIG_FILE = "config.json"
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                "Qwen3ForCausalLM": "qwen3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}
+                "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}
 _HF_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float32"}  # float16 is upcast
 _GEMMA3_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}  # transformers' defaults
 
@@ -87,7 +87,7 @@ def _architecture(hf_config: Mapping[str, Any], path) -> str:
 def _layer_types(hf_config, architecture: str, num_layers: int, refuse) -> tuple[int | None, tuple | None]:
     """(sliding_window, layer_types) as transformers builds them for this architecture."""
     window = hf_config.get("sliding_window")
-    if architecture in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if architecture in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         types = hf_config.get("layer_types")
         if hf_config.get("use_sliding_window", False) or (types and "sliding_attention" in types):
             raise refuse("use_sliding_window", hf_config.get("use_sliding_window"),
@@ -175,7 +175,16 @@ def config_from_hf(
         rope_theta, rope_scaling = _rope_from_hf(hf_config, refuse)
     sliding_window, layer_types = _layer_types(hf_config, architecture, num_layers, refuse)
     head_dim = int(hf_config.get("head_dim") or hidden_size // num_heads)
-    gemma_fields = {}
+    gemma_fields, moe_fields = {}, {}
+    if architecture == "Qwen3MoeForCausalLM":
+        moe_fields = dict(
+            # transformers 5 writes num_local_experts; older files num_experts.
+            num_experts=int(hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0),
+            num_experts_per_tok=int(hf_config.get("num_experts_per_tok", 0)),
+            moe_intermediate_size=int(hf_config.get("moe_intermediate_size", 0)),
+            norm_topk_prob=bool(hf_config.get("norm_topk_prob", False)),
+            decoder_sparse_step=int(hf_config.get("decoder_sparse_step", 1)),
+            mlp_only_layers=tuple(int(i) for i in hf_config.get("mlp_only_layers") or ()))
     if gemma:
         gemma_fields = dict(
             norm_unit_offset=True, sandwich_norms=True, scale_embeddings=True,
@@ -196,7 +205,7 @@ def config_from_hf(
         rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", gemma)),
         attention_bias=attention_bias,
-        qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
         max_position_embeddings=int(hf_config.get("max_position_embeddings", 2048)),
         param_dtype=param_dtype,
         architecture=architecture,
@@ -204,6 +213,7 @@ def config_from_hf(
         sliding_window=sliding_window,
         layer_types=layer_types,
         **gemma_fields,
+        **moe_fields,
     )
     try:
         return config.validate()
@@ -220,11 +230,14 @@ def _check_expressible(config: ModelConfig) -> None:
             f"ModelConfig.attention_bias=True with architecture={arch!r} has no Hugging Face "
             "equivalent (only Qwen2 has q/k/v bias without o_proj bias); use Qwen2ForCausalLM."
         )
-    if config.qk_norm != (arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM")):
+    if config.qk_norm != (arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")):
         raise ValueError(
             f"ModelConfig.qk_norm={config.qk_norm} does not match architecture={arch!r}: "
-            "q/k norm exists exactly in Qwen3ForCausalLM and Gemma3ForCausalLM."
+            "q/k norm exists exactly in Qwen3ForCausalLM, Qwen3MoeForCausalLM and Gemma3ForCausalLM."
         )
+    if (config.num_experts > 0) != (arch == "Qwen3MoeForCausalLM"):
+        raise ValueError(f"ModelConfig.num_experts={config.num_experts} does not match architecture={arch!r}: "
+                         "rlbolt writes mixtures of experts as Qwen3MoeForCausalLM.")
     wanted = dict(norm_unit_offset=gemma, sandwich_norms=gemma, scale_embeddings=gemma,
                   hidden_act="gelu_pytorch_tanh" if gemma else "silu")
     for field, value in wanted.items():
@@ -238,7 +251,7 @@ def _check_expressible(config: ModelConfig) -> None:
     if arch == "Gemma3ForCausalLM" and config.attn_logit_softcapping is not None:
         raise ValueError("ModelConfig.attn_logit_softcapping is set but transformers' Gemma 3 ignores it; use Gemma 2.")
     sliding = config.layer_types is not None and "sliding_attention" in config.layer_types
-    if sliding and arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    if sliding and arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         raise ValueError(f"ModelConfig.layer_types has sliding layers; architecture={arch!r} cannot express them here.")
     if sliding and arch == "MistralForCausalLM" and set(config.layer_types) != {"sliding_attention"}:
         raise ValueError("ModelConfig.layer_types: MistralForCausalLM windows every layer or none.")
@@ -301,6 +314,10 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     if arch != "Qwen2ForCausalLM":
         hf["attention_bias"] = False
         hf["mlp_bias"] = False
+    if arch == "Qwen3MoeForCausalLM":
+        hf.update(num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
+                  moe_intermediate_size=config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob,
+                  decoder_sparse_step=config.decoder_sparse_step, mlp_only_layers=list(config.mlp_only_layers))
     if arch == "MistralForCausalLM":
         hf["sliding_window"] = config.sliding_window
     elif arch != "LlamaForCausalLM":
