@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+import transformers
 from flax import nnx
-from models.test_hf_config import build_hf_model, rlbolt_logits
+from models.test_hf_config import build_hf_model, hf_logits, rlbolt_logits
 
 from rlbolt.models.config import ModelConfig
 from rlbolt.models.decoder import Decoder
@@ -211,3 +212,26 @@ def test_model_config_validates_family_fields(overrides, field):
                   intermediate_size=8)
     with pytest.raises(ValueError, match=field):
         ModelConfig(**fields, **overrides).validate()
+
+
+@pytest.mark.parametrize("name", ["gemma2_softcap_tied", "gemma3_two_bases", "mistral_window", "qwen3_moe_top2"])
+def test_bfloat16_checkpoint_loads(tmp_path, name):
+    """A checkpoint saved by transformers in bfloat16 loads as bfloat16, and as float32 with the logits
+    of transformers' model on the same (bf16-rounded) weights."""
+    hf_model = build_hf_model(name).to(torch.bfloat16)
+    hf_model.save_pretrained(tmp_path, safe_serialization=True)
+    model, config = load_hf(tmp_path)
+    assert config.param_dtype == "bfloat16"
+    assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    wide, _ = load_hf(tmp_path, param_dtype="float32")
+    ids = np.random.default_rng(4).integers(0, config.vocab_size, (2, 11))
+    mask = np.ones(ids.shape, bool)
+    mask[1, :5] = False
+    # transformers re-read in float32 (a float() of the bf16 model would keep its bf16-rounded rope
+    # and embedding-scale buffers).
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    want = hf_logits(reference, ids, mask)
+    np.testing.assert_allclose(rlbolt_logits(wide, ids, mask)[mask], want[mask], atol=1e-4, rtol=0)
+    # The bf16 model itself runs (float32 logits) and stays close to the float32 one.
+    low = rlbolt_logits(model, ids, mask)
+    assert low.dtype == np.float32 and np.abs(low[mask] - want[mask]).max() < 0.1
