@@ -244,17 +244,24 @@ class DecoderLayer(nnx.Module):
             self.post_attn_norm = _norm(config, h, "embed")
             self.post_mlp_norm = _norm(config, h, "embed")
 
-    def __call__(self, x, cos, sin, visible, cache_kv, query_chunk=None):
+    def __call__(self, x, cos, sin, visible, cache_kv, query_chunk=None, routing_out=None):
         attn_out, new_kv = self.attn(self.attn_norm(x), cos, sin, visible, cache_kv, query_chunk)
-        return self.add_mlp(self.add_attention(x, attn_out)), new_kv
+        return self.add_mlp(self.add_attention(x, attn_out), routing_out), new_kv
 
     def add_attention(self, x: jnp.ndarray, attn_out: jnp.ndarray) -> jnp.ndarray:
         """The residual stream after attention: `x + attn_out` (attn_out post-normed with sandwich norms)."""
         return x + (self.post_attn_norm(attn_out) if self.sandwich_norms else attn_out)
 
-    def add_mlp(self, x: jnp.ndarray) -> jnp.ndarray:
-        """The residual stream after the MLP block: `x + mlp(norm(x))` (post-normed with sandwich norms)."""
-        out = self.mlp(self.mlp_norm(x))
+    def add_mlp(self, x: jnp.ndarray, routing_out: list | None = None) -> jnp.ndarray:
+        """The residual stream after the MLP block: `x + mlp(norm(x))` (post-normed with sandwich norms).
+
+        routing_out: a list that an MoE block appends its experts [N, k] to (None: not collected).
+        """
+        if routing_out is not None and isinstance(self.mlp, MoeMLP):
+            out, experts = self.mlp.routed(self.mlp_norm(x))
+            routing_out.append(experts)
+        else:
+            out = self.mlp(self.mlp_norm(x))
         return x + (self.post_mlp_norm(out) if self.sandwich_norms else out)
 
 
@@ -298,7 +305,7 @@ class Decoder(nnx.Module):
 
     def __call__(self, input_ids: jnp.ndarray, positions: jnp.ndarray, *,
                  attention_mask: jnp.ndarray | None = None, cache: KVCache | None = None,
-                 return_hidden: bool = False):
+                 return_hidden: bool = False, routing_out: list | None = None):
         """Runs the model over T new tokens (training, prefill or one decode step).
 
         Causal masking is always applied. With a cache, the T tokens are written to slots
@@ -311,12 +318,13 @@ class Decoder(nnx.Module):
           attention_mask: [B, T] bool, True for real tokens; None means all real.
           cache: a KVCache from `init_cache`, or None for a cache-free forward.
           return_hidden: return the final-normed hidden states instead of logits.
+          routing_out: a list that receives each MoE layer's experts [B * T, k] (rlbolt.models.moe).
 
         Returns:
           (logits [B, T, V] float32 or hidden [B, T, H], the updated KVCache or None).
         """
         return self.run(Decoder._forward, input_ids, positions, attention_mask=attention_mask, cache=cache,
-                        return_hidden=return_hidden)
+                        return_hidden=return_hidden, routing_out=routing_out)
 
     def run(self, fn, *args, **kwargs):
         """`fn(self, *args, **kwargs)`: the one entry through which every pass over the layers runs.
@@ -328,7 +336,7 @@ class Decoder(nnx.Module):
         """
         return fn(self, *args, **kwargs)
 
-    def _forward(self, input_ids, positions, *, attention_mask, cache, return_hidden):
+    def _forward(self, input_ids, positions, *, attention_mask, cache, return_hidden, routing_out=None):
         b, t = input_ids.shape
         if attention_mask is None:
             attention_mask = jnp.ones((b, t), bool)
@@ -356,7 +364,7 @@ class Decoder(nnx.Module):
             layer_cache = None if cache is None else (cache.keys[i], cache.values[i], index)
             cos, sin = ropes[i]
             x, new_kv = layer(x, cos, sin, local_visible if cfg.is_sliding(i) else visible, layer_cache,
-                              self.attention_query_chunk)
+                              self.attention_query_chunk, routing_out)
             x = self._constrain(x)
             if new_kv is not None:
                 new_keys.append(new_kv[0])

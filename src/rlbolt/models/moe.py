@@ -141,13 +141,17 @@ class MoeMLP(nnx.Module):
         self.record = False
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        return self.routed(x)[0]
+
+    def routed(self, x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+        """(output like x [..., H], the experts [N, k] int32 of its N = prod(x.shape[:-1]) tokens)."""
         x2 = x.reshape(-1, x.shape[-1])
         logits = jnp.dot(x2, self.router_kernel[...])
         weights, experts, probs = route(logits, self.top_k, self.norm_topk_prob, self.replay)
         if self.record:
             self.sow(nnx.Intermediate, "routing", (experts, probs))
         out = grouped_experts(x2, experts, weights, self.gate_up[...], self.down[...], self.hidden_act)
-        return out.reshape(x.shape)
+        return out.reshape(x.shape), experts
 
 
 def moe_layers(model) -> list[MoeMLP]:

@@ -215,7 +215,7 @@ def _grouped_completion_hidden(model, prompt_ids, prompt_mask, completion_ids, c
 
 
 def decode_with_prefix(model: Decoder, tokens: jnp.ndarray, positions: jnp.ndarray, prefix: KVCache,
-                       own: KVCache, read: int) -> tuple[jnp.ndarray, KVCache]:
+                       own: KVCache, read: int, routing_out: list | None = None) -> tuple[jnp.ndarray, KVCache]:
     """One decode step of B rows against their groups' prompt cache and their own cache.
 
     The new token's keys/values are written to slot `own.index` of `own`; attention reads the
@@ -230,14 +230,15 @@ def decode_with_prefix(model: Decoder, tokens: jnp.ndarray, positions: jnp.ndarr
       prefix: the prompts' KVCache, [U, ...] rows (its mask marks real prompt slots).
       own: the rows' completion KVCache, [B, ...] rows; `own.index` is the slot written now.
       read: own slots attention reads (static; > own.index).
+      routing_out: a list that receives each MoE layer's experts [B, k] (None: not collected).
 
     Returns:
       (logits [B, V] float32, the updated own cache).
     """
-    return model.run(_decode_with_prefix, tokens, positions, prefix, own, read)
+    return model.run(_decode_with_prefix, tokens, positions, prefix, own, read, routing_out)
 
 
-def _decode_with_prefix(model, tokens, positions, prefix, own, read):
+def _decode_with_prefix(model, tokens, positions, prefix, own, read, routing_out=None):
     cfg = model.config
     b = tokens.shape[0]
     ropes = layer_rope(cfg, positions[:, None])
@@ -262,6 +263,6 @@ def _decode_with_prefix(model, tokens, positions, prefix, own, read):
         out = attend_with_prefix(q, prefix.keys[i], prefix.values[i], prefix.mask, keys[..., :read],
                                  values[:, :, :read], local_visible if sliding else visible,
                                  prefix_band if sliding else None, scale=layer.attn.scale, cap=layer.attn.cap)
-        x = model._constrain(layer.add_mlp(layer.add_attention(x, layer.attn.o_proj(out))))
+        x = model._constrain(layer.add_mlp(layer.add_attention(x, layer.attn.o_proj(out)), routing_out))
     logits = model.logits(model.final_norm(x))[:, 0]
     return logits, KVCache(tuple(new_keys), tuple(new_values), mask, index + 1)

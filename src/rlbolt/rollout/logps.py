@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rlbolt.models.moe import replay_routing
 from rlbolt.models.shared_prefix import grouped_completion_hidden
 
 
@@ -27,13 +28,39 @@ def left_pad_positions(mask: jnp.ndarray) -> jnp.ndarray:
     return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
 
 
-def completion_hidden(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size=1):
+def forward_routing(routing, group_size: int = 1) -> list[jnp.ndarray]:
+    """A rollout's recorded experts in the token order of the forward `completion_hidden` runs.
+
+    Args:
+      routing: (prompt [B, P, L, k], completion [B, C, L, k]) int experts per MoE layer
+        (`NativeSampler(record_routing=True).last_routing`).
+      group_size: G of the forward (> 1: prompts once per group, then completions without their last token).
+
+    Returns:
+      Per MoE layer [N, k]: N = B * (P + C) for G = 1, U * P + B * (C - 1) for G > 1.
+    """
+    prompt, completion = (jnp.asarray(r, jnp.int32) for r in routing)
+    if group_size > 1:
+        u, p, layers, k = prompt[::group_size].shape
+        flat = jnp.concatenate([prompt[::group_size].reshape(u * p, layers, k),
+                                completion[:, :-1].reshape(-1, layers, k)], axis=0)
+    else:
+        flat = jnp.concatenate([prompt, completion], axis=1)
+        flat = flat.reshape(-1, *flat.shape[2:])
+    return [flat[:, j] for j in range(flat.shape[1])]
+
+
+def completion_hidden(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size=1,
+                      routing=None):
     """Hidden states that predict each completion token: [B, C, H], and the output weight [H, V].
 
     `group_size` G > 1: rows come in groups of G consecutive rows with one prompt, and each
     group's prompt runs once (`rlbolt.models.shared_prefix`); 1 runs every row's prompt.
+    `routing`: None, or the rollout's experts (prompt, completion) for router replay (`forward_routing`).
     """
     model = nnx.merge(graphdef, params)
+    if routing is not None:
+        replay_routing(model, forward_routing(routing, group_size))
     weight = model.output_weight()
     if group_size > 1:
         return grouped_completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
@@ -83,7 +110,7 @@ def chunked_logps(hidden, weight, targets, temperature, chunk_size, with_entropy
 
 
 def token_logps_and_entropy(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
-                            temperature: float = 1.0, chunk_size: int = 128, group_size: int = 1):
+                            temperature: float = 1.0, chunk_size: int = 128, group_size: int = 1, routing=None):
     """Log-probabilities and entropies of completion tokens under the temperature-scaled policy.
 
     Pure and jittable; differentiable w.r.t. `params`. The sequence is `prompt | completion`,
@@ -102,6 +129,8 @@ def token_logps_and_entropy(graphdef, params, prompt_ids, prompt_mask, completio
         B * chunk_size * V * 4 bytes.
       group_size: G > 1 when rows come in groups of G consecutive rows with the same prompt:
         each group's prompt then runs once (same results to float32 rounding; B % G == 0).
+      routing: mixture-of-experts models: None routes as the router decides; the rollout's
+        (prompt [B, P, L, k], completion [B, C, L, k]) experts force that routing (router replay).
 
     Returns:
       (logps [B, C] float32, entropy [B, C] float32), both 0 where completion_mask is False.
@@ -109,7 +138,7 @@ def token_logps_and_entropy(graphdef, params, prompt_ids, prompt_mask, completio
     if params is None:
         graphdef, params = nnx.split(graphdef)
     hidden, weight = completion_hidden(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                      group_size)
+                                      group_size, routing)
     logps, entropy = chunked_logps(hidden, weight, completion_ids.astype(jnp.int32), temperature, chunk_size, True,
                                    output_softcap(graphdef, params))
     mask = completion_mask.astype(bool)
@@ -117,7 +146,7 @@ def token_logps_and_entropy(graphdef, params, prompt_ids, prompt_mask, completio
 
 
 def token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
-                temperature: float = 1.0, chunk_size: int = 128, group_size: int = 1):
+                temperature: float = 1.0, chunk_size: int = 128, group_size: int = 1, routing=None):
     """Log-probabilities of completion tokens; `token_logps_and_entropy` without the entropy work.
 
     Args:
@@ -130,6 +159,7 @@ def token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, compl
       temperature: logits are divided by it before log_softmax.
       chunk_size: completion tokens per output-projection chunk.
       group_size: G > 1 runs each group's prompt once (see `token_logps_and_entropy`).
+      routing: the rollout's experts for router replay (see `token_logps_and_entropy`); None: off.
 
     Returns:
       [B, C] float32 log-probabilities, 0 where completion_mask is False.
@@ -137,7 +167,7 @@ def token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, compl
     if params is None:
         graphdef, params = nnx.split(graphdef)
     hidden, weight = completion_hidden(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                      group_size)
+                                      group_size, routing)
     logps, _ = chunked_logps(hidden, weight, completion_ids.astype(jnp.int32), temperature, chunk_size, False,
                              output_softcap(graphdef, params))
     return jnp.where(completion_mask.astype(bool), logps, 0.0)
