@@ -54,7 +54,8 @@ def test_grouped_experts_gradients_equal_the_dense_form():
 
     loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)  # noqa: E731
     grouped = lambda x, gu, d: grouped_experts(x, experts, weights, gu, d)  # noqa: E731
-    for got, want in zip(jax.grad(loss(grouped), (0, 1, 2))(x, gate_up, down), jax.grad(loss(dense), (0, 1, 2))(x, gate_up, down)):
+    grads = jax.grad(loss(grouped), (0, 1, 2))(x, gate_up, down), jax.grad(loss(dense), (0, 1, 2))(x, gate_up, down)
+    for got, want in zip(*grads):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
 
 

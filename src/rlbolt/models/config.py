@@ -180,7 +180,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.hidden_act={self.hidden_act!r}; use one of {HIDDEN_ACTS}.")
         for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "rope_local_theta"):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if value is not None and not (number and value > 0):
                 raise ValueError(f"ModelConfig.{name}={value!r} must be a positive number or None.")
         if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
                                                 or isinstance(self.sliding_window, bool) or self.sliding_window < 1):
@@ -194,7 +195,8 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.num_experts_per_tok={self.num_experts_per_tok} exceeds "
                                  f"num_experts={self.num_experts}; choose k <= E.")
             if not isinstance(self.mlp_only_layers, tuple):
-                raise ValueError(f"ModelConfig.mlp_only_layers={self.mlp_only_layers!r} must be a tuple of layer indices.")
+                raise ValueError(f"ModelConfig.mlp_only_layers={self.mlp_only_layers!r} must be a tuple of layer "
+                                 "indices.")
         if self.layer_types is not None:
             if not isinstance(self.layer_types, tuple) or len(self.layer_types) != self.num_layers:
                 raise ValueError(f"ModelConfig.layer_types must be a tuple of num_layers={self.num_layers} entries; "

@@ -19,7 +19,8 @@ __all__ = ["config_from_hf", "config_to_hf", "CONFIG_FILE"]
 
 CONFIG_FILE = "config.json"
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}
+                "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe", "Gemma2ForCausalLM": "gemma2",
+                "Gemma3ForCausalLM": "gemma3_text"}
 _HF_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float32"}  # float16 is upcast
 _GEMMA3_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}  # transformers' defaults
 

@@ -97,7 +97,7 @@ def load_balancing_loss(probs: list[jnp.ndarray], experts: list[jnp.ndarray], ma
       mask: [N] bool real tokens (None: all).
 
     Returns:
-      [] float32 loss (1.0 when routing is perfectly uniform, k * E at worst... scaled as HF).
+      [] float32 loss: k for perfectly balanced routing, E for top-1 routing of every token to one expert with certainty.
     """
     num_experts = probs[0].shape[-1]
     w = jnp.ones(probs[0].shape[:1], jnp.float32) if mask is None else mask.astype(jnp.float32)
@@ -130,7 +130,8 @@ class MoeMLP(nnx.Module):
 
     def __init__(self, config, *, rngs: nnx.Rngs, param, normal):
         h, e, i = config.hidden_size, config.num_experts, config.moe_intermediate_size
-        self.top_k, self.norm_topk_prob, self.hidden_act = config.num_experts_per_tok, config.norm_topk_prob, config.hidden_act
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.hidden_act = config.hidden_act
         self.router_kernel = param(normal(rngs, (h, e), config.dtype), ("embed", "experts"))
         self.gate_up = param(normal(rngs, (e, h, 2 * i), config.dtype), ("experts", "embed", "mlp"))
         self.down = param(normal(rngs, (e, i, h), config.dtype), ("experts", "mlp", "embed"))
@@ -166,7 +167,8 @@ def replay_routing(model, experts: list[jnp.ndarray] | None) -> None:
     """
     blocks = moe_layers(model)
     if experts is not None and len(experts) != len(blocks):
-        raise ValueError(f"replay_routing: got routing for {len(experts)} layers, the model has {len(blocks)} MoE layers.")
+        raise ValueError(f"replay_routing: got routing for {len(experts)} layers, the model has {len(blocks)} "
+                         "MoE layers.")
     for j, block in enumerate(blocks):
         block.replay = None if experts is None else experts[j]
 
