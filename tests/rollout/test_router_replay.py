@@ -96,3 +96,32 @@ def test_training_forward_replays_the_rollout_routing(stop):
 def test_record_routing_needs_experts():
     with pytest.raises(ValueError, match="num_experts"):
         NativeSampler(Decoder(tiny_config(), rngs=nnx.Rngs(0)), max_new_tokens=4, record_routing=True)
+
+
+def test_token_logps_and_routing_feed_the_aux_loss_and_the_mismatch_metric():
+    from rlbolt.models.moe import load_balancing_loss
+    from rlbolt.rollout.logps import token_logps_and_routing
+
+    model = _model()
+    keys = jax.random.key_data(jax.random.split(jax.random.key(0), 2))
+    sampler = NativeSampler(model, max_new_tokens=6, temperature=1.0, record_routing=True)
+    out = sampler.generate([[3, 4, 5], [7, 8, 9, 10]], keys)
+    graphdef, params = nnx.split(_moved(model))
+    args = (out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask)
+    for routing in (None, sampler.last_routing):
+        logps, experts, probs = jax.jit(lambda p, r: token_logps_and_routing(graphdef, p, *args, routing=r))(
+            params, routing)
+        np.testing.assert_allclose(np.asarray(logps), np.asarray(token_logps(graphdef, params, *args, routing=routing)),
+                                   atol=1e-6)
+        assert len(experts) == len(probs) == 2 and probs[0].shape == (2 * (out.prompt_ids.shape[1] + 6), 4)
+        real = _real(out, 1)
+        mismatch = float(routing_mismatch(jnp.stack(forward_routing(sampler.last_routing, 1)), jnp.stack(experts),
+                                          real))
+        assert (mismatch == 0.0) if routing is not None else (mismatch > 0.02)
+        # The aux loss on these records, against float64 NumPy of E * sum_e f_e * P_e over real tokens.
+        w = np.asarray(real, np.float64)
+        counts = sum(np.bincount(np.asarray(e).reshape(-1), weights=np.repeat(w, 2), minlength=4) for e in experts)
+        prob_sum = sum((np.asarray(p, np.float64) * w[:, None]).sum(0) for p in probs)
+        rows = 2 * w.sum()
+        want = 4 * np.sum(counts / rows * prob_sum / rows)
+        assert float(load_balancing_loss(probs, experts, real)) == pytest.approx(want, rel=1e-5)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from rlbolt.models.moe import replay_routing
+from rlbolt.models.moe import pop_routing, record_routing, replay_routing
 from rlbolt.models.shared_prefix import grouped_completion_hidden
 
 
@@ -58,7 +58,12 @@ def completion_hidden(graphdef, params, prompt_ids, prompt_mask, completion_ids,
     group's prompt runs once (`rlbolt.models.shared_prefix`); 1 runs every row's prompt.
     `routing`: None, or the rollout's experts (prompt, completion) for router replay (`forward_routing`).
     """
-    model = nnx.merge(graphdef, params)
+    return _model_hidden(nnx.merge(graphdef, params), prompt_ids, prompt_mask, completion_ids, completion_mask,
+                         group_size, routing)
+
+
+def _model_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size, routing):
+    """`completion_hidden` on a merged model."""
     if routing is not None:
         replay_routing(model, forward_routing(routing, group_size))
     weight = model.output_weight()
@@ -171,3 +176,26 @@ def token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, compl
     logps, _ = chunked_logps(hidden, weight, completion_ids.astype(jnp.int32), temperature, chunk_size, False,
                              output_softcap(graphdef, params))
     return jnp.where(completion_mask.astype(bool), logps, 0.0)
+
+
+def token_logps_and_routing(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
+                            temperature: float = 1.0, chunk_size: int = 128, group_size: int = 1, routing=None):
+    """`token_logps` of a mixture-of-experts model plus the routing its forward used, for the
+    load-balancing loss (`rlbolt.models.moe.load_balancing_loss`) and the routing-mismatch metric.
+
+    Args:
+      graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
+        chunk_size, group_size, routing: as in `token_logps`.
+
+    Returns:
+      (logps [B, C] float32, experts: per MoE layer [N, k] int32, probs: per MoE layer [N, E]
+      float32), N in the forward's token order (that of `forward_routing(routing, group_size)`).
+    """
+    model = nnx.merge(graphdef, params)
+    record_routing(model)
+    hidden, weight = _model_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size,
+                                   routing)
+    experts, probs = pop_routing(model)
+    logps, _ = chunked_logps(hidden, weight, completion_ids.astype(jnp.int32), temperature, chunk_size, False,
+                             model.config.final_logit_softcapping)
+    return jnp.where(completion_mask.astype(bool), logps, 0.0), experts, probs
