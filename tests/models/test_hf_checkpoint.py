@@ -8,7 +8,7 @@ import pytest
 import safetensors.numpy
 import transformers
 from flax import nnx
-from models.test_hf_config import FAMILIES, build_hf_model, hf_logits, rlbolt_logits
+from models.test_hf_config import FAMILIES, MODEL_CLASSES, build_hf_model, hf_logits, rlbolt_logits
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import models as tokenizer_models
 
@@ -47,7 +47,7 @@ def hf_folder(request, tmp_path_factory):
 def test_load_hf_matches_transformers_logits(hf_folder):
     name, hf_model, folder = hf_folder
     model, config = load_hf(folder)
-    assert config.architecture == FAMILIES[name][0].__name__.replace("Config", "ForCausalLM")
+    assert config.architecture == MODEL_CLASSES[FAMILIES[name][0]].__name__
     ids, mask = _ids_and_mask(config.vocab_size)
     _assert_same_logits(rlbolt_logits(model, ids), hf_logits(hf_model, ids))
     _assert_same_logits(rlbolt_logits(model, ids, mask), hf_logits(hf_model, ids, mask), mask)
@@ -94,7 +94,8 @@ def torch_float32():
 # Each family once; two of them sharded (20 kB shards: several files plus an index).
 @pytest.mark.parametrize("name, max_shard_bytes", [
     ("llama_gqa_untied", None), ("llama32_tied_rope_scaling", 20_000), ("qwen2_bias", None),
-    ("qwen3_qk_norm", 20_000)])
+    ("qwen3_qk_norm", 20_000), ("mistral_window", None), ("gemma2_softcap_tied", 20_000),
+    ("gemma2_nocap_untied", None), ("gemma3_two_bases", None), ("qwen3_moe_top2", 20_000), ("qwen3_moe_top1", None)])
 def test_save_hf_loads_in_transformers(tmp_path, name, max_shard_bytes):
     model, config = _random_rlbolt_model(name, tmp_path / "cfg")
     out = save_hf(model, config, tmp_path / "out", max_shard_bytes=max_shard_bytes)
@@ -186,10 +187,10 @@ def test_truncated_safetensors_names_the_file(tmp_path):
 def test_unknown_architecture_names_config_json(tmp_path):
     folder = _saved_hf(tmp_path / "m")
     hf = json.loads((folder / "config.json").read_text())
-    hf["architectures"] = ["MistralForCausalLM"]
+    hf["architectures"] = ["PhiForCausalLM"]
     (folder / "config.json").write_text(json.dumps(hf))
     message = _error(folder)
-    assert str(folder / "config.json") in message and "MistralForCausalLM" in message
+    assert str(folder / "config.json") in message and "PhiForCausalLM" in message
     assert "LlamaForCausalLM" in message
 
 

@@ -26,10 +26,39 @@ FAMILIES = {
     "qwen3_qk_norm": (transformers.Qwen3Config, dict(
         _COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1000000.0,
         tie_word_embeddings=True)),
+    # Windows of a few tokens so that the tests' prompts (5 to 14 tokens) and completions cross them.
+    "mistral_window": (transformers.MistralConfig, dict(
+        _COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=8, rope_theta=10000.0, sliding_window=4,
+        tie_word_embeddings=False)),
+    "gemma2_softcap_tied": (transformers.Gemma2Config, dict(
+        _COMMON, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        query_pre_attn_scalar=16, sliding_window=4, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+        tie_word_embeddings=True)),
+    "gemma2_nocap_untied": (transformers.Gemma2Config, dict(
+        _COMMON, num_attention_heads=4, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=24,
+        sliding_window=6, attn_logit_softcapping=None, final_logit_softcapping=None, tie_word_embeddings=False)),
+    "gemma3_two_bases": (transformers.Gemma3TextConfig, dict(
+        _COMMON, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        query_pre_attn_scalar=8, sliding_window=4, tie_word_embeddings=True,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10.0}})),
+    # Mixtures of 4 experts: top-2 renormalised with a dense layer 1, and top-1 unnormalised (tied).
+    "qwen3_moe_top2": (transformers.Qwen3MoeConfig, dict(
+        _COMMON, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True, mlp_only_layers=[1],
+        tie_word_embeddings=False)),
+    "qwen3_moe_top1": (transformers.Qwen3MoeConfig, dict(
+        _COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=1,
+        moe_intermediate_size=16, norm_topk_prob=False, tie_word_embeddings=True)),
 }
 MODEL_CLASSES = {transformers.LlamaConfig: transformers.LlamaForCausalLM,
                  transformers.Qwen2Config: transformers.Qwen2ForCausalLM,
-                 transformers.Qwen3Config: transformers.Qwen3ForCausalLM}
+                 transformers.Qwen3Config: transformers.Qwen3ForCausalLM,
+                 transformers.MistralConfig: transformers.MistralForCausalLM,
+                 transformers.Gemma2Config: transformers.Gemma2ForCausalLM,
+                 transformers.Gemma3TextConfig: transformers.Gemma3ForCausalLM,
+                 transformers.Qwen3MoeConfig: transformers.Qwen3MoeForCausalLM}
 
 
 def build_hf_model(name: str, seed: int = 0):
@@ -83,6 +112,27 @@ EXPECTED = {  # independent of the converter: read off the kwargs above and HF's
                        rope_scaling=None, rope_theta=1000000.0),
     "qwen3_qk_norm": dict(num_kv_heads=2, head_dim=16, tie_word_embeddings=True, attention_bias=False,
                           qk_norm=True, rope_scaling=None, rope_theta=1000000.0),
+    "mistral_window": dict(num_kv_heads=2, head_dim=8, tie_word_embeddings=False, qk_norm=False, rope_scaling=None,
+                           sliding_window=4, layer_types=("sliding_attention",) * 2, hidden_act="silu",
+                           norm_unit_offset=False, sandwich_norms=False, final_logit_softcapping=None),
+    "gemma2_softcap_tied": dict(num_kv_heads=2, head_dim=8, tie_word_embeddings=True, qk_norm=False,
+                                rope_scaling=None, rope_theta=10000.0, rope_local_theta=None, sliding_window=4,
+                                layer_types=("sliding_attention", "full_attention", "sliding_attention"),
+                                hidden_act="gelu_pytorch_tanh", norm_unit_offset=True, sandwich_norms=True,
+                                scale_embeddings=True, query_pre_attn_scalar=16, attn_logit_softcapping=5.0,
+                                final_logit_softcapping=3.0),
+    "gemma2_nocap_untied": dict(num_kv_heads=1, head_dim=16, tie_word_embeddings=False, query_pre_attn_scalar=24,
+                                sliding_window=6, attn_logit_softcapping=None, final_logit_softcapping=None,
+                                layer_types=("sliding_attention", "full_attention")),
+    "gemma3_two_bases": dict(num_kv_heads=2, head_dim=8, tie_word_embeddings=True, qk_norm=True,
+                             rope_theta=1000000.0, rope_scaling=dict(rope_type="linear", factor=2.0),
+                             rope_local_theta=10.0, sliding_window=4, query_pre_attn_scalar=8,
+                             layer_types=("sliding_attention", "sliding_attention", "full_attention"),
+                             attn_logit_softcapping=None, final_logit_softcapping=None, sandwich_norms=True),
+    "qwen3_moe_top2": dict(qk_norm=True, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                           norm_topk_prob=True, mlp_only_layers=(1,), decoder_sparse_step=1, tie_word_embeddings=False),
+    "qwen3_moe_top1": dict(qk_norm=True, num_experts=4, num_experts_per_tok=1, norm_topk_prob=False,
+                           mlp_only_layers=(), tie_word_embeddings=True),
 }
 
 
@@ -91,7 +141,8 @@ def test_config_from_hf_maps_each_family(tmp_path, name):
     config = config_from_hf(_saved_config(tmp_path, name))
     for field, value in EXPECTED[name].items():
         assert getattr(config, field) == value, field
-    assert (config.vocab_size, config.hidden_size, config.num_layers, config.num_heads) == (96, 32, 2, 4)
+    assert (config.vocab_size, config.hidden_size, config.num_heads) == (96, 32, 4)
+    assert config.num_layers == FAMILIES[name][1]["num_hidden_layers"]
     assert (config.intermediate_size, config.rms_norm_eps, config.param_dtype) == (48, 1e-5, "float32")
 
 

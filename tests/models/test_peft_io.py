@@ -19,7 +19,8 @@ from rlbolt.models.peft_io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, save_peft_ada
 
 TOLERANCE = 1e-4
 CASES = [("llama_gqa_untied", ("q", "v")), ("qwen2_bias", ("q", "k", "v", "o", "gate", "up", "down")),
-         ("qwen3_qk_norm", ("k", "up", "down"))]
+         ("qwen3_qk_norm", ("k", "up", "down")), ("gemma2_softcap_tied", ("q", "v", "gate", "down")),
+         ("gemma3_two_bases", ("k", "o", "up")), ("mistral_window", ("q", "v"))]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[c[0] for c in CASES])

@@ -31,8 +31,9 @@ DEFAULT_QUERY_CHUNK = 128
 
 
 def causal_query_chunks(attend: Callable, q: jnp.ndarray, keys_t: jnp.ndarray, values: jnp.ndarray,
-                        visible: jnp.ndarray, chunk: int | None, extra: tuple = ()) -> jnp.ndarray:
-    """`attend(q, keys_t, values, visible, *extra)` computed over query chunks of at most `chunk` rows.
+                        visible: jnp.ndarray, chunk: int | None, extra: tuple = (),
+                        row_extra: tuple = ()) -> jnp.ndarray:
+    """`attend(q, keys_t, values, visible, *extra, *row_extra)` computed over query chunks of at most `chunk` rows.
 
     Key j must be the token at query position j (self-attention without a cache), so that a
     query never sees a key after its own position.
@@ -46,16 +47,18 @@ def causal_query_chunks(attend: Callable, q: jnp.ndarray, keys_t: jnp.ndarray, v
       visible: [B, T, T] bool (causal and padding mask).
       chunk: query rows per chunk (static); None or >= T runs `attend` once, unchunked.
       extra: more arrays every chunk reads whole (e.g. a shared prefix's keys, values and mask).
+      row_extra: more arrays [N, T, ...] with a row per query, sliced like `q` on axis 1 (e.g. the
+        sliding-window mask of the queries against a shared prefix).
 
     Returns:
       [B, T, nH * D], as `attend(q, keys_t, values, visible, *extra)`.
     """
     t = q.shape[1]
     if chunk is None or t <= chunk:
-        return attend(q, keys_t, values, visible, *extra)
+        return attend(q, keys_t, values, visible, *extra, *row_extra)
     outs = []
     for start in range(0, t, chunk):
         end = min(t, start + chunk)
         outs.append(attend(q[:, start:end], keys_t[..., :end], values[:, :, :end], visible[:, start:end, :end],
-                           *extra))
+                           *extra, *(r[:, start:end] for r in row_extra)))
     return jnp.concatenate(outs, axis=1)

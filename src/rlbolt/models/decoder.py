@@ -1,4 +1,4 @@
-"""The decoder-only transformer shared by Llama 3, Qwen2/2.5 and Qwen3, in Flax NNX.
+"""The decoder-only transformer shared by Llama 3, Mistral, Qwen2/2.5, Qwen3, Gemma 2 and Gemma 3, in Flax NNX.
 
 Parameter layout (a contract with `rlbolt.models.hf_io`; nnx state paths, kernels are [in, out]):
 
@@ -9,9 +9,11 @@ Parameter layout (a contract with `rlbolt.models.hf_io`; nnx state paths, kernel
     layers.{i}.attn.q_norm.scale           [D]                 ("head_dim",)      qk_norm only
     layers.{i}.attn.k_norm.scale           [D]                 ("head_dim",)      qk_norm only
     layers.{i}.attn.o_proj.kernel          [nH*D, H]           ("heads", "embed")
+    layers.{i}.post_attn_norm.scale        [H]                 ("embed",)         sandwich_norms only
     layers.{i}.mlp_norm.scale              [H]                 ("embed",)
     layers.{i}.mlp.gate_up_proj.kernel     [H, 2I]             ("embed", "mlp")   fused gate|up
-    layers.{i}.mlp.down_proj.kernel        [I, H]              ("mlp", "embed")
+    layers.{i}.mlp.down_proj.kernel        [I, H]              ("mlp", "embed")   (MoE layers: rlbolt.models.moe)
+    layers.{i}.post_mlp_norm.scale         [H]                 ("embed",)         sandwich_norms only
     final_norm.scale                       [H]                 ("embed",)
     lm_head.kernel                         [H, V]              ("embed", "vocab") absent when tied
 
@@ -25,6 +27,11 @@ Numerics follow Hugging Face's LlamaModel: RMSNorm in float32 with the weight ap
 casting back, RoPE in float32 with rotate_half, softmax in float32; matmuls run in the
 parameter dtype (bf16 matmuls measured slower than f32 on CPU) and logits are upcast to float32.
 Attention runs over the whole static cache with a validity mask (no per-length recompiles).
+
+Gemma 2 / 3 differ only through config fields (`rlbolt.models.config.ModelConfig`): norms scale by
+`1 + weight` computed in float32 (HF's Gemma2RMSNorm), sandwich norms around attention and MLP,
+embeddings times sqrt(H), a GeGLU MLP, the attention scale `query_pre_attn_scalar ** -0.5`,
+soft-capped attention scores and logits, and sliding-window layers with their own RoPE base.
 """
 
 from __future__ import annotations
@@ -35,69 +42,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rlbolt.models.attention import MASK_VALUE as _MASK_VALUE  # noqa: F401  (re-exported)
+from rlbolt.models.attention import and_window, attend, softcap, window_visible
 from rlbolt.models.attention_chunks import DEFAULT_QUERY_CHUNK, causal_query_chunks
 from rlbolt.models.cache import KVCache
 from rlbolt.models.config import ModelConfig
-from rlbolt.models.rope import apply_rope, rope_cos_sin, rope_inv_freq
+# The building blocks, also imported from here (LoRA, quantisation, tests).
+from rlbolt.models.layers import Dense, Embed, RMSNorm, _norm, _normal, _param  # noqa: F401
+from rlbolt.models.moe import MoeMLP
+from rlbolt.models.rope import apply_rope, layer_rope
 
-_INIT_STD = 0.02  # HF's initializer_range default
-# A finite "minus infinity": a query row with no visible key (a left-pad row) then gets a
-# uniform softmax instead of NaN, and its output is masked downstream anyway.
-_MASK_VALUE = -1e30
-
-
-def _param(value: jnp.ndarray, axes: tuple[str, ...]) -> nnx.Param:
-    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
-
-
-def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> jnp.ndarray:
-    return (_INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-
-
-class RMSNorm(nnx.Module):
-    """`x * rsqrt(mean(x^2) + eps) * scale` (Zhang & Sennrich 2019, eq. 4), as HF's LlamaRMSNorm."""
-
-    def __init__(self, size: int, eps: float, axis_name: str, dtype):
-        self.scale = _param(jnp.ones((size,), dtype), (axis_name,))
-        self.eps = eps
-
-    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.scale[...] * normed.astype(x.dtype)
-
-
-class Dense(nnx.Module):
-    """`x @ kernel (+ bias)` with logical-axis metadata on its parameters."""
-
-    def __init__(self, in_features: int, out_features: int, axes: tuple[str, str], *,
-                 use_bias: bool = False, dtype, rngs: nnx.Rngs):
-        self.kernel = _param(_normal(rngs, (in_features, out_features), dtype), axes)
-        self.use_bias = use_bias
-        if use_bias:
-            self.bias = _param(jnp.zeros((out_features,), dtype), (axes[1],))
-        # rlbolt.models.lora.apply_lora puts a LoraAdapters here when LoRA targets this kernel.
-        self.lora = nnx.data(None)
-
-    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        # A 2-D [tokens, in] dot: with [B, T, in] XLA's CPU backward transposes the activations
-        # and output gradients around the weight-gradient dot (update 0.97 -> 0.78 s, RESULTS.md).
-        x2d = x.reshape(-1, x.shape[-1])
-        y = jnp.dot(x2d, self.kernel[...])
-        if self.lora is not None:
-            y = y + self.lora(x2d).astype(y.dtype)
-        y = y.reshape(*x.shape[:-1], -1)
-        return y + self.bias[...] if self.use_bias else y
-
-
-class Embed(nnx.Module):
-    """Token embedding table; also the output projection when embeddings are tied."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, *, dtype, rngs: nnx.Rngs):
-        self.embedding = _param(_normal(rngs, (vocab_size, hidden_size), dtype), ("vocab", "embed"))
-
-    def __call__(self, ids: jnp.ndarray) -> jnp.ndarray:
-        return jnp.take(self.embedding[...], ids, axis=0)
+_attend = attend  # the name tests and older callers import
 
 
 def _row_shards(sharding) -> int:
@@ -107,40 +62,8 @@ def _row_shards(sharding) -> int:
     return math.prod(sharding.mesh.shape[a] for a in axes)
 
 
-def _attend(q: jnp.ndarray, keys_t: jnp.ndarray, values: jnp.ndarray, visible: jnp.ndarray) -> jnp.ndarray:
-    """Grouped-query softmax attention against (possibly cached) keys.
-
-    Args:
-      q: [B, T, nH, D] rotated queries.
-      keys_t: [B, nKV, D, S] rotated keys, transposed.
-      values: [B, nKV, S, D].
-      visible: [B, T, S] bool, which keys each query may see.
-
-    Returns:
-      [B, T, nH * D] in q's dtype.
-    """
-    b, t, n_heads, d = q.shape
-    n_kv = keys_t.shape[1]
-    q = q.reshape(b, t, n_kv, n_heads // n_kv, d)  # query head h uses kv head h // G (HF repeat_kv)
-    if t == 1:
-        # Decode: multiply + sum keeps the cache in its stored layout (faster on CPU than a transposing dot, measured).
-        q1 = q[:, 0].astype(jnp.float32)  # [B, nKV, G, D]
-        scores = jnp.sum(q1[..., None] * keys_t[:, :, None].astype(jnp.float32), axis=-2)[:, :, :, None]
-    else:
-        # In the activation dtype, then f32, like HF (CPU has no bf16 x bf16 -> f32 dot kernel).
-        scores = jnp.einsum("btkgd,bkds->bkgts", q, keys_t).astype(jnp.float32)
-    scores = scores * (d ** -0.5)  # [B, nKV, G, T, S]
-    scores = jnp.where(visible[:, None, None], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    if t == 1:
-        out = jnp.sum(probs[:, :, :, 0, :, None] * values[:, :, None], axis=-2)[:, None]  # [B,1,nKV,G,D]
-    else:
-        out = jnp.einsum("bkgts,bksd->btkgd", probs, values)
-    return out.reshape(b, t, n_heads * d).astype(q.dtype)
-
-
 class Attention(nnx.Module):
-    """Causal grouped-query self-attention with fused q|k|v, optional bias and q/k RMSNorm."""
+    """Causal grouped-query self-attention with fused q|k|v, optional bias, q/k RMSNorm and soft-capping."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         c = config
@@ -149,9 +72,14 @@ class Attention(nnx.Module):
                               use_bias=c.attention_bias, dtype=c.dtype, rngs=rngs)
         self.qk_norm = c.qk_norm
         if c.qk_norm:
-            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps, "head_dim", c.dtype)
-            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps, "head_dim", c.dtype)
+            self.q_norm = _norm(c, c.head_dim, "head_dim")
+            self.k_norm = _norm(c, c.head_dim, "head_dim")
         self.o_proj = Dense(c.q_size, c.hidden_size, ("heads", "embed"), dtype=c.dtype, rngs=rngs)
+        self.scale, self.cap = c.attention_scale, c.attn_logit_softcapping
+
+    def attend(self, q, keys_t, values, visible):
+        """`rlbolt.models.attention.attend` with this layer's score scale and soft-capping."""
+        return attend(q, keys_t, values, visible, scale=self.scale, cap=self.cap)
 
     def project(self, x, cos, sin):
         """The rotated queries, keys and values of x [B, T, H] (cos/sin [B, T, D]).
@@ -180,26 +108,32 @@ class Attention(nnx.Module):
         k_t = k.transpose(0, 2, 3, 1)  # [B, nKV, D, T]
         v = v.transpose(0, 2, 1, 3)  # [B, nKV, T, D]
         if cache_kv is None:
-            return self.o_proj(causal_query_chunks(_attend, q, k_t, v, visible, query_chunk)), None
+            return self.o_proj(causal_query_chunks(self.attend, q, k_t, v, visible, query_chunk)), None
         keys_t, values, index = cache_kv
         zero = jnp.zeros((), jnp.int32)
         k_t = jax.lax.dynamic_update_slice(keys_t, k_t.astype(keys_t.dtype), (zero, zero, zero, index))
         v = jax.lax.dynamic_update_slice(values, v.astype(values.dtype), (zero, zero, index, zero))
-        return self.o_proj(_attend(q, k_t, v, visible)), (k_t, v)
+        return self.o_proj(self.attend(q, k_t, v, visible)), (k_t, v)
 
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward `down(silu(gate(x)) * up(x))` (Shazeer 2020, eq. 6) with fused gate|up."""
+    """Gated feed-forward `down(act(gate(x)) * up(x))` (Shazeer 2020, eq. 6) with fused gate|up:
+    SwiGLU (silu), or GeGLU with tanh-approximated gelu (Gemma's gelu_pytorch_tanh)."""
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         self.intermediate_size = config.intermediate_size
+        self.hidden_act = config.hidden_act
         self.gate_up_proj = Dense(config.hidden_size, 2 * config.intermediate_size, ("embed", "mlp"),
                                   dtype=config.dtype, rngs=rngs)
         self.down_proj = Dense(config.intermediate_size, config.hidden_size, ("mlp", "embed"),
                                dtype=config.dtype, rngs=rngs)
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        return self.down_proj(_swiglu(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.hidden_act == "gelu_pytorch_tanh":
+            gate, up = jnp.split(gate_up, 2, axis=-1)
+            return self.down_proj(jax.nn.gelu(gate, approximate=True) * up)
+        return self.down_proj(_swiglu(gate_up))
 
 
 @jax.custom_vjp
@@ -231,18 +165,39 @@ _swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
+    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`; with sandwich norms (Gemma)
+    each branch's output is RMS-normed again before its residual add."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "embed", config.dtype)
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
+        h = config.hidden_size
+        self.attn_norm = _norm(config, h, "embed")
         self.attn = Attention(config, rngs=rngs)
-        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "embed", config.dtype)
-        self.mlp = MLP(config, rngs=rngs)
+        self.mlp_norm = _norm(config, h, "embed")
+        self.mlp = MoeMLP(config, rngs=rngs, param=_param, normal=_normal) if moe else MLP(config, rngs=rngs)
+        self.sandwich_norms = config.sandwich_norms
+        if config.sandwich_norms:
+            self.post_attn_norm = _norm(config, h, "embed")
+            self.post_mlp_norm = _norm(config, h, "embed")
 
-    def __call__(self, x, cos, sin, visible, cache_kv, query_chunk=None):
+    def __call__(self, x, cos, sin, visible, cache_kv, query_chunk=None, routing_out=None):
         attn_out, new_kv = self.attn(self.attn_norm(x), cos, sin, visible, cache_kv, query_chunk)
-        x = x + attn_out
-        return x + self.mlp(self.mlp_norm(x)), new_kv
+        return self.add_mlp(self.add_attention(x, attn_out), routing_out), new_kv
+
+    def add_attention(self, x: jnp.ndarray, attn_out: jnp.ndarray) -> jnp.ndarray:
+        """The residual stream after attention: `x + attn_out` (attn_out post-normed with sandwich norms)."""
+        return x + (self.post_attn_norm(attn_out) if self.sandwich_norms else attn_out)
+
+    def add_mlp(self, x: jnp.ndarray, routing_out: list | None = None) -> jnp.ndarray:
+        """The residual stream after the MLP block: `x + mlp(norm(x))` (post-normed with sandwich norms).
+
+        routing_out: a list that an MoE block appends its experts [N, k] to (None: not collected).
+        """
+        if routing_out is not None and isinstance(self.mlp, MoeMLP):
+            out, experts = self.mlp.routed(self.mlp_norm(x))
+            routing_out.append(experts)
+        else:
+            out = self.mlp(self.mlp_norm(x))
+        return x + (self.post_mlp_norm(out) if self.sandwich_norms else out)
 
 
 class Decoder(nnx.Module):
@@ -267,8 +222,9 @@ class Decoder(nnx.Module):
         config.validate()
         self.config = config
         self.embed = Embed(config.vocab_size, config.hidden_size, dtype=config.dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)])
-        self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "embed", config.dtype)
+        self.layers = nnx.List([DecoderLayer(config, rngs=rngs, moe=config.is_moe(i))
+                                for i in range(config.num_layers)])
+        self.final_norm = _norm(config, config.hidden_size, "embed")
         if not config.tie_word_embeddings:
             self.lm_head = Dense(config.hidden_size, config.vocab_size, ("embed", "vocab"),
                                  dtype=config.dtype, rngs=rngs)
@@ -285,7 +241,7 @@ class Decoder(nnx.Module):
 
     def __call__(self, input_ids: jnp.ndarray, positions: jnp.ndarray, *,
                  attention_mask: jnp.ndarray | None = None, cache: KVCache | None = None,
-                 return_hidden: bool = False):
+                 return_hidden: bool = False, routing_out: list | None = None):
         """Runs the model over T new tokens (training, prefill or one decode step).
 
         Causal masking is always applied. With a cache, the T tokens are written to slots
@@ -298,12 +254,13 @@ class Decoder(nnx.Module):
           attention_mask: [B, T] bool, True for real tokens; None means all real.
           cache: a KVCache from `init_cache`, or None for a cache-free forward.
           return_hidden: return the final-normed hidden states instead of logits.
+          routing_out: a list that receives each MoE layer's experts [B * T, k] (rlbolt.models.moe).
 
         Returns:
           (logits [B, T, V] float32 or hidden [B, T, H], the updated KVCache or None).
         """
         return self.run(Decoder._forward, input_ids, positions, attention_mask=attention_mask, cache=cache,
-                        return_hidden=return_hidden)
+                        return_hidden=return_hidden, routing_out=routing_out)
 
     def run(self, fn, *args, **kwargs):
         """`fn(self, *args, **kwargs)`: the one entry through which every pass over the layers runs.
@@ -315,29 +272,35 @@ class Decoder(nnx.Module):
         """
         return fn(self, *args, **kwargs)
 
-    def _forward(self, input_ids, positions, *, attention_mask, cache, return_hidden):
+    def _forward(self, input_ids, positions, *, attention_mask, cache, return_hidden, routing_out=None):
         b, t = input_ids.shape
         if attention_mask is None:
             attention_mask = jnp.ones((b, t), bool)
         attention_mask = attention_mask.astype(bool)
         cfg = self.config
-        cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        ropes = layer_rope(cfg, positions)
         if cache is None:
             causal = jnp.tril(jnp.ones((t, t), bool))
             visible = causal[None] & attention_mask[:, None, :]
             cache_mask, index = None, None
+            query_slots = key_slots = jnp.arange(t)
         else:
             index = cache.index
             cache_mask = jax.lax.dynamic_update_slice(cache.mask, attention_mask, (jnp.zeros((), jnp.int32), index))
             slot = jnp.arange(cache.max_len)
             causal = slot[None, :] <= index + jnp.arange(t)[:, None]  # [T, S]
             visible = causal[None] & cache_mask[:, None, :]
+            query_slots, key_slots = index + jnp.arange(t), slot
+        # Sliding layers also drop the keys W or more slots behind the query.
+        local_visible = and_window(visible, window_visible(query_slots, key_slots, cfg.sliding_window))
 
         x = self.embed_ids(input_ids)
         new_keys, new_values = [], []
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else (cache.keys[i], cache.values[i], index)
-            x, new_kv = layer(x, cos, sin, visible, layer_cache, self.attention_query_chunk)
+            cos, sin = ropes[i]
+            x, new_kv = layer(x, cos, sin, local_visible if cfg.is_sliding(i) else visible, layer_cache,
+                              self.attention_query_chunk, routing_out)
             x = self._constrain(x)
             if new_kv is not None:
                 new_keys.append(new_kv[0])
@@ -350,11 +313,15 @@ class Decoder(nnx.Module):
 
     def embed_ids(self, input_ids: jnp.ndarray) -> jnp.ndarray:
         """The embeddings [B, T, H] of input_ids [B, T] (on a mesh: read from the gathered table,
-        rows constrained to the batch axes)."""
+        rows constrained to the batch axes), times sqrt(H) in the parameter dtype for Gemma."""
         if self.embedding_read_sharding is None:
-            return self.embed(input_ids)
-        table = jax.lax.with_sharding_constraint(self.embed.embedding[...], self.embedding_read_sharding)
-        return self._constrain(jnp.take(table, input_ids, axis=0))
+            x = self.embed(input_ids)
+        else:
+            table = jax.lax.with_sharding_constraint(self.embed.embedding[...], self.embedding_read_sharding)
+            x = self._constrain(jnp.take(table, input_ids, axis=0))
+        if self.config.scale_embeddings:  # HF rounds sqrt(H) to the weight dtype first
+            x = x * jnp.asarray(math.sqrt(self.config.hidden_size), x.dtype)
+        return x
 
     def _constrain(self, x: jnp.ndarray) -> jnp.ndarray:
         # Without it XLA may shard activations over the hidden axis like the fsdp weights and
@@ -366,7 +333,7 @@ class Decoder(nnx.Module):
         return jax.lax.with_sharding_constraint(x, sharding)
 
     def logits(self, hidden: jnp.ndarray) -> jnp.ndarray:
-        """Output projection through lm_head, or the tied embedding table.
+        """Output projection through lm_head, or the tied embedding table, then final soft-capping.
 
         Args:
           hidden: [..., H] final-normed hidden states.
@@ -374,9 +341,12 @@ class Decoder(nnx.Module):
         Returns:
           [..., V] float32 logits.
         """
-        if self.config.tie_word_embeddings:
-            weight = self.embed.embedding[...].T
-        else:
-            weight = self.lm_head.kernel[...]
         # HF multiplies in the parameter dtype and upcasts; identical for float32 params.
-        return jnp.dot(hidden, weight).astype(jnp.float32)
+        logits = jnp.dot(hidden, self.output_weight()).astype(jnp.float32)
+        return softcap(logits, self.config.final_logit_softcapping)
+
+    def output_weight(self) -> jnp.ndarray:
+        """The output projection [H, V]: lm_head's kernel, or the embedding table transposed when tied."""
+        if self.config.tie_word_embeddings:
+            return self.embed.embedding[...].T
+        return self.lm_head.kernel[...]

@@ -1,7 +1,10 @@
 """Hugging Face checkpoints in and out: safetensors <-> Decoder (config mapping: `hf_config`).
 
 Supported architectures: LlamaForCausalLM (Llama 3 / 3.1 / 3.2, llama3 rope scaling),
-Qwen2ForCausalLM (Qwen2 / 2.5: q/k/v bias) and Qwen3ForCausalLM (per-head q/k RMSNorm).
+MistralForCausalLM (sliding window), Qwen3MoeForCausalLM (experts stacked on load, one Linear per
+expert on save, as the Hub's files), Qwen2ForCausalLM (Qwen2 / 2.5: q/k/v bias), Qwen3ForCausalLM
+(per-head q/k RMSNorm), Gemma2ForCausalLM and Gemma3ForCausalLM (text; sandwich norms stored as HF's
+zero-centred weights, so they load and save unchanged).
 
 HF stores `nn.Linear` weights as [out, in] with separate q/k/v and gate/up projections; rlbolt
 keeps kernels as [in, out] with q|k|v and gate|up fused along the output axis (see the layout in
@@ -54,6 +57,7 @@ class _Tensor:
 
     sources: tuple[str, ...]
     transpose: bool  # HF Linear [out, in] -> kernel [in, out]
+    experts: int = 0  # > 0: sources are expert-major, each expert's part built as above, stacked on axis 0
 
 
 def hf_tensor_layout(config: ModelConfig) -> dict[str, _Tensor]:
@@ -73,7 +77,12 @@ def hf_tensor_layout(config: ModelConfig) -> dict[str, _Tensor]:
         ours, hf = f"layers.{i}", f"model.layers.{i}"
         attn = f"{hf}.self_attn"
         layout[f"{ours}.attn_norm.scale"] = _Tensor((f"{hf}.input_layernorm.weight",), False)
-        layout[f"{ours}.mlp_norm.scale"] = _Tensor((f"{hf}.post_attention_layernorm.weight",), False)
+        if config.sandwich_norms:  # Gemma: post_attention_layernorm is the norm after attention
+            layout[f"{ours}.post_attn_norm.scale"] = _Tensor((f"{hf}.post_attention_layernorm.weight",), False)
+            layout[f"{ours}.mlp_norm.scale"] = _Tensor((f"{hf}.pre_feedforward_layernorm.weight",), False)
+            layout[f"{ours}.post_mlp_norm.scale"] = _Tensor((f"{hf}.post_feedforward_layernorm.weight",), False)
+        else:
+            layout[f"{ours}.mlp_norm.scale"] = _Tensor((f"{hf}.post_attention_layernorm.weight",), False)
         qkv = tuple(f"{attn}.{name}_proj" for name in "qkv")
         layout[f"{ours}.attn.qkv_proj.kernel"] = _Tensor(tuple(f"{p}.weight" for p in qkv), True)
         if config.attention_bias:
@@ -82,6 +91,14 @@ def hf_tensor_layout(config: ModelConfig) -> dict[str, _Tensor]:
             layout[f"{ours}.attn.q_norm.scale"] = _Tensor((f"{attn}.q_norm.weight",), False)
             layout[f"{ours}.attn.k_norm.scale"] = _Tensor((f"{attn}.k_norm.weight",), False)
         layout[f"{ours}.attn.o_proj.kernel"] = _Tensor((f"{attn}.o_proj.weight",), True)
+        if config.is_moe(i):  # HF files keep one gate/up/down Linear per expert
+            experts = [f"{hf}.mlp.experts.{e}" for e in range(config.num_experts)]
+            layout[f"{ours}.mlp.router_kernel"] = _Tensor((f"{hf}.mlp.gate.weight",), True)
+            layout[f"{ours}.mlp.gate_up"] = _Tensor(
+                tuple(f"{x}.{name}_proj.weight" for x in experts for name in ("gate", "up")), True, config.num_experts)
+            layout[f"{ours}.mlp.down"] = _Tensor(tuple(f"{x}.down_proj.weight" for x in experts), True,
+                                                 config.num_experts)
+            continue
         layout[f"{ours}.mlp.gate_up_proj.kernel"] = _Tensor(
             (f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight"), True)
         layout[f"{ours}.mlp.down_proj.kernel"] = _Tensor((f"{hf}.mlp.down_proj.weight",), True)
@@ -200,7 +217,7 @@ def _open_folder(folder: Path, param_dtype: str | None) -> tuple[ModelConfig, _S
 
 def load_hf(folder: str | os.PathLike, *, param_dtype: str | None = None,
             sharding: Any = None) -> tuple[Decoder, ModelConfig]:
-    """Loads a Hugging Face Llama 3 / Qwen2 / Qwen3 folder into an rlbolt Decoder.
+    """Loads a Hugging Face Llama 3 / Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 folder into an rlbolt Decoder.
 
     Args:
         folder: holds config.json and model.safetensors, or sharded
@@ -233,21 +250,31 @@ def load_hf(folder: str | os.PathLike, *, param_dtype: str | None = None,
     for path, variable in params.items():
         entry = layout[path]
         expected = variable.get_value().shape
-        parts = [reader.read(name) for name in entry.sources]
-        sizes = _split_sizes(path, config, len(parts), expected[-1] if entry.transpose else expected[0])
-        for name, part, size in zip(entry.sources, parts, sizes):
-            want = ((size, expected[0]) if entry.transpose else (size, *expected[1:]))
-            if tuple(part.shape) != want:
-                raise ValueError(
-                    f"tensor {name!r} in {reader.location[name]} has shape {tuple(part.shape)}, but {config_path} "
-                    f"implies {want}; the weights and config.json do not belong together."
-                )
-        value = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
-        value = value.T if entry.transpose else value
+        if entry.experts:
+            per = len(entry.sources) // entry.experts
+            value = np.stack([_assemble(reader, config, config_path, path, entry.sources[e * per:(e + 1) * per],
+                                        entry.transpose, expected[1:]) for e in range(entry.experts)])
+        else:
+            value = _assemble(reader, config, config_path, path, entry.sources, entry.transpose, expected)
         value = value.astype(dtype, copy=False)
         target = targets.get(path)
         variable.set_value(sharding.place(value, target.get_value()) if target is not None else jax.numpy.asarray(value))
     return nnx.merge(graphdef, state), config
+
+
+def _assemble(reader, config, config_path, path, sources, transpose, expected) -> np.ndarray:
+    """One rlbolt tensor of shape `expected` from its HF sources: shapes checked, concatenated, transposed."""
+    parts = [reader.read(name) for name in sources]
+    sizes = _split_sizes(path, config, len(parts), expected[-1] if transpose else expected[0])
+    for name, part, size in zip(sources, parts, sizes):
+        want = ((size, expected[0]) if transpose else (size, *expected[1:]))
+        if tuple(part.shape) != want:
+            raise ValueError(
+                f"tensor {name!r} in {reader.location[name]} has shape {tuple(part.shape)}, but {config_path} "
+                f"implies {want}; the weights and config.json do not belong together."
+            )
+    value = np.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+    return value.T if transpose else value
 
 
 # ----------------------------------------------------------------------------- writing
@@ -260,10 +287,14 @@ def _hf_tensors(model: Decoder, config: ModelConfig) -> dict[str, np.ndarray]:
         if path not in params:
             raise ValueError(f"model has no parameter {path!r}, which config {config.architecture} requires.")
         value = np.asarray(jax.device_get(params[path].get_value()))
-        value = value.T if entry.transpose else value
-        sizes = _split_sizes(path, config, len(entry.sources), value.shape[0])
-        for name, part in zip(entry.sources, np.split(value, np.cumsum(sizes)[:-1], axis=0)):
-            tensors[name] = np.ascontiguousarray(part)
+        stacked = list(value) if entry.experts else [value]
+        per = len(entry.sources) // len(stacked)
+        for e, one in enumerate(stacked):
+            one = one.T if entry.transpose else one
+            sources = entry.sources[e * per:(e + 1) * per]
+            sizes = _split_sizes(path, config, len(sources), one.shape[0])
+            for name, part in zip(sources, np.split(one, np.cumsum(sizes)[:-1], axis=0)):
+                tensors[name] = np.ascontiguousarray(part)
     return tensors
 
 

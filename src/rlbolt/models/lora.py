@@ -213,6 +213,10 @@ def apply_lora(model: Decoder, lora: LoraConfig, *, rngs: nnx.Rngs) -> Decoder:
       The adapted Decoder: `nnx.state(m, nnx.LoRAParam)` are the adapters, and the other
       `nnx.Param`s are exactly `model`'s.
     """
+    mlp_targets = sorted(set(lora.targets) & {"gate", "up", "down"})
+    if model.config.num_experts and mlp_targets:
+        raise ValueError(f"LoraConfig.targets={list(lora.targets)}: LoRA on the MLP ({mlp_targets}) is not supported "
+                         "for mixture-of-experts models (stacked expert kernels); target q, k, v, o.")
     adapted = nnx.clone(model)  # clone = split + merge: new module objects around the same arrays
     sites = target_sites(model.config)
     by_dense: dict[tuple[str, str], list[tuple[str, int, int]]] = {}

@@ -14,7 +14,7 @@ import numpy as np
 
 
 def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict[str, Any] | None) -> np.ndarray:
-    """Inverse frequencies `1 / theta^(2i/D)`, optionally with Llama 3.1's frequency scaling.
+    """Inverse frequencies `1 / theta^(2i/D)`, optionally divided by a linear factor or with Llama 3.1's scaling.
 
     Computed in float32 with the same operation order as transformers' `_compute_default_rope_parameters`
     and `_compute_llama3_parameters`, so angles agree with HF to float32 rounding at long positions.
@@ -22,7 +22,7 @@ def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict[str, Any] | No
     Args:
       head_dim: D (even).
       theta: RoPE base.
-      rope_scaling: None or HF's rope_scaling dict (rope_type "default" or "llama3").
+      rope_scaling: None or HF's rope_scaling dict (rope_type "default", "linear" or "llama3").
 
     Returns:
       [D // 2] float32 numpy array.
@@ -32,8 +32,11 @@ def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict[str, Any] | No
     rope_type = None if rope_scaling is None else rope_scaling.get("rope_type", rope_scaling.get("type"))
     if rope_type in (None, "default"):
         return inv_freq
+    if rope_type == "linear":  # positions divided by the factor, i.e. the frequencies (HF's linear scaling)
+        return (inv_freq / np.float32(rope_scaling["factor"])).astype(np.float32)
     if rope_type != "llama3":
-        raise ValueError(f"rope_scaling rope_type={rope_type!r} is not supported; use None, 'default' or 'llama3'.")
+        raise ValueError(f"rope_scaling rope_type={rope_type!r} is not supported; use None, 'default', 'linear' "
+                         "or 'llama3'.")
     factor = float(rope_scaling["factor"])
     low = float(rope_scaling["low_freq_factor"])
     high = float(rope_scaling["high_freq_factor"])
@@ -79,3 +82,20 @@ def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarra
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin
+
+
+def layer_rope(config, positions: jnp.ndarray) -> list[tuple[jnp.ndarray, jnp.ndarray]]:
+    """(cos, sin) for every layer: sliding layers use `rope_local_theta` when the config sets it (Gemma 3).
+
+    Args:
+      config: a `rlbolt.models.config.ModelConfig`.
+      positions: [B, T] int32 token positions.
+
+    Returns:
+      A list over layers of (cos, sin), each [B, T, D] float32; layers of one kind share the arrays.
+    """
+    global_rope = rope_cos_sin(positions, rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling))
+    if config.rope_local_theta is None:
+        return [global_rope] * config.num_layers
+    local_rope = rope_cos_sin(positions, rope_inv_freq(config.head_dim, config.rope_local_theta, None))
+    return [local_rope if config.is_sliding(i) else global_rope for i in range(config.num_layers)]

@@ -20,14 +20,17 @@ for prompts and completions together); only attention sees the group structure.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rlbolt.models.attention import MASK_VALUE, and_window, scaled_scores, window_visible
 from rlbolt.models.attention_chunks import causal_query_chunks
 from rlbolt.models.cache import KVCache
-from rlbolt.models.decoder import _MASK_VALUE, Decoder, _attend
-from rlbolt.models.rope import rope_cos_sin, rope_inv_freq
+from rlbolt.models.decoder import Decoder
+from rlbolt.models.rope import layer_rope
 
 
 def shared_rows_mismatch(prompt_ids, prompt_mask, group_size: int) -> int | None:
@@ -70,7 +73,8 @@ def prompt_group_size(prompt_ids, prompt_mask) -> int:
 
 def attend_with_prefix(q: jnp.ndarray, prefix_keys_t: jnp.ndarray, prefix_values: jnp.ndarray,
                        prefix_mask: jnp.ndarray, own_keys_t: jnp.ndarray, own_values: jnp.ndarray,
-                       own_visible: jnp.ndarray) -> jnp.ndarray:
+                       own_visible: jnp.ndarray, prefix_band: jnp.ndarray | None = None, *,
+                       scale: float | None = None, cap: float | None = None) -> jnp.ndarray:
     """Grouped-query softmax attention over a prefix shared by groups of rows, then own keys.
 
     Rows `u * G .. u * G + G - 1` of `q` share prefix row u (G = B / U). A query sees every real
@@ -85,6 +89,9 @@ def attend_with_prefix(q: jnp.ndarray, prefix_keys_t: jnp.ndarray, prefix_values
       own_keys_t: [B, nKV, D, S] each row's own keys, transposed.
       own_values: [B, nKV, S, D].
       own_visible: [B, T, S] bool, which own keys each query may see.
+      prefix_band: None, or [1, T, P] bool: the prefix slots each query's sliding window reaches.
+      scale: factor on q . k; None: D ** -0.5.
+      cap: attention logit soft-capping (None: off).
 
     Returns:
       [B, T, nH * D] in q's dtype.
@@ -94,7 +101,7 @@ def attend_with_prefix(q: jnp.ndarray, prefix_keys_t: jnp.ndarray, prefix_values
     g, hpk = b // u, n_heads // n_kv
     if u * g != b:
         raise ValueError(f"attend_with_prefix: {b} query rows do not split into {u} groups of equal size")
-    scale = d ** -0.5
+    scale = d ** -0.5 if scale is None else scale
     if t == 1:  # decode: multiply + sum reads the caches in their stored layout (as `_attend`)
         q1 = q.reshape(u, g, n_kv, hpk, d).astype(jnp.float32)
         s_pre = jnp.sum(q1[..., None] * prefix_keys_t[:, None, :, None].astype(jnp.float32), axis=-2)  # [U,G,K,H,P]
@@ -107,8 +114,10 @@ def attend_with_prefix(q: jnp.ndarray, prefix_keys_t: jnp.ndarray, prefix_values
         s_pre = s_pre.reshape(b, n_kv, hpk, t, -1)
         s_own = jnp.einsum("btkhd,bkds->bkhts", q.reshape(b, t, n_kv, hpk, d), own_keys_t).astype(jnp.float32)
     pre_visible = jnp.repeat(prefix_mask, g, axis=0)[:, None, None, None, :]  # [B, 1, 1, 1, P]
-    s_pre = jnp.where(pre_visible, s_pre * scale, _MASK_VALUE)
-    s_own = jnp.where(own_visible[:, None, None], s_own * scale, _MASK_VALUE)
+    if prefix_band is not None:
+        pre_visible = pre_visible & prefix_band[:, None, None]  # [B, 1, 1, T, P]
+    s_pre = jnp.where(pre_visible, scaled_scores(s_pre, scale, cap), MASK_VALUE)
+    s_own = jnp.where(own_visible[:, None, None], scaled_scores(s_own, scale, cap), MASK_VALUE)
     top = jax.lax.stop_gradient(jnp.maximum(s_pre.max(-1, keepdims=True), s_own.max(-1, keepdims=True)))
     e_pre, e_own = jnp.exp(s_pre - top), jnp.exp(s_own - top)
     denom = e_pre.sum(-1, keepdims=True) + e_own.sum(-1, keepdims=True)
@@ -124,9 +133,12 @@ def attend_with_prefix(q: jnp.ndarray, prefix_keys_t: jnp.ndarray, prefix_values
     return out.reshape(b, t, n_heads * d).astype(q.dtype)
 
 
-def _with_prefix(q, own_keys_t, own_values, own_visible, prefix_keys_t, prefix_values, prefix_mask):
-    """`attend_with_prefix` in `causal_query_chunks`' argument order (the prefix as its `extra`)."""
-    return attend_with_prefix(q, prefix_keys_t, prefix_values, prefix_mask, own_keys_t, own_values, own_visible)
+def _with_prefix(attn, q, own_keys_t, own_values, own_visible, prefix_keys_t, prefix_values, prefix_mask,
+                 prefix_band=None):
+    """`attend_with_prefix` in `causal_query_chunks`' argument order (the prefix as its `extra`,
+    the window band as its `row_extra`), with the scale and soft-capping of the layer's `attn`."""
+    return attend_with_prefix(q, prefix_keys_t, prefix_values, prefix_mask, own_keys_t, own_values, own_visible,
+                              prefix_band, scale=attn.scale, cap=attn.cap)
 
 
 def grouped_completion_hidden(model: Decoder, prompt_ids: jnp.ndarray, prompt_mask: jnp.ndarray,
@@ -168,27 +180,34 @@ def _grouped_completion_hidden(model, prompt_ids, prompt_mask, completion_ids, c
     c_pos = jnp.maximum(prompt_len[:, None] + jnp.cumsum(c_mask.astype(jnp.int32), axis=1) - 1, 0)
     n_pre = u * p
     positions = jnp.concatenate([p_pos.reshape(1, -1), c_pos.reshape(1, -1)], axis=1)  # packed [1, U*P + B*T]
-    cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    ropes = layer_rope(cfg, positions)
     ids = jnp.concatenate([p_ids.reshape(1, -1), c_ids.reshape(1, -1)], axis=1)
     x = model.embed_ids(ids)  # [1, tokens, H]
     p_visible = jnp.tril(jnp.ones((p, p), bool))[None] & p_mask[:, None, :]  # [U, P, P]
     c_visible = jnp.tril(jnp.ones((t, t), bool))[None] & c_mask[:, None, :]  # [B, T, T]
+    # Sliding layers: completion token t sits in slot P + t after its prompt's P slots.
+    window = cfg.sliding_window
+    p_slots, c_slots = jnp.arange(p), jnp.arange(t)
+    local = (and_window(p_visible, window_visible(p_slots, p_slots, window)),
+             and_window(c_visible, window_visible(c_slots, c_slots, window)),
+             (window_visible(p + c_slots, p_slots, window)[None],) if window is not None else ())
     chunk = model.attention_query_chunk  # causal query chunks (rlbolt.models.attention_chunks)
-    for layer in model.layers:
-        q, k, v = layer.attn.project(layer.attn_norm(x), cos, sin)  # [1, tokens, N, D]
+    for i, layer in enumerate(model.layers):
+        sliding = cfg.is_sliding(i)
+        p_vis, c_vis, band = local if sliding else (p_visible, c_visible, ())
+        q, k, v = layer.attn.project(layer.attn_norm(x), *ropes[i])  # [1, tokens, N, D]
         pre = lambda a: a[0, :n_pre].reshape(u, p, *a.shape[2:])  # noqa: E731
         own = lambda a: a[0, n_pre:].reshape(b, t, *a.shape[2:])  # noqa: E731
         k_pre_t, v_pre = pre(k).transpose(0, 2, 3, 1), pre(v).transpose(0, 2, 1, 3)  # [U,nKV,D,P], [U,nKV,P,D]
-        out_pre = causal_query_chunks(_attend, pre(q), k_pre_t, v_pre, p_visible, chunk)  # [U, P, nH*D]
+        out_pre = causal_query_chunks(layer.attn.attend, pre(q), k_pre_t, v_pre, p_vis, chunk)  # [U, P, nH*D]
         if t:
-            out_own = causal_query_chunks(_with_prefix, own(q), own(k).transpose(0, 2, 3, 1),
-                                          own(v).transpose(0, 2, 1, 3), c_visible, chunk,
-                                          extra=(k_pre_t, v_pre, p_mask))  # [B, T, nH*D]
+            out_own = causal_query_chunks(functools.partial(_with_prefix, layer.attn), own(q),
+                                          own(k).transpose(0, 2, 3, 1), own(v).transpose(0, 2, 1, 3), c_vis, chunk,
+                                          extra=(k_pre_t, v_pre, p_mask), row_extra=band)  # [B, T, nH*D]
             attn = jnp.concatenate([out_pre.reshape(1, n_pre, -1), out_own.reshape(1, b * t, -1)], axis=1)
         else:
             attn = out_pre.reshape(1, n_pre, -1)
-        x = x + layer.attn.o_proj(attn)
-        x = model._constrain(x + layer.mlp(layer.mlp_norm(x)))
+        x = model._constrain(layer.add_mlp(layer.add_attention(x, layer.attn.o_proj(attn))))
     hidden = model.final_norm(x)[0]  # [tokens, H]
     h = hidden.shape[-1]
     last_prompt = jnp.repeat(hidden[:n_pre].reshape(u, p, h)[:, -1], g, axis=0)[:, None]  # [B, 1, H]
@@ -196,7 +215,7 @@ def _grouped_completion_hidden(model, prompt_ids, prompt_mask, completion_ids, c
 
 
 def decode_with_prefix(model: Decoder, tokens: jnp.ndarray, positions: jnp.ndarray, prefix: KVCache,
-                       own: KVCache, read: int) -> tuple[jnp.ndarray, KVCache]:
+                       own: KVCache, read: int, routing_out: list | None = None) -> tuple[jnp.ndarray, KVCache]:
     """One decode step of B rows against their groups' prompt cache and their own cache.
 
     The new token's keys/values are written to slot `own.index` of `own`; attention reads the
@@ -211,24 +230,30 @@ def decode_with_prefix(model: Decoder, tokens: jnp.ndarray, positions: jnp.ndarr
       prefix: the prompts' KVCache, [U, ...] rows (its mask marks real prompt slots).
       own: the rows' completion KVCache, [B, ...] rows; `own.index` is the slot written now.
       read: own slots attention reads (static; > own.index).
+      routing_out: a list that receives each MoE layer's experts [B, k] (None: not collected).
 
     Returns:
       (logits [B, V] float32, the updated own cache).
     """
-    return model.run(_decode_with_prefix, tokens, positions, prefix, own, read)
+    return model.run(_decode_with_prefix, tokens, positions, prefix, own, read, routing_out)
 
 
-def _decode_with_prefix(model, tokens, positions, prefix, own, read):
+def _decode_with_prefix(model, tokens, positions, prefix, own, read, routing_out=None):
     cfg = model.config
     b = tokens.shape[0]
-    cos, sin = rope_cos_sin(positions[:, None], rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+    ropes = layer_rope(cfg, positions[:, None])
     index, zero = own.index, jnp.zeros((), jnp.int32)
     mask = jax.lax.dynamic_update_slice(own.mask, jnp.ones((b, 1), bool), (zero, index))
     visible = mask[:, None, :read]  # [B, 1, read]
+    # Sliding layers: the query sits in own slot `index`, i.e. slot P + index after the prompt's P slots.
+    window, p = cfg.sliding_window, prefix.max_len
+    local_visible = and_window(visible, window_visible(index[None], jnp.arange(read), window))
+    prefix_band = None if window is None else window_visible((p + index)[None], jnp.arange(p), window)[None]
     x = model.embed_ids(tokens[:, None])  # [B, 1, H]
     new_keys, new_values = [], []
     for i, layer in enumerate(model.layers):
-        q, k, v = layer.attn.project(layer.attn_norm(x), cos, sin)
+        sliding = cfg.is_sliding(i)
+        q, k, v = layer.attn.project(layer.attn_norm(x), *ropes[i])
         keys = jax.lax.dynamic_update_slice(own.keys[i], k.transpose(0, 2, 3, 1).astype(own.keys[i].dtype),
                                             (zero, zero, zero, index))
         values = jax.lax.dynamic_update_slice(own.values[i], v.transpose(0, 2, 1, 3).astype(own.values[i].dtype),
@@ -236,8 +261,8 @@ def _decode_with_prefix(model, tokens, positions, prefix, own, read):
         new_keys.append(keys)
         new_values.append(values)
         out = attend_with_prefix(q, prefix.keys[i], prefix.values[i], prefix.mask, keys[..., :read],
-                                 values[:, :, :read], visible)
-        x = x + layer.attn.o_proj(out)
-        x = model._constrain(x + layer.mlp(layer.mlp_norm(x)))
+                                 values[:, :, :read], local_visible if sliding else visible,
+                                 prefix_band if sliding else None, scale=layer.attn.scale, cap=layer.attn.cap)
+        x = model._constrain(layer.add_mlp(layer.add_attention(x, layer.attn.o_proj(out)), routing_out))
     logits = model.logits(model.final_norm(x))[:, 0]
     return logits, KVCache(tuple(new_keys), tuple(new_values), mask, index + 1)

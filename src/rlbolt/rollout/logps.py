@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rlbolt.models.moe import pop_routing, record_routing, replay_routing
 from rlbolt.models.shared_prefix import grouped_completion_hidden
 
 
@@ -27,14 +28,45 @@ def left_pad_positions(mask: jnp.ndarray) -> jnp.ndarray:
     return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
 
 
-def completion_hidden(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size=1):
+def forward_routing(routing, group_size: int = 1) -> list[jnp.ndarray]:
+    """A rollout's recorded experts in the token order of the forward `completion_hidden` runs.
+
+    Args:
+      routing: (prompt [B, P, L, k], completion [B, C, L, k]) int experts per MoE layer
+        (`NativeSampler(record_routing=True).last_routing`).
+      group_size: G of the forward (> 1: prompts once per group, then completions without their last token).
+
+    Returns:
+      Per MoE layer [N, k]: N = B * (P + C) for G = 1, U * P + B * (C - 1) for G > 1.
+    """
+    prompt, completion = (jnp.asarray(r, jnp.int32) for r in routing)
+    if group_size > 1:
+        u, p, layers, k = prompt[::group_size].shape
+        flat = jnp.concatenate([prompt[::group_size].reshape(u * p, layers, k),
+                                completion[:, :-1].reshape(-1, layers, k)], axis=0)
+    else:
+        flat = jnp.concatenate([prompt, completion], axis=1)
+        flat = flat.reshape(-1, *flat.shape[2:])
+    return [flat[:, j] for j in range(flat.shape[1])]
+
+
+def completion_hidden(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size=1,
+                      routing=None):
     """Hidden states that predict each completion token: [B, C, H], and the output weight [H, V].
 
     `group_size` G > 1: rows come in groups of G consecutive rows with one prompt, and each
     group's prompt runs once (`rlbolt.models.shared_prefix`); 1 runs every row's prompt.
+    `routing`: None, or the rollout's experts (prompt, completion) for router replay (`forward_routing`).
     """
-    model = nnx.merge(graphdef, params)
-    weight = model.embed.embedding[...].T if model.config.tie_word_embeddings else model.lm_head.kernel[...]
+    return _model_hidden(nnx.merge(graphdef, params), prompt_ids, prompt_mask, completion_ids, completion_mask,
+                         group_size, routing)
+
+
+def _model_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size, routing):
+    """`completion_hidden` on a merged model."""
+    if routing is not None:
+        replay_routing(model, forward_routing(routing, group_size))
+    weight = model.output_weight()
     if group_size > 1:
         return grouped_completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
                                          group_size), weight
@@ -46,8 +78,17 @@ def completion_hidden(graphdef, params, prompt_ids, prompt_mask, completion_ids,
     return jax.lax.dynamic_slice_in_dim(hidden, p - 1, c, axis=1), weight
 
 
-def chunked_logps(hidden, weight, targets, temperature, chunk_size, with_entropy):
-    """lax.map over time chunks of `log_softmax(hidden @ weight / temperature)` gathered at targets."""
+def output_softcap(graphdef, params) -> float | None:
+    """The model's final logit soft-capping (Gemma 2), which `chunked_logps` must apply; None: off."""
+    return nnx.merge(graphdef, params).config.final_logit_softcapping
+
+
+def chunked_logps(hidden, weight, targets, temperature, chunk_size, with_entropy, softcap=None):
+    """lax.map over time chunks of `log_softmax(cap(hidden @ weight) / temperature)` gathered at targets.
+
+    `softcap`: the final logit soft-capping c (`c * tanh(logits / c)`, applied before the
+    temperature as the sampler does) or None; pass `output_softcap(graphdef, params)`.
+    """
     b, c, h = hidden.shape
     chunk = max(1, min(chunk_size, c))
     n_chunks = -(-c // chunk)
@@ -58,7 +99,10 @@ def chunked_logps(hidden, weight, targets, temperature, chunk_size, with_entropy
     @jax.checkpoint
     def one_chunk(args):
         h_chunk, t_chunk = args  # [B, chunk, H], [B, chunk]
-        logits = jnp.dot(h_chunk, weight).astype(jnp.float32) / temperature
+        logits = jnp.dot(h_chunk, weight).astype(jnp.float32)
+        if softcap is not None:
+            logits = softcap * jnp.tanh(logits / softcap)
+        logits = logits / temperature
         logp_all = jax.nn.log_softmax(logits, axis=-1)
         logp = jnp.take_along_axis(logp_all, t_chunk[..., None], axis=-1)[..., 0]
         if not with_entropy:
@@ -71,7 +115,7 @@ def chunked_logps(hidden, weight, targets, temperature, chunk_size, with_entropy
 
 
 def token_logps_and_entropy(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
-                            temperature: float = 1.0, chunk_size: int = 128, group_size: int = 1):
+                            temperature: float = 1.0, chunk_size: int = 128, group_size: int = 1, routing=None):
     """Log-probabilities and entropies of completion tokens under the temperature-scaled policy.
 
     Pure and jittable; differentiable w.r.t. `params`. The sequence is `prompt | completion`,
@@ -90,6 +134,8 @@ def token_logps_and_entropy(graphdef, params, prompt_ids, prompt_mask, completio
         B * chunk_size * V * 4 bytes.
       group_size: G > 1 when rows come in groups of G consecutive rows with the same prompt:
         each group's prompt then runs once (same results to float32 rounding; B % G == 0).
+      routing: mixture-of-experts models: None routes as the router decides; the rollout's
+        (prompt [B, P, L, k], completion [B, C, L, k]) experts force that routing (router replay).
 
     Returns:
       (logps [B, C] float32, entropy [B, C] float32), both 0 where completion_mask is False.
@@ -97,14 +143,15 @@ def token_logps_and_entropy(graphdef, params, prompt_ids, prompt_mask, completio
     if params is None:
         graphdef, params = nnx.split(graphdef)
     hidden, weight = completion_hidden(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                      group_size)
-    logps, entropy = chunked_logps(hidden, weight, completion_ids.astype(jnp.int32), temperature, chunk_size, True)
+                                      group_size, routing)
+    logps, entropy = chunked_logps(hidden, weight, completion_ids.astype(jnp.int32), temperature, chunk_size, True,
+                                   output_softcap(graphdef, params))
     mask = completion_mask.astype(bool)
     return jnp.where(mask, logps, 0.0), jnp.where(mask, entropy, 0.0)
 
 
 def token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
-                temperature: float = 1.0, chunk_size: int = 128, group_size: int = 1):
+                temperature: float = 1.0, chunk_size: int = 128, group_size: int = 1, routing=None):
     """Log-probabilities of completion tokens; `token_logps_and_entropy` without the entropy work.
 
     Args:
@@ -117,6 +164,7 @@ def token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, compl
       temperature: logits are divided by it before log_softmax.
       chunk_size: completion tokens per output-projection chunk.
       group_size: G > 1 runs each group's prompt once (see `token_logps_and_entropy`).
+      routing: the rollout's experts for router replay (see `token_logps_and_entropy`); None: off.
 
     Returns:
       [B, C] float32 log-probabilities, 0 where completion_mask is False.
@@ -124,8 +172,9 @@ def token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, compl
     if params is None:
         graphdef, params = nnx.split(graphdef)
     hidden, weight = completion_hidden(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                      group_size)
-    logps, _ = chunked_logps(hidden, weight, completion_ids.astype(jnp.int32), temperature, chunk_size, False)
+                                      group_size, routing)
+    logps, _ = chunked_logps(hidden, weight, completion_ids.astype(jnp.int32), temperature, chunk_size, False,
+                             output_softcap(graphdef, params))
     return jnp.where(completion_mask.astype(bool), logps, 0.0)
 
 
@@ -139,3 +188,26 @@ def sequence_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, co
                                        temperature=temperature, group_size=group_size)
     return token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
                        temperature=temperature, group_size=group_size), None
+
+
+def token_logps_and_routing(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
+                            temperature: float = 1.0, chunk_size: int = 128, group_size: int = 1, routing=None):
+    """`token_logps` of a mixture-of-experts model plus the routing its forward used, for the
+    load-balancing loss (`rlbolt.models.moe.load_balancing_loss`) and the routing-mismatch metric.
+
+    Args:
+      graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
+        chunk_size, group_size, routing: as in `token_logps`.
+
+    Returns:
+      (logps [B, C] float32, experts: per MoE layer [N, k] int32, probs: per MoE layer [N, E]
+      float32), N in the forward's token order (that of `forward_routing(routing, group_size)`).
+    """
+    model = nnx.merge(graphdef, params)
+    record_routing(model)
+    hidden, weight = _model_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size,
+                                   routing)
+    experts, probs = pop_routing(model)
+    logps, _ = chunked_logps(hidden, weight, completion_ids.astype(jnp.int32), temperature, chunk_size, False,
+                             model.config.final_logit_softcapping)
+    return jnp.where(completion_mask.astype(bool), logps, 0.0), experts, probs

@@ -64,8 +64,9 @@ class _MeshLayout:
 
 def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: SamplingParams, noise_upfront: bool,
               group: int = 1, segments: tuple[int, ...] | None = None, layout: _MeshLayout | None = None,
-              compact: bool = False):
-    """Prefill + decode for one micro batch. See NativeSampler. Returns ids, mask, logps [B, C], steps [].
+              compact: bool = False, record_routing: bool = False):
+    """Prefill + decode for one micro batch. See NativeSampler. Returns ids, mask, logps [B, C], steps [],
+    and with `record_routing` the experts of the prompt [B, P, L, k] and completion [B, C, L, k] tokens.
 
     prompt_ids / prompt_mask are [U, P]: one row per group of `group` consecutive samples
     (B = U * group rows of rng_keys). Each group's prompt is prefilled once into a prompt cache
@@ -96,8 +97,9 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
 
     # Prefill, once per group: the prompt's last hidden state gives each sample's first token.
     prompt_cache = on_mesh(init_cache(model.config, prompt_ids.shape[0], prompt_ids.shape[1]))
+    prompt_routing = [] if record_routing else None  # per MoE layer [U * P, k] (rlbolt.models.moe)
     hidden, prompt_cache = model(prompt_ids, left_pad_positions(prompt_mask), attention_mask=prompt_mask,
-                                 cache=prompt_cache, return_hidden=True)
+                                 cache=prompt_cache, return_hidden=True, routing_out=prompt_routing)
     prompt_cache = on_mesh(prompt_cache)
     tokens, logps = sample_tokens(jnp.repeat(model.logits(hidden[:, -1]), group, axis=0), noise_at(0), sp)
     stop_ids = jnp.asarray(sp.stop_token_ids, jnp.int32)
@@ -112,12 +114,20 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
     own_cache = on_mesh(init_cache(model.config, batch, segments[0] - 1 if segments else 1))
     next_position = jnp.repeat(prompt_mask.sum(axis=1).astype(jnp.int32), group)  # first completion token's
     carry = (jnp.ones((), jnp.int32), tokens, own_cache, is_stop(tokens), out_ids, out_mask, out_logps)
+    if record_routing:  # the experts of completion token c, written by the step that feeds it (c + 1)
+        u, p = prompt_ids.shape
+        prompt_routing = jnp.repeat(jnp.stack([r.reshape(u, p, -1) for r in prompt_routing], axis=2), group, axis=0)
+        carry += (jnp.zeros((batch, steps_total, *prompt_routing.shape[2:]), jnp.int32),)
 
     def decode_step(carry, read, idx, prefix, positions):
         """One step; idx None: all rows in their groups, else the compacted rows' indices (their
         prompt cache `prefix` and first positions gathered once per segment)."""
-        step, tokens, cache, done, out_ids, out_mask, out_logps = carry
-        logits, cache = decode_with_prefix(model, tokens, positions + step - 1, prefix, cache, read)
+        step, tokens, cache, done, out_ids, out_mask, out_logps, *routing = carry
+        routing_out = [] if record_routing else None
+        logits, cache = decode_with_prefix(model, tokens, positions + step - 1, prefix, cache, read, routing_out)
+        if record_routing:  # [B, L, k] for the fed token, completion index step - 1
+            routing = [jax.lax.dynamic_update_index_in_dim(routing[0], jnp.stack(routing_out, axis=1), step - 1,
+                                                           axis=1)]
         cache = on_mesh(cache)
         new_tokens, new_logps = sample_tokens(logits, noise_at(step, idx), sp)
         alive = ~done
@@ -126,7 +136,7 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
         out_mask = jax.lax.dynamic_update_index_in_dim(out_mask, alive, step, axis=1)
         out_logps = jax.lax.dynamic_update_index_in_dim(out_logps, jnp.where(alive, new_logps, 0.0), step, axis=1)
         done = done | (alive & is_stop(new_tokens))
-        return step + 1, new_tokens, cache, done, out_ids, out_mask, out_logps
+        return (step + 1, new_tokens, cache, done, out_ids, out_mask, out_logps, *routing)
 
     def run_segment(begin, end):
         """`run(carry, idx)` for run_compacted: steps begin .. end - 1 on the carry's rows."""
@@ -151,11 +161,13 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
         carry = carry[:2] + (on_mesh(_grow(carry[2], end - 1)),) + carry[3:]
         carry = run_compacted(carry, carry[3], run_segment(begin, end), sizes if begin > 1 else sizes[:1])
         begin = end
-    step, _, _, _, out_ids, out_mask, out_logps = carry
+    step, _, _, _, out_ids, out_mask, out_logps, *routing = carry
     if layout is not None:
         constrain = jax.lax.with_sharding_constraint
         out_ids, out_mask, out_logps = (constrain(x, layout.rows) for x in (out_ids, out_mask, out_logps))
         step = constrain(step, layout.replicated)
+    if record_routing:
+        return out_ids, out_mask, out_logps, step - 1, prompt_routing, routing[0]
     return out_ids, out_mask, out_logps, step - 1
 
 
@@ -190,7 +202,7 @@ def decode_segments(max_new_tokens: int, segment: int | None) -> tuple[int, ...]
 # One jit shared by all samplers: the GraphDef (hashable) is a static argument, so samplers of the
 # same architecture (policy, eval, tests) share executables.
 _generate_jit = jax.jit(_generate, static_argnames=("graphdef", "sp", "noise_upfront", "group", "segments", "layout",
-                                                        "compact"))
+                                                        "compact", "record_routing"))
 
 
 def _mesh_layout(sharding: Any, config: Any) -> _MeshLayout | None:
@@ -240,13 +252,16 @@ class NativeSampler:
         one more copy of the decode loop). Off on a mesh with more than one batch shard.
       sharding: a `rlbolt.distributed.ShardingPlan` to run on (see the module docstring); None
         runs on the default device.
+      record_routing: for mixture-of-experts models, keep the experts every token was routed to
+        in `last_routing` (router replay: `rlbolt.rollout.token_logps(..., routing=...)`).
     """
 
     def __init__(self, model: Decoder, *, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, stop_token_ids: Sequence[int] = (), pad_id: int = 0,
                  prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS, micro_batch_size: int | None = None,
                  noise_upfront_max_bytes: int = 64 << 20, share_prompts: bool = True,
-                 decode_segment: int | None = 128, compact_finished: bool = True, sharding: Any = None):
+                 decode_segment: int | None = 128, compact_finished: bool = True, sharding: Any = None,
+                 record_routing: bool = False):
         self.config = model.config
         self.sampling = SamplingParams(max_new_tokens, float(temperature), int(top_k), float(top_p),
                                        tuple(int(t) for t in stop_token_ids), int(pad_id)).validate(model.config.vocab_size)
@@ -273,6 +288,13 @@ class NativeSampler:
         self.policy_version = 0
         self.last_decode_steps = 0  # decode-loop iterations of the last call (max over micro batches)
         self.last_group_size = 1  # rows per prefilled prompt in the last call (1: nothing shared)
+        if record_routing and not model.config.num_experts:
+            raise ValueError("record_routing=True needs a mixture-of-experts model (config.num_experts > 0).")
+        self.record_routing = bool(record_routing)
+        # With record_routing: (prompt [N, P, L, k], completion [N, C, L, k]) int32 experts of the last
+        # call's tokens per MoE layer. A row's last token (its stop token, or token C - 1) is never
+        # fed, so its entry is undefined (it predicts nothing, so its routing changes no logp).
+        self.last_routing = None
 
     def update_weights(self, params: Any, policy_version: int) -> None:
         """Installs new parameters (an `nnx.State` with the model's layout, or a `Decoder`).
@@ -384,11 +406,14 @@ class NativeSampler:
         results = [_generate_jit(self._params, *put((ids[s:s + micro:group], mask_all[s:s + micro:group],
                                                      keys_all[s:s + micro])),
                                  graphdef=self._graphdef, sp=sp, noise_upfront=noise_upfront, group=group,
-                                 segments=segments, layout=self._layout, compact=self.compact_finished)
+                                 segments=segments, layout=self._layout, compact=self.compact_finished,
+                                 record_routing=self.record_routing)
                    for s in range(0, padded, micro)]  # dispatched asynchronously; the host syncs below
         self.last_group_size = group
         rows_of = np.asarray if self.sharding is None else self.sharding.local_rows
         gather = lambda i: np.concatenate([rows_of(r[i]) for r in results])[:n]
         self.last_decode_steps = max(int(host_value(r[3])) for r in results)
+        if self.record_routing:
+            self.last_routing = (gather(4), gather(5))
         return RolloutOutput(prompt_ids=ids[:n], prompt_mask=mask[:n], completion_ids=gather(0),
                              completion_mask=gather(1), logps=gather(2), policy_version=self.policy_version)

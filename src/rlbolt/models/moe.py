@@ -1,0 +1,212 @@
+"""Mixture-of-experts feed-forward (Qwen3-MoE): top-k routing, grouped expert matmuls, the
+load-balancing loss, and router replay.
+
+Routing follows transformers' Qwen3MoeTopKRouter: router logits `x @ W_r` in the parameter dtype,
+a float32 softmax over the E experts, the top k probabilities (renormalised to sum to 1 when
+`norm_topk_prob`), cast back to the parameter dtype. Each token's output is
+`sum_j w_j * down_e(act(gate_e(x)) * up_e(x))` over its k experts e = experts[j].
+
+The experts run as two grouped matmuls, not a loop over experts: the N * k (token, expert) pairs
+are sorted by expert, each expert's rows are one contiguous group, and `jax.lax.ragged_dot`
+multiplies every group by its expert's kernel; the results are weighted and scatter-added back
+to their tokens. Work is proportional to N * k, not N * E.
+
+Router replay: a forward may be told which experts each token uses (`MoeMLP.replay`, e.g. what
+the rollout chose); the weights are then the router's probabilities at those experts (normalised
+the same way), so gradients still reach the router. Every forward records its routing as an
+`nnx.Intermediate` when `record_routing` switched it on (`routing`: experts [N, k] int32 and router
+probabilities [N, E] float32) that `pop_routing` collects, for the load-balancing loss and the
+routing-mismatch metric.
+
+Parameter layout (experts stacked on axis 0, kernels [in, out]):
+
+    layers.{i}.mlp.router.kernel      [H, E]        ("embed", "experts")
+    layers.{i}.mlp.gate_up            [E, H, 2I]    ("experts", "embed", "mlp")   fused gate|up
+    layers.{i}.mlp.down               [E, I, H]     ("experts", "mlp", "embed")
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+def route(logits: jnp.ndarray, top_k: int, norm_topk_prob: bool, forced: jnp.ndarray | None = None):
+    """Top-k routing of N tokens over E experts, as transformers' Qwen3MoeTopKRouter.
+
+    Args:
+      logits: [N, E] router logits (parameter dtype).
+      top_k: k experts per token.
+      norm_topk_prob: renormalise the k chosen probabilities to sum to 1.
+      forced: None, or [N, k] int experts to use instead of the top k (router replay).
+
+    Returns:
+      (weights [N, k] in logits' dtype, experts [N, k] int32, probs [N, E] float32).
+    """
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    if forced is None:
+        top, experts = jax.lax.top_k(probs, top_k)
+    else:
+        experts = forced.astype(jnp.int32)
+        top = jnp.take_along_axis(probs, experts, axis=-1)
+    if norm_topk_prob:
+        top = top / jnp.sum(top, axis=-1, keepdims=True)
+    return top.astype(logits.dtype), experts.astype(jnp.int32), probs
+
+
+def grouped_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, gate_up: jnp.ndarray,
+                    down: jnp.ndarray, hidden_act: str = "silu") -> jnp.ndarray:
+    """`sum_j weights[:, j] * expert_{experts[:, j]}(x)` with one ragged matmul per projection.
+
+    Args:
+      x: [N, H] tokens.
+      experts: [N, k] int expert of each (token, slot).
+      weights: [N, k] routing weights.
+      gate_up: [E, H, 2I] fused gate|up kernels.
+      down: [E, I, H].
+      hidden_act: "silu" (SwiGLU experts).
+
+    Returns:
+      [N, H] in x's dtype.
+    """
+    n, k = experts.shape
+    num_experts = gate_up.shape[0]
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+    token = order // k
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E] rows per expert
+    h = jax.lax.ragged_dot(jnp.take(x, token, axis=0), gate_up, sizes)  # [N*k, 2I]
+    gate, up = jnp.split(h, 2, axis=-1)
+    if hidden_act != "silu":
+        raise ValueError(f"grouped_experts: hidden_act={hidden_act!r}; the MoE experts support 'silu'.")
+    y = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down, sizes)  # [N*k, H]
+    w = jnp.take(weights.reshape(-1), order)[:, None]
+    return jnp.zeros_like(x).at[token].add((y * w).astype(x.dtype))
+
+
+def load_balancing_loss(probs: list[jnp.ndarray], experts: list[jnp.ndarray], mask: jnp.ndarray | None = None):
+    """Switch-Transformer load-balancing loss over MoE layers (Fedus et al. 2021, eq. 4), as
+    transformers' `load_balancing_loss_func`: `E * sum_e f_e * P_e` with f_e the share of top-k
+    assignments to expert e and P_e its mean router probability, both over every layer's real tokens.
+
+    Args:
+      probs: per MoE layer [N, E] float32 router probabilities.
+      experts: per MoE layer [N, k] int chosen experts.
+      mask: [N] bool real tokens (None: all).
+
+    Returns:
+      [] float32 loss: k for perfectly balanced routing, E for top-1 routing of every token to one expert with certainty.
+    """
+    num_experts = probs[0].shape[-1]
+    w = jnp.ones(probs[0].shape[:1], jnp.float32) if mask is None else mask.astype(jnp.float32)
+    counts = sum(jnp.sum(jax.nn.one_hot(e, num_experts, dtype=jnp.float32) * w[:, None, None], axis=(0, 1))
+                 for e in experts)
+    prob_sum = sum(jnp.sum(p.astype(jnp.float32) * w[:, None], axis=0) for p in probs)
+    rows = jnp.maximum(jnp.sum(w) * len(probs), 1.0)
+    return num_experts * jnp.sum((counts / rows) * (prob_sum / rows))
+
+
+def routing_mismatch(recorded: jnp.ndarray, recomputed: jnp.ndarray, mask: jnp.ndarray | None = None) -> jnp.ndarray:
+    """Share of real tokens whose expert set differs between two routings (order within the k ignored).
+
+    Args:
+      recorded: [..., N, k] int experts (e.g. the rollout's).
+      recomputed: [..., N, k] int experts (e.g. the training forward's without replay).
+      mask: [N] bool real tokens (None: all).
+
+    Returns:
+      [] float32 in [0, 1].
+    """
+    differs = jnp.any(jnp.sort(recorded, axis=-1) != jnp.sort(recomputed, axis=-1), axis=-1)  # [..., N]
+    w = jnp.ones(differs.shape[-1], jnp.float32) if mask is None else mask.astype(jnp.float32)
+    w = jnp.broadcast_to(w, differs.shape)
+    return jnp.sum(differs * w) / jnp.maximum(jnp.sum(w), 1.0)
+
+
+class MoeMLP(nnx.Module):
+    """Qwen3-MoE sparse feed-forward block: router + E SwiGLU experts (see the module docstring)."""
+
+    def __init__(self, config, *, rngs: nnx.Rngs, param, normal):
+        h, e, i = config.hidden_size, config.num_experts, config.moe_intermediate_size
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.hidden_act = config.hidden_act
+        self.router_kernel = param(normal(rngs, (h, e), config.dtype), ("embed", "experts"))
+        self.gate_up = param(normal(rngs, (e, h, 2 * i), config.dtype), ("experts", "embed", "mlp"))
+        self.down = param(normal(rngs, (e, i, h), config.dtype), ("experts", "mlp", "embed"))
+        # Router replay: [N, k] experts for the next call's N tokens (set by `replay_routing`), or None.
+        self.replay = nnx.data(None)
+        # Record each call's routing as an nnx.Intermediate (`record_routing`); off by default, so
+        # forwards inside the sampler's loops never write module state.
+        self.record = False
+
+    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
+        return self.routed(x)[0]
+
+    def routed(self, x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+        """(output like x [..., H], the experts [N, k] int32 of its N = prod(x.shape[:-1]) tokens)."""
+        x2 = x.reshape(-1, x.shape[-1])
+        logits = jnp.dot(x2, self.router_kernel[...])
+        weights, experts, probs = route(logits, self.top_k, self.norm_topk_prob, self.replay)
+        if self.record:
+            self.sow(nnx.Intermediate, "routing", (experts, probs))
+        out = grouped_experts(x2, experts, weights, self.gate_up[...], self.down[...], self.hidden_act)
+        return out.reshape(x.shape), experts
+
+
+def moe_layers(model) -> list[MoeMLP]:
+    """The MoE blocks of a Decoder, in layer order."""
+    return [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoeMLP)]
+
+
+def replay_routing(model, experts: list[jnp.ndarray] | None) -> None:
+    """Forces the next forward's routing: `experts[j]` ([N, k]) for the j-th MoE layer; None clears.
+
+    N must be the token count of that forward in its own order (rows x positions flattened).
+    """
+    blocks = moe_layers(model)
+    if experts is not None and len(experts) != len(blocks):
+        raise ValueError(f"replay_routing: got routing for {len(experts)} layers, the model has {len(blocks)} "
+                         "MoE layers.")
+    for j, block in enumerate(blocks):
+        block.replay = None if experts is None else experts[j]
+
+
+def record_routing(model, on: bool = True) -> None:
+    """Makes every MoE block of `model` record its routing on each call (read with `pop_routing`)."""
+    for block in moe_layers(model):
+        block.record = on
+
+
+def pop_routing(model) -> tuple[list[jnp.ndarray], list[jnp.ndarray]]:
+    """(experts per MoE layer [N, k], router probabilities per MoE layer [N, E]) recorded since the
+    last pop, for the last forward (earlier calls' records are dropped)."""
+    records = nnx.pop(model, nnx.Intermediate)
+    experts, probs = [], []
+    for path, value in sorted(nnx.to_flat_state(records), key=lambda item: tuple(str(p) for p in item[0])):
+        if path[-1] != "routing":
+            continue
+        last = value.get_value()[-1]
+        experts.append(last[0])
+        probs.append(last[1])
+    return experts, probs
+
+
+def dense_reference(x, router_kernel, gate_up, down, top_k, norm_topk_prob):
+    """float64 NumPy: every expert on every token, weighted by the routing (for tests)."""
+    x, wr, gu, dn = (np.asarray(a, np.float64) for a in (x, router_kernel, gate_up, down))
+    logits = x @ wr
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    experts = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
+    top = np.take_along_axis(probs, experts, -1)
+    if norm_topk_prob:
+        top = top / top.sum(-1, keepdims=True)
+    out = np.zeros_like(x)
+    for e in range(gu.shape[0]):
+        g, u = np.split(x @ gu[e], 2, axis=-1)
+        y = (g / (1 + np.exp(-g)) * u) @ dn[e]
+        w = np.where(experts == e, top, 0.0).sum(-1, keepdims=True)
+        out += w * y
+    return out, experts

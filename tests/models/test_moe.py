@@ -1,0 +1,183 @@
+"""Qwen3-MoE pieces against independent references: the grouped (ragged) expert computation vs a
+dense float64 NumPy loop over all experts, the load-balancing loss vs transformers' own function and
+a hand case, the routing-mismatch metric by hand, and router replay in a real Decoder forward.
+Logits, generation, bf16 loading and export vs transformers run in test_hf_* (the qwen3_moe families)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+from rlbolt.models import Decoder, tiny_config
+from rlbolt.models.moe import (dense_reference, grouped_experts, moe_layers, pop_routing, record_routing,
+                               replay_routing, route, routing_mismatch, load_balancing_loss)
+
+
+@pytest.mark.parametrize("top_k, norm, n", [(1, False, 37), (2, True, 37), (3, False, 1), (5, True, 8)])
+def test_grouped_experts_equal_a_dense_float64_loop(top_k, norm, n):
+    rng = np.random.default_rng(top_k)
+    h, e, i = 16, 5, 12
+    x = rng.normal(size=(n, h)).astype(np.float32)
+    router = rng.normal(size=(h, e)).astype(np.float32)
+    x[:, -1] = 1.0  # a constant feature whose router row biases expert 4 away: never chosen for k < 5
+    router[-1] = 0.0
+    router[-1, 4] = -50.0
+    gate_up = (0.3 * rng.normal(size=(e, h, 2 * i))).astype(np.float32)
+    down = (0.3 * rng.normal(size=(e, i, h))).astype(np.float32)
+    weights, experts, probs = route(jnp.dot(x, router), top_k, norm)
+    got = grouped_experts(jnp.asarray(x), experts, weights, jnp.asarray(gate_up), jnp.asarray(down))
+    want, want_experts = dense_reference(x, router, gate_up, down, top_k, norm)
+    np.testing.assert_array_equal(np.sort(np.asarray(experts), -1), np.sort(want_experts, -1))
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=1e-5)
+    assert np.asarray(probs).shape == (n, e)
+
+
+def test_grouped_experts_gradients_equal_the_dense_form():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(9, 8)), jnp.float32)
+    gate_up = jnp.asarray(0.3 * rng.normal(size=(3, 8, 10)), jnp.float32)
+    down = jnp.asarray(0.3 * rng.normal(size=(3, 5, 8)), jnp.float32)
+    experts = jnp.asarray(rng.integers(0, 3, (9, 2)), jnp.int32)
+    weights = jnp.asarray(rng.uniform(size=(9, 2)), jnp.float32)
+
+    def dense(x, gate_up, down):
+        out = jnp.zeros_like(x)
+        for j in range(2):
+            g, u = jnp.split(jnp.einsum("nh,nhf->nf", x, gate_up[experts[:, j]]), 2, -1)
+            out += weights[:, j:j + 1] * jnp.einsum("nf,nfh->nh", jax.nn.silu(g) * u, down[experts[:, j]])
+        return out
+
+    loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)  # noqa: E731
+    grouped = lambda x, gu, d: grouped_experts(x, experts, weights, gu, d)  # noqa: E731
+    grads = jax.grad(loss(grouped), (0, 1, 2))(x, gate_up, down), jax.grad(loss(dense), (0, 1, 2))(x, gate_up, down)
+    for got, want in zip(*grads):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_load_balancing_loss_equals_transformers(top_k):
+    rng = np.random.default_rng(top_k)
+    logits = [rng.normal(size=(2 * 7, 6)).astype(np.float32) for _ in range(3)]  # 3 layers, B=2, T=7, E=6
+    mask = np.ones((2, 7), bool)
+    mask[1, :3] = False
+    routed = [route(jnp.asarray(lg), top_k, False) for lg in logits]
+    ours = load_balancing_loss([r[2] for r in routed], [r[1] for r in routed], jnp.asarray(mask.reshape(-1)))
+    theirs = load_balancing_loss_func(tuple(torch.from_numpy(lg) for lg in logits), 6, top_k,
+                                      torch.from_numpy(mask.astype(np.int64)))
+    np.testing.assert_allclose(float(ours), float(theirs), rtol=1e-5)
+
+
+def test_load_balancing_loss_hand_cases():
+    # Uniform probabilities, each expert chosen equally often: E * sum_e (k/E) * (1/E) = k.
+    probs = jnp.full((4, 4), 0.25)
+    experts = jnp.asarray([[0, 1], [2, 3], [1, 0], [3, 2]])
+    assert float(load_balancing_loss([probs], [experts])) == pytest.approx(2.0)
+    # Collapse onto expert 0 with probability 1: E * 1 * 1 = E (masked rows do not count).
+    probs = jnp.asarray([[1.0, 0, 0], [1.0, 0, 0], [0, 0, 1.0]])
+    experts = jnp.asarray([[0], [0], [2]])
+    assert float(load_balancing_loss([probs], [experts], jnp.asarray([True, True, False]))) == pytest.approx(3.0)
+
+
+def test_routing_mismatch_by_hand():
+    recorded = jnp.asarray([[0, 1], [2, 3], [1, 2], [0, 3]])
+    recomputed = jnp.asarray([[1, 0], [2, 1], [1, 2], [3, 1]])  # same set, differs, same, differs
+    assert float(routing_mismatch(recorded, recomputed)) == pytest.approx(0.5)
+    assert float(routing_mismatch(recorded, recomputed, jnp.asarray([True, False, True, False]))) == 0.0
+    assert float(routing_mismatch(recorded, recomputed, jnp.zeros(4, bool))) == 0.0  # nothing real: 0, not NaN
+
+
+def _moe_config(**overrides):
+    fields = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True, qk_norm=True,
+                  architecture="Qwen3MoeForCausalLM", num_layers=3, mlp_only_layers=(1,))
+    fields.update(overrides)
+    return tiny_config(**fields)
+
+
+def _forward(model, ids):
+    positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+    return model(ids, positions)[0]
+
+
+def test_router_replay_forces_the_recorded_routing_and_keeps_router_gradients():
+    config = _moe_config()
+    model = Decoder(config, rngs=nnx.Rngs(0))
+    assert len(moe_layers(model)) == 2  # layers 0 and 2; layer 1 is dense
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (3, 11)), jnp.int32)
+    record_routing(model)
+    before = _forward(model, ids)
+    recorded, _ = pop_routing(model)
+    assert [r.shape for r in recorded] == [(33, 2), (33, 2)]
+
+    # The "training" model: routers moved, as after an update; without replay the routing drifts.
+    graphdef, state = nnx.split(model)
+    keys = iter(jax.random.split(jax.random.key(1), 8))
+    state = jax.tree.map(lambda x: x, state)
+    for block_path in ("0", "2"):
+        kernel = state["layers"][int(block_path)]["mlp"]["router_kernel"]
+        kernel.set_value(kernel.get_value() + 0.05 * jax.random.normal(next(keys), kernel.get_value().shape))
+    moved = nnx.merge(graphdef, state)
+    record_routing(moved)
+    _forward(moved, ids)
+    drifted, _ = pop_routing(moved)
+    assert float(routing_mismatch(jnp.stack(recorded), jnp.stack(drifted))) > 0.05
+
+    replay_routing(moved, recorded)
+    _forward(moved, ids)
+    replayed, _ = pop_routing(moved)
+    for got, want in zip(replayed, recorded):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert float(routing_mismatch(jnp.stack(recorded), jnp.stack(replayed))) == 0.0
+
+    # Replaying a model's own routing changes nothing; gradients still reach the router.
+    replay_routing(model, recorded)
+    np.testing.assert_allclose(np.asarray(_forward(model, ids)), np.asarray(before), atol=1e-6)
+
+    params_graph, params, rest = nnx.split(moved, nnx.Param, ...)
+
+    def loss(params):
+        m = nnx.merge(params_graph, params, rest)
+        replay_routing(m, recorded)
+        return jnp.sum(_forward(m, ids) ** 2)
+
+    grad = jax.grad(loss)(params)
+    assert float(jnp.abs(grad["layers"][0]["mlp"]["router_kernel"].get_value()).max()) > 0
+
+
+def test_replay_of_the_wrong_layer_count_is_refused():
+    model = Decoder(_moe_config(), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="2 MoE layers"):
+        replay_routing(model, [jnp.zeros((3, 2), jnp.int32)])
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (dict(num_experts_per_tok=5), "num_experts_per_tok"), (dict(moe_intermediate_size=0), "moe_intermediate_size"),
+    (dict(mlp_only_layers=[1]), "mlp_only_layers")])
+def test_moe_config_is_validated(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        _moe_config(**overrides)
+
+
+def test_moe_bf16_forward_is_close_to_float32():
+    config = _moe_config()
+    model = Decoder(config, rngs=nnx.Rngs(0))
+    half = Decoder(dataclasses.replace(config, param_dtype="bfloat16"), rngs=nnx.Rngs(0))
+    nnx.update(half, jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(model)))
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 9)), jnp.int32)
+    full, low = np.asarray(_forward(model, ids)), np.asarray(_forward(half, ids))
+    assert low.dtype == np.float32 and np.abs(full - low).max() < 0.05 * np.abs(full).max() + 1e-2
+
+
+def test_lora_on_attention_works_and_on_experts_is_refused():
+    from rlbolt.models.lora import LoraConfig, apply_lora
+
+    model = Decoder(_moe_config(), rngs=nnx.Rngs(0))
+    adapted = apply_lora(model, LoraConfig(rank=2, targets=("q", "o")), rngs=nnx.Rngs(1))
+    ids = jnp.asarray([[1, 2, 3, 4]], jnp.int32)
+    np.testing.assert_allclose(np.asarray(_forward(adapted, ids)), np.asarray(_forward(model, ids)), atol=1e-6)
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        apply_lora(model, LoraConfig(rank=2, targets=("q", "up")), rngs=nnx.Rngs(1))
