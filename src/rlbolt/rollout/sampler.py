@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -113,21 +113,21 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
     segments = decode_segments(steps_total, None) if segments is None else segments
     own_cache = on_mesh(init_cache(model.config, batch, segments[0] - 1 if segments else 1))
     next_position = jnp.repeat(prompt_mask.sum(axis=1).astype(jnp.int32), group)  # first completion token's
-    carry = (jnp.ones((), jnp.int32), tokens, own_cache, is_stop(tokens), out_ids, out_mask, out_logps)
+    carry = DecodeCarry(jnp.ones((), jnp.int32), tokens, own_cache, is_stop(tokens), out_ids, out_mask, out_logps)
     if record_routing:  # the experts of completion token c, written by the step that feeds it (c + 1)
         u, p = prompt_ids.shape
         prompt_routing = jnp.repeat(jnp.stack([r.reshape(u, p, -1) for r in prompt_routing], axis=2), group, axis=0)
-        carry += (jnp.zeros((batch, steps_total, *prompt_routing.shape[2:]), jnp.int32),)
+        carry = carry._replace(routing=(jnp.zeros((batch, steps_total, *prompt_routing.shape[2:]), jnp.int32),))
 
-    def decode_step(carry, read, idx, prefix, positions):
+    def decode_step(carry: DecodeCarry, read, idx, prefix, positions) -> DecodeCarry:
         """One step; idx None: all rows in their groups, else the compacted rows' indices (their
         prompt cache `prefix` and first positions gathered once per segment)."""
-        step, tokens, cache, done, out_ids, out_mask, out_logps, *routing = carry
+        step, tokens, cache, done, out_ids, out_mask, out_logps, routing = carry
         routing_out = [] if record_routing else None
         logits, cache = decode_with_prefix(model, tokens, positions + step - 1, prefix, cache, read, routing_out)
         if record_routing:  # [B, L, k] for the fed token, completion index step - 1
-            routing = [jax.lax.dynamic_update_index_in_dim(routing[0], jnp.stack(routing_out, axis=1), step - 1,
-                                                           axis=1)]
+            routing = (jax.lax.dynamic_update_index_in_dim(routing[0], jnp.stack(routing_out, axis=1), step - 1,
+                                                           axis=1),)
         cache = on_mesh(cache)
         new_tokens, new_logps = sample_tokens(logits, noise_at(step, idx), sp)
         alive = ~done
@@ -136,7 +136,7 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
         out_mask = jax.lax.dynamic_update_index_in_dim(out_mask, alive, step, axis=1)
         out_logps = jax.lax.dynamic_update_index_in_dim(out_logps, jnp.where(alive, new_logps, 0.0), step, axis=1)
         done = done | (alive & is_stop(new_tokens))
-        return (step + 1, new_tokens, cache, done, out_ids, out_mask, out_logps, *routing)
+        return DecodeCarry(step + 1, new_tokens, cache, done, out_ids, out_mask, out_logps, routing)
 
     def run_segment(begin, end):
         """`run(carry, idx)` for run_compacted: steps begin .. end - 1 on the carry's rows."""
@@ -147,7 +147,7 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
                 prefix, positions = take_rows(prompt_cache, idx // group), jnp.take(next_position, idx, axis=0)
             body = functools.partial(decode_step, read=end - 1, idx=idx, prefix=prefix, positions=positions)
             if sp.stop_token_ids:  # early exit once every row has stopped
-                return jax.lax.while_loop(lambda c: (c[0] < end) & ~jnp.all(c[3]), body, carry)
+                return jax.lax.while_loop(lambda c: (c.step < end) & ~jnp.all(c.done), body, carry)
             return jax.lax.fori_loop(begin, end, lambda _, c: body(c), carry)
         return run
 
@@ -158,10 +158,10 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
     for end in segments:
         # Every step of this segment reads the whole (grown) cache: a static shape, no slicing of
         # the buffer the step writes into (a slice copied it every step: 2x slower on CPU).
-        carry = carry[:2] + (on_mesh(_grow(carry[2], end - 1)),) + carry[3:]
-        carry = run_compacted(carry, carry[3], run_segment(begin, end), sizes if begin > 1 else sizes[:1])
+        carry = carry._replace(cache=on_mesh(_grow(carry.cache, end - 1)))
+        carry = run_compacted(carry, carry.done, run_segment(begin, end), sizes if begin > 1 else sizes[:1])
         begin = end
-    step, _, _, _, out_ids, out_mask, out_logps, *routing = carry
+    step, out_ids, out_mask, out_logps, routing = carry.step, carry.ids, carry.mask, carry.logps, carry.routing
     if layout is not None:
         constrain = jax.lax.with_sharding_constraint
         out_ids, out_mask, out_logps = (constrain(x, layout.rows) for x in (out_ids, out_mask, out_logps))
@@ -169,6 +169,31 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
     if record_routing:
         return out_ids, out_mask, out_logps, step - 1, prompt_routing, routing[0]
     return out_ids, out_mask, out_logps, step - 1
+
+
+class DecodeCarry(NamedTuple):
+    """The decode loop's state, carried from step to step (a pytree; `rollout.compaction` takes
+    and puts back its per-row arrays, leaving the scalar step alone).
+
+    Attributes:
+      step: [] int32, the step about to run (completion index it writes).
+      tokens: [B] int32, the tokens sampled last (fed at this step).
+      cache: each row's own KVCache of the tokens fed so far.
+      done: [B] bool, rows that sampled a stop token.
+      ids: [B, C] int32 sampled tokens (pad after a stop).
+      mask: [B, C] bool, True through the stop token.
+      logps: [B, C] float32 sampled tokens' logps (0 where mask is False).
+      routing: () or, when recording a mixture-of-experts model's routing, ([B, C, L, k] int32,).
+    """
+
+    step: jax.Array
+    tokens: jax.Array
+    cache: KVCache
+    done: jax.Array
+    ids: jax.Array
+    mask: jax.Array
+    logps: jax.Array
+    routing: tuple = ()
 
 
 def _grow(cache: KVCache, slots: int) -> KVCache:
