@@ -100,3 +100,35 @@ class RolloutEngine(Protocol):
           policy_version: number of optimizer updates behind these parameters.
         """
         ...
+
+
+def prompt_rows(prompt_ids: Sequence[Sequence[int]] | np.ndarray, prompt_mask: np.ndarray | None,
+                vocab_size: int) -> list[np.ndarray]:
+    """The N prompts of a `generate` call as id rows (the protocol's two input forms), checked.
+
+    Args:
+      prompt_ids: a list of id lists, or a left-padded [N, P] array with `prompt_mask`.
+      prompt_mask: [N, P] bool for an array input, else None.
+      vocab_size: every id must lie in [0, vocab_size).
+
+    Returns:
+      N int64 arrays, the real ids of each prompt.
+
+    Raises:
+      ValueError: mismatched shapes, no prompts, an empty prompt, or an id outside the vocabulary.
+    """
+    if prompt_mask is not None:
+        ids, mask = np.asarray(prompt_ids), np.asarray(prompt_mask, bool)
+        if ids.ndim != 2 or ids.shape != mask.shape:
+            raise ValueError(f"prompt_ids {ids.shape} and prompt_mask {mask.shape} must both be [N, P].")
+        rows = [row[m].astype(np.int64) for row, m in zip(ids, mask)]
+    else:
+        rows = [np.asarray(r, np.int64).reshape(-1) for r in prompt_ids]
+    if not rows:
+        raise ValueError("generate: got 0 prompts.")
+    lengths = np.array([len(r) for r in rows])
+    if lengths.min() < 1:
+        raise ValueError(f"generate: prompt {int(lengths.argmin())} is empty; every prompt needs >= 1 token.")
+    if any(r.min() < 0 or r.max() >= vocab_size for r in rows):
+        raise ValueError(f"generate: prompt ids must lie in [0, vocab_size={vocab_size}).")
+    return rows

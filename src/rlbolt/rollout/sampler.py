@@ -39,7 +39,7 @@ from rlbolt.models.cache import KVCache, init_cache
 from rlbolt.models.decoder import Decoder
 from rlbolt.models.shared_prefix import decode_with_prefix, prompt_group_size
 from rlbolt.rollout.compaction import compaction_sizes, run_compacted, take_rows
-from rlbolt.rollout.engine import RolloutOutput
+from rlbolt.rollout.engine import RolloutOutput, prompt_rows
 from rlbolt.rollout.logps import left_pad_positions
 from rlbolt.rollout.sampling import SamplingParams, sample_tokens
 
@@ -347,18 +347,8 @@ class NativeSampler:
         return _generate_jit._cache_size()
 
     def _prepare_prompts(self, prompt_ids, prompt_mask, max_new_tokens, *, processes: bool = False):
-        if prompt_mask is not None:
-            ids_arr, mask_arr = np.asarray(prompt_ids), np.asarray(prompt_mask, bool)
-            if ids_arr.ndim != 2 or ids_arr.shape != mask_arr.shape:
-                raise ValueError(f"prompt_ids {ids_arr.shape} and prompt_mask {mask_arr.shape} must both be [N, P].")
-            rows = [row[m] for row, m in zip(ids_arr, mask_arr)]
-        else:
-            rows = [np.asarray(r, np.int64).reshape(-1) for r in prompt_ids]
-        if not rows:
-            raise ValueError("generate: got 0 prompts.")
+        rows = prompt_rows(prompt_ids, prompt_mask, self.config.vocab_size)
         lengths = np.array([len(r) for r in rows])
-        if lengths.min() < 1:
-            raise ValueError(f"generate: prompt {int(lengths.argmin())} is empty; every prompt needs >= 1 token.")
         longest = int(lengths.max())
         rows_max = len(rows)
         if processes:  # every process must compile the same shapes: the largest call and bucket
@@ -370,9 +360,6 @@ class NativeSampler:
         if longest + max_new_tokens > self.config.max_position_embeddings:
             raise ValueError(f"generate: prompt length {longest} + max_new_tokens={max_new_tokens} exceeds the "
                              f"model's max_position_embeddings={self.config.max_position_embeddings}.")
-        vocab = self.config.vocab_size
-        if any(r.size and (r.min() < 0 or r.max() >= vocab) for r in rows):
-            raise ValueError(f"generate: prompt ids must lie in [0, vocab_size={vocab}).")
         bucket = fitting[0]
         ids = np.full((len(rows), bucket), self.sampling.pad_id, np.int32)
         mask = np.zeros((len(rows), bucket), bool)

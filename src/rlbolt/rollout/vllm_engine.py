@@ -46,7 +46,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from rlbolt.models.hf_io import _flat_params, _split_sizes, hf_tensor_layout, read_hf_config
-from rlbolt.rollout.engine import RolloutOutput
+from rlbolt.rollout.engine import RolloutOutput, prompt_rows
 from rlbolt.rollout.sampler import DEFAULT_PROMPT_BUCKETS
 from rlbolt.rollout.sampling import SamplingParams
 
@@ -252,21 +252,8 @@ class VLLMEngine:
         return dataclasses.replace(self.sampling, **opts).validate(self.config.vocab_size) if opts else self.sampling
 
     def _prompt_rows(self, prompt_ids: Any, prompt_mask: Any, max_new_tokens: int) -> list[np.ndarray]:
-        if prompt_mask is not None:
-            ids, mask = np.asarray(prompt_ids), np.asarray(prompt_mask, bool)
-            if ids.ndim != 2 or ids.shape != mask.shape:
-                raise ValueError(f"prompt_ids {ids.shape} and prompt_mask {mask.shape} must both be [N, P].")
-            rows = [row[m].astype(np.int64) for row, m in zip(ids, mask)]
-        else:
-            rows = [np.asarray(r, np.int64).reshape(-1) for r in prompt_ids]
-        if not rows:
-            raise ValueError("generate: got 0 prompts.")
+        rows = prompt_rows(prompt_ids, prompt_mask, self.config.vocab_size)
         lengths = np.array([len(r) for r in rows])
-        if lengths.min() < 1:
-            raise ValueError(f"generate: prompt {int(lengths.argmin())} is empty; every prompt needs >= 1 token.")
-        vocab = self.config.vocab_size
-        if any(r.min() < 0 or r.max() >= vocab for r in rows):
-            raise ValueError(f"generate: prompt ids must lie in [0, vocab_size={vocab}).")
         if lengths.max() + max_new_tokens > self.max_model_len:
             raise ValueError(f"generate: prompt length {int(lengths.max())} + max_new_tokens={max_new_tokens} exceeds "
                              f"the engine's max_model_len={self.max_model_len}; raise max_model_len or truncate.")
