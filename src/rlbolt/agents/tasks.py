@@ -182,5 +182,5 @@ DEMO_TASKS = {
     "tool": DemoTask(lookup_rows, lookup_env, {"max_turns": 3, "max_turn_tokens": 2, "max_total_tokens": 12},
                      learning_rate=1e-3, steps=600),
     "guess": DemoTask(guess_rows, guess_env, {"max_turns": 4, "max_turn_tokens": 2, "max_total_tokens": 20},
-                      learning_rate=2e-3, steps=400),
+                      learning_rate=2e-3, steps=600),
 }

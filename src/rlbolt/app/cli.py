@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "digit string with GRPO, from near-chance reward to >= 0.9.")
     demo.add_argument("--run-dir", help="the run directory (default: runs/demo-<time>); must be empty or absent")
     demo.add_argument("--max-steps", type=_positive_int,
-                      help="global steps (default: the task's: 300 for the digit tasks, tool 600, guess 400)")
+                      help="global steps (default: the task's: 300 for the digit tasks, 600 for tool and guess)")
     demo.add_argument("--checkpoint-every", type=_positive_int,
                       help="checkpoint every K steps (default: only the last step)")
     demo.add_argument("--seed", type=int, help="seed of the model, the prompts and sampling (default: 0)")

@@ -119,7 +119,7 @@ AGENT_TASKS = ("tool", "guess")  # multi-turn episodes (rlbolt.agents.tasks.DEMO
 # (max_steps, learning_rate) each task learns with on the CI machine; the agent tasks' figures are
 # rlbolt.agents.tasks.DEMO_TASKS's (a test keeps the two in step).
 TASK_DEFAULTS = {"copy": (300, 5e-4), "reverse": (300, 5e-4), "increment": (300, 5e-4),
-                 "tool": (600, 1e-3), "guess": (400, 2e-3)}
+                 "tool": (600, 1e-3), "guess": (600, 2e-3)}
 _FIELD_KINDS = {"seed": int, "max_steps": int, "num_digits": int, "num_prompts": int, "prompts_per_step": int,
                 "num_generations": int, "learning_rate": float, "clip": float, "temperature": float,
                 "hidden_size": int, "checkpoint_every": int, "task": str, "lora_rank": int, "base_run": str}
