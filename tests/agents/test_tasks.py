@@ -52,6 +52,6 @@ def test_rows_are_seeded_and_checked():
 def test_a_tiny_model_learns_the_task_from_scratch(task, tmp_path):
     from rlbolt.agents.demo_training import train_demo
 
-    rewards = train_demo(task, run_dir=str(tmp_path))  # the task's steps: 600 (tool), 400 (guess)
+    rewards = train_demo(task, run_dir=str(tmp_path))  # the task's steps: 600 (tool and guess)
     assert np.mean(rewards[:5]) < 0.1
     assert np.mean(rewards[-20:]) >= 0.9
