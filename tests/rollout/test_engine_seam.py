@@ -122,3 +122,16 @@ def test_rollout_correction_with_the_native_engine_changes_nothing_but_adds_its_
     for m in seen:
         assert abs(m["rollout_corr/kl_k1"]) < 1e-5 and m["rollout_corr/token_masked_frac"] == 0.0
         assert m["rollout_corr/is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_vllm_on_cpu_refuses_a_head_dim_it_has_no_kernel_for():
+    """Checked before vLLM is imported, so the refusal is one line here too (without the extra)."""
+    from flax import nnx
+
+    from rlbolt.models import Decoder, tiny_config
+    from rlbolt.rollout.engines import EngineSpec, build_engine
+
+    model = Decoder(tiny_config(vocab_size=32, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16),
+                    rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="no kernel for head_dim=16; use a model whose head_dim is at least 32"):
+        build_engine("vllm", model, EngineSpec(max_new_tokens=4))

@@ -75,6 +75,10 @@ def vllm_engine(model: Any, spec: EngineSpec) -> RolloutEngine:
     model's Hugging Face folder, or on the model as `save_hf` writes it into a temporary folder
     when it has none (a tiny random model, a `.gguf` file); the trainer's weights are pushed
     before the first generate either way."""
+    head_dim = model.config.head_dim
+    if _on_cpu() and head_dim < 32:  # checked first: vLLM's own error comes from inside a kernel
+        raise ValueError(f"rollout.engine=vllm: vLLM's CPU attention has no kernel for head_dim={head_dim}; use a model "
+                         "whose head_dim is at least 32 (e.g. model.tiny.head_dim=32) or rollout.engine=native")
     try:
         from rlbolt.rollout.vllm_engine import VLLMEngine
     except ImportError as error:
