@@ -1,0 +1,148 @@
+"""PolicyRollout: how `LMPolicyModule` samples (a mixin, as `PolicySetup` is for its set-up).
+
+`on_rollout` turns prompt rows into completions through the module's rollout engine (only the
+`RolloutEngine` protocol: `rlbolt.rollout.engines`), or, with an environment (`rollout.env` /
+`env=`), into multi-turn episodes (`rlbolt.agents.run_episodes`) whose every turn goes through
+the same engine. It relies on what `LMPolicyModule` and `PolicySetup` set: `config`,
+`rollout_cfg`, `tokenizer`, `encoder`, `model`, `lora`, `context`, `env_factory` and the engine slots.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from flax import nnx
+
+from rlbolt.agents.rollout import run_episodes
+from rlbolt.batch import Batch
+from rlbolt.config import ConfigError
+from rlbolt.config.references import import_reference
+from rlbolt.modules.prompts import rows_of
+from rlbolt.rollout.engine import RolloutEngine
+from rlbolt.rollout.engines import BUILT_IN, EngineHandle, EngineSpec, build_engine
+
+# Columns the framework adds; every other column of an arriving batch is a prompt-row field.
+_FRAMEWORK_COLUMNS = frozenset({
+    "group_ids", "policy_version", "sample_keys", "prompt_ids", "prompt_mask", "completion_ids",
+    "completion_mask", "sampler_logps", "old_logps", "ref_logps", "rewards", "advantages", "completion_text",
+    "old_values", "returns", "importance_weights", "mini_batch_num_tokens", "mini_batch_num_samples", "dock_index",
+    "teacher_logps", "sequence_mask",  # episodes: every real id (sampled and environment); env_reward stays visible to rewards
+})
+
+
+class PolicyRollout:
+    """The rollout hooks of `LMPolicyModule` (a mixin; see the module docstring)."""
+
+    # -- rollout ----------------------------------------------------------------------------------
+    def on_rollout(self, params: Any, batch: Batch) -> Batch:
+        """Tokenises the prompt rows, samples one completion per sample with its `sample_keys`,
+        and adds prompt/completion ids and masks ([N, P], [N, C]), `sampler_logps` [N, C] and
+        `completion_text` (object [N])."""
+        rows = rows_of(batch, [k for k in row_fields(batch) if k != "prompt_index"])
+        version = int(np.asarray(batch["policy_version"])[0])
+        if self.env_factory is not None:
+            return batch.with_columns(self._episodes(params, rows, self._episode_prompts(rows), batch["sample_keys"],
+                                                     version, self.rollout_cfg.temperature))
+        ids = self.encoder.encode_rows(rows)
+        out = self._generate(params, ids, batch["sample_keys"], self.rollout_cfg.temperature, version=version)
+        prompt_ids, prompt_mask = self.encoder.pad_left(ids)
+        return batch.with_columns(
+            prompt_ids=prompt_ids, prompt_mask=prompt_mask,
+            completion_ids=out.completion_ids, completion_mask=out.completion_mask,
+            sampler_logps=out.logps, completion_text=self._decode(out.completion_ids, out.completion_mask))
+
+    @property
+    def completion_width(self) -> int:
+        """C of the completion columns: `rollout.max_new_tokens`, or with episodes the ids after the
+        prompt of a whole episode (`rollout.max_total_tokens`, default max_turns * max_new_tokens)."""
+        r = self.rollout_cfg
+        if self._env_choice is None:
+            return r.max_new_tokens
+        return r.max_total_tokens or r.max_turns * r.max_new_tokens
+
+    def _episode_prompts(self, rows: list[dict]) -> list[list[int]] | None:
+        """The rows' encoded prompts, for environments whose `reset()` leaves the prompt to the row;
+        None when the rows have no `data.prompt_field` (their environments open the conversation)."""
+        return self.encoder.encode_rows(rows) if all(self.config.data.prompt_field in r for r in rows) else None
+
+    def _episodes(self, params: Any, rows: list[dict], ids: list[list[int]] | None, keys: Any, version: int | None,
+                  temperature: float, log: bool = True) -> dict[str, np.ndarray]:
+        """One multi-turn episode per row (`rlbolt.agents.run_episodes`, each turn one engine call):
+        the columns of the episode batch, the `agents/*` metrics logged."""
+        r = self.rollout_cfg
+
+        def generate(prompt_ids, rng_keys, **opts):
+            return self._generate(params, prompt_ids, rng_keys, opts.pop("temperature", temperature), version=version,
+                                  **opts)
+
+        episodes = run_episodes(generate, [self.env_factory(row) for row in rows], np.asarray(keys, np.uint32),
+                                tokenizer=self.tokenizer, prompt_ids=ids, max_turns=r.max_turns,
+                                max_total_tokens=self.completion_width, max_turn_tokens=r.max_new_tokens,
+                                temperature=temperature, step_timeout_s=r.env_step_timeout_s)
+        if log:
+            for name, value in episodes.metrics().items():
+                self.log(name, value)
+        return episodes.columns(self.tokenizer.pad_id, self.encoder.width)
+
+    def rollout_engine(self) -> EngineHandle:
+        """The module's rollout engine (built on first use from `rollout.engine` or `engine=`),
+        behind an EngineHandle: only the RolloutEngine protocol is used."""
+        if self._engine is None:
+            choice, r = self._engine_choice, self.rollout_cfg
+            model = self._rollout_model()
+            if isinstance(choice, RolloutEngine):
+                engine = choice
+            else:
+                if isinstance(choice, str) and choice not in BUILT_IN:
+                    choice = import_reference(choice, "rollout.engine")
+                if choice == "vllm" and self.lora is not None and not self.lora.merge_for_rollout:
+                    raise ConfigError("rollout.engine=vllm takes plain weights: set model.lora.rollout=merged (the "
+                                      "adapters are merged into the base before each push)")
+                spec = EngineSpec(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
+                                  top_p=r.top_p, stop_token_ids=(self.tokenizer.eos_id,) if r.stop_at_eos else (),
+                                  pad_id=self.tokenizer.pad_id, prompt_width=self.encoder.width + (
+                                      self.completion_width if self.env_factory is not None else 0),
+                                  model_path=self.config.model.path, param_dtype=self.config.model.param_dtype,
+                                  sharding=self.context.sharding_for("rollout"),
+                                  share_prompts=self.config.model.share_prompt)
+                engine = build_engine(choice, model, spec)
+            # Merged kernels are a transient copy: the native sampler lets go of them after each call by
+            # taking the model's own arrays back (free to hold). Another engine keeps its copy until the next push.
+            transient = self.lora is not None and self.lora.merge_for_rollout and self._engine_choice == "native"
+            release = nnx.state(model) if transient else None
+            self._engine = EngineHandle(engine, release=release)
+        return self._engine
+
+    def _generate(self, params: Any, ids: list[list[int]], keys: Any, temperature: float, *, version: int | None = None,
+                  **opts: Any):
+        with self._engine_lock:
+            handle = self.rollout_engine()
+            version = handle.version if version is None else version  # validation: the latest weights' stamp
+            lm_params = self.policy_params(self.full_params(params))
+            if self.lora is not None:
+                lm_params = self.lora.rollout_params(lm_params)
+            return handle.generate(lm_params, version, ids, np.asarray(keys, np.uint32), temperature=temperature,
+                                   keep=self.lora is None or not self.lora.merge_for_rollout, **opts)
+
+    def _rollout_model(self) -> Any:
+        """The model the sampler runs: on its own devices (placement), a view of it whose
+        activation constraints name the rollout mesh (the arrays are shared, not copied)."""
+        model = self.model if self.lora is None else self.lora.rollout_model()
+        rollout = self.context.sharding_for("rollout")
+        if rollout is None or rollout is self.sharding:
+            return model
+        model = nnx.merge(*nnx.split(model))
+        model.activation_sharding = model.embedding_read_sharding = None
+        return rollout.shard_activations(model)
+
+    def _decode(self, completion_ids: np.ndarray, completion_mask: np.ndarray) -> np.ndarray:
+        texts = np.empty(len(completion_ids), dtype=object)
+        for i, (ids, mask) in enumerate(zip(completion_ids, completion_mask)):
+            texts[i] = self.tokenizer.decode([int(t) for t in ids[mask]])
+        return texts
+
+
+def row_fields(batch: Batch) -> list[str]:
+    """The prompt row's own fields (question, answer, ...) plus prompt_index: what rewards see."""
+    return [k for k in batch if k not in _FRAMEWORK_COLUMNS]
