@@ -71,10 +71,11 @@ class PolicyRollout:
         """One multi-turn episode per row (`rlbolt.agents.run_episodes`, each turn one engine call):
         the columns of the episode batch, the `agents/*` metrics logged."""
         r = self.rollout_cfg
+        prepared = self._rollout_params(params)  # once: every turn samples with the same weights
 
         def generate(prompt_ids, rng_keys, **opts):
             return self._generate(params, prompt_ids, rng_keys, opts.pop("temperature", temperature), version=version,
-                                  **opts)
+                                  rollout_params=prepared, **opts)
 
         episodes = run_episodes(generate, [self.env_factory(row) for row in rows], np.asarray(keys, np.uint32),
                                 tokenizer=self.tokenizer, prompt_ids=ids, max_turns=r.max_turns,
@@ -114,14 +115,20 @@ class PolicyRollout:
             self._engine = EngineHandle(engine, release=release)
         return self._engine
 
+    def _rollout_params(self, params: Any) -> Any:
+        """What the engine samples with: the policy's part of `params` joined with the frozen base
+        (LoRA: merged into it, or adapters in the graph)."""
+        lm_params = self.policy_params(self.full_params(params))
+        return self.lora.rollout_params(lm_params) if self.lora is not None else lm_params
+
     def _generate(self, params: Any, ids: list[list[int]], keys: Any, temperature: float, *, version: int | None = None,
-                  **opts: Any):
+                  rollout_params: Any = None, **opts: Any):
+        """One engine call with `params` (or their `rollout_params`, already prepared: an episode's
+        turns reuse them, so LoRA weights are merged and pushed once per rollout, not per turn)."""
         with self._engine_lock:
             handle = self.rollout_engine()
             version = handle.version if version is None else version  # validation: the latest weights' stamp
-            lm_params = self.policy_params(self.full_params(params))
-            if self.lora is not None:
-                lm_params = self.lora.rollout_params(lm_params)
+            lm_params = self._rollout_params(params) if rollout_params is None else rollout_params
             return handle.generate(lm_params, version, ids, np.asarray(keys, np.uint32), temperature=temperature,
                                    keep=self.lora is None or not self.lora.merge_for_rollout, **opts)
 
