@@ -134,12 +134,27 @@ def resolve(cfg: RunConfig) -> RunConfig:
     plan = cfg.plan
     if plan.max_refill_rounds is None:
         plan = dataclasses.replace(plan, max_refill_rounds=4 if algo.dynamic_sampling else 0)
-    model = cfg.model
+    model = _resolve_package_paths(cfg.model)
     if model.lora is not None:  # written back in full, so config.yaml shows every LoRA setting
         model = dataclasses.replace(model, lora=_resolve_lora(model.lora))
     cfg = dataclasses.replace(cfg, model=model, algorithm=algo, plan=plan)
     check_rules(cfg)
     return cfg
+
+
+def _resolve_package_paths(model: Any) -> Any:
+    """`model.path` / `model.tokenizer` given as `package:NAME/file` -> the installed file's path."""
+    from rlbolt.utils.package_files import is_package_path, resolve_package_path
+
+    fills = {}
+    for key in ("path", "tokenizer"):
+        value = getattr(model, key)
+        if is_package_path(value):
+            try:
+                fills[key] = resolve_package_path(value, field=f"model.{key}")
+            except ValueError as error:
+                raise ConfigError(str(error)) from None
+    return dataclasses.replace(model, **fills) if fills else model
 
 
 def _resolve_lora(values: dict) -> dict:

@@ -30,7 +30,7 @@ LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", 
 class ModelSection:
     """The policy model."""
 
-    path: str | None = _f(None, "local Hugging Face model folder (config.json + safetensors); None: a tiny random model")
+    path: str | None = _f(None, "local Hugging Face model folder (config.json + safetensors), a .gguf file, or 'package:NAME/file' inside an installed package; None: a tiny random model")
     tiny: dict = _f({}, "ModelConfig overrides for the tiny random model, e.g. {hidden_size: 128, num_layers: 4}")
     param_dtype: str = _f("float32", "parameter dtype (compute stays float32 where it matters)", ("float32", "bfloat16"))
     tokenizer: str | None = _f(None, "tokenizer folder; None: model.path, or a built-in character tokenizer for the tiny model")
