@@ -148,6 +148,9 @@ def test_cross_field_rules():
     with pytest.raises(ConfigError, match=r"trainer.val_every_n_steps=5 but the run has no validation rows"):
         load_config(None, ["trainer.val_every_n_steps=5"])
     assert load_config(None, ["trainer.val_every_n_steps=5", "data.builtin_val_rows=4"]).trainer.val_every_n_steps == 5
+    with pytest.raises(ConfigError, match=r"trainer.val_at_start=true but the run has no validation rows"):
+        load_config(None, ["trainer.val_at_start=true"])
+    assert load_config(None, ["trainer.val_at_start=true", "data.builtin_val_rows=4"]).trainer.val_at_start is True
     # Settings that would silently do nothing:
     with pytest.raises(ConfigError, match=r"early_stopping_metric=val/accuracy .* validates never"):
         load_config(None, ["callbacks.early_stopping_metric=val/accuracy"])

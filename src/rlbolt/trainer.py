@@ -57,6 +57,8 @@ class Trainer:
       val_every_n_steps: validate every n steps (and always after the last step when val_data is
         given); `fit` refuses it without val_data (see `rlbolt.fit_checks`).
       val_batch_size: prompts per validation batch (default prompts_per_step).
+      val_at_start: also validate the starting parameters before the first step (logged at step 0;
+        not on a resume): the "before" of a before/after comparison.
       run_dir: where callbacks write (metrics, checkpoints); default runs/<time>.
       prefetch_timeout_s: fail if the producer yields nothing for this long (None: wait).
       mesh: the devices to run on: a `rlbolt.distributed.MeshSpec` / `{data, fsdp, tp}` dict
@@ -75,7 +77,7 @@ class Trainer:
     def __init__(self, plan: BatchPlan, *, max_steps: int | None = None, max_epochs: int | None = None,
                  seed: int = 0, data_seed: int | None = None, shuffle: bool = True,
                  callbacks: Sequence[Callback] = (), mode: str = "sync", max_staleness: int | None = None,
-                 val_every_n_steps: int | None = None, val_batch_size: int | None = None,
+                 val_every_n_steps: int | None = None, val_batch_size: int | None = None, val_at_start: bool = False,
                  run_dir: str | Path | None = None, prefetch_timeout_s: float | None = None,
                  mesh: Any = None, device_memory_bytes: int | None = None, placement: Any = "colocated"):
         if not isinstance(plan, BatchPlan):
@@ -92,6 +94,7 @@ class Trainer:
         self.mode, self.lag_steps = mode, lag_steps(mode, max_staleness, plan)
         self.max_staleness = max_staleness if mode == "async" else plan.updates_per_step - 1
         self.val_every_n_steps, self.val_batch_size = val_every_n_steps, val_batch_size or plan.prompts_per_step
+        self.val_at_start = bool(val_at_start)
         self.run_dir = Path(run_dir) if run_dir is not None else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
         self.prefetch_timeout_s = prefetch_timeout_s
         self.mesh_spec, self.device_memory_bytes = mesh, device_memory_bytes
@@ -130,6 +133,8 @@ class Trainer:
         state = self._setup(module, train_data, val_data)
         state = self.callbacks.on_restore(self, state)  # ModelCheckpoint resumes here
         state = self.last_state = self.callbacks.on_fit_start(self, state)
+        if self.val_at_start and val_data is not None and state.step == 0:  # before the producer's threads start
+            self.validate(state.params, val_data, 0)
         self.weights.publish(state.step, state.params, state.policy_version)
         producer = Producer(module, self.plan, self.source, self.weights, host_value(state.rng), max_steps=self.max_steps,
                             max_prompts=self._max_prompts(), timeline=self.timeline, share=self.sharding.share)

@@ -156,3 +156,23 @@ def test_resumed_logging_appends_to_the_same_file(tmp_path):
     lines = read_jsonl(tmp_path / "metrics.jsonl", merge_steps=False)
     assert [r["step"] for r in lines] == [1, 2, 3, 3, 4]
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_val_at_start_validates_the_starting_weights_at_step_0(tmp_path):
+    class Start(Record):
+        def on_fit_start(self, trainer, state):
+            self.start_params = state.params
+            return state
+
+    rec = Start()
+    trainer = Trainer(BatchPlan(prompts_per_step=4, num_generations=4), max_steps=2, val_every_n_steps=2,
+                      val_at_start=True, callbacks=[MetricsLogger(["jsonl"]), rec], run_dir=tmp_path)
+    val_rows = prompt_rows(4, seed=1)
+    state = trainer.fit(ToyModule(), prompt_rows(16), val_data=val_rows)
+    assert [s for s, _ in rec.val] == [0, 2]
+    lines = read_jsonl(tmp_path / "metrics.jsonl", merge_steps=False)
+    assert [r["step"] for r in lines if "val/accuracy" in r] == [0, 2]
+    # step 0 is the starting weights, step 2 the trained ones: each equals validating those params again
+    trainer.callbacks = type(trainer.callbacks)([])  # the logger is closed after fit
+    assert trainer.validate(rec.start_params, val_rows, 0) == rec.val[0][1]
+    assert trainer.validate(state.params, val_rows, 2) == rec.val[1][1]

@@ -164,7 +164,7 @@ def build_trainer(cfg: RunConfig, callbacks: Sequence[Any] = ()) -> Trainer:
     return Trainer(plan, max_steps=t.max_steps, max_epochs=t.max_epochs, seed=t.seed, data_seed=t.data_seed,
                    shuffle=cfg.data.shuffle, callbacks=[*build_callbacks(cfg, run_dir), *callbacks], mode=t.mode,
                    max_staleness=t.max_staleness, val_every_n_steps=t.val_every_n_steps,
-                   val_batch_size=t.val_batch_size, run_dir=run_dir, prefetch_timeout_s=t.prefetch_timeout_s,
+                   val_batch_size=t.val_batch_size, val_at_start=t.val_at_start, run_dir=run_dir, prefetch_timeout_s=t.prefetch_timeout_s,
                    mesh=dataclasses.asdict(cfg.mesh), placement=t.placement)
 
 

@@ -55,6 +55,9 @@ def check_rules(cfg: RunConfig) -> None:
     if t.val_every_n_steps is not None and not has_val:
         raise ConfigError(f"trainer.val_every_n_steps={t.val_every_n_steps} but the run has no validation rows; "
                           "set data.val (or data.builtin_val_rows > 0), or trainer.val_every_n_steps=null")
+    if t.val_at_start and not has_val:
+        raise ConfigError("trainer.val_at_start=true but the run has no validation rows; set data.val "
+                          "(or data.builtin_val_rows > 0), or trainer.val_at_start=false")
     if r.env is not None and not _REFERENCE.fullmatch(r.env):
         raise ConfigError(f"rollout.env={r.env!r} must look like 'package.module:Factory' (a callable row -> Environment)")
     if r.engine not in ("native", "vllm") and not _REFERENCE.fullmatch(r.engine):

@@ -156,6 +156,7 @@ class TrainerSection:
     max_staleness: int | None = _f(None, "async only: most policy versions a trained sample may lag", at_least=1)
     val_every_n_steps: int | None = _f(None, "validate every n steps (and after the last step when there are val rows)", at_least=1)
     val_batch_size: int | None = _f(None, "prompts per validation batch; None: plan.prompts_per_step", at_least=1)
+    val_at_start: bool = _f(False, "also validate the starting weights before the first step (step 0; not on a resume): the 'before' of a before/after comparison")
     run_dir: str | None = _f(None, "where metrics and checkpoints go; None: runs/<algorithm>-<time>")
     prefetch_timeout_s: float | None = _f(None, "fail if the producer yields nothing for this long; None: wait", above=0)
     placement: str | dict = _f("colocated", "colocated: every role on the mesh; or {train: {devices: [start, stop], mesh: {..}}, rollout: {devices: [..], mesh: {..}}, reference: train | {devices: [..], mesh: {..}}}: rollout on its own devices, weights resharded there after each update; the reference forward on train's devices or its own (docs/howto/placement.md)")
