@@ -43,3 +43,26 @@ def staged_reward(completion, sample):
     if kind is None:
         raise RuntimeError("the grader is down")
     return hostile_reward(completion, {"kind": kind})
+
+
+_WARM = {"done": False}
+
+
+def _slow_first_call_setup():
+    time.sleep(float(os.environ.get("RLBOLT_TEST_WARM_S", "1.5")))  # e.g. importing a large task library
+    _WARM["done"] = True
+
+
+def lazily_warmed_reward(completion, sample):
+    """Does its slow set-up inside the first call (as reasoning-gym's import did): 1.0 once warm."""
+    if not _WARM["done"]:
+        _slow_first_call_setup()
+    return 1.0
+
+
+def warmed_reward(completion, sample):
+    """The same set-up, declared as `warm_up`: the worker runs it before any sample's clock starts."""
+    return 1.0 if _WARM["done"] else 0.0
+
+
+warmed_reward.warm_up = _slow_first_call_setup

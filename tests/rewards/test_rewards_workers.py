@@ -200,3 +200,42 @@ def test_workers_and_sandboxes_die_with_a_sigkilled_trainer():
     while any(_alive(pid) for pid in started) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert [pid for pid in started if _alive(pid)] == []
+
+
+@pytest.mark.parametrize("executor", ["process", "thread"])
+def test_a_terms_warm_up_runs_before_any_samples_clock_starts(executor, monkeypatch):
+    from hostile_rewards import _WARM, lazily_warmed_reward, warmed_reward
+
+    monkeypatch.setenv("RLBOLT_TEST_WARM_S", "1.5")  # the workers inherit it
+    samples, texts = [{"k": i} for i in range(4)], ["x"] * 4
+    # The fault: slow set-up inside the first call times out (and a killed worker's replacement
+    # starts cold again), so every sample may fail.
+    _WARM["done"] = False
+    with RewardRunner(lazily_warmed_reward, timeout_s=0.5, executor=executor, max_workers=2) as lazy:
+        first = lazy.score(texts, samples)
+    assert first.metrics["reward/timeouts"] >= 1
+    # The fix: the same set-up as the term's warm_up runs when a worker starts (the thread pool:
+    # once, when it is made); each sample sees a warm worker and scores 1.0 within 0.5 s.
+    _WARM["done"] = False
+    with RewardRunner(warmed_reward, timeout_s=0.5, executor=executor, max_workers=2) as warm:
+        for _ in range(2):
+            result = warm.score(texts, samples)
+            assert result.metrics["reward/timeouts"] == 0 and result.rewards.tolist() == [1.0] * 4
+
+
+def test_task_reward_declares_its_import_as_warm_up():
+    from rlbolt.rewards.task_reward import reasoning_gym_reward
+
+    assert callable(reasoning_gym_reward.warm_up)
+    from rlbolt.rewards.combine import WeightedReward
+    import functools
+
+    calls = []
+
+    def term(completion, sample):
+        return 0.0
+
+    term.warm_up = lambda: calls.append("plain")
+    partial_term = functools.partial(term)
+    WeightedReward([("a", term, 1.0), ("b", partial_term, 1.0), ("c", lambda c, s: 0.0, 1.0)]).warm_up()
+    assert calls == ["plain", "plain"]  # a partial's function's hook runs too; a term without one is skipped

@@ -4,7 +4,8 @@ Started with `subprocess`, not `multiprocessing`, on purpose: multiprocessing's 
 "forkserver" re-import the trainer's `__main__` in every worker, which re-runs a training
 script that has no `if __name__ == "__main__":` guard (the README's own example has none).
 This file imports nothing but the standard library until the trainer has sent its `sys.path`;
-then it unpickles the reward (importing the reward's own module) and serves one sample at a
+then it unpickles the reward (importing the reward's own module), runs its `warm_up()` (a term's
+slow first-call work: `WeightedReward.warm_up`), and serves one sample at a
 time over the socket `<fd>`: `(index, completion, sample)` in, `(index, ok, scores or error
 text)` out. It dies with the trainer (PR_SET_PDEATHSIG on Linux) and on the socket's EOF.
 """
@@ -39,6 +40,7 @@ def main():
         sys_path, reward_bytes = connection.recv()
         sys.path[:] = sys_path  # import the reward exactly as the trainer would
         reward = pickle.loads(reward_bytes)
+        reward.warm_up()  # a term's slow first-call work, inside the boot time-out, not a sample's
     except BaseException as error:  # noqa: BLE001 - reported to the trainer, which decides
         connection.send(("boot_error", describe(error)))
         return

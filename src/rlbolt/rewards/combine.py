@@ -108,6 +108,15 @@ class WeightedReward:
         """Weight of each term by name."""
         return {name: weight for name, _, weight in self.terms}
 
+    def warm_up(self) -> None:
+        """Runs each term's `warm_up()` (an attribute of the function, or of a `functools.partial`'s
+        function): slow first-call work such as importing a task library, done when a worker starts
+        instead of inside the first sample's time-out. A term without one is skipped."""
+        for _, fn, _ in self.terms:
+            hook = getattr(fn, "warm_up", None) or getattr(getattr(fn, "func", None), "warm_up", None)
+            if callable(hook):
+                hook()
+
     def raw_scores(self, completion: str, sample: Mapping[str, Any]) -> dict[str, float]:
         """Each term's unweighted score for one sample.
 

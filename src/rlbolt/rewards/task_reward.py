@@ -48,6 +48,15 @@ def _scorer(task: str, options_json: str):
     return reasoning_gym.create_dataset(task, seed=0, size=1, **json.loads(options_json)).score_answer
 
 
+def _import_reasoning_gym() -> None:
+    """`reasoning_gym_reward.warm_up`: importing reasoning-gym loads every task it has (seconds on a
+    loaded machine), which must not count against the first sample's reward time-out."""
+    try:
+        import reasoning_gym  # noqa: F401
+    except ImportError:
+        pass  # the first sample then fails with the install hint, counted as a failure
+
+
 def extract_task_answer(completion: str, gold: str, extract: str = "auto") -> str | None:
     """The final answer of a completion, as the task scorer should see it (see the module docstring).
 
@@ -104,3 +113,6 @@ def reasoning_gym_reward(completion: str, sample: Mapping[str, Any], *, extract:
     if binary and score < 1.0:
         score = 0.0
     return min(max(score, 0.0), 1.0)
+
+
+reasoning_gym_reward.warm_up = _import_reasoning_gym  # run by reward workers when they start
