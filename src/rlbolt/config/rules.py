@@ -59,6 +59,7 @@ def check_rules(cfg: RunConfig) -> None:
         raise ConfigError(f"rollout.env={r.env!r} must look like 'package.module:Factory' (a callable row -> Environment)")
     if r.engine not in ("native", "vllm") and not _REFERENCE.fullmatch(r.engine):
         raise ConfigError(f"rollout.engine={r.engine!r}: use native, vllm, or a factory 'package.module:make_engine'")
+    _check_routing(cfg)
     _check_mode(cfg)
     if t.placement != "colocated":
         _check_placement(t.placement)
@@ -71,6 +72,21 @@ def _check_placement(value: Any) -> None:
         Placement.of(value)
     except ValueError as error:
         raise ConfigError(f"trainer.{error}") from None
+
+
+def _check_routing(cfg: RunConfig) -> None:
+    """Router replay needs the rollout's recorded routing, which only the native engine records
+    for single completions. (A dense model is refused when the module sees the model.)"""
+    r = cfg.rollout
+    if cfg.algorithm.router_replay and not r.record_routing:
+        raise ConfigError("algorithm.router_replay=true replays the experts the rollout chose, but the rollout does "
+                          "not record them; set rollout.record_routing=true")
+    if r.record_routing and r.engine != "native":
+        raise ConfigError(f"rollout.record_routing=true is recorded by the native engine only (rollout.engine="
+                          f"{r.engine}); set rollout.engine=native or rollout.record_routing=false")
+    if r.record_routing and r.env is not None:
+        raise ConfigError("rollout.record_routing=true is not recorded for multi-turn episodes (rollout.env); set "
+                          "rollout.record_routing=false")
 
 
 def _check_mode(cfg: RunConfig) -> None:
