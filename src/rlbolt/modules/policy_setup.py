@@ -120,9 +120,7 @@ class PolicySetup(LoraHooks):
 
     def _own_forward(self) -> str | None:
         """The class's name when it replaces the shared policy forward (PPO's trunk), else None."""
-        from rlbolt.modules.policy import LMPolicyModule
-
-        return type(self).__name__ if type(self).forward is not LMPolicyModule.forward else None
+        return None if type(self).forward.__qualname__ == "LMPolicyModule.forward" else type(self).__name__
 
     def _setup_teacher(self, cfg, context: SetupContext) -> None:
         """On-policy distillation: the teacher (`teacher=` or `algorithm.distill_teacher`) on the
