@@ -77,3 +77,15 @@ def test_the_expert_axis_in_the_config_and_the_mesh_spec():
     assert MeshSpec(fsdp=-1, expert=4).resolve(8) == (1, 2, 4, 1)
     with pytest.raises(MeshError, match="needs 16 devices but 8"):
         MeshSpec(fsdp=2, expert=4, tp=2).resolve(8)
+
+
+def test_a_mesh_without_the_expert_axis_gets_it_with_size_one():
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from rlbolt.distributed import as_mesh
+
+    old = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), ("tp", "data", "fsdp"))
+    for mesh in (as_mesh(old), ShardingPlan(old).mesh):
+        assert mesh.axis_names == AXES and dict(mesh.shape) == {"data": 1, "fsdp": 1, "expert": 1, "tp": 1}
