@@ -3,6 +3,7 @@ with an `expert` axis gives the one-device logits, loss gradients and greedy tok
 expert weights are really split over that axis. Prints one JSON line.
 
     python tests/models/expert_mesh_check.py '[{"expert": 2, "fsdp": 2, "tp": 2}, {"expert": 4, "data": 2}]'
+    python tests/models/expert_mesh_check.py train '{"expert": 2, "fsdp": 4}'   GRPO with router replay
 """
 
 from __future__ import annotations
@@ -87,5 +88,53 @@ def main(meshes: list[dict]) -> dict:
     return results
 
 
+def train(mesh: dict) -> dict:
+    """Two GRPO steps of a tiny Qwen3-MoE (aux loss, recorded routing, replay) on `mesh` and on one
+    device, with SGD (its update is linear in the gradient, so parameters compare the gradients)."""
+    import optax
+
+    from rlbolt.callback import Callback
+    from rlbolt.data import gsm8k_style_rows
+    from rlbolt.modules import GRPO
+    from rlbolt.plan import BatchPlan
+    from rlbolt.trainer import Trainer
+
+    class SGDGRPO(GRPO):
+        def configure_optimizers(self):
+            return optax.sgd(0.5)
+
+    def digits(completion: str, sample) -> float:
+        return sum(ch.isdigit() for ch in completion) / max(len(completion), 1)
+
+    def fit(where):
+        steps, completions = [], []
+
+        class Record(Callback):
+            def on_rollout_end(self, trainer, produced):
+                completions.append(np.asarray(produced.batch["completion_ids"]).tolist())
+
+            def on_step_end(self, trainer, info):
+                steps.append({k: float(info.metrics[k]) for k in ("loss", "grad_norm", "moe/aux_loss")})
+
+        tiny = {"hidden_size": 32, "head_dim": 8, "architecture": "Qwen3MoeForCausalLM", "qk_norm": True,
+                "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "norm_topk_prob": True}
+        module = SGDGRPO({"rollout": {"max_new_tokens": 8, "record_routing": True},
+                          "algorithm": {"router_replay": True}, "model": {"tiny": tiny, "router_aux_loss_coef": 0.1}},
+                         reward=digits)
+        trainer = Trainer(BatchPlan(prompts_per_step=4, num_generations=4, train_micro_batch_size=8), max_steps=2,
+                          mesh=where, callbacks=[Record()], run_dir="unused")
+        state = trainer.fit(module, gsm8k_style_rows(16))
+        return state, steps, completions
+
+    one_state, one_steps, one_completions = fit(ShardingPlan(MeshSpec(fsdp=1).build(jax.devices()[:1])))
+    state, steps, completions = fit(mesh)
+    diff = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()), one_state.params, state.params)
+    return {"steps": steps, "one_steps": one_steps, "same_completions": completions == one_completions,
+            "param_diff": max(jax.tree.leaves(diff))}
+
+
 if __name__ == "__main__":
-    print(json.dumps(main(json.loads(sys.argv[1]))))
+    if sys.argv[1] == "train":
+        print(json.dumps(train(json.loads(sys.argv[2]))))
+    else:
+        print(json.dumps(main(json.loads(sys.argv[1]))))

@@ -20,10 +20,10 @@ SCRIPT = Path(__file__).with_name("expert_mesh_check.py")
 MOE = dict(architecture="Qwen3MoeForCausalLM", num_experts=6, num_experts_per_tok=2, moe_intermediate_size=8)
 
 
-def _check(meshes: list[dict]) -> dict:
+def _check(meshes, mode: tuple[str, ...] = ()) -> dict:
     env = {**os.environ}
     env.pop("XLA_FLAGS", None)  # the script asks for its 8 devices itself
-    done = subprocess.run([sys.executable, str(SCRIPT), json.dumps(meshes)], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, str(SCRIPT), *mode, json.dumps(meshes)], capture_output=True, text=True,
                           env=env, timeout=1500)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -48,6 +48,16 @@ def test_expert2_x_fsdp2_x_tp2_equals_one_device_and_splits_the_experts():
 def test_expert4_with_data_or_fsdp_equals_one_device():
     _assert_equal_to_one_device(_check([{"expert": 4, "data": 2, "fsdp": 1}, {"expert": 4, "fsdp": 2},
                                         {"expert": 2, "data": 4, "fsdp": 1}]))
+
+
+@pytest.mark.slow
+def test_grpo_with_router_replay_and_aux_loss_on_an_expert_mesh_equals_one_device():
+    r = _check({"expert": 2, "fsdp": 4}, ("train",))
+    assert r["same_completions"] and r["param_diff"] <= 1e-6, r
+    for mesh_step, one_step in zip(r["steps"], r["one_steps"], strict=True):
+        for name, value in one_step.items():
+            assert abs(mesh_step[name] - value) <= 1e-5 * max(1.0, abs(value)), (name, r)
+        assert one_step["moe/aux_loss"] >= 2.0  # k = 2 is the balanced minimum
 
 
 def _abstract_plan(expert: int) -> ShardingPlan:
