@@ -27,11 +27,11 @@ def check_rules(cfg: RunConfig) -> None:
             f"algorithm.overlong_cache_length={a.overlong_cache_length} must lie in [0, rollout.max_new_tokens="
             f"{r.max_new_tokens}]"
         )
-    for axis in ("data", "fsdp", "tp"):
+    for axis in ("data", "fsdp", "expert", "tp"):
         size = getattr(cfg.mesh, axis)
         if size == 0 or size < -1:
             raise ConfigError(f"mesh.{axis}={size} must be a positive integer or -1 (the devices the other axes leave)")
-    if sum(getattr(cfg.mesh, a) == -1 for a in ("data", "fsdp", "tp")) > 1:
+    if sum(getattr(cfg.mesh, a) == -1 for a in ("data", "fsdp", "expert", "tp")) > 1:
         raise ConfigError(f"mesh has -1 on more than one axis ({dataclasses.asdict(cfg.mesh)}); at most one takes the rest")
     bad = [m for m in cfg.callbacks.metrics if m not in METRIC_WRITERS]
     if bad:
@@ -62,6 +62,7 @@ def check_rules(cfg: RunConfig) -> None:
         raise ConfigError(f"rollout.env={r.env!r} must look like 'package.module:Factory' (a callable row -> Environment)")
     if r.engine not in ("native", "vllm") and not _REFERENCE.fullmatch(r.engine):
         raise ConfigError(f"rollout.engine={r.engine!r}: use native, vllm, or a factory 'package.module:make_engine'")
+    _check_routing(cfg)
     _check_mode(cfg)
     if t.placement != "colocated":
         _check_placement(t.placement)
@@ -74,6 +75,21 @@ def _check_placement(value: Any) -> None:
         Placement.of(value)
     except ValueError as error:
         raise ConfigError(f"trainer.{error}") from None
+
+
+def _check_routing(cfg: RunConfig) -> None:
+    """Router replay needs the rollout's recorded routing, which only the native engine records
+    for single completions. (A dense model is refused when the module sees the model.)"""
+    r = cfg.rollout
+    if cfg.algorithm.router_replay and not r.record_routing:
+        raise ConfigError("algorithm.router_replay=true replays the experts the rollout chose, but the rollout does "
+                          "not record them; set rollout.record_routing=true")
+    if r.record_routing and r.engine != "native":
+        raise ConfigError(f"rollout.record_routing=true is recorded by the native engine only (rollout.engine="
+                          f"{r.engine}); set rollout.engine=native or rollout.record_routing=false")
+    if r.record_routing and r.env is not None:
+        raise ConfigError("rollout.record_routing=true is not recorded for multi-turn episodes (rollout.env); set "
+                          "rollout.record_routing=false")
 
 
 def _check_mode(cfg: RunConfig) -> None:

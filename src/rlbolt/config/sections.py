@@ -35,6 +35,7 @@ class ModelSection:
     param_dtype: str = _f("float32", "parameter dtype (compute stays float32 where it matters)", ("float32", "bfloat16"))
     tokenizer: str | None = _f(None, "tokenizer folder; None: model.path, or a built-in character tokenizer for the tiny model")
     share_prompt: bool = _f(True, "run each prompt once per group of num_generations samples (rollout prefill, logps, training) instead of once per sample; same results to float32 rounding; stages whose micro batches split groups, and meshes with more than one batch shard, run unshared")
+    router_aux_loss_coef: float = _f(0.0, "mixture-of-experts models: add this times the Switch load-balancing loss (over the completion tokens the forward runs, per layer, as transformers' load_balancing_loss_func) to the training loss, logged as moe/aux_loss; 0: off (a Hugging Face config's own router_aux_loss_coef is not read: set it here)", at_least=0)
     lora: dict | None = _f(None, "train LoRA adapters on a frozen base: {rank: 8, alpha: 16, targets: [q, k, v, o, gate, up, down], quantize: null|int8|int4|nf4, rollout: merged|adapters} (omitted keys take these defaults; rollout defaults to adapters when quantized); None: train every parameter")
 
 
@@ -89,6 +90,7 @@ class RolloutSection:
     max_total_tokens: int | None = _f(None, "with env: the most ids after the prompt per episode, sampled and environment ids together; None: max_turns * max_new_tokens", at_least=1)
     env_step_timeout_s: float = _f(60.0, "with env: seconds one environment step may take before its episode ends (end reason env_error)", above=0)
     engine: str = _f("native", "what generates the completions: native (rlbolt's jitted sampler), vllm (vLLM in process: the rlbolt[vllm] extra), or a factory 'package.module:make_engine' called as factory(model, EngineSpec) -> RolloutEngine (docs/howto/engines.md)")
+    record_routing: bool = _f(False, "mixture-of-experts models, native engine: keep the experts the rollout routed every token to (columns prompt_routing, completion_routing) for algorithm.router_replay; without replay the logps stage recomputes the routing and logs moe/routing_mismatch (one more forward per sample when old logps were the sampler's)")
     val_temperature: float = _f(1.0, "temperature of the pass@k samples in validation (accuracy is always greedy)", at_least=0)
     val_num_samples: int = _f(4, "k of pass@k in validation; 1 = greedy accuracy only", at_least=1)
 
@@ -126,6 +128,7 @@ class AlgorithmSection:
     rollout_correction: str | None = _f(None, "correct the policy-gradient ratio for rollout logps that are not the trainer's (another engine, bf16 sampling, staleness): tis (truncated IS weights, capped), mis (drop tokens/sequences whose ratio leaves [1/cap, cap]), icepop (drop tokens whose ratio leaves [0.5, 5]), mask (drop without reweighting), none; None: tis when rollout.engine is not native (or importance_cap is set), else none", ("tis", "mis", "icepop", "mask", "none"))
     rollout_correction_level: str = _f("token", "the ratio rollout_correction reads: token, sequence (the product of a sequence's token ratios) or geometric (their geometric mean)", ("token", "sequence", "geometric"))
     rollout_correction_cap: float = _f(2.0, "tis: the weight cap C; mis / mask: keep ratios in [1/C, C]", above=1)
+    router_replay: bool = _f(False, "mixture-of-experts models: the training forward (and the old-logps forward) uses the experts the rollout chose for each token (rollout.record_routing must be on) instead of re-routing; the weights stay the router's probabilities at those experts, so the router still trains")
     gamma: float = _f(1.0, "discount for REINFORCE++ returns and PPO GAE", at_least=0, at_most=1)
     lam: float = _f(0.95, "GAE lambda (PPO)", at_least=0, at_most=1)
     value_coef: float = _f(0.5, "value loss coefficient (PPO)", at_least=0)
@@ -164,11 +167,12 @@ class TrainerSection:
 
 @dataclass(frozen=True)
 class MeshSection:
-    """The device mesh data x fsdp x tp (-1: every device the other axes leave; docs/howto/multi-device.md)."""
+    """The device mesh data x fsdp x expert x tp (-1: every device the other axes leave; docs/howto/multi-device.md)."""
 
     data: int = _f(1, "data-parallel replicas (each holds the whole fsdp-sharded model)")
     fsdp: int = _f(-1, "fully-sharded data parallel: params, gradients and optimizer state split over it, and the batch")
     tp: int = _f(1, "tensor parallel: heads, MLP columns and the vocabulary split over it")
+    expert: int = _f(1, "expert parallel (mixture-of-experts models): the experts split over it (it must divide num_experts), and the batch too (every other weight is replicated over it, as over data); 1: off")
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ class MemoryPlan:
       items: {name: bytes one device holds}, in display order.
       device_bytes: the device's memory when the backend reports it (None otherwise).
       mesh: the mesh, in words.
-      axes: the mesh's axis sizes ({"data": .., "fsdp": .., "tp": ..}).
+      axes: the mesh's axis sizes ({"data": .., "fsdp": .., "expert": .., "tp": ..}).
     """
 
     items: dict[str, int]

@@ -1,14 +1,17 @@
-"""MeshSpec: the device mesh of a run, `data x fsdp x tp`, with -1 meaning "the rest".
+"""MeshSpec: the device mesh of a run, `data x fsdp x expert x tp`, with -1 meaning "the rest".
 
     data   pure data parallelism: every `data` slice holds the full (fsdp-sharded) model and its
            own part of the batch; gradients are averaged across slices.
     fsdp   fully sharded data parallelism: the batch is split over it too, and parameters,
            gradients and optimizer state are sharded over it (gathered one layer at a time).
+    expert expert parallelism (mixture-of-experts models): the experts' stacked weights are split
+           over it (each device holds E / expert of them) and the batch is split over it too, so
+           for every other weight it is one more data-parallel axis (`rlbolt.models.moe`).
     tp     tensor parallelism: attention heads, MLP columns and the vocabulary are split over it;
            the batch is not.
 
-The sample axis of every batch is split over `data x fsdp` ("batch shards"). The axes are laid
-out in that order, `tp` fastest, so on a multi-host slice the devices of one `tp` group sit on
+The sample axis of every batch is split over `data x fsdp x expert` ("batch shards"). The axes
+are laid out in that order, `tp` fastest, so on a multi-host slice the devices of one `tp` group sit on
 one host (tensor parallelism is the most communication-hungry axis).
 
 One device is the 1 x 1 x 1 mesh: the same code path runs everywhere.
@@ -25,8 +28,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-AXES = ("data", "fsdp", "tp")
-BATCH_AXES = ("data", "fsdp")
+AXES = ("data", "fsdp", "expert", "tp")
+BATCH_AXES = ("data", "fsdp", "expert")
 
 
 class MeshError(ValueError):
@@ -41,15 +44,17 @@ class MeshSpec:
       data: data-parallel replicas.
       fsdp: fully-sharded data-parallel shards (default -1: every device not used by the others).
       tp: tensor-parallel shards.
+      expert: expert-parallel shards (mixture-of-experts models; must divide the experts).
     """
 
     data: int = 1
     fsdp: int = -1
     tp: int = 1
+    expert: int = 1
 
     @classmethod
     def of(cls, value: MeshSpec | Mapping[str, int] | None) -> MeshSpec:
-        """A MeshSpec from itself, a `{data, fsdp, tp}` mapping (missing axes take the defaults), or None."""
+        """A MeshSpec from itself, a `{data, fsdp, expert, tp}` mapping (missing axes take the defaults), or None."""
         if value is None:
             return cls()
         if isinstance(value, MeshSpec):
@@ -59,10 +64,10 @@ class MeshSpec:
             if unknown:
                 raise MeshError(f"mesh has unknown axes {unknown}; the axes are {list(AXES)} (-1 = the rest)")
             return cls(**{k: value[k] for k in AXES if k in value})
-        raise TypeError(f"mesh={value!r}: pass a MeshSpec, a {{data, fsdp, tp}} dict, a jax.sharding.Mesh or None")
+        raise TypeError(f"mesh={value!r}: pass a MeshSpec, a {{data, fsdp, expert, tp}} dict, a jax.sharding.Mesh or None")
 
-    def resolve(self, num_devices: int) -> tuple[int, int, int]:
-        """The axis sizes for `num_devices` devices, -1 filled in.
+    def resolve(self, num_devices: int) -> tuple[int, ...]:
+        """The axis sizes for `num_devices` devices, -1 filled in, in `AXES` order.
 
         Raises:
           MeshError: a size below -1 or 0, more than one -1, or a product that is not the device count.
@@ -82,8 +87,8 @@ class MeshSpec:
             sizes[free[0]] = num_devices // fixed
         elif fixed != num_devices:
             raise MeshError(f"mesh {self._text()} needs {fixed} devices but {num_devices} are visible; make "
-                            f"data x fsdp x tp = {num_devices} (or set one axis to -1)")
-        return sizes["data"], sizes["fsdp"], sizes["tp"]
+                            f"data x fsdp x expert x tp = {num_devices} (or set one axis to -1)")
+        return tuple(sizes[name] for name in AXES)
 
     def build(self, devices: Sequence[Any] | None = None) -> Mesh:
         """The `jax.sharding.Mesh` over `devices` (default: every device of every process).
@@ -100,13 +105,16 @@ class MeshSpec:
                     axis_types=(AxisType.Auto,) * len(AXES))
 
     def _text(self) -> str:
-        return f"{{data: {self.data}, fsdp: {self.fsdp}, tp: {self.tp}}}"
+        return "{" + ", ".join(f"{name}: {getattr(self, name)}" for name in AXES) + "}"
 
 
 def as_mesh(mesh: Mesh | MeshSpec | Mapping[str, int] | None, devices: Sequence[Any] | None = None) -> Mesh:
-    """A `jax.sharding.Mesh` from a Mesh (returned as is; it must have rlbolt's axis names), a
-    MeshSpec, a `{data, fsdp, tp}` dict, or None (all devices on `fsdp`)."""
+    """A `jax.sharding.Mesh` from a Mesh (returned as is; it must have rlbolt's axis names; one
+    without `expert` gets it with size 1), a MeshSpec, a `{data, fsdp, expert, tp}` dict, or None
+    (all devices on `fsdp`)."""
     if isinstance(mesh, Mesh):
+        if "expert" not in mesh.axis_names and set(mesh.axis_names) == set(AXES) - {"expert"}:
+            mesh = _with_expert_axis(mesh)
         missing = [a for a in AXES if a not in mesh.axis_names]
         extra = [a for a in mesh.axis_names if a not in AXES]
         if missing or extra:
@@ -116,13 +124,20 @@ def as_mesh(mesh: Mesh | MeshSpec | Mapping[str, int] | None, devices: Sequence[
     return MeshSpec.of(mesh).build(devices)
 
 
+def _with_expert_axis(mesh: Mesh) -> Mesh:
+    """`mesh` (axes data, fsdp, tp in any order) with an `expert` axis of size 1 in AXES order."""
+    devices = mesh.devices.transpose([mesh.axis_names.index(a) for a in AXES if a != "expert"])
+    shape = [mesh.shape[a] if a != "expert" else 1 for a in AXES]
+    return Mesh(devices.reshape(shape), AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
 def batch_shards(mesh: Mesh) -> int:
-    """How many pieces the sample axis is cut into: data x fsdp."""
+    """How many pieces the sample axis is cut into: data x fsdp x expert."""
     return int(np.prod([mesh.shape[a] for a in BATCH_AXES]))
 
 
 def describe(mesh: Mesh) -> str:
-    """`data=2 fsdp=2 tp=2 (8 devices, 2 processes)`."""
+    """`data=2 fsdp=2 expert=1 tp=2 (8 devices, 2 processes)`."""
     sizes = " ".join(f"{a}={mesh.shape[a]}" for a in AXES)
     processes = len({d.process_index for d in mesh.devices.flat})
     return f"{sizes} ({mesh.devices.size} devices, {processes} process{'es' if processes > 1 else ''})"

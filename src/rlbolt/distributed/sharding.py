@@ -2,7 +2,7 @@
 
 Parameters carry logical axis names (`("embed", "qkv")`, ... see `rlbolt.models.decoder`);
 `rules` map each name to mesh axes. Batches put their sample axis over the batch axes
-`data x fsdp` and replicate the rest. Three conventions for host data, all exact copies:
+`data x fsdp x expert` and replicate the rest. Three conventions for host data, all exact copies:
 
 - `put_full(x, ...)`: every process holds the whole array (the trained global batch);
 - `put_local(x, ...)`: each process holds only its rows, its *data share* (rollout, logps);
@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from rlbolt.distributed.mesh import AXES, BATCH_AXES, MeshError, batch_shards, describe
+from rlbolt.distributed.mesh import AXES, BATCH_AXES, MeshError, as_mesh, batch_shards, describe
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("kv_heads", "tp"),
     ("mlp", "tp"),
     ("head_dim", None),
+    ("experts", "expert"),  # a mixture of experts' stacked expert weights [E, ...]
 )
 
 
@@ -62,6 +63,8 @@ class ShardingPlan:
     """
 
     def __init__(self, mesh: Mesh, rules: Sequence[tuple[str, Any]] = DEFAULT_RULES):
+        if isinstance(mesh, Mesh) and set(mesh.axis_names) == set(AXES) - {"expert"}:
+            mesh = as_mesh(mesh)  # a data x fsdp x tp mesh from before the expert axis: expert=1 added
         self.mesh, self.rules = mesh, tuple(rules)
         self._rule = {name: _axes_tuple(axes) for name, axes in self.rules}
         unknown = sorted({a for axes in self._rule.values() for a in axes} - set(mesh.axis_names))
@@ -121,8 +124,14 @@ class ShardingPlan:
         return nnx.merge(graphdef, state)
 
     def shard_activations(self, model: nnx.Module) -> nnx.Module:
-        """Tells an `rlbolt.models.Decoder` to keep its residual stream's rows over the batch axes
-        (a static setting: take `nnx.split(model)` after this). Returns the model."""
+        """Tells an `rlbolt.models.Decoder` to keep its residual stream's rows over the batch axes,
+        and its mixture-of-experts blocks to run their experts split over `expert` (static
+        settings: take `nnx.split(model)` after this). Returns the model.
+
+        Raises:
+          MeshError: mesh.expert > 1 for a dense model, or one that does not divide its experts.
+        """
+        self._expert_parallel(model)
         if hasattr(model, "activation_sharding") and self.mesh.size > 1:
             model.activation_sharding = self.batch_sharding()
             table = model.embed.embedding.get_value()
@@ -130,9 +139,24 @@ class ShardingPlan:
             model.embedding_read_sharding = NamedSharding(self.mesh, P(vocab, None))
         return model
 
+    def _expert_parallel(self, model: nnx.Module) -> None:
+        ways = self.mesh.shape["expert"]
+        if ways == 1 or not hasattr(model, "config"):
+            return
+        experts = getattr(model.config, "num_experts", 0)
+        if not experts:
+            raise MeshError(f"mesh.expert={ways} splits the experts of a mixture-of-experts model, but this model is "
+                            "dense; move those devices to mesh.data or mesh.fsdp (mesh.expert=1)")
+        if experts % ways:
+            raise MeshError(f"mesh.expert={ways} does not divide the model's num_experts={experts}; choose a "
+                            f"mesh.expert that divides {experts} (each device holds num_experts / mesh.expert)")
+        for layer in model.layers:
+            if hasattr(layer.mlp, "expert_mesh"):
+                layer.mlp.expert_mesh = self.mesh
+
     # -- batches ---------------------------------------------------------------------------
     def batch_sharding(self, sample_dim: int = 0) -> NamedSharding:
-        """Sample axis `sample_dim` over data x fsdp, every other dimension replicated."""
+        """Sample axis `sample_dim` over data x fsdp x expert, every other dimension replicated."""
         return NamedSharding(self.mesh, P(*([None] * sample_dim), BATCH_AXES))
 
     def put_full(self, tree: Any, sample_dim: int = 0) -> Any:
@@ -156,7 +180,7 @@ class ShardingPlan:
         """Raises a MeshError when a batch of `size` samples cannot be split over the batch shards."""
         if size % self.batch_shards:
             raise MeshError(f"{name}={size} cannot be split over the mesh's {self.batch_shards} batch shards "
-                            f"(data x fsdp: {describe(self.mesh)}); use a multiple of {self.batch_shards}, or "
+                            f"(data x fsdp x expert: {describe(self.mesh)}); use a multiple of {self.batch_shards}, or "
                             "move devices to mesh.tp")
 
 

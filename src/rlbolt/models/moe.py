@@ -11,6 +11,20 @@ are sorted by expert, each expert's rows are one contiguous group, and `jax.lax.
 multiplies every group by its expert's kernel; the results are weighted and scatter-added back
 to their tokens. Work is proportional to N * k, not N * E.
 
+Expert parallelism (`mesh.expert` > 1, set by `ShardingPlan.shard_activations`): the stacked
+expert weights are split over the `expert` mesh axis (E / X experts per device) and the token
+rows over the batch axes `data x fsdp x expert`. Inside a `jax.shard_map` manual over the batch
+axes (tp stays automatic), each device all-gathers the rows of its expert group (the X devices
+that share a data x fsdp position), runs the grouped matmuls for its own E / X experts only (the
+other experts' rows go to an empty trailing group), and a reduce-scatter over `expert` sums the
+experts' contributions back onto each device's own rows. Cost per MoE layer and forward: one
+all-gather and one reduce-scatter of [rows, H] activations over the expert group (the backward
+the same again); the expert weights are never gathered (fsdp shards of their H axis are, at the
+shard_map's edge, as for every fsdp weight). The ragged matmuls' row buffers are X times the
+local rows times k (static shapes), of which about 1 / X are this device's experts' rows. This is
+the all-gather dispatcher (no all-to-all, no capacity factor, no token dropping); a ragged
+all-to-all would move only the k routed copies of each token.
+
 Router replay: a forward may be told which experts each token uses (`MoeMLP.replay`, e.g. what
 the rollout chose); the weights are then the router's probabilities at those experts (normalised
 the same way), so gradients still reach the router. Every forward records its routing as an
@@ -20,17 +34,22 @@ routing-mismatch metric.
 
 Parameter layout (experts stacked on axis 0, kernels [in, out]):
 
-    layers.{i}.mlp.router.kernel      [H, E]        ("embed", "experts")
+    layers.{i}.mlp.router_kernel      [H, E]        ("embed", None)
     layers.{i}.mlp.gate_up            [E, H, 2I]    ("experts", "embed", "mlp")   fused gate|up
     layers.{i}.mlp.down               [E, I, H]     ("experts", "mlp", "embed")
 """
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from rlbolt.distributed.mesh import BATCH_AXES
 
 
 def route(logits: jnp.ndarray, top_k: int, norm_topk_prob: bool, forced: jnp.ndarray | None = None):
@@ -76,7 +95,9 @@ def grouped_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, 
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
     token = order // k
-    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)  # [E] rows per expert
+    # [E] rows per expert; an expert id E (expert parallelism: another device's expert) counts in
+    # no group, sorts last and its rows come out 0 from ragged_dot.
+    sizes = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
     h = jax.lax.ragged_dot(jnp.take(x, token, axis=0), gate_up, sizes)  # [N*k, 2I]
     gate, up = jnp.split(h, 2, axis=-1)
     if hidden_act != "silu":
@@ -84,6 +105,35 @@ def grouped_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, 
     y = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down, sizes)  # [N*k, H]
     w = jnp.take(weights.reshape(-1), order)[:, None]
     return jnp.zeros_like(x).at[token].add((y * w).astype(x.dtype))
+
+
+def expert_parallel_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, gate_up: jnp.ndarray,
+                            down: jnp.ndarray, hidden_act: str, mesh) -> jnp.ndarray:
+    """`grouped_experts` with the experts split over `mesh`'s `expert` axis (module docstring).
+
+    Args:
+      x, experts, weights: [N, H], [N, k], [N, k]; rows over the batch axes (N must divide them).
+      gate_up, down: [E, H, 2I], [E, I, H], axis 0 over `expert`.
+      hidden_act: as in `grouped_experts`.
+      mesh: the mesh (axes data, fsdp, expert, tp).
+
+    Returns:
+      [N, H] like x, rows over the batch axes.
+    """
+
+    def local(x, experts, weights, gate_up, down):
+        gather = lambda a: jax.lax.all_gather(a, "expert", axis=0, tiled=True)  # noqa: E731
+        x, experts, weights = gather(x), gather(experts), gather(weights)  # the expert group's rows
+        per_device = gate_up.shape[0]
+        first = jax.lax.axis_index("expert") * per_device
+        mine = (experts >= first) & (experts < first + per_device)
+        local_experts = jnp.where(mine, experts - first, per_device)  # others: the empty trailing group
+        y = grouped_experts(x, local_experts, jnp.where(mine, weights, 0), gate_up, down, hidden_act)
+        return jax.lax.psum_scatter(y, "expert", scatter_dimension=0, tiled=True)
+
+    rows = P(BATCH_AXES)
+    return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, P("expert"), P("expert")), out_specs=rows,
+                         axis_names=set(BATCH_AXES))(x, experts, weights, gate_up, down)
 
 
 def load_balancing_loss(probs: list[jnp.ndarray], experts: list[jnp.ndarray], mask: jnp.ndarray | None = None):
@@ -132,7 +182,8 @@ class MoeMLP(nnx.Module):
         h, e, i = config.hidden_size, config.num_experts, config.moe_intermediate_size
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
         self.hidden_act = config.hidden_act
-        self.router_kernel = param(normal(rngs, (h, e), config.dtype), ("embed", "experts"))
+        # The router's expert axis stays whole on every device (a small [H, E] matrix read by all rows).
+        self.router_kernel = param(normal(rngs, (h, e), config.dtype), ("embed", None))
         self.gate_up = param(normal(rngs, (e, h, 2 * i), config.dtype), ("experts", "embed", "mlp"))
         self.down = param(normal(rngs, (e, i, h), config.dtype), ("experts", "mlp", "embed"))
         # Router replay: [N, k] experts for the next call's N tokens (set by `replay_routing`), or None.
@@ -140,6 +191,9 @@ class MoeMLP(nnx.Module):
         # Record each call's routing as an nnx.Intermediate (`record_routing`); off by default, so
         # forwards inside the sampler's loops never write module state.
         self.record = False
+        # Expert parallelism: the mesh whose `expert` axis splits the experts (set by
+        # ShardingPlan.shard_activations; static, part of the graph definition), or None.
+        self.expert_mesh = None
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
         return self.routed(x)[0]
@@ -151,7 +205,12 @@ class MoeMLP(nnx.Module):
         weights, experts, probs = route(logits, self.top_k, self.norm_topk_prob, self.replay)
         if self.record:
             self.sow(nnx.Intermediate, "routing", (experts, probs))
-        out = grouped_experts(x2, experts, weights, self.gate_up[...], self.down[...], self.hidden_act)
+        mesh = self.expert_mesh
+        if mesh is not None and x2.shape[0] % math.prod(mesh.shape[a] for a in BATCH_AXES) == 0:
+            out = expert_parallel_experts(x2, experts, weights, self.gate_up[...], self.down[...], self.hidden_act,
+                                          mesh)
+        else:  # no expert axis, or rows that do not split (XLA then gathers the experts' weights)
+            out = grouped_experts(x2, experts, weights, self.gate_up[...], self.down[...], self.hidden_act)
         return out.reshape(x.shape), experts
 
 

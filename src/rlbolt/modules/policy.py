@@ -41,7 +41,9 @@ from rlbolt.modules.prompt_sharing import require_shared_layout, stage_group_siz
 from rlbolt.modules.prompts import rows_of
 from rlbolt.modules.policy_losses import POLICY_LOSSES
 from rlbolt.modules.rewarding import answer_score, score_shared
-from rlbolt.rollout.logps import sequence_logps
+from rlbolt.modules.moe_routing import ROUTING_COLUMNS, completion_load_balancing
+from rlbolt.distributed.sharding import host_value
+from rlbolt.rollout.logps import routed_token_logps, sequence_logps
 from rlbolt.rollout.engines import EngineHandle
 
 
@@ -78,6 +80,7 @@ class LMPolicyModule(PolicyRollout, PolicySetup, RLModule):
         self.sharding = None  # the trainer's ShardingPlan, from setup
         self.lora = None  # a LoraPolicy when config.model.lora is set
         self.train_group_size = 1  # G when the training forward runs each group's prompt once (setup)
+        self.routes_in_training = False  # the training forward returns its MoE routing (setup)
         self._engine_lock = threading.Lock()  # validation (main thread) and rollout (producer) share it
         self._engine_choice = engine if engine is not None else self.config.rollout.engine
         self._engine: EngineHandle | None = None  # built on first use (rollout_engine)
@@ -158,9 +161,9 @@ class LMPolicyModule(PolicyRollout, PolicySetup, RLModule):
     def _token_inputs(self, batch: Batch) -> tuple:
         return tuple(jnp.asarray(batch[k]) for k in self._forward_keys(batch))
 
-    def _rows_on_mesh(self, batch: Batch) -> tuple:
-        """This process's token inputs as arrays split over the mesh's batch shards."""
-        host = tuple(np.asarray(batch[k]) for k in self._forward_keys(batch))
+    def _rows_on_mesh(self, batch: Batch, keys: tuple[str, ...] | None = None) -> tuple:
+        """This process's token inputs (or the columns `keys`) as arrays split over the mesh's batch shards."""
+        host = tuple(np.asarray(batch[k]) for k in (keys or self._forward_keys(batch)))
         return host if self.sharding is None else self.sharding.put_local(host)
 
     def _local(self, x: Any) -> np.ndarray:
@@ -178,8 +181,20 @@ class LMPolicyModule(PolicyRollout, PolicySetup, RLModule):
         # reverse KL compares like with like (a teacher equal to the student gives exactly 0).
         forward_old = self.context.plan.num_iterations > 1 or correcting or self.teacher is not None
         lm_params = self.policy_params(self.full_params(params))
+        # Recorded routing without replay: the logps forward recomputes it (moe/routing_mismatch).
+        mismatch = self.rollout_cfg.record_routing and not self.algo.router_replay
+        forward_old = forward_old or mismatch
         group = self.logps_group_size(batch) if forward_old or self.algo.beta > 0 else 1
-        old = self._local(self._logps(lm_params, *inputs, group_size=group)) if forward_old else batch["sampler_logps"]
+        if mismatch:
+            routing = self._rows_on_mesh(batch, ROUTING_COLUMNS)
+            logps, mismatched, total = self._logps_and_mismatch(lm_params, *inputs, *routing, group_size=group)
+            old = self._local(logps)
+            self.log("moe/routing_mismatch", float(host_value(mismatched)) / max(float(host_value(total)), 1.0))
+        elif forward_old:
+            routing = self._rows_on_mesh(batch, ROUTING_COLUMNS) if self.algo.router_replay else None
+            old = self._local(self._logps(lm_params, *inputs, group_size=group, routing=routing))
+        else:
+            old = batch["sampler_logps"]
         cols["old_logps"] = np.asarray(old, np.float32)
         if correcting:
             a = self.algo
@@ -277,10 +292,17 @@ class LMPolicyModule(PolicyRollout, PolicySetup, RLModule):
 
     def forward(self, params: Any, batch: Batch) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
         """One policy forward: (logps [N, C], entropy [N, C], aux) where aux feeds `extra_loss`."""
-        logps, entropy = sequence_logps(self.graphdef, self.policy_params(params), *self._token_inputs(batch),
-                                        temperature=self._train_temperature, with_entropy=True,
-                                        group_size=self.train_group_size)
-        return logps, entropy, {}
+        if not self.routes_in_training:
+            logps, entropy = sequence_logps(self.graphdef, self.policy_params(params), *self._token_inputs(batch),
+                                            temperature=self._train_temperature, with_entropy=True,
+                                            group_size=self.train_group_size)
+            return logps, entropy, {}
+        # Mixture of experts with a router term: the forward also returns its routing (moe_routing.py).
+        routing = tuple(batch[k] for k in ROUTING_COLUMNS) if self.algo.router_replay else None
+        logps, entropy, experts, probs = routed_token_logps(
+            self.graphdef, self.policy_params(params), *self._token_inputs(batch), temperature=self._train_temperature,
+            with_entropy=True, group_size=self.train_group_size, routing=routing)
+        return logps, entropy, {"router": (experts, probs)}
 
     def training_step(self, params: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
         """policy loss + beta * KL (when in the loss) - entropy_coef * entropy + extra_loss."""
@@ -299,6 +321,15 @@ class LMPolicyModule(PolicyRollout, PolicySetup, RLModule):
         if a.entropy_coef:
             metrics["loss/entropy"] = -a.entropy_coef * self.aggregate(entropy, batch)
             loss = loss + metrics["loss/entropy"]
+        router = aux.pop("router", None)
+        if router is not None and self.config.model.router_aux_loss_coef > 0:
+            # The load-balancing loss is not a sum over tokens: each micro batch's counts its own fed
+            # completion tokens and enters weighted by its share of the mini batch's completion tokens.
+            balance, _ = completion_load_balancing(*router, batch["prompt_mask"], batch["completion_mask"],
+                                                   self.train_group_size)
+            share = jnp.sum(batch["completion_mask"].astype(jnp.float32)) / jnp.maximum(batch["mini_batch_num_tokens"][0], 1.0)
+            metrics["moe/aux_loss"] = balance * share
+            loss = loss + self.config.model.router_aux_loss_coef * metrics["moe/aux_loss"]
         extra, extra_metrics = self.extra_loss(aux, batch)
         return loss + extra, {**metrics, **extra_metrics}
 

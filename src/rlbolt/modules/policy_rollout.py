@@ -18,6 +18,7 @@ from rlbolt.agents.rollout import run_episodes
 from rlbolt.batch import Batch
 from rlbolt.config import ConfigError
 from rlbolt.config.references import import_reference
+from rlbolt.modules.moe_routing import ROUTING_COLUMNS, routing_columns
 from rlbolt.modules.prompts import rows_of
 from rlbolt.rollout.engine import RolloutEngine
 from rlbolt.rollout.engines import BUILT_IN, EngineHandle, EngineSpec, build_engine
@@ -27,7 +28,7 @@ _FRAMEWORK_COLUMNS = frozenset({
     "group_ids", "policy_version", "sample_keys", "prompt_ids", "prompt_mask", "completion_ids",
     "completion_mask", "sampler_logps", "old_logps", "ref_logps", "rewards", "advantages", "completion_text",
     "old_values", "returns", "importance_weights", "mini_batch_num_tokens", "mini_batch_num_samples", "dock_index",
-    "teacher_logps", "sequence_mask",  # episodes: every real id (sampled and environment); env_reward stays visible to rewards
+    "teacher_logps", "sequence_mask", *ROUTING_COLUMNS,  # episodes: every real id (sampled and environment); env_reward stays visible to rewards
 })
 
 
@@ -45,12 +46,18 @@ class PolicyRollout:
             return batch.with_columns(self._episodes(params, rows, self._episode_prompts(rows), batch["sample_keys"],
                                                      version, self.rollout_cfg.temperature))
         ids = self.encoder.encode_rows(rows)
-        out = self._generate(params, ids, batch["sample_keys"], self.rollout_cfg.temperature, version=version)
+        record = self.rollout_cfg.record_routing
+        out = self._generate(params, ids, batch["sample_keys"], self.rollout_cfg.temperature, version=version,
+                             with_routing=record)
         prompt_ids, prompt_mask = self.encoder.pad_left(ids)
+        routing = {}
+        if record:  # the experts of every token, as columns (modules/moe_routing.py)
+            out, recorded = out
+            routing = routing_columns(*recorded, prompt_ids.shape[1], self.model.config.num_experts)
         return batch.with_columns(
             prompt_ids=prompt_ids, prompt_mask=prompt_mask,
             completion_ids=out.completion_ids, completion_mask=out.completion_mask,
-            sampler_logps=out.logps, completion_text=self._decode(out.completion_ids, out.completion_mask))
+            sampler_logps=out.logps, completion_text=self._decode(out.completion_ids, out.completion_mask), **routing)
 
     @property
     def completion_width(self) -> int:
@@ -106,7 +113,8 @@ class PolicyRollout:
                                       self.completion_width if self.env_factory is not None else 0),
                                   model_path=self.config.model.path, param_dtype=self.config.model.param_dtype,
                                   sharding=self.context.sharding_for("rollout"),
-                                  share_prompts=self.config.model.share_prompt)
+                                  share_prompts=self.config.model.share_prompt,
+                                  record_routing=self.rollout_cfg.record_routing)
                 engine = build_engine(choice, model, spec)
             # Merged kernels are a transient copy: the native sampler lets go of them after each call by
             # taking the model's own arrays back (free to hold). Another engine keeps its copy until the next push.
@@ -122,15 +130,18 @@ class PolicyRollout:
         return self.lora.rollout_params(lm_params) if self.lora is not None else lm_params
 
     def _generate(self, params: Any, ids: list[list[int]], keys: Any, temperature: float, *, version: int | None = None,
-                  rollout_params: Any = None, **opts: Any):
+                  rollout_params: Any = None, with_routing: bool = False, **opts: Any):
         """One engine call with `params` (or their `rollout_params`, already prepared: an episode's
-        turns reuse them, so LoRA weights are merged and pushed once per rollout, not per turn)."""
+        turns reuse them, so LoRA weights are merged and pushed once per rollout, not per turn).
+        `with_routing` (rollout.record_routing): returns (output, the native engine's `last_routing`)."""
         with self._engine_lock:
             handle = self.rollout_engine()
             version = handle.version if version is None else version  # validation: the latest weights' stamp
             lm_params = self._rollout_params(params) if rollout_params is None else rollout_params
-            return handle.generate(lm_params, version, ids, np.asarray(keys, np.uint32), temperature=temperature,
-                                   keep=self.lora is None or not self.lora.merge_for_rollout, **opts)
+            out = handle.generate(lm_params, version, ids, np.asarray(keys, np.uint32), temperature=temperature,
+                                  keep=self.lora is None or not self.lora.merge_for_rollout, **opts)
+            # Read under the lock: a validation call would overwrite the engine's last routing.
+            return (out, handle.engine.last_routing) if with_routing else out
 
     def _rollout_model(self) -> Any:
         """The model the sampler runs: on its own devices (placement), a view of it whose
@@ -153,3 +164,4 @@ class PolicyRollout:
 def row_fields(batch: Batch) -> list[str]:
     """The prompt row's own fields (question, answer, ...) plus prompt_index: what rewards see."""
     return [k for k in batch if k not in _FRAMEWORK_COLUMNS]
+

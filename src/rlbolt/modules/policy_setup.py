@@ -26,6 +26,7 @@ from rlbolt.config import ConfigError, RunConfig, load_config
 from rlbolt.distributed.mesh import MeshError
 from rlbolt.modules import lm_ops
 from rlbolt.modules.lora_policy import LoraHooks
+from rlbolt.modules.moe_routing import check_router_settings, logps_and_mismatch
 from rlbolt.modules.prompts import PromptEncoder, builtin_tokenizer
 from rlbolt.modules.rewarding import build_reward
 from rlbolt.rollout.logps import token_logps
@@ -62,6 +63,11 @@ class PolicySetup(LoraHooks):
             self.lora = LoraPolicy(self.model, LoraConfig.from_mapping(cfg.model.lora), rngs=nnx.Rngs(context.seed),
                                    path=cfg.model.path)
             self.model = self.lora.policy_model  # the float base is no longer held here (QLoRA frees it)
+        check_router_settings(self.model.config.num_experts, cfg.model.router_aux_loss_coef,
+                              self.rollout_cfg.record_routing, self.algo.router_replay, self._own_forward())
+        # The training forward returns its routing when a router term needs it (policy.py `forward`).
+        self.routes_in_training = self.model.config.num_experts > 0 and (
+            cfg.model.router_aux_loss_coef > 0 or self.algo.router_replay)
         self.graphdef, _ = nnx.split(self.model)
         self.encoder = PromptEncoder(
             self.tokenizer, prompt_field=cfg.data.prompt_field, max_prompt_tokens=cfg.data.max_prompt_tokens,
@@ -102,10 +108,19 @@ class PolicySetup(LoraHooks):
         # compute_logps -> this jitted forward -> rlbolt.rollout.logps
         self._logps = jax.jit(functools.partial(token_logps, self.graphdef, temperature=self._train_temperature),
                               static_argnames="group_size", **rows)
+        if self.rollout_cfg.record_routing:  # the logps forward that also measures the routing mismatch
+            self._logps_and_mismatch = jax.jit(functools.partial(
+                logps_and_mismatch, self.graphdef, temperature=self._train_temperature), static_argnames="group_size",
+                **({} if self.sharding is None else {"out_shardings": (self.sharding.batch_sharding(),
+                                                                       self.sharding.replicated, self.sharding.replicated)}))
         if self.lora is not None:  # the reference is the base with the adapters off: no second copy
             self._ref_logps = jax.jit(functools.partial(token_logps, self.lora.base_graphdef,
                                                         temperature=self._train_temperature),
                                       static_argnames="group_size", **rows)
+
+    def _own_forward(self) -> str | None:
+        """The class's name when it replaces the shared policy forward (PPO's trunk), else None."""
+        return None if type(self).forward.__qualname__ == "LMPolicyModule.forward" else type(self).__name__
 
     def _setup_teacher(self, cfg, context: SetupContext) -> None:
         """On-policy distillation: the teacher (`teacher=` or `algorithm.distill_teacher`) on the

@@ -40,6 +40,8 @@ class EngineSpec:
       param_dtype: the parameters' dtype name ("float32", "bfloat16").
       sharding: the rollout role's ShardingPlan (None: one device).
       share_prompts: run each group's prompt once (the native engine).
+      record_routing: mixture-of-experts models: the native engine keeps each call's experts per
+        token in `last_routing` (router replay).
     """
 
     max_new_tokens: int
@@ -53,6 +55,7 @@ class EngineSpec:
     param_dtype: str = "float32"
     sharding: Any = None
     share_prompts: bool = True
+    record_routing: bool = False
 
 
 def prompt_buckets(prompt_width: int) -> tuple[int, ...]:
@@ -67,7 +70,7 @@ def native_engine(model: Any, spec: EngineSpec) -> RolloutEngine:
     return NativeSampler(model, max_new_tokens=spec.max_new_tokens, temperature=spec.temperature, top_k=spec.top_k,
                          top_p=spec.top_p, stop_token_ids=spec.stop_token_ids, pad_id=spec.pad_id,
                          prompt_buckets=prompt_buckets(spec.prompt_width), sharding=spec.sharding,
-                         share_prompts=spec.share_prompts)
+                         share_prompts=spec.share_prompts, record_routing=spec.record_routing)
 
 
 def vllm_engine(model: Any, spec: EngineSpec) -> RolloutEngine:

@@ -211,3 +211,29 @@ def token_logps_and_routing(graphdef, params, prompt_ids, prompt_mask, completio
     logps, _ = chunked_logps(hidden, weight, completion_ids.astype(jnp.int32), temperature, chunk_size, False,
                              model.config.final_logit_softcapping)
     return jnp.where(completion_mask.astype(bool), logps, 0.0), experts, probs
+
+
+def routed_token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
+                       temperature: float = 1.0, with_entropy: bool = False, chunk_size: int = 128,
+                       group_size: int = 1, routing=None):
+    """`sequence_logps` of a mixture-of-experts model plus the routing its forward used: what the LM
+    modules' training and logps forwards call when a router term is on (aux loss, replay, mismatch).
+
+    Args:
+      graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
+        chunk_size, group_size, routing: as in `token_logps_and_entropy`.
+      with_entropy: also return the entropy (else None).
+
+    Returns:
+      (logps [B, C], entropy [B, C] or None, experts per MoE layer [N, k] int32, router
+      probabilities per MoE layer [N, E] float32), N in the order of `forward_routing`.
+    """
+    model = nnx.merge(graphdef, params)
+    record_routing(model)
+    hidden, weight = _model_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size,
+                                   routing)
+    experts, probs = pop_routing(model)
+    logps, entropy = chunked_logps(hidden, weight, completion_ids.astype(jnp.int32), temperature, chunk_size,
+                                   with_entropy, model.config.final_logit_softcapping)
+    mask = completion_mask.astype(bool)
+    return (jnp.where(mask, logps, 0.0), jnp.where(mask, entropy, 0.0) if with_entropy else None, experts, probs)
