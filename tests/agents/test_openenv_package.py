@@ -141,7 +141,7 @@ def test_mcp_tool_actions_of_an_mcp_environment():
         return "5"
 
     def make(kind):
-        return OpenEnvEnvironment(Calculator("5"), action=lambda text: Answer(answer=text), action_timeout_s=0.5,
+        return OpenEnvEnvironment(Calculator("5"), action=lambda text: Answer(answer=text), action_timeout_s=3.0,
                                   opening=[{"role": "user", "content": f"{kind}: what is 2 + 3?"}])
 
     envs = [make("plain"), make("hostile")]
@@ -157,7 +157,7 @@ def test_mcp_tool_actions_of_an_mcp_environment():
     assert "tool sleeps failed (timeout)" in hostile_text
     assert "tool add failed" in hostile_text and hostile_text.count("<tool_response>5</tool_response>") == 1
     assert [t["function"]["name"] for t in tok.template_calls[0]["tools"]] == ["add", "fails", "sleeps"]
-    assert out.tool_time_s[1] >= 0.5  # the sleeping call ran until its time-out
+    assert out.tool_time_s[1] >= 3.0  # the sleeping call ran until its time-out
 
 
 def test_an_openenv_environment_that_raises_or_hangs_costs_only_its_episode():
@@ -174,8 +174,8 @@ def test_an_openenv_environment_that_raises_or_hangs_costs_only_its_episode():
 
     envs = [OpenEnvEnvironment(e, action=_turn_as_add) for e in (Raises(5), Hangs(5), CounterEnv(2))]
     out = run_episodes(ScriptedEngine(TOK, lambda h, k: "1"), envs, KEYS(3), tokenizer=TOK, max_turns=3,
-                       max_total_tokens=400, max_turn_tokens=8, step_timeout_s=0.5)
+                       max_total_tokens=400, max_turn_tokens=8, step_timeout_s=3.0)
     gate.set()
     assert list(out.end_reason) == ["env_error", "env_error", "done"]
-    assert "RuntimeError: simulator crashed" in out.errors[0] and "step_timeout_s=0.5" in out.errors[1]
+    assert "RuntimeError: simulator crashed" in out.errors[0] and "step_timeout_s=3" in out.errors[1]
     np.testing.assert_allclose(out.env_reward, [0.0, 0.0, 1.1], rtol=1e-6)
