@@ -45,6 +45,15 @@ def test_observation_text_keeps_one_string_field_and_writes_json_otherwise():
     assert observation_text(Board()) == '{"board": [[1, 0], [0, 2]], "legal": ["a1", "b2"]}'
     assert observation_text(None) == "" and observation_text("plain") == "plain"
 
+    @dataclasses.dataclass
+    class Nested:
+        cell: TextObservation
+        grid: np.ndarray
+
+    nested = Nested(TextObservation(text="x"), np.arange(4).reshape(2, 2))
+    assert observation_text(nested) == ('{"cell": {"done": false, "reward": null, "metadata": {}, "text": "x"}, '
+                                        '"grid": [[0, 1], [2, 3]]}')
+
     class Plain:  # neither pydantic nor a dataclass: its instance attributes
         def __init__(self):
             self.done, self.score, self.when = False, 3, object()

@@ -179,3 +179,21 @@ def test_an_openenv_environment_that_raises_or_hangs_costs_only_its_episode():
     assert list(out.end_reason) == ["env_error", "env_error", "done"]
     assert "RuntimeError: simulator crashed" in out.errors[0] and "step_timeout_s=3" in out.errors[1]
     np.testing.assert_allclose(out.env_reward, [0.0, 0.0, 1.1], rtol=1e-6)
+
+
+def test_observation_text_of_pydantic_observations():
+    from pydantic import BaseModel
+
+    from rlbolt.agents.openenv_adapter import observation_text
+
+    class Cell(BaseModel):
+        row: int
+        col: int
+
+    class Board(Observation):
+        cells: list[Cell] = []
+        turn: str = ""
+
+    board = Board(cells=[Cell(row=1, col=2)], turn="x", reward=1.0, done=True, metadata={"k": 1})
+    assert observation_text(board) == '{"cells": [{"row": 1, "col": 2}], "turn": "x"}'
+    assert observation_text(Reply(text="only this", reward=0.5)) == "only this"

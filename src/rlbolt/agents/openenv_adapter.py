@@ -68,8 +68,9 @@ def observation_text(observation: Any) -> str:
     """The default text of an observation: its own fields (done, reward and metadata left out).
 
     One string field is the text itself (`EchoObservation(echoed_message="hi")` -> "hi");
-    anything else is the fields as JSON (`{"board": ..., "legal_moves": [...]}`), values that
-    JSON cannot hold written with `str()`. A plain string observation is returned as is.
+    anything else is the fields as JSON (`{"board": ..., "legal_moves": [...]}`): nested models
+    as their fields, arrays as lists, other values JSON cannot hold with `str()`. A plain string
+    observation is returned as is.
 
     Args:
         observation: an OpenEnv observation (or any object with fields).
@@ -88,7 +89,18 @@ def observation_text(observation: Any) -> str:
         (value,) = fields.values()
         if isinstance(value, str):
             return value
-    return json.dumps(fields, ensure_ascii=False, default=str)
+    return json.dumps(fields, ensure_ascii=False, default=_jsonable)
+
+
+def _jsonable(value: Any) -> Any:
+    """What JSON cannot hold directly: a pydantic model as its fields, an array as a list, else str()."""
+    if hasattr(value, "model_dump"):
+        return value.model_dump()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)
 
 
 def _get(value: Any, key: str, default: Any = None) -> Any:
