@@ -44,6 +44,7 @@ def test_observation_text_keeps_one_string_field_and_writes_json_otherwise():
     assert observation_text(TextObservation(text="héllo", reward=1.0, done=True, metadata={"k": 1})) == "héllo"
     assert observation_text(Board()) == '{"board": [[1, 0], [0, 2]], "legal": ["a1", "b2"]}'
     assert observation_text(None) == "" and observation_text("plain") == "plain"
+    assert observation_text({"echoed": "hi", "reward": 1.0, "done": False}) == "hi"  # a generic client's dict
 
     @dataclasses.dataclass
     class Nested:

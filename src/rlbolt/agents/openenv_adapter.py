@@ -55,7 +55,9 @@ _BASE_FIELDS = frozenset({"done", "reward", "metadata"})
 
 
 def _own_fields(observation: Any) -> dict[str, Any]:
-    """An observation's fields other than done / reward / metadata (pydantic, dataclass or plain object)."""
+    """An observation's fields other than done / reward / metadata (pydantic, dataclass, dict or plain object)."""
+    if isinstance(observation, Mapping):  # a generic client's observation
+        return {k: v for k, v in observation.items() if k not in _BASE_FIELDS}
     names = getattr(type(observation), "model_fields", None)  # pydantic v2: the class's declared fields
     if names is None and dataclasses.is_dataclass(observation):
         names = [f.name for f in dataclasses.fields(observation)]
