@@ -197,3 +197,39 @@ def test_observation_text_of_pydantic_observations():
     board = Board(cells=[Cell(row=1, col=2)], turn="x", reward=1.0, done=True, metadata={"k": 1})
     assert observation_text(board) == '{"cells": [{"row": 1, "col": 2}], "turn": "x"}'
     assert observation_text(Reply(text="only this", reward=0.5)) == "only this"
+
+
+def test_sync_clients_of_a_local_openenv_server_on_loopback():
+    """Each episode's own client session (GenericEnvClient(...).sync()) to a server on 127.0.0.1."""
+    import socket
+    import time
+
+    import uvicorn
+    from openenv.core.env_server.http_server import create_fastapi_app
+    from openenv.core.generic_client import GenericEnvClient
+
+    class Sessions(CounterEnv):
+        SUPPORTS_CONCURRENT_SESSIONS = True
+
+    app = create_fastapi_app(lambda: Sessions(3), Add, Total, max_concurrent_envs=4)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        envs = [OpenEnvEnvironment(GenericEnvClient(base_url=url).sync(), action=lambda text: {"value": int(text)})
+                for _ in range(2)]
+        out = run_episodes(ScriptedEngine(TOK, lambda h, k: "1"), envs, KEYS(2), tokenizer=TOK, max_turns=4,
+                           max_total_tokens=400, max_turn_tokens=8, step_timeout_s=30)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    # Separate sessions: each total reaches 3 after its own three turns (a shared one would after two).
+    assert list(out.end_reason) == ["done", "done"] and list(out.turns) == [3, 3] and not out.errors
+    np.testing.assert_allclose(out.env_reward, [1.2, 1.2], rtol=1e-6)
+    assert out.messages[0][0]["content"] == '{"total": 0, "goal": "reach 3"}'  # the dict observation's fields
