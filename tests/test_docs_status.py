@@ -86,7 +86,8 @@ def _header_commands(path: Path) -> list[list[str]]:
     return [shlex.split(line)[1:] for line in text.splitlines() if line.startswith("rlbolt fit ")]
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "recipes" / "configs").glob("*.yaml")), ids=lambda p: p.name)
+# The GSM8K recipes carry a GPU command; distill_demo.yaml is a CPU recipe on the demo task.
+@pytest.mark.parametrize("path", sorted((ROOT / "recipes" / "configs").glob("*_gsm8k.yaml")), ids=lambda p: p.name)
 def test_recipe_gpu_commands_survive_a_shell_and_load(path):
     from rlbolt.app.cli import build_parser, split_overrides
     from rlbolt.app.config import load_config
