@@ -88,12 +88,11 @@ def test_ppo_clip_share_and_no_covariance_metric_without_a_covariance_rule():
 def test_entropy_metric_is_the_token_mean_of_the_policy_entropy():
     tokenizer = builtin_tokenizer()
     model = tiny_model(tokenizer)
-    module = GRPO(module_config("grpo"), model=model, tokenizer=tokenizer)
+    # Prompts of 7 characters fill the padded width exactly: positions are 0.. for every row.
+    module = GRPO({**module_config("grpo"), "data": {"max_prompt_tokens": 7}}, model=model, tokenizer=tokenizer)
     module.setup(setup_context())
     params = module.init_params(jax.random.key(0))
-    # Prompts of one length fill the padded width exactly: positions are 0.. for every row.
     rows = [{"question": "12+34=?", "answer": "46"}, {"question": "56+78=?", "answer": "134"}]
-    module.encoder.width = 7
     batch = module.on_rollout(params, prompt_batch(rows))
     mask = np.asarray(batch["completion_mask"], bool)
     assert mask.sum() > 0
