@@ -1,6 +1,7 @@
 """The per-step metrics of the LM modules against hand counts and float64 NumPy: the share of tokens
-the covariance rules select (`cov/selected_frac`), clipped (`clip_frac`), the policy entropy, and
-the teacher-student reverse KL (`distill/reverse_kl`)."""
+the covariance rules select (`cov/selected_frac`), clipped (`clip_frac`), masked by the rollout
+correction (`rollout_corr/token_masked_frac`), the policy entropy, and the teacher-student reverse
+KL (`distill/reverse_kl`)."""
 
 from __future__ import annotations
 
@@ -142,3 +143,29 @@ def test_distillation_reverse_kl_metric_is_zero_when_every_token_is_masked():
         out = module.on_advantage(batch)
     assert mean_logs(logged)["distill/reverse_kl"] == 0.0
     assert not np.any(out["advantages"])
+
+
+def test_rollout_correction_logs_the_share_of_tokens_it_masked():
+    tokenizer = builtin_tokenizer()
+    module = GRPO(module_config("grpo", rollout_correction="mask", rollout_correction_cap=2.0),
+                  model=tiny_model(tokenizer), tokenizer=tokenizer)
+    module.setup(setup_context())
+    params = module.init_params(jax.random.key(0))
+    from rlbolt.data import gsm8k_style_rows
+
+    batch = module.on_rollout(params, prompt_batch(gsm8k_style_rows(2)))
+    old = module.compute_logps(params, batch)["old_logps"]  # the trainer's forward
+    mask = np.asarray(batch["completion_mask"], bool)
+    # Sampler logps off by +-1.5 nats (ratio e^1.5 = 4.5 or e^-1.5 = 0.22, outside [1/2, 2]) on every
+    # third valid token, equal to the trainer's elsewhere (ratio exactly 1).
+    shift = np.zeros(mask.shape)
+    valid = np.argwhere(mask)
+    for k, (i, t) in enumerate(valid):
+        if k % 3 == 0:
+            shift[i, t] = 1.5 if k % 2 else -1.5
+    want = int(np.sum(shift != 0)) / len(valid)
+    assert 0 < want < 1
+    with collect_log_values() as logged:
+        out = module.compute_logps(params, batch.with_columns(sampler_logps=np.asarray(old - shift, np.float32)))
+    assert mean_logs(logged)["rollout_corr/token_masked_frac"] == pytest.approx(want, abs=1e-7)
+    assert np.all(out["importance_weights"][shift != 0] == 0.0) and np.all(out["importance_weights"][mask & (shift == 0)] == 1.0)
