@@ -107,7 +107,8 @@ def test_entropy_metric_is_the_token_mean_of_the_policy_entropy():
     micro = batch.numeric().with_columns(advantages=np.zeros(batch.num_samples, np.float32),
                                          old_logps=batch["sampler_logps"],
                                          mini_batch_num_tokens=np.full(batch.num_samples, mask.sum(), np.float32),
-                                         mini_batch_num_samples=np.full(batch.num_samples, batch.num_samples, np.float32))
+                                         mini_batch_num_samples=np.full(batch.num_samples, batch.num_samples,
+                                                                        np.float32))
     _, metrics = module.training_step(params, micro)
     assert float(metrics["entropy"]) == pytest.approx(entropy[mask].mean(), rel=1e-5)
 
@@ -168,4 +169,5 @@ def test_rollout_correction_logs_the_share_of_tokens_it_masked():
     with collect_log_values() as logged:
         out = module.compute_logps(params, batch.with_columns(sampler_logps=np.asarray(old - shift, np.float32)))
     assert mean_logs(logged)["rollout_corr/token_masked_frac"] == pytest.approx(want, abs=1e-7)
-    assert np.all(out["importance_weights"][shift != 0] == 0.0) and np.all(out["importance_weights"][mask & (shift == 0)] == 1.0)
+    weights = out["importance_weights"]
+    assert np.all(weights[shift != 0] == 0.0) and np.all(weights[mask & (shift == 0)] == 1.0)

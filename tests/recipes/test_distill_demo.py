@@ -41,7 +41,8 @@ def test_reward_and_distill_variants_run_the_same_budget(tmp_path):
     save_char_tokenizer(CharTokenizer("0123456789="), teacher)
     recipe = _load()
     runs = recipe.main(["--teacher", str(teacher), "--out", str(tmp_path / "out"), "--steps", "2",
-                        "--variants", "reward", "distill", "--set", TINY, "plan.prompts_per_step=2", "plan.num_generations=4"])
+                        "--variants", "reward", "distill",
+                        "--set", TINY, "plan.prompts_per_step=2", "plan.num_generations=4"])
     assert [r["variant"] for r in runs] == ["reward", "distill"]
     rows = (tmp_path / "out" / "rows.jsonl").read_text().splitlines()
     assert len(rows) == 2000 and json.loads(rows[0])["answer"] + "=" == json.loads(rows[0])["prompt"]

@@ -13,9 +13,10 @@ A role's `devices` is a `[start, stop)` range of `jax.devices()`; its `mesh` a `
 tp}` shape over them (default: all on fsdp). `reference` is "train" (the default: the reference
 forward runs in the logps stage on the training devices) or a range of its own, disjoint from
 train's and rollout's: the module then keeps its frozen reference copy only there and runs the
-reference forward there. `teacher` (on-policy distillation's teacher) is placed the same way: "train"
-(the default) or a range of its own, disjoint from every other role's. Roles on their own devices run at once: the rollout of step k+1 while
-step k's update runs (async mode), instead of taking turns on one device set.
+reference forward there. `teacher` (on-policy distillation's teacher) is placed the same way:
+"train" (the default) or a range of its own, disjoint from every other role's. Roles on their own
+devices run at once: the rollout of step k+1 while step k's update runs (async mode), instead of
+taking turns on one device set.
 
 The weight sync never gathers a parameter onto one device: each leaf is first laid out on the
 training devices as the rollout mesh wants it (a jitted reshard within the training devices,

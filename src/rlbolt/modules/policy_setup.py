@@ -205,8 +205,8 @@ def load_teacher(path: str, model_cfg, tokenizer, seed: int, sharding=None):
     if (theirs.vocab_size != tokenizer.vocab_size or theirs.eos_id != tokenizer.eos_id
             or list(theirs.encode(probe)) != list(tokenizer.encode(probe))):
         raise ConfigError(f"{field}: its tokenizer is not the student's ({theirs.vocab_size} vs {tokenizer.vocab_size} "
-                          "ids, or other ids for the same text); distillation compares log-probs of the same token ids: "
-                          "use a teacher of the student's family")
+                          "ids, or other ids for the same text); distillation compares log-probs of the same token "
+                          "ids: use a teacher of the student's family")
     return lm_ops.build_model(dataclasses.replace(model_cfg, path=path, lora=None), tokenizer.vocab_size, seed,
                               sharding)
 
