@@ -1,6 +1,6 @@
-"""`algorithm.distill_teacher`: the teacher read from a folder the test writes (a Hugging Face model
-folder holding the student's tokenizer files); another tokenizer, a folder without one, and a
-missing folder are each refused in one line naming the field."""
+"""`algorithm.distill_teacher`: a teacher larger than the student, read from a folder the test
+writes (a Hugging Face model folder holding the student's tokenizer files); another tokenizer, a
+folder without one, and a missing folder are each refused in one line naming the field."""
 
 from __future__ import annotations
 
@@ -19,12 +19,14 @@ from rlbolt.modules import GRPO
 from rlbolt.rollout.logps import token_logps
 
 ALPHABET = "0123456789="
+# The teacher is larger than the student (TINY: width 32, one layer): nothing may assume one shape.
+TEACHER = dict(hidden_size=48, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=12, intermediate_size=96)
 
 
 def _teacher_folder(path, alphabet=ALPHABET, seed=7, tokenizer=True):
-    """A tiny teacher saved as a Hugging Face folder, with (or without) a character tokenizer."""
+    """A small teacher saved as a Hugging Face folder, with (or without) a character tokenizer."""
     vocab = len(alphabet) + 3
-    teacher = Decoder(tiny_config(vocab_size=vocab, **TINY), rngs=nnx.Rngs(seed))
+    teacher = Decoder(tiny_config(vocab_size=vocab, **TEACHER), rngs=nnx.Rngs(seed))
     save_hf(teacher, teacher.config, path)
     if tokenizer:
         save_char_tokenizer(CharTokenizer(alphabet), path)
@@ -49,7 +51,7 @@ def test_the_teacher_folder_is_read_and_scores_the_students_tokens(tmp_path):
     folder, teacher = _teacher_folder(tmp_path / "teacher")
     module = _student(folder, folder)  # the student uses the teacher's tokenizer files
     assert isinstance(module.tokenizer, HFTokenizer) and module.tokenizer.encode("31=") == [6, 4, 13]
-    assert module.teacher.config == teacher.config
+    assert module.teacher.config == teacher.config and module.teacher.config.num_layers > module.model.config.num_layers
     params = module.init_params(jax.random.key(0))
     batch = module.compute_logps(params, module.on_rollout(params, prompt_batch(ROWS)))
     # Independent of the module: the in-memory teacher's forward on the same token columns.
