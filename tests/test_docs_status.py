@@ -86,6 +86,7 @@ def _header_commands(path: Path) -> list[list[str]]:
     return [shlex.split(line)[1:] for line in text.splitlines() if line.startswith("rlbolt fit ")]
 
 
+# The GSM8K recipes carry a GPU command; the SmolLM2 and distillation recipes are CPU recipes.
 @pytest.mark.parametrize("path", sorted((ROOT / "recipes" / "configs").glob("*_gsm8k.yaml")), ids=lambda p: p.name)
 def test_recipe_gpu_commands_survive_a_shell_and_load(path):
     from rlbolt.app.cli import build_parser, split_overrides

@@ -14,7 +14,7 @@ from typing import Any
 
 from rlbolt.plan import BatchPlan
 
-ROLES = ("train", "rollout", "reference")
+ROLES = ("train", "rollout", "reference", "teacher")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +25,7 @@ class SetupContext:
       plan: the BatchPlan, as checked by `fit` (micro sizes filled in).
       seed: the Trainer's seed (model initialisation, rollout keys).
       mode: "sync" or "async".
-      shardings: role ("train", "rollout", "reference") -> `rlbolt.distributed.ShardingPlan`; empty
+      shardings: role ("train", "rollout", "reference", "teacher") -> `rlbolt.distributed.ShardingPlan`; empty
         when the module is set up outside a fit (everything on the default device).
     """
 
@@ -43,7 +43,7 @@ class SetupContext:
         object.__setattr__(self, "shardings", types.MappingProxyType(dict(self.shardings)))
 
     def sharding_for(self, role: str) -> Any:
-        """The ShardingPlan of `role` ("train", "rollout", "reference"): the training plan for a role
+        """The ShardingPlan of `role` ("train", "rollout", "reference", "teacher"): the training plan for a role
         without devices of its own, None outside a fit."""
         if role not in ROLES:
             raise ValueError(f"sharding_for({role!r}): roles are {list(ROLES)}")

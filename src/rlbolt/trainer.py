@@ -113,7 +113,7 @@ class Trainer:
         return jax.process_index() == 0
 
     def sharding_for(self, role: str) -> ShardingPlan:
-        """The ShardingPlan of a role ("train", "rollout", "reference"): the trainer's mesh for
+        """The ShardingPlan of a role ("train", "rollout", "reference", "teacher"): the trainer's mesh for
         every role when colocated, else the role's sub-mesh (None before fit)."""
         return self.plans.get(role, self.sharding)
 

@@ -86,6 +86,10 @@ def test_export_writes_the_checkpointed_weights_for_transformers(small_run, tmp_
     with torch.no_grad():
         theirs = hf(torch.tensor(ids, dtype=torch.long)).logits.numpy()
     np.testing.assert_allclose(np.asarray(ours), theirs, atol=1e-4)
+    # The demo's tokenizer comes along (the folder then serves as a teacher or a model.path).
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert tokenizer("3141=2718", add_special_tokens=False).input_ids == ids[0].tolist()
+    assert tokenizer.eos_token_id == DigitsGRPO(SMALL).tokenizer.eos_id
 
     fresh = DigitsGRPO(SMALL)
     fresh.init_params(jax.random.PRNGKey(SMALL.seed))

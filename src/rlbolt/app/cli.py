@@ -92,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export", help="write a Hugging Face folder from the latest checkpoint",
                             description="Write OUT (config.json + model.safetensors, and the tokenizer when "
-                                        "the run used a tokenizer folder) from RUN_DIR's newest usable checkpoint. "
-                                        "A LoRA run writes its adapters merged into the base, or with --adapter "
+                                        "the run used a tokenizer folder, or the demo's for a digit-task demo "
+                                        "run) from RUN_DIR's newest usable checkpoint. A LoRA run writes its adapters merged into the base, or with --adapter "
                                         "the adapters alone in PEFT's layout. Reads only: safe while the run is "
                                         "training.")
     export.add_argument("run_dir")

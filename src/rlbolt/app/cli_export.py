@@ -25,6 +25,9 @@ is training.
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -221,6 +224,20 @@ def latest_params(run_dir: str | Path) -> tuple[Any, int, Any]:
     return module, step, cfg
 
 
+@contextlib.contextmanager
+def _demo_tokenizer_folder(data: dict[str, Any] | None) -> Iterator[str | None]:
+    """For a digit-task demo run: a temporary folder holding its character tokenizer as Hugging
+    Face files (the exported folder then serves as a teacher or a model.path); else None."""
+    if data is None or not is_demo_config(data) or DemoConfig.from_dict(data).task in AGENT_TASKS:
+        yield None
+        return
+    from rlbolt.data.char_tokenizer_files import save_char_tokenizer
+    from rlbolt.modules.digits import demo_tokenizer
+
+    with tempfile.TemporaryDirectory(prefix="rlbolt-demo-tokenizer-") as folder:
+        yield str(save_char_tokenizer(demo_tokenizer(), folder))
+
+
 def export_run(run_dir: str | Path, out: str | Path, *, overwrite: bool = False,
                adapter: bool = False) -> tuple[Path, int]:
     """Writes the newest usable checkpoint of `run_dir` as a Hugging Face folder `out`.
@@ -247,7 +264,8 @@ def export_run(run_dir: str | Path, out: str | Path, *, overwrite: bool = False,
             raise rundir.RunDirError(f"{run_dir} trained every parameter (no LoRA), so it has no adapter to write; "
                                      "export without --adapter")
         model, step, folder = latest_model(run_dir)
-        with hf_tokenizer_folder(tokenizer_source(folder)) as tokenizer_folder:
+        with _demo_tokenizer_folder(data) as demo_folder, hf_tokenizer_folder(
+                tokenizer_source(folder, demo_folder)) as tokenizer_folder:
             save_hf(model, model.config, out, tokenizer_folder=tokenizer_folder, overwrite=overwrite)
         return out, step
     module, step, cfg = latest_params(run_dir)

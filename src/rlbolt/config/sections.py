@@ -120,7 +120,7 @@ class AlgorithmSection:
     clip_cov_low: float = _f(1.0, "clip_cov: tokens whose covariance lies in [clip_cov_low, clip_cov_high] may be selected")
     clip_cov_high: float = _f(5.0, "clip_cov: upper end of the covariance band")
     kl_cov_coef: float = _f(1.0, "kl_cov: the coefficient of the |log ratio| penalty on selected tokens", at_least=0)
-    distill_teacher: str | None = _f(None, "on-policy distillation: a teacher model (Hugging Face folder or .gguf file of a supported family, same tokenizer as the student) scores the student's sampled tokens; each token's advantage is -distill_kl_coef * (log student - log teacher), plus distill_task_coef * the task advantage; None: off")
+    distill_teacher: str | None = _f(None, "on-policy distillation: a teacher model (Hugging Face folder or .gguf file of a supported family, same tokenizer as the student, else refused) scores the student's sampled tokens; each token's advantage is -distill_kl_coef * (log student - log teacher), plus distill_task_coef * the task advantage; on train's devices or its own (trainer.placement.teacher); logs distill/reverse_kl (docs/howto/distillation.md); None: off")
     distill_kl_coef: float = _f(1.0, "on-policy distillation: the weight of the per-token reverse KL to the teacher", at_least=0)
     distill_task_coef: float = _f(0.0, "on-policy distillation: the weight of the reward's advantage mixed in; 0: distillation alone", at_least=0)
     entropy_coef: float = _f(0.0, "entropy bonus coefficient (subtracted from the loss)", at_least=0)
@@ -162,7 +162,7 @@ class TrainerSection:
     val_at_start: bool = _f(False, "also validate the starting weights before the first step (step 0; not on a resume): the 'before' of a before/after comparison")
     run_dir: str | None = _f(None, "where metrics and checkpoints go; None: runs/<algorithm>-<time>")
     prefetch_timeout_s: float | None = _f(None, "fail if the producer yields nothing for this long; None: wait", above=0)
-    placement: str | dict = _f("colocated", "colocated: every role on the mesh; or {train: {devices: [start, stop], mesh: {..}}, rollout: {devices: [..], mesh: {..}}, reference: train | {devices: [..], mesh: {..}}}: rollout on its own devices, weights resharded there after each update; the reference forward on train's devices or its own (docs/howto/placement.md)")
+    placement: str | dict = _f("colocated", "colocated: every role on the mesh; or {train: {devices: [start, stop], mesh: {..}}, rollout: {devices: [..], mesh: {..}}, reference: train | {devices: [..], mesh: {..}}, teacher: train | {devices: [..], mesh: {..}}}: rollout on its own devices, weights resharded there after each update; the reference forward, and the distillation teacher's, on train's devices or their own (docs/howto/placement.md)")
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@
     placement = Placement.of({"train": {"devices": [0, 4]},
                               "rollout": {"devices": [4, 8], "mesh": {"tp": 2}},
                               "reference": "train"})  disaggregated: roles on their own sub-meshes
+                                                      (teacher: the same choice as reference)
     plans = placement.plans(mesh)                     role -> ShardingPlan
     sync = WeightSync(plans["train"], plans["rollout"])
     rollout_params = sync(params)                     reshard, shard by shard, onto the rollout mesh
@@ -12,8 +13,10 @@ A role's `devices` is a `[start, stop)` range of `jax.devices()`; its `mesh` a `
 tp}` shape over them (default: all on fsdp). `reference` is "train" (the default: the reference
 forward runs in the logps stage on the training devices) or a range of its own, disjoint from
 train's and rollout's: the module then keeps its frozen reference copy only there and runs the
-reference forward there. Roles on their own devices run at once: the rollout of step k+1 while
-step k's update runs (async mode), instead of taking turns on one device set.
+reference forward there. `teacher` (on-policy distillation's teacher) is placed the same way:
+"train" (the default) or a range of its own, disjoint from every other role's. Roles on their own
+devices run at once: the rollout of step k+1 while step k's update runs (async mode), instead of
+taking turns on one device set.
 
 The weight sync never gathers a parameter onto one device: each leaf is first laid out on the
 training devices as the rollout mesh wants it (a jitted reshard within the training devices,
@@ -34,7 +37,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from rlbolt.distributed.mesh import AXES, MeshError, MeshSpec
 from rlbolt.distributed.sharding import ShardingPlan
 
-ROLES = ("train", "rollout", "reference")
+ROLES = ("train", "rollout", "reference", "teacher")
+FROZEN_ROLES = ("reference", "teacher")  # forwards of frozen models: "train" or devices of their own
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +63,8 @@ class Placement:
     @classmethod
     def of(cls, value: Any) -> Placement:
         """A Placement from itself, "colocated" / None, or a mapping role -> `{devices: [start,
-        stop], mesh: {data, fsdp, tp}}` for train and rollout; reference: "train" (the default) or
-        such a map of its own.
+        stop], mesh: {data, fsdp, tp}}` for train and rollout; reference and teacher: "train" (the
+        default) or such a map of their own.
 
         Raises:
           MeshError: one line naming the field, the value and the fix.
@@ -80,11 +84,12 @@ class Placement:
             raise MeshError(f"placement names no devices for {missing}; give train and rollout each a "
                             "{devices: [start, stop]} range (reference defaults to train's)")
         roles = {r: _role(r, value[r]) for r in ("train", "rollout")}
-        ref = value.get("reference", "train")
-        if isinstance(ref, str) and ref != "train":
-            raise MeshError(f"placement.reference={ref!r}: use reference: train (the reference forward runs on "
-                            "train's devices) or {devices: [start, stop]} disjoint from train's and rollout's")
-        roles["reference"] = roles["train"] if ref == "train" else _role("reference", ref)
+        for frozen in FROZEN_ROLES:
+            where = value.get(frozen, "train")
+            if isinstance(where, str) and where != "train":
+                raise MeshError(f"placement.{frozen}={where!r}: use {frozen}: train (the {frozen} forward runs on "
+                                "train's devices) or {devices: [start, stop]} disjoint from the other roles'")
+            roles[frozen] = roles["train"] if where == "train" else _role(frozen, where)
         _check_disjoint(roles)
         return cls(roles)
 
@@ -139,12 +144,13 @@ def _role(role: str, value: Any) -> RoleMesh:
 
 def _check_disjoint(roles: Mapping[str, RoleMesh]) -> None:
     pairs = [("train", "rollout")]
-    if roles["reference"] is not roles["train"]:
-        pairs += [("train", "reference"), ("rollout", "reference")]
+    apart = [r for r in FROZEN_ROLES if roles[r] is not roles["train"]]
+    for i, frozen in enumerate(apart):
+        pairs += [("train", frozen), ("rollout", frozen), *((other, frozen) for other in apart[:i])]
     for x, y in pairs:
         a, b = roles[x], roles[y]
         if a.start < b.stop and b.start < a.stop:
-            fix = ("use reference: train to share train's devices, or " if "reference" in (x, y) else "")
+            fix = "".join(f"use {r}: train to share train's devices, or " for r in FROZEN_ROLES if r == y)
             raise MeshError(f"placement: the devices of {x} [{a.start}, {a.stop}) and {y} [{b.start}, {b.stop}) "
                             f"overlap; {fix}give each its own range, or use placement: colocated")
 

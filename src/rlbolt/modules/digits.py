@@ -18,6 +18,8 @@ learn several times faster than one outcome reward per completion on this task.
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +38,23 @@ from rlbolt.plan import PlanError
 from rlbolt.rollout.engines import EngineHandle, EngineSpec, build_engine
 
 DIGITS = "0123456789"
+
+
+def demo_tokenizer() -> CharTokenizer:
+    """The digit tasks' tokenizer: pad 0, eos 1, bos 2, the digits 3-12, "=" 13."""
+    return CharTokenizer(DIGITS + "=")
+
+
+def target_match_reward(completion: str, sample: Mapping[str, Any]) -> float:
+    """The digit tasks' reward as a `RewardFn`: the share of the row's `answer` characters that the
+    completion has at the same position (`position_rewards`' mean for one sample).
+
+    Args:
+      completion: the sampled text.
+      sample: the prompt row; its "answer" field holds the target digits.
+    """
+    target = str(sample["answer"])
+    return float(sum(a == b for a, b in zip(completion, target)) / max(len(target), 1))
 
 
 def demo_rows(config: DemoConfig) -> list[dict[str, str]]:
@@ -78,7 +97,7 @@ class DigitsGRPO(LoraHooks, RLModule):
     def __init__(self, config: DemoConfig, base_model: Decoder | None = None):
         self.config = config
         self.base_model = base_model
-        self.tokenizer = CharTokenizer(DIGITS + "=")
+        self.tokenizer = demo_tokenizer()
         self.model_config = tiny_config(vocab_size=self.tokenizer.vocab_size, hidden_size=config.hidden_size,
                                         intermediate_size=2 * config.hidden_size, head_dim=config.hidden_size // 4,
                                         max_position_embeddings=2 * config.num_digits + 2)

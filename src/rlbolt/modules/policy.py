@@ -39,7 +39,7 @@ from rlbolt.modules.policy_rollout import PolicyRollout, row_fields as _row_fiel
 from rlbolt.modules.policy_setup import PolicySetup, _config_for, replace_section  # noqa: F401 (re-export)
 from rlbolt.modules.prompt_sharing import require_shared_layout, stage_group_size
 from rlbolt.modules.prompts import rows_of
-from rlbolt.modules.policy_losses import POLICY_LOSSES
+from rlbolt.modules.policy_losses import COVARIANCE_SELECTIONS, POLICY_LOSSES
 from rlbolt.modules.rewarding import answer_score, score_shared
 from rlbolt.modules.moe_routing import ROUTING_COLUMNS, completion_load_balancing
 from rlbolt.distributed.sharding import host_value
@@ -87,6 +87,7 @@ class LMPolicyModule(PolicyRollout, PolicySetup, RLModule):
         self._env_choice = env if env is not None else self.rollout_cfg.env
         self.teacher = teacher  # a Decoder (setup loads algorithm.distill_teacher)
         self.teacher_params = None
+        self.teacher_forward = None  # a PlacedReference when placement gives the teacher devices of its own
         self.env_factory = None  # the environment factory (setup), when samples are episodes
 
     # -- plan and optimizer -----------------------------------------------------------------------
@@ -212,7 +213,9 @@ class LMPolicyModule(PolicyRollout, PolicySetup, RLModule):
             cols["ref_logps"] = self._local(self._logps(self.ref_params, *inputs, group_size=group))
         elif self.lora is not None and self.algo.beta > 0:
             cols["ref_logps"] = self._local(self._ref_logps(self.lora.base, *inputs, group_size=group))
-        if self.teacher is not None:
+        if self.teacher_forward is not None:  # on the teacher's own devices (its forward runs unshared)
+            cols["teacher_logps"] = self.teacher_forward.logps(self.teacher_params, batch)
+        elif self.teacher is not None:
             cols["teacher_logps"] = self._local(self._teacher_logps(self.teacher_params, *inputs, group_size=group))
         return batch.with_columns(cols)
 
@@ -312,6 +315,9 @@ class LMPolicyModule(PolicyRollout, PolicySetup, RLModule):
         loss = self.aggregate(per_token, batch)
         metrics = {"loss/policy": loss, "entropy": self.token_mean(entropy, batch),
                    "clip_frac": self.token_mean(info["clipped"], batch), "ratio/mean": self.token_mean(info["ratio"], batch)}
+        for rule in COVARIANCE_SELECTIONS:  # Clip-Cov / KL-Cov: the share of tokens the covariance rule picked
+            if rule in info:
+                metrics["cov/selected_frac"] = self.token_mean(info[rule], batch)
         if a.beta > 0 and "ref_logps" in batch:
             kl = kl_penalty(logps, batch["ref_logps"], a.kl_kind, a.kl_clamp, mask=batch["completion_mask"])
             metrics["kl"] = self.token_mean(kl, batch)

@@ -1,7 +1,8 @@
 """`algorithm.policy_loss`: the per-token policy objective an LM module trains with, by name.
 
 Each entry maps `(logps [N, C], batch, algorithm section)` to `(per_token_loss [N, C], info)` with
-`info["ratio"]` and `info["clipped"]` (the step's `ratio/mean` and `clip_frac`), calling the pure
+`info["ratio"]` and `info["clipped"]` (the step's `ratio/mean` and `clip_frac`; Clip-Cov and KL-Cov
+also their selected tokens, `cov/selected_frac`), calling the pure
 functions of `rlbolt.algorithms` with the section's fields. Rollout-correction weights
 (`importance_weights`, from `compute_logps`) multiply the per-token loss of the objectives that
 do not take them themselves.
@@ -24,6 +25,10 @@ from rlbolt.algorithms import (
     kl_cov_surrogate,
     sapo_surrogate,
 )
+
+# The info keys holding the tokens a covariance rule selected (Clip-Cov detaches them, KL-Cov
+# penalises them): the step's `cov/selected_frac`.
+COVARIANCE_SELECTIONS = ("cov_detached", "kl_penalised")
 
 Objective = Callable[[jax.Array, Mapping[str, Any], Any], tuple[jax.Array, dict[str, jax.Array]]]
 

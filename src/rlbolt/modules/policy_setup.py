@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -123,25 +124,31 @@ class PolicySetup(LoraHooks):
         return None if type(self).forward.__qualname__ == "LMPolicyModule.forward" else type(self).__name__
 
     def _setup_teacher(self, cfg, context: SetupContext) -> None:
-        """On-policy distillation: the teacher (`teacher=` or `algorithm.distill_teacher`) on the
-        training devices, its jitted logps forward; a teacher of another vocabulary is refused."""
+        """On-policy distillation: the teacher (`teacher=` or `algorithm.distill_teacher`) and its logps
+        forward, on the training devices or on its own (`placement.teacher`: `self.teacher_forward`, a
+        `PlacedReference`); a missing folder, another tokenizer or another vocabulary is refused."""
         if self.teacher is None and cfg.algorithm.distill_teacher is None:
             return
         field = "algorithm.distill_teacher"
+        plan = context.sharding_for("teacher")
+        apart = plan is not None and plan is not self.sharding
         if self.teacher is None:
-            path = cfg.algorithm.distill_teacher
-            teacher_tokenizer = lm_ops.load_tokenizer(path)
-            probe = "Distil: 12 + 7 = 19? <answer> yes </answer>"
-            if (teacher_tokenizer.vocab_size != self.tokenizer.vocab_size or teacher_tokenizer.eos_id != self.tokenizer.eos_id
-                    or list(teacher_tokenizer.encode(probe)) != list(self.tokenizer.encode(probe))):
-                raise ConfigError(f"{field}={path}: its tokenizer is not the student's ({teacher_tokenizer.vocab_size} vs "
-                                  f"{self.tokenizer.vocab_size} ids, or other ids for the same text); distillation "
-                                  "compares log-probs of the same token ids: use a teacher of the student's family")
-            self.teacher = lm_ops.build_model(dataclasses.replace(cfg.model, path=path, lora=None),
-                                              self.tokenizer.vocab_size, context.seed, self.sharding)
+            self.teacher = load_teacher(cfg.algorithm.distill_teacher, cfg.model, self.tokenizer, context.seed,
+                                        plan if apart else self.sharding)
         if self.teacher.config.vocab_size != self.model.config.vocab_size:
             raise ConfigError(f"{field}: the teacher's vocab_size {self.teacher.config.vocab_size} is not the "
                               f"student's {self.model.config.vocab_size}; use a teacher with the student's tokenizer")
+        if apart:  # the teacher's weights and forward only on its devices (placement.teacher)
+            from rlbolt.modules.reference import PlacedReference
+
+            rows = context.plan.logps_micro_batch_size
+            if rows % plan.batch_shards:
+                raise MeshError(f"plan.logps_micro_batch_size={rows} cannot be split over the teacher mesh's "
+                                f"{plan.batch_shards} batch shards; use a multiple of {plan.batch_shards}, or put "
+                                "placement.teacher's devices on mesh.tp")
+            self.teacher_forward = PlacedReference(self.teacher, None, plan, temperature=self._train_temperature)
+            self.teacher_params = self.teacher_forward.params
+            return
         teacher_graphdef, self.teacher_params = nnx.split(self.teacher)
         if self.sharding is not None:
             self.teacher_params = self.sharding.place(self.teacher_params)
@@ -159,7 +166,7 @@ class PolicySetup(LoraHooks):
         out = {"reference": per_device_bytes(self.ref_params)} if on_train else {}
         if self.lora is not None:
             out["frozen base"] = per_device_bytes(self.lora.base)
-        if self.teacher_params is not None:
+        if self.teacher_params is not None and self.teacher_forward is None:  # else on devices of its own
             out["teacher"] = per_device_bytes(self.teacher_params)
         rows = self.context.plan.rollout_micro_batch_size
         rows = 1 << max(0, (rows - 1).bit_length())  # the sampler pads a call to a power of two
@@ -185,6 +192,45 @@ class PolicySetup(LoraHooks):
             return self.lora.merged_model(policy)
         graphdef, _, rest = nnx.split(self.model, nnx.Param, ...)
         return nnx.merge(graphdef, policy, rest)
+
+
+def load_teacher(path: str, model_cfg, tokenizer, seed: int, sharding=None):
+    """The Decoder `algorithm.distill_teacher` names (a Hugging Face folder or a .gguf file), read
+    straight onto `sharding`'s devices; refused in one line when it is missing or its tokenizer
+    gives other ids than the student's `tokenizer`.
+
+    Args:
+      path: the teacher's folder or .gguf file.
+      model_cfg: the student's ModelSection (param_dtype applies to the teacher too).
+      tokenizer: the student's tokenizer.
+      seed: unused by a folder's weights; passed to the model builder.
+      sharding: the ShardingPlan the weights are read into (None: the default device).
+    """
+    field = f"algorithm.distill_teacher={path}"
+    if not Path(path).exists():
+        raise ConfigError(f"{field} does not exist; give a local Hugging Face model folder (config.json, *.safetensors "
+                          "and the student's tokenizer files) or a .gguf file")
+    try:
+        theirs = lm_ops.load_tokenizer(path)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{field}: its tokenizer cannot be read ({str(error).splitlines()[0]}); the teacher's "
+                          "folder must hold the student's tokenizer files") from None
+    probe = "Distil: 12 + 7 = 19? <answer> yes </answer>"
+    probe = "".join(ch for ch in probe if _encodes(tokenizer, ch)) or "0"
+    if (theirs.vocab_size != tokenizer.vocab_size or theirs.eos_id != tokenizer.eos_id
+            or list(theirs.encode(probe)) != list(tokenizer.encode(probe))):
+        raise ConfigError(f"{field}: its tokenizer is not the student's ({theirs.vocab_size} vs {tokenizer.vocab_size} "
+                          "ids, or other ids for the same text); distillation compares log-probs of the same token "
+                          "ids: use a teacher of the student's family")
+    return lm_ops.build_model(dataclasses.replace(model_cfg, path=path, lora=None), tokenizer.vocab_size, seed,
+                              sharding)
+
+
+def _encodes(tokenizer, text: str) -> bool:
+    try:
+        return bool(tokenizer.encode(text))
+    except ValueError:  # a character tokenizer without this character
+        return False
 
 
 def _config_for(cls: type, config: RunConfig | Mapping | None) -> RunConfig:

@@ -1,4 +1,5 @@
-"""The frozen reference model on devices of its own (`placement.reference: {devices: [a, b]}`).
+"""A frozen model on devices of its own: the reference (`placement.reference: {devices: [a, b]}`) or
+on-policy distillation's teacher (`placement.teacher`).
 
     ref = PlacedReference(model, train_plan, reference_plan, temperature=t)
     ref.params                       the frozen copy, only on the reference devices (placed once)
@@ -8,7 +9,9 @@ The copy is made once, at set-up, from the model's initial parameters: each leaf
 training devices as the reference mesh wants it and every shard copied to the device that holds
 that part (`rlbolt.distributed.placement.WeightSync`; a plain `device_put` when the reference
 mesh's fsdp x tp does not divide the training devices). Nothing of it stays on the training
-devices. The forward runs a view of the model whose activation constraints name the reference
+devices. A model that is not on the training devices (a teacher read from its folder straight onto
+its own devices) is passed with `train_plan=None` and placed with one `device_put` per leaf (none
+when its arrays are there already). The forward runs a view of the model whose activation constraints name the reference
 mesh (the view shares the model's structure, not its arrays): the logps micro batch is put on
 the reference mesh, and this process's rows come back to the host, where the advantage stage
 reads them.
@@ -37,12 +40,13 @@ class PlacedReference:
 
     Args:
       model: the policy model (an `rlbolt.models.Decoder`) holding the initial parameters.
-      train_plan: the training role's ShardingPlan (where `model`'s arrays live).
-      plan: the reference role's ShardingPlan (devices disjoint from training's).
+      train_plan: the training role's ShardingPlan (where `model`'s arrays live), or None when they
+        are not on the training devices.
+      plan: the role's ShardingPlan (devices disjoint from training's).
       temperature: the temperature the logps are taken at (the sampler's).
     """
 
-    def __init__(self, model: nnx.Module, train_plan: ShardingPlan, plan: ShardingPlan, *, temperature: float):
+    def __init__(self, model: nnx.Module, train_plan: ShardingPlan | None, plan: ShardingPlan, *, temperature: float):
         self.plan = plan
         view = nnx.merge(*nnx.split(model))  # same arrays, its own static activation settings
         if hasattr(view, "activation_sharding"):
@@ -66,7 +70,9 @@ class PlacedReference:
         return np.asarray(self.plan.local_rows(self._forward(params, *inputs)), np.float32)
 
 
-def _move(params: Any, source: ShardingPlan, target: ShardingPlan) -> Any:
+def _move(params: Any, source: ShardingPlan | None, target: ShardingPlan) -> Any:
+    if source is None:
+        return jax.block_until_ready(target.place(params))
     try:
         sync = WeightSync(source, target)
     except MeshError:  # shards cannot be cut on the training devices first: one device_put per leaf
