@@ -166,3 +166,10 @@ def test_bad_turns_are_refused_in_one_line():
         sampler.open_session([[4]], max_total_tokens=128)
     with pytest.raises(TypeError, match="unknown options"):
         sampler.open_session([[4]], max_total_tokens=8, beam=2)
+
+
+def test_the_sampler_declines_a_session_where_it_cannot_keep_caches():
+    # Recording MoE routing: the caller falls back to whole histories (HistorySession).
+    moe = tiny_config(vocab_size=VOCAB, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    sampler = NativeSampler(Decoder(moe, rngs=nnx.Rngs(0)), max_new_tokens=2, record_routing=True)
+    assert sampler.open_session([[4, 5]], max_total_tokens=8) is None

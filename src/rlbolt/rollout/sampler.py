@@ -168,12 +168,12 @@ class NativeSampler:
           **opts: per-session overrides of `max_new_tokens`, `temperature`, `top_k`, `top_p`.
 
         Returns:
-          The session, or None on a mesh or with `record_routing` (not supported there: the
-          caller falls back to `generate` over whole histories).
+          The session, or None on a mesh of several devices or with `record_routing` (not
+          supported there: the caller falls back to `generate` over whole histories).
         """
         from rlbolt.rollout.native_session import NativeSession
 
-        if self.sharding is not None or self.record_routing:
+        if (self.sharding is not None and self.sharding.mesh.size > 1) or self.record_routing:
             return None
         unknown = set(opts) - {"max_new_tokens", "temperature", "top_k", "top_p"}
         if unknown:
