@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from rlbolt.models import Decoder, tiny_config
-from rlbolt.rollout import NativeSampler
+from rlbolt.rollout import NativeSampler, native_session
 from rlbolt.rollout.session_decode import compiled_count
 from rlbolt.rollout.sessions import HistorySession
 
@@ -102,9 +102,27 @@ def test_a_kept_cache_samples_what_the_whole_history_samples(temperature):
     assert min(counts) < TURN_TOKENS <= max(counts)  # stop tokens end turns early, others run to C
 
 
-def test_a_kept_cache_matches_on_sliding_window_layers():
+def test_a_kept_cache_matches_on_sliding_window_layers_and_grows_in_steps(monkeypatch):
+    monkeypatch.setattr(native_session, "MIN_CACHE_SLOTS", 8)  # caches of 8, 16, then 31 slots
     model = _model(sliding_window=5, layer_types=("sliding_attention", "full_attention"))
+    sizes = []
+    real_turn = native_session.NativeSession.turn
+
+    def turn(self, *args):
+        out = real_turn(self, *args)
+        sizes.append(self._state.mask.shape[1])
+        return out
+
+    monkeypatch.setattr(native_session.NativeSession, "turn", turn)
     _compare(model, 1.0)
+    assert sizes[0] == 8 and sizes[-1] == 31 and sizes == sorted(sizes)  # grown as the episodes got longer
+
+
+def test_cache_sizes_are_max_total_tokens_and_a_few_halvings():
+    assert native_session.cache_sizes(513) == (72, 136, 264, 513)  # ceil(513 / 2^k) rounded up to 8
+    assert native_session.cache_sizes(129) == (72, 129)  # 40 and 24 are below the smallest (64)
+    assert native_session.cache_sizes(31) == (31,)
+    assert native_session.cache_sizes(31, smallest=8) == (8, 16, 31)
 
 
 def test_turns_compile_nothing_new_once_their_shapes_were_seen():
@@ -128,11 +146,11 @@ def test_turns_compile_nothing_new_once_their_shapes_were_seen():
 
 
 def test_leaving_episodes_shrink_the_cache_and_the_rest_continue():
-    sampler = _sampler(_model(), 1.0)
+    model = _model()
     prompts = [[4 + i, 5, 6] for i in range(8)]
     keys = _keys(8, seed=4)
-    session = sampler.open_session(prompts, max_total_tokens=40)
-    full = HistorySession(sampler.generate, prompts)
+    session = _sampler(model, 1.0).open_session(prompts, max_total_tokens=40)
+    full = HistorySession(_sampler(model, 1.0, micro_batch_size=8).generate, prompts)  # one shape per bucket
     assert session.rows == 8
     for turn, live in enumerate(([0, 1, 2, 3, 4, 5, 6, 7], [1, 3, 6], [6])):
         new = [[] if turn == 0 else [8, 9]] * len(live)

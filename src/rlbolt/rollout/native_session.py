@@ -1,13 +1,14 @@
 """NativeSession: the native sampler's multi-turn session (`rlbolt.rollout.engine.TurnSession`).
 
 `NativeSampler.open_session(prompts, max_total_tokens=T)` prefills each group's prompt once
-and sizes every episode's KV cache once (T + 1 slots after the prompt); each `turn` then
+and gives every episode a KV cache of at most T + 1 slots after the prompt; each `turn` then
 prefills only the ids that are new since the episode's last turn and samples the turn
 (`rlbolt.rollout.session_decode`). Compiled shapes stay bucketed: one executable per (rows,
-group, new-ids bucket, sampling options); the new ids of a turn are padded to a power of two
-(at least 8), and the rows shrink only to the sizes `rollout.compaction` allows (B, B/2, B/4),
-so turns after the first compile nothing new unless a longer environment reply needs a larger
-bucket.
+group, new-ids bucket, cache size, sampling options); the new ids of a turn are padded to a
+power of two (at least 8), the cache grows only through `cache_sizes(T + 1)` (at most four
+sizes: a decode step reads about what is filled, not all T + 1 slots), and the rows shrink only
+to the sizes `rollout.compaction` allows (B, B/2, B/4), so a turn compiles nothing once its
+shapes were seen.
 
 Episodes that are not passed to a turn have left the session: when the live ones fit a smaller
 size, their cache rows are gathered into a smaller cache (and each gets its own copy of its
@@ -25,9 +26,19 @@ from rlbolt.models.shared_prefix import prompt_group_size
 from rlbolt.rollout.compaction import compaction_sizes
 from rlbolt.rollout.engine import RolloutOutput, prompt_rows
 from rlbolt.rollout.sampling import SamplingParams
-from rlbolt.rollout.session_decode import _open_jit, _take_jit, _turn_jit
+from rlbolt.rollout.session_decode import _grow_jit, _open_jit, _take_jit, _turn_jit
 
 MIN_NEW_IDS_BUCKET = 8
+# The own cache grows through max_total_tokens + 1 over (S + 1) / 8, / 4, / 2 (rounded up to 8,
+# never below this): a decode step reads about what is filled, in at most four compiled sizes.
+MIN_CACHE_SLOTS = 64
+
+
+def cache_sizes(slots: int, smallest: int = MIN_CACHE_SLOTS) -> tuple[int, ...]:
+    """The own cache's sizes, ascending: `slots`, and its halvings (three at most, rounded up to a
+    multiple of 8) that are at least `smallest`."""
+    halves = {-(-slots // (2 ** k) // 8) * 8 for k in (1, 2, 3)}
+    return tuple(sorted({slots} | {h for h in halves if smallest <= h < slots}))
 
 
 def _next_power_of_two(n: int) -> int:
@@ -91,8 +102,9 @@ class NativeSession:
         self._noise_bytes, self._vocab = noise_upfront_max_bytes, vocab_size
         self._group = group
         self._sizes = compaction_sizes(batch)  # the row counts the cache may shrink to
+        self._slots = cache_sizes(max_total_tokens + 1, MIN_CACHE_SLOTS)
         self._state = _open_jit(params, ids[::group], mask[::group], graphdef=graphdef, group=group,
-                                slots=max_total_tokens + 1)
+                                slots=self._slots[0])
         self._row = np.arange(n)  # episode -> its row in the cache
         self._open = np.ones(n, bool)  # episodes still in the session
         self._last = np.array([r[-1] for r in rows], np.int32)  # each episode's id not fed yet
@@ -150,6 +162,11 @@ class NativeSession:
         self._shrink(episodes)
 
         fed = [np.concatenate([[self._last[e]], r]) for e, r in zip(episodes, new)]
+        # Room for every live row's whole turn (its fed ids, then C - 1 sampled ids fed back).
+        needed = max(1 + int(self._used[e]) + len(r) + self.sp.max_new_tokens - 1 for e, r in zip(episodes, new))
+        slots = next((s for s in self._slots if s >= needed), self._slots[-1])
+        if slots > self._state.mask.shape[1]:
+            self._state = _grow_jit(self._state, slots=slots)
         width = _new_ids_bucket(max(len(f) for f in fed))
         b = self.rows
         ids = np.full((b, width), self.sp.pad_id, np.int32)

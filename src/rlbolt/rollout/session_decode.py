@@ -7,7 +7,8 @@ Layout of one session (B rows, one per episode, G consecutive rows per group):
                              (left-padded: its real ids end at slot P - 1)
     own     [B, S]           everything after that, one row per episode, written from slot 0 on:
                              the prompt's last id, then every sampled and environment id that was
-                             fed; S = max_total_tokens + 1 slots, sized once at open
+                             fed; at most max_total_tokens + 1 slots (the host grows S in a few
+                             fixed steps, so a decode step reads only about what is filled)
 
 Own slot j holds the episode's id at RoPE position `start + j` (start = prompt length - 1) and
 sits at slot P + j right after the prefix, as in the full-history forward over
@@ -17,8 +18,9 @@ slots `length .. length + D - 1` and a slot past the cache is dropped, never cla
 filled one. A turn is a prefill of the new ids (the last turn's final sampled id, never fed by
 its decode loop, then the environment's delta), its first token from the last new id, then the
 decode loop; a row stops at a stop token, at the turn's max_new_tokens, or when its cache is
-full (it samples at most `S - length + 1` ids: one past max_total_tokens, so the caller sees
-the budget cut the turn).
+full. The host gives a turn a cache with room for every live row's whole turn unless that would
+pass max_total_tokens + 1 slots, so a full cache is the budget: the row samples at most one id
+past max_total_tokens, and the caller sees that the budget cut the turn.
 
 The Gumbel noise of token k is drawn from `fold_in(turn_key, k)`, as `rlbolt.rollout.decode`
 draws it, so a session's turn samples the tokens a `generate` call over the whole history
@@ -171,6 +173,14 @@ def _turn(params, state: SessionCache, new_ids, new_counts, live, rng_keys, *, g
     return carry.state, carry.ids, carry.mask, carry.logps, carry.step - 1
 
 
+def _grow(state: SessionCache, *, slots: int) -> SessionCache:
+    """The session's own caches with empty slots appended up to `slots`."""
+    extra = slots - state.mask.shape[1]
+    pad = lambda x, axis: jnp.pad(x, [(0, extra) if a == axis else (0, 0) for a in range(x.ndim)])  # noqa: E731
+    return state._replace(keys=tuple(pad(k, 3) for k in state.keys), values=tuple(pad(v, 2) for v in state.values),
+                          mask=pad(state.mask, 1))
+
+
 def _take(state: SessionCache, idx, *, group: int) -> SessionCache:
     """The session's rows `idx` (episodes leaving: the live ones kept), each with its own copy of
     its group's prefix row (the result has one prefix row per row: G = 1)."""
@@ -184,8 +194,9 @@ def _take(state: SessionCache, idx, *, group: int) -> SessionCache:
 _open_jit = jax.jit(_open, static_argnames=("graphdef", "group", "slots"))
 _turn_jit = jax.jit(_turn, static_argnames=("graphdef", "sp", "group", "noise_upfront"), donate_argnums=(1,))
 _take_jit = jax.jit(_take, static_argnames=("group",))
+_grow_jit = jax.jit(_grow, static_argnames=("slots",))
 
 
 def compiled_count() -> int:
-    """Executables compiled so far by the session functions (open, turn, take)."""
-    return _open_jit._cache_size() + _turn_jit._cache_size() + _take_jit._cache_size()
+    """Executables compiled so far by the session functions (open, turn, take, grow)."""
+    return sum(f._cache_size() for f in (_open_jit, _turn_jit, _take_jit, _grow_jit))
