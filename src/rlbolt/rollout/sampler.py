@@ -164,7 +164,7 @@ class NativeSampler:
 
         Args:
           prompt_ids: the N opening prompts as id lists.
-          max_total_tokens: the most ids after the prompt per episode (sizes the caches once).
+          max_total_tokens: the most ids after the prompt per episode (bounds the caches).
           **opts: per-session overrides of `max_new_tokens`, `temperature`, `top_k`, `top_p`.
 
         Returns:
