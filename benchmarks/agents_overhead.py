@@ -15,7 +15,7 @@ Prints a table and a final JSON line: seconds and sampled tokens of each, second
 token, each path's overhead ratio against single-turn, episodes per second, turns per episode,
 the share of time in the environment and the machine's load. `--quick`: 1 round instead of 5.
 
-    python benchmarks/agents_overhead.py [--quick]
+    python benchmarks/agents_overhead.py [--quick] [--slack 448]
 """
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ class EchoEnv:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="1 timed round")
+    parser.add_argument("--slack", type=int, default=64,
+                        help="max_total_tokens = the 64 sampled ids + this (a larger budget: larger caches)")
     args = parser.parse_args(argv)
     from rlbolt.utils.xla_flags import configure_xla_flags
 
@@ -65,7 +67,8 @@ def main(argv=None) -> dict:
     n, total = prompts * group, turns * turn_tokens
     tokenizer = demo_tokenizer()
     config = tiny_config(vocab_size=tokenizer.vocab_size, hidden_size=256, intermediate_size=768, num_layers=4,
-                         num_heads=4, num_kv_heads=2, head_dim=64, max_position_embeddings=512)
+                         num_heads=4, num_kv_heads=2, head_dim=64,
+                         max_position_embeddings=max(512, 2 * (total + args.slack)))
     model = Decoder(config, rngs=nnx.Rngs(0))
     rows = [{"prompt": str(i % 10)} for i in range(prompts) for _ in range(group)]
     keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(1), n)), np.uint32)
@@ -79,8 +82,8 @@ def main(argv=None) -> dict:
                   for r in rows]
     def episodes(engine):
         envs = [EchoEnv(r) for r in rows]
-        return run_episodes(engine, envs, keys, tokenizer=tokenizer, max_turns=turns, max_total_tokens=total + 64,
-                            max_turn_tokens=turn_tokens, stop_token_ids=stop)
+        return run_episodes(engine, envs, keys, tokenizer=tokenizer, max_turns=turns,
+                            max_total_tokens=total + args.slack, max_turn_tokens=turn_tokens, stop_token_ids=stop)
 
     calls = {"session": lambda: episodes(episodic),  # the engine's session: KV caches kept across turns
              "history": lambda: episodes(episodic.generate),  # a bare generate: whole histories every turn
@@ -101,7 +104,8 @@ def main(argv=None) -> dict:
     per_token = {k: median[k] / max(sampled[k], 1) for k in median}
     result = {
         "benchmark": "agents_overhead", "cpu": cpu_model(), "load_1min": os.getloadavg()[0], "rounds": rounds,
-        "episodes": n, "turns": turns, "turn_tokens": turn_tokens, "seconds": median, "sampled_tokens": sampled,
+        "episodes": n, "turns": turns, "turn_tokens": turn_tokens,
+        "max_total_tokens": total + args.slack, "seconds": median, "sampled_tokens": sampled,
         "seconds_per_sampled_token": per_token,
         "overhead_per_token": {k: per_token[k] / per_token["single"] for k in ("session", "history")},
         "episodes_per_s": {k: n / median[k] for k in ("session", "history")},
