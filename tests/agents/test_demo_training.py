@@ -8,6 +8,7 @@ from rlbolt import BatchPlan, Callback, Trainer
 from rlbolt.agents.demo_training import EpisodeGRPO, _demo_config
 from rlbolt.agents.tasks import DEMO_TASKS, demo_tokenizer
 from rlbolt.models import Decoder, tiny_config
+from rlbolt.rollout.native_session import NativeSession
 
 
 class Record(Callback):
@@ -18,7 +19,10 @@ class Record(Callback):
         self.infos.append(info)
 
 
-def test_episode_grpo_trains_on_multi_turn_batches(tmp_path):
+def test_episode_grpo_trains_on_multi_turn_batches(tmp_path, monkeypatch):
+    turns = []
+    real_turn = NativeSession.turn
+    monkeypatch.setattr(NativeSession, "turn", lambda self, *args: turns.append(args[0]) or real_turn(self, *args))
     task = DEMO_TASKS["guess"]
     rows, factory, limits = task.rows, task.env_factory, task.limits
     tok = demo_tokenizer()
@@ -30,6 +34,7 @@ def test_episode_grpo_trains_on_multi_turn_batches(tmp_path):
     Trainer(BatchPlan(prompts_per_step=4, num_generations=4), max_steps=2, seed=0, callbacks=[record],
             run_dir=tmp_path).fit(module, rows(32, 0))
     assert len(record.infos) == 2
+    assert len(turns) >= 2 and len(turns[0]) == 16  # the module's episodes kept their KV caches across turns
     for info in record.infos:
         m, batch = info.metrics, info.batch
         mask, seq = np.asarray(batch["completion_mask"]), np.asarray(batch["sequence_mask"])

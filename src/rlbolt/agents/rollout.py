@@ -1,17 +1,17 @@
-"""`run_episodes`: many multi-turn episodes at once, one batched generate call per turn.
+"""`run_episodes`: many multi-turn episodes at once, one batched engine call per turn.
 
-Each turn gathers every live episode's whole token history (prompt, sampled ids, environment
-ids) into one `engine.generate` call. Episode i's turn t is sampled with the key
-`fold_in(rng_keys[i], t)`, and the engine's completions depend only on a sample's key and
-prompt, so an episode's tokens do not depend on which other episodes share the batch or when
-they finish. Finished episodes leave the batch. An episode ends when its environment says done,
-after `max_turns` turns, when `max_total_tokens` (sampled + environment ids after the prompt)
-are spent, or when its environment's step raises or hangs (`env_error`); the reason is recorded
-per sample.
-
-Current limit: the KV cache is not kept across turns. Each turn re-prefills the episode's whole
-history, so a K-turn episode of L tokens costs about K prefills of up to P + L tokens instead of
-one. The engine also needs prompt buckets up to P + max_total_tokens.
+The episodes run in one multi-turn session of the engine (`rlbolt.rollout.sessions.open_session`):
+each turn passes every live episode's new ids (the environment's reply since its last turn) in
+one `session.turn` call. An engine with the session capability (the native sampler) keeps each
+episode's KV cache between turns and prefills only those ids; any other engine gets each live
+episode's whole history through `generate` every turn (`HistorySession`; vLLM's prefix cache
+then reuses what it can), and needs prompt buckets up to P + max_total_tokens. Episode i's turn
+t is sampled with the key `fold_in(rng_keys[i], t)`, and the engine's completions depend only on
+a sample's key and history, so an episode's tokens do not depend on which other episodes share
+the batch, when they finish, or which of the two paths ran it. Finished episodes leave the
+session. An episode ends when its environment says done, after `max_turns` turns, when
+`max_total_tokens` (sampled + environment ids after the prompt) are spent, or when its
+environment's step raises or hangs (`env_error`); the reason is recorded per sample.
 
 Environment steps of a turn run concurrently, one daemon thread each, with a time-out
 (`step_timeout_s`): a step that hangs ends only its own episode.
@@ -32,6 +32,7 @@ import numpy as np
 
 from rlbolt.agents.environment import Environment, StepResult
 from rlbolt.agents.episode import EpisodeState, TurnRenderer
+from rlbolt.rollout.sessions import open_session
 
 __all__ = ["EpisodeBatch", "run_episodes", "END_REASONS"]
 
@@ -183,7 +184,8 @@ def run_episodes(engine: Any, envs: Sequence[Environment], rng_keys: np.ndarray,
     """Runs N episodes to their end, batching each turn's generation over the live ones.
 
     Args:
-        engine: a `RolloutEngine` (its `generate`), or a callable with the same signature
+        engine: a `RolloutEngine` (one with `open_session` keeps each episode's KV cache across
+            turns), or a callable with `generate`'s signature
             `(prompt_ids: list[list[int]], rng_keys, **opts) -> RolloutOutput`.
         envs: N environments (one per sample: a group's G samples get G environments).
         rng_keys: [N, 2] uint32 raw threefry keys, one per sample (the `sample_keys` column).
@@ -217,7 +219,6 @@ def run_episodes(engine: Any, envs: Sequence[Environment], rng_keys: np.ndarray,
                          f"{keys.shape} {keys.dtype}")
     if prompt_ids is not None and len(prompt_ids) != n:
         raise ValueError(f"run_episodes: prompt_ids has {len(prompt_ids)} rows for {n} environments; pass one per env")
-    generate = engine.generate if hasattr(engine, "generate") else engine
     stops = set(int(t) for t in (stop_token_ids if stop_token_ids is not None else (tokenizer.eos_id,)))
     opts = {"max_new_tokens": max_turn_tokens, **({"temperature": temperature} if temperature is not None else {})}
 
@@ -244,11 +245,28 @@ def run_episodes(engine: Any, envs: Sequence[Environment], rng_keys: np.ndarray,
         renderers.append(renderer)
         states.append(state)
 
+    if n:
+        session = open_session(engine, [s.prompt for s in states], max_total_tokens=max_total_tokens, **opts)
+        try:
+            _run_turns(session, envs, states, renderers, keys, tokenizer, stops, max_turns, max_total_tokens,
+                       step_timeout_s)
+        finally:
+            session.close()
+    for state in states:  # the loop ran out of turns before these were stepped
+        if state.end_reason is None:
+            state.end_reason = "max_turns"
+    return _assemble(states, tokenizer, max_total_tokens)
+
+
+def _run_turns(session, envs, states, renderers, keys, tokenizer, stops, max_turns, max_total_tokens,
+               step_timeout_s) -> None:
+    """The turns of `run_episodes`: every live episode's turn in one session call, then its step."""
+    new_ids: dict[int, list[int]] = {i: [] for i in range(len(states))}  # ids since each episode's last turn
     for turn in range(max_turns):
         live = [i for i, s in enumerate(states) if not s.done]
         if not live:
             break
-        out = generate([states[i].history() for i in live], _turn_keys(keys[live], turn), **opts)
+        out = session.turn(live, [new_ids[i] for i in live], _turn_keys(keys[live], turn))
         texts, stopped = [], []
         for row, i in enumerate(live):
             state = states[i]
@@ -293,10 +311,7 @@ def run_episodes(engine: Any, envs: Sequence[Environment], rng_keys: np.ndarray,
                     state.end_reason = "budget"
                 else:
                     state.add_env_tokens(delta)
-    for state in states:  # the loop ran out of turns before these were stepped
-        if state.end_reason is None:
-            state.end_reason = "max_turns"
-    return _assemble(states, tokenizer, max_total_tokens)
+                    new_ids[i] = delta
 
 
 def _assemble(states: Sequence[EpisodeState], tokenizer: Any, width: int) -> EpisodeBatch:

@@ -80,11 +80,22 @@ class PolicyRollout:
         r = self.rollout_cfg
         prepared = self._rollout_params(params)  # once: every turn samples with the same weights
 
-        def generate(prompt_ids, rng_keys, **opts):
-            return self._generate(params, prompt_ids, rng_keys, opts.pop("temperature", temperature), version=version,
-                                  rollout_params=prepared, **opts)
+        module = self
 
-        episodes = run_episodes(generate, [self.env_factory(row) for row in rows], np.asarray(keys, np.uint32),
+        class Engine:  # what the episodes sample through: these weights, one engine call at a time
+            def generate(self, prompt_ids, rng_keys, **opts):
+                return module._generate(params, prompt_ids, rng_keys, opts.pop("temperature", temperature),
+                                        version=version, rollout_params=prepared, **opts)
+
+            def open_session(self, prompt_ids, *, max_total_tokens, **opts):  # None: turns go through generate
+                with module._engine_lock:
+                    handle = module.rollout_engine()
+                    return handle.open_session(prepared, handle.version if version is None else version, prompt_ids,
+                                               max_total_tokens=max_total_tokens,
+                                               keep=module.lora is None or not module.lora.merge_for_rollout,
+                                               **{"temperature": temperature, **opts})
+
+        episodes = run_episodes(Engine(), [self.env_factory(row) for row in rows], np.asarray(keys, np.uint32),
                                 tokenizer=self.tokenizer, prompt_ids=ids, max_turns=r.max_turns,
                                 max_total_tokens=self.completion_width, max_turn_tokens=r.max_new_tokens,
                                 temperature=temperature, step_timeout_s=r.env_step_timeout_s)

@@ -29,6 +29,21 @@ trainer uses that stamp to measure staleness in async mode. An engine that share
 trainer's arrays (colocated, native) may just keep a reference; a remote engine copies or
 reshards them.
 
+Multi-turn sessions (optional)
+------------------------------
+``open_session(prompt_ids, *, max_total_tokens, **opts) -> TurnSession | None``
+
+An engine that can keep each episode's KV cache between the turns of an agent episode
+implements this too (`SessionEngine`). The session holds N episodes, each opened on its prompt;
+``session.turn(episodes, new_ids, rng_keys)`` appends each listed episode's new ids (the
+environment's reply since its last turn) after what it already holds and samples the turn, so
+a later turn prefills only those ids. Episodes left out of a turn have left the session. The
+tokens and logps are those of ``generate`` over the episode's whole history with the same key
+(up to float32 rounding). ``None`` (or no such method) means the engine cannot here:
+`rlbolt.rollout.sessions.open_session` then falls back to `HistorySession`, which calls
+``generate`` with each episode's whole history every turn (an engine with a prefix cache, such
+as vLLM, reuses the shared prefix itself).
+
 Log-probabilities
 -----------------
 ``RolloutOutput.logps`` are the sampled tokens' log-probabilities under the temperature-scaled
@@ -132,3 +147,46 @@ def prompt_rows(prompt_ids: Sequence[Sequence[int]] | np.ndarray, prompt_mask: n
     if any(r.min() < 0 or r.max() >= vocab_size for r in rows):
         raise ValueError(f"generate: prompt ids must lie in [0, vocab_size={vocab_size}).")
     return rows
+
+
+@runtime_checkable
+class TurnSession(Protocol):
+    """N episodes whose turns an engine samples one after another (see the module docstring)."""
+
+    def turn(self, episodes: Sequence[int], new_ids: Sequence[Sequence[int]], rng_keys: np.ndarray) -> RolloutOutput:
+        """Appends each listed episode's new ids and samples its next turn.
+
+        Args:
+          episodes: the M episodes (indices into the opening prompts) taking this turn, ascending;
+            an episode left out has left the session for good.
+          new_ids: per listed episode, the ids after its last turn's sampled ids (empty on its
+            first turn); every sampled id of a continuing episode stays in its history.
+          rng_keys: [M, 2] uint32 raw threefry keys of this turn.
+
+        Returns:
+          A RolloutOutput of the M episodes, C == max_new_tokens.
+        """
+        ...
+
+    def close(self) -> None:
+        """Releases what the session holds (caches, weights)."""
+        ...
+
+
+@runtime_checkable
+class SessionEngine(Protocol):
+    """A RolloutEngine that can also open multi-turn sessions (the optional capability)."""
+
+    def open_session(self, prompt_ids: Sequence[Sequence[int]], *, max_total_tokens: int,
+                     **opts: Any) -> TurnSession | None:
+        """Opens a session of N episodes on their prompts with the current weights.
+
+        Args:
+          prompt_ids: the N opening prompts as id lists.
+          max_total_tokens: the most ids after the prompt per episode (sampled + new).
+          **opts: per-session overrides, as `generate`'s (e.g. `max_new_tokens`, `temperature`).
+
+        Returns:
+          The session, or None where this engine cannot keep caches (the caller falls back).
+        """
+        ...

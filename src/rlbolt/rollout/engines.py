@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from rlbolt.rollout.engine import RolloutEngine, RolloutOutput
+from rlbolt.rollout.engine import RolloutEngine, RolloutOutput, SessionEngine, TurnSession
 
 BUILT_IN = ("native", "vllm")
 
@@ -160,14 +160,35 @@ class EngineHandle:
           RuntimeError: the engine stamped another policy version than the weights it was given
             (it generated with other weights).
         """
-        if params is not self._params or version != self._version:  # held, so `is` stays meaningful
-            self.engine.update_weights(params, version)
-            self._params, self._version = params, version
+        self._push(params, version)
         out = self.engine.generate(prompt_ids, np.asarray(keys, np.uint32), **opts)
         if out.policy_version != version:
             raise RuntimeError(f"the rollout engine {type(self.engine).__name__} generated with policy version "
                                f"{out.policy_version}, but was given the weights of version {version}")
-        if not keep and self._release is not None:
+        if not keep:
+            self._let_go(version)
+        return out
+
+    def open_session(self, params: Any, version: int, prompt_ids: Sequence[Sequence[int]], *, max_total_tokens: int,
+                     keep: bool = True, **opts: Any) -> TurnSession | None:
+        """The engine's own multi-turn session with `params` (`SessionEngine.open_session`), or None
+        where the engine has none or declines (the caller then runs turns through `generate`:
+        `rlbolt.rollout.sessions.open_session`). The session holds its weights until closed, so
+        with `keep=False` the engine lets go of them at once."""
+        if not isinstance(self.engine, SessionEngine):
+            return None
+        self._push(params, version)
+        session = self.engine.open_session(prompt_ids, max_total_tokens=max_total_tokens, **opts)
+        if not keep:
+            self._let_go(version)
+        return session
+
+    def _push(self, params: Any, version: int) -> None:
+        if params is not self._params or version != self._version:  # held, so `is` stays meaningful
+            self.engine.update_weights(params, version)
+            self._params, self._version = params, version
+
+    def _let_go(self, version: int) -> None:
+        if self._release is not None:
             self.engine.update_weights(self._release, version)
             self._params = None
-        return out

@@ -158,6 +158,34 @@ class NativeSampler:
         """Executables compiled so far by all samplers (one per architecture x bucket x batch x options)."""
         return _generate_jit._cache_size()
 
+    def open_session(self, prompt_ids: Sequence[Sequence[int]], *, max_total_tokens: int, **opts: Any):
+        """Opens a multi-turn session that keeps each episode's KV cache between turns
+        (`rlbolt.rollout.native_session.NativeSession`; the protocol: `rlbolt.rollout.engine`).
+
+        Args:
+          prompt_ids: the N opening prompts as id lists.
+          max_total_tokens: the most ids after the prompt per episode (bounds the caches).
+          **opts: per-session overrides of `max_new_tokens`, `temperature`, `top_k`, `top_p`.
+
+        Returns:
+          The session, or None on a mesh of several devices or with `record_routing` (not
+          supported there: the caller falls back to `generate` over whole histories).
+        """
+        from rlbolt.rollout.native_session import NativeSession
+
+        if (self.sharding is not None and self.sharding.mesh.size > 1) or self.record_routing:
+            return None
+        unknown = set(opts) - {"max_new_tokens", "temperature", "top_k", "top_p"}
+        if unknown:
+            raise TypeError(f"open_session: unknown options {sorted(unknown)}; NativeSampler accepts "
+                            "max_new_tokens, temperature, top_k, top_p.")
+        sp = dataclasses.replace(self.sampling, **opts).validate(self.config.vocab_size) if opts else self.sampling
+        return NativeSession(self._graphdef, self._params, self.policy_version, prompt_ids,
+                             max_total_tokens=max_total_tokens, sp=sp, prompt_buckets=self.prompt_buckets,
+                             share_prompts=self.share_prompts, noise_upfront_max_bytes=self.noise_upfront_max_bytes,
+                             vocab_size=self.config.vocab_size,
+                             max_position_embeddings=self.config.max_position_embeddings)
+
     def _prepare_prompts(self, prompt_ids, prompt_mask, max_new_tokens, *, processes: bool = False):
         rows = prompt_rows(prompt_ids, prompt_mask, self.config.vocab_size)
         lengths = np.array([len(r) for r in rows])
