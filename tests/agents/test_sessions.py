@@ -116,3 +116,31 @@ def test_engines_without_sessions_get_whole_histories(engine_kind):
     assert calls[2][0] == prompt + ids[:len(calls[2][0]) - len(prompt)]
     assert len(calls[2][0]) > len(calls[1][0]) > len(prompt)
     assert not getattr(engine, "turns", [])
+
+
+def test_turn_keys_compile_once_whatever_the_live_count():
+    """Episodes leave at different turns, so the live count changes every turn; the turn keys are
+    computed for all N episodes and indexed, so no turn compiles a new program for its count (they
+    did, one per count: 125 compiles in 100 demo steps), and the keys are the per-episode ones."""
+    from rlbolt.agents.rollout import _turn_keys
+
+    n = 12
+    keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(5), n)), np.uint32)
+    live = np.array([0, 3, 4, 9])
+    np.testing.assert_array_equal(_turn_keys(keys, 2)[live], _turn_keys(keys[live], 2))  # the same keys
+
+    def run(turns_per_episode):
+        engine = ScriptedEngine(TOK, lambda history, key: "ok")
+        envs = [Replies(t) for t in turns_per_episode]
+        return run_episodes(engine, envs, keys, tokenizer=TOK, max_turns=4, max_turn_tokens=3, max_total_tokens=2000)
+
+    run([1, 2, 3, 4] * 3)  # warm-up: every turn's key program for N = 12
+    compiles = []
+    listener = lambda event, *a, **k: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        batch = run([4, 1, 1, 2, 3, 1, 4, 2, 2, 1, 3, 4])  # live counts 12, 8, 5, 3: new counts
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert batch.turns.tolist() == [4, 1, 1, 2, 3, 1, 4, 2, 2, 1, 3, 4]
+    assert compiles == []

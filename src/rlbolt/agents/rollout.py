@@ -266,7 +266,7 @@ def _run_turns(session, envs, states, renderers, keys, tokenizer, stops, max_tur
         live = [i for i, s in enumerate(states) if not s.done]
         if not live:
             break
-        out = session.turn(live, [new_ids[i] for i in live], _turn_keys(keys[live], turn))
+        out = session.turn(live, [new_ids[i] for i in live], _turn_keys(keys, turn)[live])  # all N: one shape, one compile
         texts, stopped = [], []
         for row, i in enumerate(live):
             state = states[i]
