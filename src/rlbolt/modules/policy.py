@@ -279,7 +279,8 @@ class LMPolicyModule(PolicyRollout, PolicySetup, RLModule):
         """One policy forward: (logps [N, C], entropy [N, C], aux) where aux feeds `extra_loss`."""
         logps, entropy = sequence_logps(self.graphdef, self.policy_params(params), *self._token_inputs(batch),
                                         temperature=self._train_temperature, with_entropy=True,
-                                        group_size=self.train_group_size)
+                                        group_size=self.train_group_size,
+                                        chunk_size=self.config.model.logits_chunk_tokens)
         return logps, entropy, {}
 
     def training_step(self, params: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:

@@ -89,7 +89,7 @@ class PolicySetup(LoraHooks):
         if self.algo.beta > 0 and self.lora is None and apart:  # the frozen copy lives only on its devices
             from rlbolt.modules.reference import PlacedReference
 
-            self.reference = PlacedReference(self.model, self.sharding, ref_plan, temperature=self._train_temperature)
+            self.reference = PlacedReference(self.model, self.sharding, ref_plan, **self._logps_options)
             self.ref_params = self.reference.params
         elif self.algo.beta > 0 and self.lora is None:
             # Parameters are immutable arrays and updates are functional, so holding the initial
@@ -100,12 +100,17 @@ class PolicySetup(LoraHooks):
         self.train_group_size = self._group_size(context.plan.train_micro_batch_size, context.plan)
         rows = {} if self.sharding is None else {"out_shardings": self.sharding.batch_sharding()}
         # compute_logps -> this jitted forward -> rlbolt.rollout.logps
-        self._logps = jax.jit(functools.partial(token_logps, self.graphdef, temperature=self._train_temperature),
+        self._logps = jax.jit(functools.partial(token_logps, self.graphdef, **self._logps_options),
                               static_argnames="group_size", **rows)
         if self.lora is not None:  # the reference is the base with the adapters off: no second copy
-            self._ref_logps = jax.jit(functools.partial(token_logps, self.lora.base_graphdef,
-                                                        temperature=self._train_temperature),
+            self._ref_logps = jax.jit(functools.partial(token_logps, self.lora.base_graphdef, **self._logps_options),
                                       static_argnames="group_size", **rows)
+
+    @property
+    def _logps_options(self) -> dict[str, Any]:
+        """What every logps forward is taken with: the sampler's temperature and the output
+        projection's chunk (`model.logits_chunk_tokens`)."""
+        return {"temperature": self._train_temperature, "chunk_size": self.config.model.logits_chunk_tokens}
 
     def _setup_teacher(self, cfg, context: SetupContext) -> None:
         """On-policy distillation: the teacher (`teacher=` or `algorithm.distill_teacher`) on the
@@ -131,7 +136,7 @@ class PolicySetup(LoraHooks):
         if self.sharding is not None:
             self.teacher_params = self.sharding.place(self.teacher_params)
         rows = {} if self.sharding is None else {"out_shardings": self.sharding.batch_sharding()}
-        self._teacher_logps = jax.jit(functools.partial(token_logps, teacher_graphdef, temperature=self._train_temperature),
+        self._teacher_logps = jax.jit(functools.partial(token_logps, teacher_graphdef, **self._logps_options),
                                       static_argnames="group_size", **rows)
 
     def memory_plan(self, sharding) -> dict[str, int]:
