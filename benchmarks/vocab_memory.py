@@ -11,17 +11,17 @@ the logits are what the memory is about. Micro batch: 8 rows (2 prompts x G=4), 
 For every point, two figures:
 - `temp`: the compiled program's scratch (`jit(...).lower(...).compile().memory_analysis()`,
   temp_size_in_bytes): computed, nothing runs, so it is given for every size;
-- `rss`: the peak resident memory of a fresh process that builds the model and runs the pass
-  once (`ru_maxrss`, compilation and the JAX runtime included), where the compiled figures say
-  it fits under `--rss-limit-gb` (the machine is shared); else skipped.
+- `rss`: the peak resident memory of a fresh process that builds the model and runs the training
+  step once (`ru_maxrss`, compilation and the JAX runtime included), over the vocabulary sweep,
+  where the compiled figures say it fits under `--rss-limit-gb` (the machine is shared).
 
 Variants: "off" (`logits_chunk_tokens: 0`, the plain expression), "previous" (the projection as
 it was before the setting: 128 positions of every row per chunk under `jax.checkpoint`, traced in
-place of the current one; compiled figures only) and the default chunk of 1,024 tokens ("on").
+place of the current one; compiled figures only) and the default chunk of 512 tokens ("on").
 
 Then the speed cost: one training micro batch's loss + gradient at the SmolLM2-135M shape (30
 layers, width 576, vocab 49,152, random float32 weights), 8 rows x (48 + 128) tokens, for off,
-previous, 256 and 1,024 tokens, taking turns for `--rounds` rounds (medians).
+previous, 256, 512 and 1,024 tokens, taking turns for `--rounds` rounds (medians).
 
     python benchmarks/vocab_memory.py                 # the tables and one JSON line
     python benchmarks/vocab_memory.py --quick         # tiny sizes (a smoke run; numbers mean little)
@@ -47,7 +47,7 @@ TRUNK = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim
 VOCABS = (32000, 49152, 151936)
 LENGTHS = (128, 512, 1024, 2048)  # completion tokens, at the largest vocabulary
 LENGTH_AT_VOCAB_SWEEP = 512
-CHUNK_ON = 1024  # the default of model.logits_chunk_tokens
+CHUNK_ON = 512  # the default of model.logits_chunk_tokens
 
 
 def _previous_chunked_logps(hidden, weight, targets, temperature, chunk_size, with_entropy, softcap=None):
@@ -206,8 +206,9 @@ def memory_sweep(points, rss_limit_bytes: float, rss_points: int | None = None) 
                 compiled = compiled_point(vocab, completion, variant, kind)
                 needed = compiled["temp_bytes"] + compiled["argument_bytes"] + compiled["output_bytes"]
                 row[f"temp_mb_{label}"] = compiled["temp_bytes"] / 1e6
-                if variant != "previous":  # RSS for off / on only (each is a fresh process: slow)
-                    wanted = needed < rss_limit_bytes and (rss_points is None or index < rss_points)
+                if variant != "previous":  # RSS of the training step, off / on (each a fresh process: slow)
+                    wanted = (kind == "train" and needed < rss_limit_bytes
+                              and (rss_points is None or index < rss_points))
                     row[f"rss_mb_{label}"] = _rss_in_subprocess(vocab, completion, variant, kind) if wanted else None
             rows.append(row)
             print(_memory_line(row), flush=True)
@@ -221,7 +222,7 @@ def _memory_line(r: dict) -> str:
             f"{rss(r['rss_mb_off'])} | {rss(r['rss_mb_on'])} |")
 
 
-TIMED_VARIANTS = ("off", "previous", "256", str(CHUNK_ON))
+TIMED_VARIANTS = ("off", "previous", "256", str(CHUNK_ON), "1024")
 
 
 def timing(config, completion: int, variants, rounds: int) -> dict:

@@ -36,7 +36,7 @@ class ModelSection:
     tokenizer: str | None = _f(None, "tokenizer folder; None: model.path, or a built-in character tokenizer for the tiny model")
     share_prompt: bool = _f(True, "run each prompt once per group of num_generations samples (rollout prefill, logps, training) instead of once per sample; same results to float32 rounding; stages whose micro batches split groups, and meshes with more than one batch shard, run unshared")
     lora: dict | None = _f(None, "train LoRA adapters on a frozen base: {rank: 8, alpha: 16, targets: [q, k, v, o, gate, up, down], quantize: null|int8|int4|nf4, rollout: merged|adapters} (omitted keys take these defaults; rollout defaults to adapters when quantized); None: train every parameter")
-    logits_chunk_tokens: int | None = _f(1024, "tokens per chunk of the output projection + log-softmax in the logps and training forwards (all rows of a micro batch together; the backward recomputes each chunk's logits), so the [B, T, V] float32 logits never exist at once; same results to float32 rounding; 0 or null: unchunked", at_least=0)
+    logits_chunk_tokens: int | None = _f(512, "tokens per chunk of the output projection + log-softmax in the logps and training forwards (all rows of a micro batch together; the backward recomputes each chunk's logits), so the [B, T, V] float32 logits never exist at once; same results to float32 rounding; 0 or null: unchunked", at_least=0)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-DEFAULT_LOGITS_CHUNK_TOKENS = 1024  # benchmarks/vocab_memory.py: memory flat from here down, speed within noise
+DEFAULT_LOGITS_CHUNK_TOKENS = 512  # benchmarks/vocab_memory.py (RESULTS.md): chunk x V x 4 bytes, one or two at a time
 
 
 def check_chunk_tokens(value, where: str = "chunk_tokens") -> int | None:
