@@ -276,7 +276,7 @@ def main(argv=None) -> dict:
     if not args.no_timing:
         config = smollm2_135m_config(num_layers=2) if args.quick else smollm2_135m_config()
         completion, rounds = (16, 1) if args.quick else (128, args.rounds)
-        seconds = timing(config, completion, TIMED_VARIANTS, rounds)
+        seconds = timing(config, completion, args.variants or TIMED_VARIANTS, rounds)
         print(f"\ntraining micro batch loss + gradient, SmolLM2-135M shape ({config.num_layers} layers, vocab "
               f"{config.vocab_size:,}), {ROWS} x ({PROMPT} + {completion}) tokens, median of {rounds} rounds")
         print("| logits | seconds | vs off |")
@@ -295,6 +295,8 @@ def _parse(argv):
     ap.add_argument("--no-timing", action="store_true", help="memory only")
     ap.add_argument("--no-memory", action="store_true", help="the SmolLM2-shape timing only")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds of the SmolLM2-shape step")
+    ap.add_argument("--variants", nargs="+", help=f"the timed variants (default {' '.join(TIMED_VARIANTS)}); "
+                    "off and previous are always wanted for the ratio")
     ap.add_argument("--rss-limit-gb", type=float, default=4.0,
                     help="run a point for its RSS only when its compiled buffers fit under this")
     ap.add_argument("--rss-point", nargs=4, metavar=("VOCAB", "COMPLETION", "VARIANT", "KIND"), help=argparse.SUPPRESS)
