@@ -1,8 +1,11 @@
 """The fused, token-chunked lm_head + log-softmax (`rlbolt.models.lm_head_logps`) against float64
-NumPy, against ordinary autodiff of the unchunked expression, and in memory: the compiled
-programs hold no [B, T, V] float32 buffer."""
+NumPy, against ordinary autodiff of the unchunked expression, on a data x tp mesh, and in memory:
+the compiled programs hold no [B, T, V] float32 buffer."""
 
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -202,3 +205,34 @@ def test_no_batch_by_time_by_vocab_buffer_is_compiled():
         # Chunked: nothing larger than one chunk of logits, and at most a few chunks at once.
         assert _largest_vocab_buffer(on.as_text(), vocab) <= chunk * vocab
         assert on.memory_analysis().temp_size_in_bytes <= 3 * 4 * chunk * vocab + 4 * 4 * h * vocab
+
+
+MESH_SCRIPT = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from rlbolt.models.lm_head_logps import lm_head_logps
+mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "tp"))
+rng = np.random.default_rng(0)
+h = jnp.asarray(rng.normal(size=(8, 13, 16)), jnp.float32)
+w = jnp.asarray(rng.normal(size=(16, 64)), jnp.float32)
+t = jnp.asarray(rng.integers(0, 64, (8, 13)), jnp.int32)
+g = jnp.asarray(rng.normal(size=(8, 13)), jnp.float32)
+def loss(h, w, chunk):
+    lp, en = lm_head_logps(h, w, t, chunk_tokens=chunk, with_entropy=True, softcap=3.0, temperature=0.8)
+    return jnp.sum(lp * g) + jnp.sum(en)
+want = jax.grad(loss, (0, 1))(h, w, 0)
+hs = jax.device_put(h, NamedSharding(mesh, P("data", None, None)))
+ws = jax.device_put(w, NamedSharding(mesh, P(None, "tp")))
+for chunk in (1, 24):
+    got = jax.jit(jax.grad(loss, (0, 1)), static_argnums=2)(hs, ws, chunk)
+    assert got[0].sharding.spec == P("data", None, None) and got[1].sharding.spec == P(None, "tp")
+    assert max(float(jnp.abs(a - b).max()) for a, b in zip(got, want)) < 1e-4
+print("ok")
+"""
+
+
+def test_rows_sharded_over_data_and_the_vocabulary_over_tp_give_the_one_device_gradients():
+    """8 CPU devices (a fresh process: the device count is fixed when JAX starts)."""
+    env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"}
+    out = subprocess.run([sys.executable, "-c", MESH_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
