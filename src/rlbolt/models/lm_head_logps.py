@@ -30,6 +30,7 @@ reference the tests compare against, and the "off" setting of `model.logits_chun
 from __future__ import annotations
 
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -45,10 +46,10 @@ def check_chunk_tokens(value, where: str = "chunk_tokens") -> int | None:
     """
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise ValueError(f"{where}={value!r} must be a whole number of tokens >= 1 per output-projection chunk, "
                          f"or 0 / null for no chunking (default {DEFAULT_LOGITS_CHUNK_TOKENS})")
-    return value
+    return int(value)
 
 
 def lm_head_logps(hidden: jax.Array, weight: jax.Array, targets: jax.Array, *, temperature: float = 1.0,
