@@ -236,3 +236,24 @@ def test_rows_sharded_over_data_and_the_vocabulary_over_tp_give_the_one_device_g
     env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"}
     out = subprocess.run([sys.executable, "-c", MESH_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_a_frozen_weight_gets_no_gradient_product():
+    """Under LoRA the lm_head (or tied table) is frozen: the backward must not form its [H, V] gradient."""
+    hidden, weight, targets, g_logps, g_entropy = _inputs(seed=4)
+    only_hidden = jax.make_jaxpr(jax.grad(lambda h: _loss(5, targets, g_logps, g_entropy, 1.0, None)(h, weight)[0]))
+    both = jax.make_jaxpr(jax.grad(lambda h, w: _loss(5, targets, g_logps, g_entropy, 1.0, None)(h, w)[0], (0, 1)))
+
+    def products(jaxpr):  # the shapes every matrix product makes, inner jaxprs (the scans) included
+        out = []
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                out += [tuple(v.aval.shape) for v in eqn.outvars]
+            for param in eqn.params.values():
+                inner = getattr(param, "jaxpr", param)
+                if hasattr(inner, "eqns"):
+                    out += products(inner)
+        return out
+
+    assert (H, V) in products(both(hidden, weight).jaxpr)  # the measure can fail
+    assert (H, V) not in products(only_hidden(hidden).jaxpr)

@@ -34,6 +34,7 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
 
 DEFAULT_LOGITS_CHUNK_TOKENS = 512  # benchmarks/vocab_memory.py (RESULTS.md): chunk x V x 4 bytes, one or two at a time
 
@@ -133,39 +134,52 @@ def _forward_all(hidden_chunks, weight, target_chunks, temperature, softcap, wit
 
 
 def _fused_fwd(hidden_chunks, weight, target_chunks, temperature, softcap, with_entropy):
+    # Symbolic zeros: each argument comes as (value, perturbed), so the backward forms only the
+    # gradients asked for (a frozen lm_head or tied table, as under LoRA, gets no [H, V] product).
+    wanted = (hidden_chunks.perturbed, weight.perturbed)
+    hidden_chunks, weight, target_chunks = hidden_chunks.value, weight.value, target_chunks.value
     logps, lse, entropy = _forward_all(hidden_chunks, weight, target_chunks, temperature, softcap, with_entropy)
     # Kept for the backward: the inputs (already alive) and one or two floats per token.
-    return (logps, entropy), (hidden_chunks, weight, target_chunks, lse, entropy)
+    return (logps, entropy), (hidden_chunks, weight, target_chunks, lse, entropy, wanted)
 
 
 def _fused_bwd(temperature, softcap, with_entropy, residuals, cotangents):
+    *arrays, (want_hidden, want_weight) = residuals
     # The barrier keeps XLA from merging the recomputed logits with the forward's (one jit holds both
     # passes): merged, a single-chunk call would keep the forward's logits alive into the backward.
-    hidden_chunks, weight, target_chunks, lse_chunks, entropy_chunks = jax.lax.optimization_barrier(residuals)
-    g_logps, g_entropy = cotangents
+    hidden_chunks, weight, target_chunks, lse_chunks, entropy_chunks = jax.lax.optimization_barrier(tuple(arrays))
+    g_logps, g_entropy = (None if isinstance(g, SymbolicZero) else g for g in cotangents)
+    if not with_entropy:
+        g_entropy = None
+    if (g_logps is None and g_entropy is None) or not (want_hidden or want_weight):
+        return None, None, None
     compute = jnp.result_type(hidden_chunks.dtype, weight.dtype)  # the dtype of the forward's product
 
     def one_chunk(grad_weight, args):
-        h, targets, lse, entropy, g_lp, g_ent = args  # [B, s, H], then [B, s] each
+        h, targets, lse, entropy, g_lp, g_ent = args  # [B, s, H], then [B, s] each (None: a zero cotangent)
         y, capped = _scaled_logits(h, weight, temperature, softcap)
         logp_all = y - lse[..., None]
         p = jnp.exp(logp_all)
-        vocab = jnp.arange(y.shape[-1], dtype=jnp.int32)
-        grad_y = jnp.where(vocab == targets[..., None], g_lp[..., None], 0.0) - p * g_lp[..., None]
-        if with_entropy:
+        grad_y = jnp.zeros_like(y)
+        if g_lp is not None:
+            vocab = jnp.arange(y.shape[-1], dtype=jnp.int32)
+            grad_y = jnp.where(vocab == targets[..., None], g_lp[..., None], 0.0) - p * g_lp[..., None]
+        if g_ent is not None:
             grad_y = grad_y - p * (logp_all + entropy[..., None]) * g_ent[..., None]
         grad_z = grad_y / temperature
         if softcap is not None:
             grad_z = grad_z * (1.0 - jnp.square(capped / softcap))
         grad_z = grad_z.astype(compute)
-        grad_h = jnp.dot(grad_z, weight.T).astype(hidden_chunks.dtype)
-        grad_weight = grad_weight + jnp.einsum("bsh,bsv->hv", h, grad_z, preferred_element_type=jnp.float32)
+        # grad_z W^T as one contraction over V (no transposed copy of the table is formed).
+        grad_h = jnp.einsum("bsv,hv->bsh", grad_z, weight).astype(hidden_chunks.dtype) if want_hidden else None
+        if want_weight:
+            grad_weight = grad_weight + jnp.einsum("bsh,bsv->hv", h, grad_z, preferred_element_type=jnp.float32)
         return grad_weight, grad_h
 
+    init = jnp.zeros(weight.shape, jnp.float32) if want_weight else None
     grad_weight, grad_hidden = jax.lax.scan(
-        one_chunk, jnp.zeros(weight.shape, jnp.float32),
-        (hidden_chunks, target_chunks, lse_chunks, entropy_chunks, g_logps, g_entropy))
-    return grad_hidden, grad_weight.astype(weight.dtype), None
+        one_chunk, init, (hidden_chunks, target_chunks, lse_chunks, entropy_chunks, g_logps, g_entropy))
+    return grad_hidden, None if grad_weight is None else grad_weight.astype(weight.dtype), None
 
 
-_fused.defvjp(_fused_fwd, _fused_bwd)
+_fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)
