@@ -21,6 +21,7 @@ import numpy as np
 
 from rlbolt.config import ConfigError
 from rlbolt.models.moe import load_balancing_loss
+from rlbolt.models.lm_head_logps import DEFAULT_LOGITS_CHUNK_TOKENS
 from rlbolt.rollout.logps import forward_routing, routed_token_logps
 
 ROUTING_COLUMNS = ("prompt_routing", "completion_routing")
@@ -99,7 +100,8 @@ def completion_load_balancing(experts: list[jax.Array], probs: list[jax.Array], 
 
 
 def logps_and_mismatch(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, prompt_routing,
-                       completion_routing, *, temperature: float, group_size: int = 1):
+                       completion_routing, *, temperature: float, group_size: int = 1,
+                       chunk_size: int | None = DEFAULT_LOGITS_CHUNK_TOKENS):
     """The logps forward without replay, and how its routing differs from the rollout's recorded one.
 
     Returns:
@@ -107,7 +109,8 @@ def logps_and_mismatch(graphdef, params, prompt_ids, prompt_mask, completion_ids
       routed tokens).
     """
     logps, _, experts, _ = routed_token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids,
-                                              completion_mask, temperature=temperature, group_size=group_size)
+                                              completion_mask, temperature=temperature, group_size=group_size,
+                                              chunk_size=chunk_size)
     routed, _ = routed_token_masks(prompt_mask, completion_mask, group_size)
     recorded = forward_routing((prompt_routing, completion_routing), group_size)
     mismatched, total = slot_mismatch(recorded, experts, routed)

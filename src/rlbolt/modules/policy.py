@@ -298,13 +298,15 @@ class LMPolicyModule(PolicyRollout, PolicySetup, RLModule):
         if not self.routes_in_training:
             logps, entropy = sequence_logps(self.graphdef, self.policy_params(params), *self._token_inputs(batch),
                                             temperature=self._train_temperature, with_entropy=True,
-                                            group_size=self.train_group_size)
+                                            group_size=self.train_group_size,
+                                            chunk_size=self.config.model.logits_chunk_tokens)
             return logps, entropy, {}
         # Mixture of experts with a router term: the forward also returns its routing (moe_routing.py).
         routing = tuple(batch[k] for k in ROUTING_COLUMNS) if self.algo.router_replay else None
         logps, entropy, experts, probs = routed_token_logps(
             self.graphdef, self.policy_params(params), *self._token_inputs(batch), temperature=self._train_temperature,
-            with_entropy=True, group_size=self.train_group_size, routing=routing)
+            with_entropy=True, group_size=self.train_group_size, routing=routing,
+            chunk_size=self.config.model.logits_chunk_tokens)
         return logps, entropy, {"router": (experts, probs)}
 
     def training_step(self, params: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:

@@ -96,7 +96,7 @@ class PolicySetup(LoraHooks):
         if self.algo.beta > 0 and self.lora is None and apart:  # the frozen copy lives only on its devices
             from rlbolt.modules.reference import PlacedReference
 
-            self.reference = PlacedReference(self.model, self.sharding, ref_plan, temperature=self._train_temperature)
+            self.reference = PlacedReference(self.model, self.sharding, ref_plan, **self._logps_options)
             self.ref_params = self.reference.params
         elif self.algo.beta > 0 and self.lora is None:
             # Parameters are immutable arrays and updates are functional, so holding the initial
@@ -107,21 +107,26 @@ class PolicySetup(LoraHooks):
         self.train_group_size = self._group_size(context.plan.train_micro_batch_size, context.plan)
         rows = {} if self.sharding is None else {"out_shardings": self.sharding.batch_sharding()}
         # compute_logps -> this jitted forward -> rlbolt.rollout.logps
-        self._logps = jax.jit(functools.partial(token_logps, self.graphdef, temperature=self._train_temperature),
+        self._logps = jax.jit(functools.partial(token_logps, self.graphdef, **self._logps_options),
                               static_argnames="group_size", **rows)
         if self.rollout_cfg.record_routing:  # the logps forward that also measures the routing mismatch
             self._logps_and_mismatch = jax.jit(functools.partial(
-                logps_and_mismatch, self.graphdef, temperature=self._train_temperature), static_argnames="group_size",
+                logps_and_mismatch, self.graphdef, **self._logps_options), static_argnames="group_size",
                 **({} if self.sharding is None else {"out_shardings": (self.sharding.batch_sharding(),
                                                                        self.sharding.replicated, self.sharding.replicated)}))
         if self.lora is not None:  # the reference is the base with the adapters off: no second copy
-            self._ref_logps = jax.jit(functools.partial(token_logps, self.lora.base_graphdef,
-                                                        temperature=self._train_temperature),
+            self._ref_logps = jax.jit(functools.partial(token_logps, self.lora.base_graphdef, **self._logps_options),
                                       static_argnames="group_size", **rows)
 
     def _own_forward(self) -> str | None:
         """The class's name when it replaces the shared policy forward (PPO's trunk), else None."""
         return None if type(self).forward.__qualname__ == "LMPolicyModule.forward" else type(self).__name__
+
+    @property
+    def _logps_options(self) -> dict[str, Any]:
+        """What every logps forward is taken with: the sampler's temperature and the output
+        projection's chunk (`model.logits_chunk_tokens`)."""
+        return {"temperature": self._train_temperature, "chunk_size": self.config.model.logits_chunk_tokens}
 
     def _setup_teacher(self, cfg, context: SetupContext) -> None:
         """On-policy distillation: the teacher (`teacher=` or `algorithm.distill_teacher`) and its logps
@@ -146,14 +151,14 @@ class PolicySetup(LoraHooks):
                 raise MeshError(f"plan.logps_micro_batch_size={rows} cannot be split over the teacher mesh's "
                                 f"{plan.batch_shards} batch shards; use a multiple of {plan.batch_shards}, or put "
                                 "placement.teacher's devices on mesh.tp")
-            self.teacher_forward = PlacedReference(self.teacher, None, plan, temperature=self._train_temperature)
+            self.teacher_forward = PlacedReference(self.teacher, None, plan, **self._logps_options)
             self.teacher_params = self.teacher_forward.params
             return
         teacher_graphdef, self.teacher_params = nnx.split(self.teacher)
         if self.sharding is not None:
             self.teacher_params = self.sharding.place(self.teacher_params)
         rows = {} if self.sharding is None else {"out_shardings": self.sharding.batch_sharding()}
-        self._teacher_logps = jax.jit(functools.partial(token_logps, teacher_graphdef, temperature=self._train_temperature),
+        self._teacher_logps = jax.jit(functools.partial(token_logps, teacher_graphdef, **self._logps_options),
                                       static_argnames="group_size", **rows)
 
     def memory_plan(self, sharding) -> dict[str, int]:

@@ -56,7 +56,8 @@ class PPO(LMPolicyModule):
         hidden, weight = completion_hidden(self.graphdef, params["policy"], prompt_ids, prompt_mask,
                                             completion_ids, completion_mask, group_size)
         logps, entropy = chunked_logps(hidden, weight, completion_ids.astype(jnp.int32), self._train_temperature,
-                                        128, with_entropy, self.model.config.final_logit_softcapping)  # Gemma 2
+                                        self.config.model.logits_chunk_tokens, with_entropy,
+                                        self.model.config.final_logit_softcapping)  # Gemma 2
         head = params["value_head"]
         values = (hidden.astype(jnp.float32) @ head["kernel"])[..., 0] + head["bias"][0]  # [B, C]
         mask = completion_mask.astype(bool)

@@ -30,6 +30,7 @@ from rlbolt.batch import Batch
 from rlbolt.distributed.mesh import MeshError
 from rlbolt.distributed.placement import WeightSync
 from rlbolt.distributed.sharding import ShardingPlan
+from rlbolt.models.lm_head_logps import DEFAULT_LOGITS_CHUNK_TOKENS
 from rlbolt.rollout.logps import token_logps
 
 TOKEN_COLUMNS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
@@ -44,9 +45,11 @@ class PlacedReference:
         are not on the training devices.
       plan: the role's ShardingPlan (devices disjoint from training's).
       temperature: the temperature the logps are taken at (the sampler's).
+      chunk_size: tokens per output-projection chunk (`model.logits_chunk_tokens`); 0 or None: unchunked.
     """
 
-    def __init__(self, model: nnx.Module, train_plan: ShardingPlan | None, plan: ShardingPlan, *, temperature: float):
+    def __init__(self, model: nnx.Module, train_plan: ShardingPlan | None, plan: ShardingPlan, *, temperature: float,
+                 chunk_size: int | None = DEFAULT_LOGITS_CHUNK_TOKENS):
         self.plan = plan
         view = nnx.merge(*nnx.split(model))  # same arrays, its own static activation settings
         if hasattr(view, "activation_sharding"):
@@ -55,7 +58,8 @@ class PlacedReference:
         self.graphdef = nnx.split(view)[0]
         del view
         self.params = _move(nnx.state(model, nnx.Param), train_plan, plan)
-        self._forward = jax.jit(functools.partial(token_logps, self.graphdef, temperature=temperature),
+        self._forward = jax.jit(functools.partial(token_logps, self.graphdef, temperature=temperature,
+                                                  chunk_size=chunk_size),
                                 out_shardings=plan.batch_sharding())
 
     def logps(self, params: Any, batch: Batch) -> np.ndarray:

@@ -1,9 +1,10 @@
-"""Per-token log-probabilities of completions, with the vocabulary projection done in time chunks.
+"""Per-token log-probabilities of completions, with the vocabulary projection done in token chunks.
 
 A [B, T, V] float32 logits array is the largest tensor in RL post-training (B=32, T=2k,
-V=150k is 39 GB), so the final hidden states go through the output projection `chunk_size`
-completion tokens at a time inside `lax.map`, each chunk under `jax.checkpoint` so the backward
-pass recomputes a chunk's logits instead of storing them all as residuals.
+V=150k is 39 GB), so the final hidden states go through the output projection about
+`chunk_size` tokens at a time (`rlbolt.models.lm_head_logps`: a fused projection + log-softmax
+whose own backward recomputes each chunk's logits), and the full logits never exist at once.
+`chunk_size` is `model.logits_chunk_tokens`; 0 or None runs the plain unchunked expression.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rlbolt.models.lm_head_logps import DEFAULT_LOGITS_CHUNK_TOKENS, lm_head_logps
 from rlbolt.models.moe import pop_routing, record_routing, replay_routing
 from rlbolt.models.shared_prefix import grouped_completion_hidden
 
@@ -84,38 +86,20 @@ def output_softcap(graphdef, params) -> float | None:
 
 
 def chunked_logps(hidden, weight, targets, temperature, chunk_size, with_entropy, softcap=None):
-    """lax.map over time chunks of `log_softmax(cap(hidden @ weight) / temperature)` gathered at targets.
+    """`log_softmax(cap(hidden @ weight) / temperature)` gathered at targets, and the entropy (zeros
+    unless `with_entropy`), about `chunk_size` tokens at a time (`rlbolt.models.lm_head_logps`).
 
     `softcap`: the final logit soft-capping c (`c * tanh(logits / c)`, applied before the
     temperature as the sampler does) or None; pass `output_softcap(graphdef, params)`.
+    `chunk_size`: tokens per chunk, all rows together; 0 or None: unchunked.
     """
-    b, c, h = hidden.shape
-    chunk = max(1, min(chunk_size, c))
-    n_chunks = -(-c // chunk)
-    pad = n_chunks * chunk - c
-    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n_chunks, chunk, h).swapaxes(0, 1)
-    targets = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n_chunks, chunk).swapaxes(0, 1)
-
-    @jax.checkpoint
-    def one_chunk(args):
-        h_chunk, t_chunk = args  # [B, chunk, H], [B, chunk]
-        logits = jnp.dot(h_chunk, weight).astype(jnp.float32)
-        if softcap is not None:
-            logits = softcap * jnp.tanh(logits / softcap)
-        logits = logits / temperature
-        logp_all = jax.nn.log_softmax(logits, axis=-1)
-        logp = jnp.take_along_axis(logp_all, t_chunk[..., None], axis=-1)[..., 0]
-        if not with_entropy:
-            return logp, jnp.zeros_like(logp)
-        return logp, -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
-
-    logps, entropy = jax.lax.map(one_chunk, (hidden, targets))
-    unchunk = lambda x: x.swapaxes(0, 1).reshape(b, n_chunks * chunk)[:, :c]
-    return unchunk(logps), unchunk(entropy)
+    return lm_head_logps(hidden, weight, targets, temperature=temperature, softcap=softcap, chunk_tokens=chunk_size,
+                         with_entropy=with_entropy)
 
 
 def token_logps_and_entropy(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
-                            temperature: float = 1.0, chunk_size: int = 128, group_size: int = 1, routing=None):
+                            temperature: float = 1.0, chunk_size: int | None = DEFAULT_LOGITS_CHUNK_TOKENS,
+                            group_size: int = 1, routing=None):
     """Log-probabilities and entropies of completion tokens under the temperature-scaled policy.
 
     Pure and jittable; differentiable w.r.t. `params`. The sequence is `prompt | completion`,
@@ -130,8 +114,9 @@ def token_logps_and_entropy(graphdef, params, prompt_ids, prompt_mask, completio
       completion_ids: [B, C] int32, right-padded.
       completion_mask: [B, C] bool.
       temperature: logits are divided by it before log_softmax (must match the sampler's).
-      chunk_size: completion tokens per output-projection chunk; peak extra memory is about
-        B * chunk_size * V * 4 bytes.
+      chunk_size: tokens per output-projection chunk, all rows together (every row's next
+        max(1, chunk_size // B) positions); each pass then holds about two chunk_size x V float32
+        blocks instead of [B, C, V]. 0 or None: unchunked (`model.logits_chunk_tokens`).
       group_size: G > 1 when rows come in groups of G consecutive rows with the same prompt:
         each group's prompt then runs once (same results to float32 rounding; B % G == 0).
       routing: mixture-of-experts models: None routes as the router decides; the rollout's
@@ -151,7 +136,8 @@ def token_logps_and_entropy(graphdef, params, prompt_ids, prompt_mask, completio
 
 
 def token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
-                temperature: float = 1.0, chunk_size: int = 128, group_size: int = 1, routing=None):
+                temperature: float = 1.0, chunk_size: int | None = DEFAULT_LOGITS_CHUNK_TOKENS, group_size: int = 1,
+                routing=None):
     """Log-probabilities of completion tokens; `token_logps_and_entropy` without the entropy work.
 
     Args:
@@ -162,7 +148,7 @@ def token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, compl
       completion_ids: [B, C] int32, right-padded.
       completion_mask: [B, C] bool.
       temperature: logits are divided by it before log_softmax.
-      chunk_size: completion tokens per output-projection chunk.
+      chunk_size: tokens per output-projection chunk, all rows together; 0 or None: unchunked.
       group_size: G > 1 runs each group's prompt once (see `token_logps_and_entropy`).
       routing: the rollout's experts for router replay (see `token_logps_and_entropy`); None: off.
 
@@ -179,19 +165,21 @@ def token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, compl
 
 
 def sequence_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
-                   temperature: float, with_entropy: bool, group_size: int = 1):
+                   temperature: float, with_entropy: bool, group_size: int = 1,
+                   chunk_size: int | None = DEFAULT_LOGITS_CHUNK_TOKENS):
     """(logps [B, C], entropy [B, C] or None) of the completion tokens: `token_logps_and_entropy`
-    when the entropy is wanted, else `token_logps` (jittable; `group_size` as there). The one
-    function the LM modules' logps and training forwards call."""
+    when the entropy is wanted, else `token_logps` (jittable; `group_size`, `chunk_size` as there).
+    The one function the LM modules' logps and training forwards call."""
     if with_entropy:
         return token_logps_and_entropy(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                       temperature=temperature, group_size=group_size)
+                                       temperature=temperature, group_size=group_size, chunk_size=chunk_size)
     return token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                       temperature=temperature, group_size=group_size), None
+                       temperature=temperature, group_size=group_size, chunk_size=chunk_size), None
 
 
 def token_logps_and_routing(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
-                            temperature: float = 1.0, chunk_size: int = 128, group_size: int = 1, routing=None):
+                            temperature: float = 1.0, chunk_size: int | None = DEFAULT_LOGITS_CHUNK_TOKENS,
+                            group_size: int = 1, routing=None):
     """`token_logps` of a mixture-of-experts model plus the routing its forward used, for the
     load-balancing loss (`rlbolt.models.moe.load_balancing_loss`) and the routing-mismatch metric.
 
@@ -214,7 +202,8 @@ def token_logps_and_routing(graphdef, params, prompt_ids, prompt_mask, completio
 
 
 def routed_token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
-                       temperature: float = 1.0, with_entropy: bool = False, chunk_size: int = 128,
+                       temperature: float = 1.0, with_entropy: bool = False,
+                       chunk_size: int | None = DEFAULT_LOGITS_CHUNK_TOKENS,
                        group_size: int = 1, routing=None):
     """`sequence_logps` of a mixture-of-experts model plus the routing its forward used: what the LM
     modules' training and logps forwards call when a router term is on (aux loss, replay, mismatch).
