@@ -73,7 +73,7 @@ def measure_bound(cfg, sequences: int, prompt_len: int, new_tokens: int, repeats
     def decode(ws, hd, x):
         def body(_, x):
             x, logits = forward(ws, hd, x)
-            return x + logits[:, :h] * 1e-3
+            return x + logits[:, :1] * 1e-3  # [S, 1]: the next step needs this one (any V)
 
         return jax.lax.fori_loop(0, steps, body, x)
 

@@ -50,7 +50,7 @@ def main(argv=None) -> dict:
     from rlbolt.rollout.logps import completion_hidden, token_logps
 
     load_start = os.getloadavg()
-    config = smollm2_135m_config(**({"num_layers": 2} if args.quick else {}))
+    config = smollm2_135m_config(num_layers=2 if args.quick else args.layers)
     c, rows = (16 if args.quick else args.completion), args.rows
     rng = np.random.default_rng(0)
     prompts = np.repeat(np.asarray([chat_prompt_ids(rng, config.vocab_size, PROMPT_LEN)
@@ -109,6 +109,8 @@ def main(argv=None) -> dict:
 def _parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--completion", type=int, default=128, help="completion tokens per row")
+    ap.add_argument("--layers", type=int, default=30,
+                    help="layers (fewer: per-layer costs scale by 30 / layers, the lm_head's stays; cheaper on a busy box)")
     ap.add_argument("--rows", type=int, default=8, help="rows of the micro batch (whole groups of 4)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds the variants take turns")
     ap.add_argument("--quick", action="store_true", help="2 layers, 16 tokens, for a smoke run")

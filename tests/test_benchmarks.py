@@ -52,6 +52,7 @@ REAL_SHAPE_FIELDS = {"completion", "runs", "step_s_median", "split", "bound_spli
                      "compiles_after_warmup", "load_avg", "train_micro", "layers", "vocab", "sequences", "prompt_len"}
 
 
+@pytest.mark.slow  # ~40 s of CPU (90 s wall on a quiet 2-core box): the 49k-vocabulary lm_head dominates even on 2 layers
 def test_real_shape_benchmark_quick_mode():
     """`--preset smollm2 --quick`: SmolLM2-135M's shapes on 2 layers, 32 new tokens, in a child process."""
     out, result = _last_json("grpo_step.py", "--preset", "smollm2")
