@@ -33,14 +33,22 @@ from flops import step_flops  # noqa: E402
 
 
 def measure_bound(cfg, sequences: int, prompt_len: int, new_tokens: int, repeats: int = 7,
-                  matmul_gflops: float | None = None, group: int = 1) -> dict:
+                  matmul_gflops: float | None = None, group: int = 1, pieces: int = 1,
+                  decode_steps: int | None = None) -> dict:
     """Times the step's dense products per phase; returns times, the bound and the ratios.
 
     `matmul_gflops`: the ceiling the caller already measured (grpo_step.py), so both of its
     ratios share one denominator; None times the 1024^3 matmul here, before and after the phases.
     `group` G > 1: the products of the prompt-shared step (each group's prompt once: the prefill
     over S / G x P tokens, ref and update over S / G x P + S x C tokens).
+    `pieces` > 1: ref and update are timed on 1 / pieces of the tokens (a train micro batch's
+    share, whole groups) and the time multiplied by `pieces`: at real shapes the products in one
+    piece would hold every token's [tokens, V] logits and activations at once (C=512: > 15 GB).
+    `decode_steps`: time this many decode steps and scale to C - 1 (every step runs the same
+    products; the bound leaves attention out, so a step's cost does not grow with the cache).
     """
+    if sequences % (pieces * group):
+        raise ValueError(f"measure_bound pieces={pieces} must split the {sequences} sequences into whole groups of {group}")
     import jax
     import jax.numpy as jnp
 
@@ -60,19 +68,21 @@ def measure_bound(cfg, sequences: int, prompt_len: int, new_tokens: int, repeats
             x = x + (x @ w["gu"])[:, :i] @ w["d"]
         return x, x @ hd
 
+    steps = new_tokens - 1 if decode_steps is None else max(1, min(decode_steps, new_tokens - 1))
+
     def decode(ws, hd, x):
         def body(_, x):
             x, logits = forward(ws, hd, x)
-            return x + logits[:, :h] * 1e-3
+            return x + logits[:, :1] * 1e-3  # [S, 1]: the next step needs this one (any V)
 
-        return jax.lax.fori_loop(0, new_tokens - 1, body, x)
+        return jax.lax.fori_loop(0, steps, body, x)
 
     def loss(ws, hd, x):
         x, logits = forward(ws, hd, x)
         return jnp.sum(logits) + jnp.sum(x)
 
     prompt_tokens = sequences // group * prompt_len
-    tokens = prompt_tokens + sequences * new_tokens
+    tokens = (prompt_tokens + sequences * new_tokens) // pieces
     # Weights are arguments, not closed-over constants: XLA would constant-fold the products.
     phases = {
         "prefill": (jax.jit(forward), normal(prompt_tokens, h)),
@@ -84,6 +94,9 @@ def measure_bound(cfg, sequences: int, prompt_len: int, new_tokens: int, repeats
     if matmul_gflops is None:
         calls["matmul"] = (jax.jit(lambda a: a @ a), (normal(1024, 1024),))
     times = _time_blocks(calls, repeats)
+    times["decode"] *= (new_tokens - 1) / steps
+    times["ref"] *= pieces
+    times["update"] *= pieces
     if matmul_gflops is None:
         matmul_gflops = 2 * 1024 ** 3 / times.pop("matmul") / 1e9
     flops = step_flops(cfg, sequences, prompt_len, new_tokens, group)["total"] / 1e9

@@ -21,6 +21,8 @@ The prompt runs once per group (model.share_prompt, `shared_prompt: true`) unles
     python benchmarks/grpo_step.py --quick    # 2 steps (CI keeps it from rotting; numbers not asserted)
     python benchmarks/grpo_step.py --no-share-prompt   # every sample runs its own prompt (the A/B)
     python benchmarks/grpo_step.py --preset gpu   # Qwen2.5-0.5B shape, bf16, 64x8, 256 + 512 tokens
+    python benchmarks/grpo_step.py --preset smollm2   # real shapes on CPU: 32, 128, 512 new tokens (real_shapes.py)
+    python benchmarks/grpo_step.py --preset smollm2 --completion 128   # one length, in this process
     python benchmarks/grpo_step.py --lora 8       # LoRA rank 8 (alpha 16) on all seven projections
     python benchmarks/grpo_step.py --lora 8 --lora-quantize nf4   # QLoRA: the base stored in 4 bits by qwix
     python benchmarks/grpo_step.py --lora 8 --lora-rollout adapters  # adapters on the fly in the sampler
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import sys
@@ -49,6 +52,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ceiling import measure_bound, time_calls  # noqa: E402
 from flops import decode_bytes, duplicate_prompt_share, step_flops  # noqa: E402
+from machine import cpu_model  # noqa: E402
+from shapes import chat_prompt_ids, smollm2_135m_config  # noqa: E402
 
 PRESETS = {
     "cpu": dict(prompts=8, generations=4, prompt_len=32, new_tokens=64, steps=12, train_micro=8, model={}),
@@ -56,6 +61,11 @@ PRESETS = {
         vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64,
         intermediate_size=4864, rope_theta=1_000_000.0, max_position_embeddings=32768, tie_word_embeddings=True,
         attention_bias=True, param_dtype="bfloat16", architecture="Qwen2ForCausalLM")),
+    # SmolLM2-135M's architecture (benchmarks/shapes.py), float32, 48-token ChatML-shaped prompts,
+    # one process per completion length (real_shapes.py). Train micro 4 at 512 new tokens: 8 rows
+    # of 560 tokens keep ~7 GB of activations through 30 layers. Steps 2..3 are measured.
+    "smollm2": dict(prompts=8, generations=4, prompt_len=48, completions=(32, 128, 512), steps=3, warmup=1,
+                    train_micro={32: 8, 128: 8, 512: 4}, model="smollm2"),
 }
 
 
@@ -63,6 +73,13 @@ def main(argv=None) -> dict:
     args = _parse(argv)
     from rlbolt.utils.xla_flags import configure_xla_flags
 
+    p = dict(PRESETS[args.preset])
+    if "completions" in p and args.completion is None:  # every length, each in its own process
+        from real_shapes import run_lengths
+
+        return run_lengths(Path(__file__).resolve(), argv if argv is not None else sys.argv[1:],
+                           (32,) if args.quick else p["completions"], args.rounds)
+    load_start = os.getloadavg()
     applied = configure_xla_flags(enable=not args.no_xla_flags)
     import jax
 
@@ -78,12 +95,24 @@ def main(argv=None) -> dict:
     from rlbolt.plan import BatchPlan
     from rlbolt.trainer import Trainer
 
-    p = dict(PRESETS[args.preset])
+    real = p["model"] == "smollm2"
+    if args.completion is not None:
+        p["new_tokens"] = args.completion
+    train_micro = p["train_micro"]
+    if isinstance(train_micro, dict):  # per completion length
+        train_micro = train_micro.get(p["new_tokens"], min(train_micro.values()))
     steps = 2 if args.quick else args.steps or p["steps"]
-    config = workload_config(**p["model"])
+    if real:  # --quick: 2 layers (the 49k vocabulary kept), so CI can afford it
+        config = smollm2_135m_config(**({"num_layers": 2} if args.quick else {}))
+    else:
+        config = workload_config(**p["model"])
     vocab = config.vocab_size
     rng = np.random.default_rng(0)
-    rows = [{"prompt": " ".join(map(str, rng.integers(2, vocab, p["prompt_len"])))} for _ in range(p["prompts"] * steps)]
+    if real:
+        rows = [{"prompt": " ".join(map(str, chat_prompt_ids(rng, vocab, p["prompt_len"])))}
+                for _ in range(p["prompts"] * steps)]
+    else:
+        rows = [{"prompt": " ".join(map(str, rng.integers(2, vocab, p["prompt_len"])))} for _ in range(p["prompts"] * steps)]
 
     def even_fraction(completion: str, sample) -> float:
         ids = completion.split()
@@ -118,19 +147,23 @@ def main(argv=None) -> dict:
     # over train micro batches (cpu: 8): the same update, a 5x smaller activation footprint,
     # and no slower on this CPU (RESULTS.md).
     plan = BatchPlan(prompts_per_step=p["prompts"], num_generations=p["generations"],
-                     train_micro_batch_size=args.train_micro or p["train_micro"], logps_micro_batch_size=args.logps_micro)
+                     train_micro_batch_size=args.train_micro or train_micro, logps_micro_batch_size=args.logps_micro)
     trainer = Trainer(plan, max_steps=steps, seed=0, shuffle=False, mesh=json.loads(args.mesh) if args.mesh else None)
     trainer.callbacks = type(trainer.callbacks)([rec])
     state = trainer.fit(module, rows)
     fit_peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before the floor loop adds its own
     memory = _memory(trainer, state, rec.last)
 
-    measured = slice(2, None) if steps > 2 else slice(0, None)  # steps 3..12 (1-based)
+    warmup = p.get("warmup", 2)
+    measured = slice(warmup, None) if steps > warmup else slice(0, None)  # steps 3..12 (1-based); smollm2 2..3
     step_s = [m["time/step"] for m in rec.metrics]
     split = {k: _median([m[f"time/{k}"] for m in rec.metrics[measured]]) for k in ("rollout", "logps", "reward", "update")}
     step_median = _median(step_s[measured])
     split["other"] = max(step_median - sum(split.values()), 0.0)
-    floor, floor_split = _floor_step_s(module, trainer, state, rec.last, repeats=max(3, len(step_s[measured])))
+    if real and not args.floor:  # a bare loop of the same calls costs more steps again at these shapes
+        floor, floor_split = None, {}
+    else:
+        floor, floor_split = _floor_step_s(module, trainer, state, rec.last, repeats=max(3, len(step_s[measured])))
     matmul = _matmul_gflops(args.preset)
     sequences, group = p["prompts"] * p["generations"], p["generations"]
     shared = module.train_group_size > 1  # the training forward shares (so do rollout and logps here)
@@ -142,6 +175,10 @@ def main(argv=None) -> dict:
                                           repeats=2 if args.quick else 7, matmul_gflops=matmul, group=g)
         bound = measure(group if shared else 1)
         unshared_bound = measure(1) if shared else bound
+    elif real and not args.no_bound:  # ref and update in train-micro pieces, 32 decode steps scaled to C - 1
+        bound = measure_bound(config, sequences, p["prompt_len"], p["new_tokens"], repeats=1 if args.quick else 3,
+                              matmul_gflops=matmul, group=group if shared else 1,
+                              pieces=sequences // plan.train_micro_batch_size, decode_steps=4 if args.quick else 32)
     gen_tokens = p["prompts"] * p["generations"] * p["new_tokens"]
     result = {
         "system": "rlbolt",
@@ -162,7 +199,7 @@ def main(argv=None) -> dict:
         "matmul_gflops": matmul,
         "floor_step_s": floor,
         "floor_split": floor_split,
-        "overhead_ratio": step_median / floor,
+        "overhead_ratio": floor and step_median / floor,
         "bound_step_s": bound and bound["bound_step_s"],
         "bound_ratio": bound and bound["bound_ratio"],
         "step_over_bound": bound and step_median / bound["bound_step_s"],
@@ -176,12 +213,28 @@ def main(argv=None) -> dict:
         "lora": lora,
         "lora_rollout": module.lora.config.rollout if lora else None,
         "trainable_params": sum(x.size for x in jax.tree.leaves(state.params)),
+        "completion": p["new_tokens"],
+        "prompt_len": p["prompt_len"],
+        "sequences": sequences,
+        "train_micro": plan.train_micro_batch_size,
+        "layers": config.num_layers,
+        "vocab": vocab,
+        "phase_over_bound": bound and _phase_over_bound(split, bound["times_s"]),
+        "update_over_bound": bound and split["update"] / bound["times_s"]["update"],
+        "cpu_model": cpu_model(),
+        "load_avg": [*load_start, *os.getloadavg()],  # 1/5/15-min load at the start, then at the end
         **memory,
         **_utilisation(config, p, flops, split),
     }
     _print_table(result, flops)
     print(json.dumps(result))
     return result
+
+
+def _phase_over_bound(split: dict, bound_times: dict) -> dict:
+    """Each phase of the step against its products alone: rollout / (prefill + decode), logps / ref, update / update."""
+    return {"rollout": split["rollout"] / (bound_times["prefill"] + bound_times["decode"]),
+            "logps": split["logps"] / bound_times["ref"], "update": split["update"] / bound_times["update"]}
 
 
 def _floor_step_s(module, trainer, state, produced, repeats: int) -> tuple[float, dict]:
@@ -281,10 +334,11 @@ def _median(values) -> float:
 
 
 def _print_table(r: dict, flops: dict) -> None:
+    floor = r["floor_step_s"] is not None
     rows = [
-        ("step s (median 3..12)", f"{r['step_s_median']:.3f}"),
-        ("floor step s (bare loop)", f"{r['floor_step_s']:.3f}"),
-        ("overhead ratio (target <= 1.05)", f"{r['overhead_ratio']:.3f}"),
+        ("step s (median of the measured steps)", f"{r['step_s_median']:.3f}"),
+        ("floor step s (bare loop)", f"{r['floor_step_s']:.3f}" if floor else "not run (--floor)"),
+        ("overhead ratio (target <= 1.05)", f"{r['overhead_ratio']:.3f}" if floor else "-"),
         ("generated tokens / s", f"{r['gen_tokens_per_s']:.0f}"),
         ("GFLOP per step", f"{r['gflops_per_step']:.1f} (rollout {flops['rollout'] / 1e9:.1f}, ref {flops['ref'] / 1e9:.1f}, update {flops['update'] / 1e9:.1f})"),
         ("achieved GFLOP/s", f"{r['achieved_gflops']:.1f}"),
@@ -292,12 +346,17 @@ def _print_table(r: dict, flops: dict) -> None:
         ("achieved / matmul (target >= 0.70)", f"{r['achieved_gflops'] / r['matmul_gflops']:.2f}"),
         *([("matmul-only bound s (ceiling.py)", f"{r['bound_step_s']:.3f} (best achieved / matmul {r['bound_ratio']:.2f})"),
            ("step / bound (target <= 1.30)", f"{r['step_over_bound']:.2f}"),
-           ("step / unshared bound", f"{r['step_over_unshared_bound']:.2f} (bound {r['unshared_bound_step_s']:.3f} s)"),
-           *[(f"  bound {k}", f"{v:.3f}") for k, v in r["bound_split"].items()]] if r["bound_step_s"] else []),
+           *([("step / unshared bound", f"{r['step_over_unshared_bound']:.2f} (bound {r['unshared_bound_step_s']:.3f} s)")]
+             if r["unshared_bound_step_s"] else []),
+           *[(f"  bound {k}", f"{v:.3f}") for k, v in r["bound_split"].items()],
+           *[(f"  {k} / its bound", f"{v:.2f}") for k, v in (r["phase_over_bound"] or {}).items()]]
+          if r["bound_step_s"] else []),
         ("shared prompt", f"{'on' if r['shared_prompt'] else 'off'} (duplicate prompt tokens of an unshared "
                           f"forward: {100 * r['duplicate_prompt_token_share']:.0f}%)"),
         ("compiles after warm-up (target 0)", str(r["compiles_after_warmup"])),
         ("peak RSS MB of fit (target <= 1000)", f"{r['peak_rss_mb']:.0f}"),
+        ("load average at start / end", " / ".join(f"{x:.1f}" for x in (r["load_avg"][0], r["load_avg"][3]))
+         + f" on {r['cpu_model']}"),
         ("trainable params", f"{r['trainable_params']:,}" + (f" (LoRA {r['lora']}, rollout {r['lora_rollout']})" if r["lora"] else "")),
         ("live device MB after fit", f"{r['live_mb']:.1f}"),
         ("update MB: scratch / arguments", f"{r['update_temp_mb']:.1f} / {r['update_arg_mb']:.1f}"),
@@ -307,7 +366,8 @@ def _print_table(r: dict, flops: dict) -> None:
           for k, v in r["split"].items()],
     ]
     width = max(len(k) for k, _ in rows)
-    print(f"rlbolt GRPO step benchmark, preset {r['preset']} on {r['device']} x {r['devices']}, mesh {r['mesh']}")
+    print(f"rlbolt GRPO step benchmark, preset {r['preset']} ({r['layers']} layers, vocab {r['vocab']}, "
+          f"{r['sequences']} x {r['prompt_len']} + {r['completion']} tokens) on {r['device']} x {r['devices']}, mesh {r['mesh']}")
     for k, v in rows:
         print(f"  {k:<{width}}  {v}")
 
@@ -319,8 +379,14 @@ def _pct(x) -> str:
 def _parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    ap.add_argument("--steps", type=int, default=None, help="global steps (default 12)")
-    ap.add_argument("--quick", action="store_true", help="2 steps: a smoke run, numbers not meaningful")
+    ap.add_argument("--steps", type=int, default=None, help="global steps (default 12; smollm2: 3)")
+    ap.add_argument("--quick", action="store_true",
+                    help="2 steps: a smoke run, numbers not meaningful (smollm2: 2 layers, 32 new tokens only)")
+    ap.add_argument("--completion", type=int, default=None,
+                    help="smollm2: run this completion length in this process (default: 32, 128, 512, one process each)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="smollm2 without --completion: rounds over the lengths, taking turns (medians reported)")
+    ap.add_argument("--floor", action="store_true", help="smollm2: also time the bare loop (more steps' worth)")
     ap.add_argument("--train-micro", type=int, default=None, help="train micro batch size (default: the preset's)")
     ap.add_argument("--logps-micro", type=int, default=None, help="reference-logps micro batch size (default: all)")
     ap.add_argument("--no-xla-flags", action="store_true", help="do not apply rlbolt's CPU XLA flags")

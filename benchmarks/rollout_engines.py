@@ -33,19 +33,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import smollm2_135m_config  # noqa: E402  (the model grpo_step.py --preset smollm2 trains)
 
 PROMPTS, GROUP, PROMPT_LEN = 8, 4, 48
-
-
-def smollm2_135m_config(**overrides):
-    """The SmolLM2-135M shapes (its config.json) as an rlbolt ModelConfig."""
-    from rlbolt.models.config import ModelConfig
-
-    fields = dict(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
-                  intermediate_size=1536, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
-                  max_position_embeddings=2048, param_dtype="float32", architecture="LlamaForCausalLM")
-    fields.update(overrides)
-    return ModelConfig(**fields).validate()
 
 
 def main() -> None:

@@ -17,11 +17,11 @@ GRPO_FIELDS = {"system", "step_s_median", "step_s_all", "gen_tokens_per_s", "pea
                "overhead_ratio", "step_over_bound", "shared_prompt", "step_over_unshared_bound"}
 
 
-def _last_json(script: str) -> tuple[str, dict]:
+def _last_json(script: str, *args: str) -> tuple[str, dict]:
     # The user's XLA flags, not the tests' fast-compile ones (tests/conftest.py): a benchmark runs as shipped.
     env = {**os.environ, "XLA_FLAGS": os.environ.get("RLBOLT_TEST_USER_XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    out = subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, str(BENCHMARKS / script), "--quick", *args], capture_output=True, text=True,
                          timeout=600, check=True, env=env).stdout
     lines = [line for line in out.splitlines() if line.strip()]
     return out, json.loads(lines[-1])
@@ -45,6 +45,57 @@ def test_grpo_step_benchmark_quick_mode():
     assert result["step_over_bound"] == result["step_s_median"] / result["bound_step_s"]
     # both ratios share the one matmul timed in this run
     assert result["bound_ratio"] == result["gflops_per_step"] / result["bound_step_s"] / result["matmul_gflops"]
+
+
+REAL_SHAPE_FIELDS = {"completion", "runs", "step_s_median", "split", "bound_split", "bound_step_s", "phase_over_bound",
+                     "update_over_bound", "gen_tokens_per_s", "peak_rss_mb", "update_temp_mb", "matmul_gflops",
+                     "compiles_after_warmup", "load_avg", "train_micro", "layers", "vocab", "sequences", "prompt_len"}
+
+
+@pytest.mark.slow  # ~40 s of CPU (90 s wall on a quiet 2-core box): the 49k-vocabulary lm_head dominates even on 2 layers
+def test_real_shape_benchmark_quick_mode():
+    """`--preset smollm2 --quick`: SmolLM2-135M's shapes on 2 layers, 32 new tokens, in a child process."""
+    out, result = _last_json("grpo_step.py", "--preset", "smollm2")
+    assert "upd/bnd" in out and "rollout / its bound" in out  # the summary table and the child's own table
+    assert result["system"] == "rlbolt-real-shapes" and result["quick"] is True and result["rounds"] == 1
+    (line,) = result["lengths"]
+    assert REAL_SHAPE_FIELDS <= set(line) and line["runs"] == 1
+    # the shapes asked for: 8 prompts x G=4 of 48 tokens, 32 new tokens, the 49,152 vocabulary (2 layers in quick mode)
+    assert (line["completion"], line["sequences"], line["prompt_len"], line["vocab"], line["layers"]) == (32, 32, 48, 49152, 2)
+    assert set(line["split"]) == {"rollout", "logps", "reward", "update", "other"}
+    assert set(line["bound_split"]) == {"prefill", "decode", "ref", "update"} and all(v > 0 for v in line["bound_split"].values())
+    # each phase is set against its own products (benchmarks/ceiling.py), the update's ratio being the target's
+    split, bound, ratio = line["split"], line["bound_split"], line["phase_over_bound"]
+    assert ratio["update"] == line["update_over_bound"] == split["update"] / bound["update"]
+    assert ratio["rollout"] == split["rollout"] / (bound["prefill"] + bound["decode"])
+    assert ratio["logps"] == split["logps"] / bound["ref"]
+    assert line["peak_rss_mb"] > 0 and len(line["load_avg"][0]) == 6
+
+
+def test_chat_prompt_ids_are_a_chatml_frame_of_the_asked_length():
+    import numpy as np
+
+    sys.path.insert(0, str(BENCHMARKS))
+    from shapes import chat_prompt_ids
+
+    ids = chat_prompt_ids(np.random.default_rng(0), 49152, 48)
+    assert len(ids) == 48 and all(0 < i < 49152 for i in ids)
+    # <|im_start|>system\n ... <|im_end|>\n<|im_start|>user\n ... <|im_end|>\n<|im_start|>assistant\n
+    assert ids[:3] == [3, 9690, 198] and ids[12:17] == [2, 198, 3, 4093, 198] and ids[-5:] == [2, 198, 3, 520, 198]
+    assert len(chat_prompt_ids(np.random.default_rng(0), 49152, 23)) == 23  # one content id
+    with pytest.raises(ValueError, match="length=22 must be at least 23"):
+        chat_prompt_ids(np.random.default_rng(0), 49152, 22)
+
+
+def test_bound_pieces_must_hold_whole_groups():
+    sys.path.insert(0, str(BENCHMARKS))
+    from ceiling import measure_bound
+
+    from rlbolt.models import tiny_config
+
+    # 12 sequences in groups of 2 split into 3 or 6 pieces, not 4 (a piece of 3 would cut a group)
+    with pytest.raises(ValueError, match="pieces=4 must split the 12 sequences into whole groups of 2"):
+        measure_bound(tiny_config(), 12, 4, 4, group=2, pieces=4)
 
 
 SWEEP_FIELDS = {"system", "completion", "prompt", "group", "sequences", "shared_prompt", "step_s", "split",

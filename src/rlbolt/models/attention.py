@@ -72,15 +72,17 @@ def attend(q: jnp.ndarray, keys_t: jnp.ndarray, values: jnp.ndarray, visible: jn
     if t == 1:
         # Decode: multiply + sum keeps the cache in its stored layout (faster on CPU than a transposing dot, measured).
         q1 = q[:, 0].astype(jnp.float32)  # [B, nKV, G, D]
-        scores = jnp.sum(q1[..., None] * keys_t[:, :, None].astype(jnp.float32), axis=-2)[:, :, :, None]
+        scores = jnp.sum(q1[..., None] * keys_t[:, :, None].astype(jnp.float32), axis=-2)[:, :, None]  # [B,nKV,1,G,S]
     else:
-        # In the activation dtype, then f32, like HF (CPU has no bf16 x bf16 -> f32 dot kernel).
-        scores = jnp.einsum("btkgd,bkds->bkgts", q, keys_t).astype(jnp.float32)
-    scores = scaled_scores(scores, scale, cap)  # [B, nKV, G, T, S]
-    scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)
+        # In the activation dtype, then f32, like HF (CPU has no bf16 x bf16 -> f32 dot kernel). The
+        # scores stay in the dot's own order [B, nKV, T, G, S]: `bkgts` made XLA copy every score-sized
+        # array (scores, probabilities and their gradients) into another layout (RESULTS.md, real shapes).
+        scores = jnp.einsum("btkgd,bkds->bktgs", q, keys_t).astype(jnp.float32)
+    scores = scaled_scores(scores, scale, cap)  # [B, nKV, T, G, S]
+    scores = jnp.where(visible[:, None, :, None], scores, MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
     if t == 1:
-        out = jnp.sum(probs[:, :, :, 0, :, None] * values[:, :, None], axis=-2)[:, None]  # [B,1,nKV,G,D]
+        out = jnp.sum(probs[:, :, 0, :, :, None] * values[:, :, None], axis=-2)[:, None]  # [B,1,nKV,G,D]
     else:
-        out = jnp.einsum("bkgts,bksd->btkgd", probs, values)
+        out = jnp.einsum("bktgs,bksd->btkgd", probs, values)
     return out.reshape(b, t, n_heads * d).astype(q.dtype)

@@ -102,22 +102,24 @@ def attend_with_prefix(q: jnp.ndarray, prefix_keys_t: jnp.ndarray, prefix_values
     if u * g != b:
         raise ValueError(f"attend_with_prefix: {b} query rows do not split into {u} groups of equal size")
     scale = d ** -0.5 if scale is None else scale
+    # Scores are [B, nKV, T, H, S]: the own part (the long one) in its dot's own order, so XLA
+    # copies no own-score-sized array into another layout; the prefix part (P slots) is moved instead.
     if t == 1:  # decode: multiply + sum reads the caches in their stored layout (as `_attend`)
         q1 = q.reshape(u, g, n_kv, hpk, d).astype(jnp.float32)
         s_pre = jnp.sum(q1[..., None] * prefix_keys_t[:, None, :, None].astype(jnp.float32), axis=-2)  # [U,G,K,H,P]
-        s_pre = s_pre.reshape(b, n_kv, hpk, 1, -1)
+        s_pre = s_pre.reshape(b, n_kv, 1, hpk, -1)
         q1 = q1.reshape(b, n_kv, hpk, d)
-        s_own = jnp.sum(q1[..., None] * own_keys_t[:, :, None].astype(jnp.float32), axis=-2)[:, :, :, None]
+        s_own = jnp.sum(q1[..., None] * own_keys_t[:, :, None].astype(jnp.float32), axis=-2)[:, :, None]
     else:
         qg = q.reshape(u, g, t, n_kv, hpk, d)
-        s_pre = jnp.einsum("umtkhd,ukds->umkhts", qg, prefix_keys_t).astype(jnp.float32)
-        s_pre = s_pre.reshape(b, n_kv, hpk, t, -1)
-        s_own = jnp.einsum("btkhd,bkds->bkhts", q.reshape(b, t, n_kv, hpk, d), own_keys_t).astype(jnp.float32)
+        s_pre = jnp.einsum("umtkhd,ukds->umkths", qg, prefix_keys_t).astype(jnp.float32)
+        s_pre = s_pre.reshape(b, n_kv, t, hpk, -1)
+        s_own = jnp.einsum("btkhd,bkds->bkths", q.reshape(b, t, n_kv, hpk, d), own_keys_t).astype(jnp.float32)
     pre_visible = jnp.repeat(prefix_mask, g, axis=0)[:, None, None, None, :]  # [B, 1, 1, 1, P]
     if prefix_band is not None:
-        pre_visible = pre_visible & prefix_band[:, None, None]  # [B, 1, 1, T, P]
+        pre_visible = pre_visible & prefix_band[:, None, :, None]  # [B, 1, T, 1, P]
     s_pre = jnp.where(pre_visible, scaled_scores(s_pre, scale, cap), MASK_VALUE)
-    s_own = jnp.where(own_visible[:, None, None], scaled_scores(s_own, scale, cap), MASK_VALUE)
+    s_own = jnp.where(own_visible[:, None, :, None], scaled_scores(s_own, scale, cap), MASK_VALUE)
     top = jax.lax.stop_gradient(jnp.maximum(s_pre.max(-1, keepdims=True), s_own.max(-1, keepdims=True)))
     e_pre, e_own = jnp.exp(s_pre - top), jnp.exp(s_own - top)
     denom = e_pre.sum(-1, keepdims=True) + e_own.sum(-1, keepdims=True)
@@ -125,11 +127,11 @@ def attend_with_prefix(q: jnp.ndarray, prefix_keys_t: jnp.ndarray, prefix_values
     if t == 1:
         p_pre = p_pre.reshape(u, g, n_kv, hpk, -1)
         out = jnp.sum(p_pre[..., None] * prefix_values[:, None, :, None], axis=-2).reshape(b, n_kv, hpk, d)
-        out = out + jnp.sum(p_own[:, :, :, 0, :, None] * own_values[:, :, None], axis=-2)
+        out = out + jnp.sum(p_own[:, :, 0, :, :, None] * own_values[:, :, None], axis=-2)
         out = out[:, None]  # [B, 1, nKV, H, D]
     else:
-        out = jnp.einsum("umkhts,uksd->umtkhd", p_pre.reshape(u, g, n_kv, hpk, t, -1), prefix_values)
-        out = out.reshape(b, t, n_kv, hpk, d) + jnp.einsum("bkhts,bksd->btkhd", p_own, own_values)
+        out = jnp.einsum("umkths,uksd->umtkhd", p_pre.reshape(u, g, n_kv, t, hpk, -1), prefix_values)
+        out = out.reshape(b, t, n_kv, hpk, d) + jnp.einsum("bkths,bksd->btkhd", p_own, own_values)
     return out.reshape(b, t, n_heads * d).astype(q.dtype)
 
 
