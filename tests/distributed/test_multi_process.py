@@ -101,7 +101,7 @@ def test_two_processes_equal_one_process_and_resume_on_four_devices(tmp_path):
     finish(launch(tp_out, tmp_path / "tp_run", processes=2, devices=2, steps=2,
                   extra=["--mesh", json.dumps({"fsdp": 1, "tp": 4})]), tp_out)
     tm, _ = results(tp_out)
-    assert tm["mesh"] == {"data": 1, "fsdp": 1, "tp": 4}
+    assert tm["mesh"] == {"data": 1, "fsdp": 1, "expert": 1, "tp": 4}
     assert [s["reward/mean"] for s in tm["steps"]] == [s["reward/mean"] for s in om["steps"][:2]]
 
     # The pair's checkpoint of step 2 restores in ONE process on 4 devices laid out fsdp=2 x tp=2.
