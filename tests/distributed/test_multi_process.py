@@ -113,7 +113,7 @@ def test_two_processes_equal_one_process_and_resume_on_four_devices(tmp_path):
     finish(launch(resumed_out, resumed_run, processes=1, devices=4, steps=4,
                   extra=["--checkpoint_every", "2", "--mesh", json.dumps({"fsdp": 2, "tp": 2})]), resumed_out)
     rm, rp = results(resumed_out)
-    assert rm["restored_step"] == 2 and rm["mesh"] == {"data": 1, "fsdp": 2, "tp": 2}
+    assert rm["restored_step"] == 2 and rm["mesh"] == {"data": 1, "fsdp": 2, "expert": 1, "tp": 2}
     restored, saved = np.load(resumed_out / "restored_0.npz"), np.load(pair_out / "step2_0.npz")
     assert all(np.array_equal(restored[k], saved[k]) for k in saved)  # the restore itself is exact
     # ... and the run continues as the pair did: same samples, same counters, params to rounding.
