@@ -24,14 +24,24 @@ USER_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
 if not os.environ.get("RLBOLT_TEST_FULL_XLA") and "jax" not in sys.modules:
     os.environ["RLBOLT_TEST_USER_XLA_FLAGS"] = USER_XLA_FLAGS  # what the benchmarks run with
     os.environ["XLA_FLAGS"] = f"{USER_XLA_FLAGS} {FAST_COMPILE_FLAGS}".strip()
-    # No persistent compilation cache: on jaxlib 0.10.2 (CPU) writing one entry segfaulted, the same
-    # test each time (test_sampler.py's test_samples_depend_only_on_their_own_key) after ~1,100
-    # tests of the default tier, inside XLA's executable serialisation; the tests alone pass.
-    # RLBOLT_TEST_JAX_CACHE=1 turns it back on.
-    if os.environ.get("RLBOLT_TEST_JAX_CACHE") and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         _cache_dir = tempfile.mkdtemp(prefix="rlbolt-test-jax-cache-")
         os.environ.update(JAX_COMPILATION_CACHE_DIR=_cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                           JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
 
         def pytest_unconfigure(config):
             shutil.rmtree(_cache_dir, ignore_errors=True)
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drops JAX's in-memory compiled programs after each test module. The default tier compiles
+    thousands of programs in one process; kept alive, their code mappings grew until XLA crashed
+    compiling (a segfault inside a cache write, then an abort) ~1,100 tests in, at the same test
+    each time, while every module passes alone. Later modules recompile what they need (the
+    persistent cache above makes that a disk read)."""
+    yield
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
