@@ -18,7 +18,7 @@ from rlbolt.models.cache import KVCache, init_cache
 from rlbolt.models.shared_prefix import decode_with_prefix
 from rlbolt.rollout.compaction import compaction_sizes, run_compacted, take_rows
 from rlbolt.rollout.logps import left_pad_positions
-from rlbolt.rollout.sampling import SamplingParams, sample_tokens
+from rlbolt.rollout.sampling import SamplingParams, gumbel_noise, is_stop_token, sample_tokens
 
 @dataclasses.dataclass(frozen=True)
 class _MeshLayout:
@@ -55,19 +55,7 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
     on_mesh = (lambda cache: layout.cache(cache)) if layout is not None else (lambda cache: cache)
     batch = rng_keys.shape[0]
     steps_total, vocab = sp.max_new_tokens, model.config.vocab_size
-    keys = jax.random.wrap_key_data(rng_keys, impl="threefry2x32")
-
-    def draw(key, step):
-        return jax.random.gumbel(jax.random.fold_in(key, step), (vocab,), jnp.float32)
-
-    greedy = sp.temperature == 0
-    if not greedy and noise_upfront:
-        all_noise = jax.vmap(lambda k: jax.vmap(lambda s: draw(k, s))(jnp.arange(steps_total)))(keys)  # [B, C, V]
-        noise_all = lambda step: jax.lax.dynamic_index_in_dim(all_noise, step, axis=1, keepdims=False)
-        noise_at = lambda step, idx=None: noise_all(step) if idx is None else jnp.take(noise_all(step), idx, axis=0)
-    else:
-        noise_at = lambda step, idx=None: None if greedy else jax.vmap(draw, in_axes=(0, None))(
-            keys if idx is None else jnp.take(keys, idx, axis=0), step)
+    noise_at = gumbel_noise(rng_keys, sp, vocab, noise_upfront)
 
     # Prefill, once per group: the prompt's last hidden state gives each sample's first token.
     prompt_cache = on_mesh(init_cache(model.config, prompt_ids.shape[0], prompt_ids.shape[1]))
@@ -76,8 +64,7 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
                                  cache=prompt_cache, return_hidden=True, routing_out=prompt_routing)
     prompt_cache = on_mesh(prompt_cache)
     tokens, logps = sample_tokens(jnp.repeat(model.logits(hidden[:, -1]), group, axis=0), noise_at(0), sp)
-    stop_ids = jnp.asarray(sp.stop_token_ids, jnp.int32)
-    is_stop = lambda tok: jnp.isin(tok, stop_ids) if sp.stop_token_ids else jnp.zeros(tok.shape, bool)
+    is_stop = functools.partial(is_stop_token, sp=sp)
 
     out_ids = jnp.full((batch, steps_total), sp.pad_id, jnp.int32).at[:, 0].set(tokens)
     out_mask = jnp.zeros((batch, steps_total), bool).at[:, 0].set(True)

@@ -84,3 +84,39 @@ def sample_tokens(logits: jnp.ndarray, noise: jnp.ndarray | None, sp: SamplingPa
         logp_all = jax.nn.log_softmax(scaled, axis=-1)
         tokens = jnp.argmax(_filter_top_k_top_p(scaled, sp.top_k, sp.top_p) + noise, axis=-1).astype(jnp.int32)
     return tokens, jnp.take_along_axis(logp_all, tokens[:, None], axis=-1)[:, 0]
+
+
+def gumbel_noise(rng_keys: jax.Array, sp: SamplingParams, vocab: int, upfront: bool):
+    """The Gumbel noise of each row's key at each decode step: `noise_at(step, idx=None)` gives
+    [B, V] (or the rows `idx`), None when greedy. Step s of a row draws from fold_in(key, s), so a
+    token depends only on its own key and step.
+
+    Args:
+      rng_keys: [B, 2] uint32 raw threefry keys.
+      sp: the sampling options (temperature 0: greedy, no noise; max_new_tokens: the steps).
+      vocab: V.
+      upfront: draw every step's noise at once ([B, C, V]; cheaper when it fits) instead of per step.
+    """
+    keys = jax.random.wrap_key_data(rng_keys, impl="threefry2x32")
+
+    def draw(key, step):
+        return jax.random.gumbel(jax.random.fold_in(key, step), (vocab,), jnp.float32)
+
+    if sp.temperature == 0:
+        return lambda step, idx=None: None
+    if upfront:
+        every = jax.vmap(lambda k: jax.vmap(lambda s: draw(k, s))(jnp.arange(sp.max_new_tokens)))(keys)  # [B, C, V]
+
+        def at_step(step, idx=None):
+            noise = jax.lax.dynamic_index_in_dim(every, step, axis=1, keepdims=False)
+            return noise if idx is None else jnp.take(noise, idx, axis=0)
+        return at_step
+    return lambda step, idx=None: jax.vmap(draw, in_axes=(0, None))(
+        keys if idx is None else jnp.take(keys, idx, axis=0), step)
+
+
+def is_stop_token(tokens: jax.Array, sp: SamplingParams) -> jax.Array:
+    """Whether each sampled token is one of `sp.stop_token_ids` (all False when there are none)."""
+    if not sp.stop_token_ids:
+        return jnp.zeros(tokens.shape, bool)
+    return jnp.isin(tokens, jnp.asarray(sp.stop_token_ids, jnp.int32))

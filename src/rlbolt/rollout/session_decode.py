@@ -29,6 +29,8 @@ samples with the same key (up to float32 rounding of the logits).
 
 from __future__ import annotations
 
+import functools
+
 from typing import NamedTuple
 
 import jax
@@ -39,7 +41,7 @@ from rlbolt.models.cache import KVCache, init_cache
 from rlbolt.models.rope import layer_rope
 from rlbolt.models.shared_prefix import attend_with_prefix
 from rlbolt.rollout.logps import left_pad_positions
-from rlbolt.rollout.sampling import SamplingParams, sample_tokens
+from rlbolt.rollout.sampling import SamplingParams, gumbel_noise, is_stop_token, sample_tokens
 
 
 class SessionCache(NamedTuple):
@@ -131,19 +133,8 @@ def _turn(params, state: SessionCache, new_ids, new_counts, live, rng_keys, *, g
     model = nnx.merge(graphdef, params)
     batch, steps_total, vocab = rng_keys.shape[0], sp.max_new_tokens, model.config.vocab_size
     slots = state.mask.shape[1]
-    keys = jax.random.wrap_key_data(rng_keys, impl="threefry2x32")
-
-    def draw(key, step):
-        return jax.random.gumbel(jax.random.fold_in(key, step), (vocab,), jnp.float32)
-
-    greedy = sp.temperature == 0
-    if not greedy and noise_upfront:
-        all_noise = jax.vmap(lambda k: jax.vmap(lambda s: draw(k, s))(jnp.arange(steps_total)))(keys)  # [B, C, V]
-        noise_at = lambda step: jax.lax.dynamic_index_in_dim(all_noise, step, axis=1, keepdims=False)  # noqa: E731
-    else:
-        noise_at = lambda step: None if greedy else jax.vmap(draw, in_axes=(0, None))(keys, step)  # noqa: E731
-    stop_ids = jnp.asarray(sp.stop_token_ids, jnp.int32)
-    is_stop = lambda tok: jnp.isin(tok, stop_ids) if sp.stop_token_ids else jnp.zeros(tok.shape, bool)  # noqa: E731
+    noise_at = gumbel_noise(rng_keys, sp, vocab, noise_upfront)
+    is_stop = functools.partial(is_stop_token, sp=sp)
 
     counts = jnp.where(live, new_counts, 0)
     hidden, state = model.run(_append, new_ids, counts, state, group)
