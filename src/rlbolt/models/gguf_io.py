@@ -5,7 +5,7 @@ weights as named tensors, many of them quantised in blocks (Q8_0, Q4_0, Q4_1, th
 `load_gguf_model` reads it with llama.cpp's own Python reader (the `gguf` package, an optional
 extra: `pip install 'rlbolt[gguf]'`), de-quantises every tensor with that package's NumPy
 decoders to float32, and fills the Decoder the same way `hf_io.load_hf` does, through the same
-Hugging Face layout (`hf_io.hf_tensor_layout`): the weights become the model you would get by
+Hugging Face layout (`hf_layout.hf_tensor_layout`): the weights become the model you would get by
 de-quantising the file into a Hugging Face folder and loading that.
 
 Three things differ from a Hugging Face folder and are undone here:
@@ -35,7 +35,7 @@ from flax import nnx
 
 from rlbolt.models.config import ModelConfig
 from rlbolt.models.decoder import Decoder
-from rlbolt.models.hf_io import _flat_params, _split_sizes, hf_tensor_layout
+from rlbolt.models.hf_layout import flat_params, hf_tensor_layout, split_sizes
 from rlbolt.models.rope import rope_inv_freq
 
 from rlbolt.data.gguf_file import gguf_field, gguf_module as _gguf_module, is_gguf_path, open_gguf  # noqa: F401
@@ -251,10 +251,10 @@ def load_gguf_model(path: str | os.PathLike, *, param_dtype: str | None = None,
 
     abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    params = _flat_params(state)
+    params = flat_params(state)
     layout = hf_tensor_layout(config)
     dtype = _NUMPY_DTYPES[config.param_dtype]
-    targets = _flat_params(sharding.param_shardings(state)) if sharding is not None else {}
+    targets = flat_params(sharding.param_shardings(state)) if sharding is not None else {}
     for name, variable in params.items():
         entry = layout[name]
         expected = variable.get_value().shape
@@ -262,7 +262,7 @@ def load_gguf_model(path: str | os.PathLike, *, param_dtype: str | None = None,
         if missing:
             raise ValueError(f"{path}: tensor {missing[0]} is missing; a {config.architecture} of this config needs it")
         parts = [_dequantize(sources[source]) for source in entry.sources]
-        sizes = _split_sizes(name, config, len(parts), expected[-1] if entry.transpose else expected[0])
+        sizes = split_sizes(name, config, len(parts), expected[-1] if entry.transpose else expected[0])
         for source, part, size in zip(entry.sources, parts, sizes):
             want = (size, expected[0]) if entry.transpose else (size, *expected[1:])
             if part.shape != want:

@@ -16,7 +16,6 @@ the file's byte range as `ml_dtypes.bfloat16`), and the model is built abstractl
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -34,7 +33,8 @@ from flax import nnx
 
 from rlbolt.models.config import ModelConfig
 from rlbolt.models.decoder import Decoder
-from rlbolt.utils.files import default_file_mode
+from rlbolt.models.hf_layout import flat_params, hf_tensor_layout, split_sizes
+from rlbolt.utils.files import default_file_mode, replace_folder
 from rlbolt.models.hf_config import CONFIG_FILE, config_from_hf, config_to_hf
 
 __all__ = ["config_from_hf", "config_to_hf", "load_hf", "read_hf_config", "save_hf", "hf_tensor_layout"]
@@ -46,75 +46,6 @@ TOKENIZER_FILES = (
     "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json",
 )
 _NUMPY_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
-
-
-# ----------------------------------------------------------------------------- tensor layout
-
-
-@dataclasses.dataclass(frozen=True)
-class _Tensor:
-    """One rlbolt parameter and the HF tensors it is made of (concatenated along HF's axis 0)."""
-
-    sources: tuple[str, ...]
-    transpose: bool  # HF Linear [out, in] -> kernel [in, out]
-    experts: int = 0  # > 0: sources are expert-major, each expert's part built as above, stacked on axis 0
-
-
-def hf_tensor_layout(config: ModelConfig) -> dict[str, _Tensor]:
-    """Which Hugging Face tensors make each rlbolt parameter.
-
-    Args:
-        config: the model config.
-
-    Returns:
-        {rlbolt parameter path ("layers.0.attn.qkv_proj.kernel"): its HF sources}.
-    """
-    layout = {"embed.embedding": _Tensor(("model.embed_tokens.weight",), False),
-              "final_norm.scale": _Tensor(("model.norm.weight",), False)}
-    if not config.tie_word_embeddings:
-        layout["lm_head.kernel"] = _Tensor(("lm_head.weight",), True)
-    for i in range(config.num_layers):
-        ours, hf = f"layers.{i}", f"model.layers.{i}"
-        attn = f"{hf}.self_attn"
-        layout[f"{ours}.attn_norm.scale"] = _Tensor((f"{hf}.input_layernorm.weight",), False)
-        if config.sandwich_norms:  # Gemma: post_attention_layernorm is the norm after attention
-            layout[f"{ours}.post_attn_norm.scale"] = _Tensor((f"{hf}.post_attention_layernorm.weight",), False)
-            layout[f"{ours}.mlp_norm.scale"] = _Tensor((f"{hf}.pre_feedforward_layernorm.weight",), False)
-            layout[f"{ours}.post_mlp_norm.scale"] = _Tensor((f"{hf}.post_feedforward_layernorm.weight",), False)
-        else:
-            layout[f"{ours}.mlp_norm.scale"] = _Tensor((f"{hf}.post_attention_layernorm.weight",), False)
-        qkv = tuple(f"{attn}.{name}_proj" for name in "qkv")
-        layout[f"{ours}.attn.qkv_proj.kernel"] = _Tensor(tuple(f"{p}.weight" for p in qkv), True)
-        if config.attention_bias:
-            layout[f"{ours}.attn.qkv_proj.bias"] = _Tensor(tuple(f"{p}.bias" for p in qkv), False)
-        if config.qk_norm:
-            layout[f"{ours}.attn.q_norm.scale"] = _Tensor((f"{attn}.q_norm.weight",), False)
-            layout[f"{ours}.attn.k_norm.scale"] = _Tensor((f"{attn}.k_norm.weight",), False)
-        layout[f"{ours}.attn.o_proj.kernel"] = _Tensor((f"{attn}.o_proj.weight",), True)
-        if config.is_moe(i):  # HF files keep one gate/up/down Linear per expert
-            experts = [f"{hf}.mlp.experts.{e}" for e in range(config.num_experts)]
-            layout[f"{ours}.mlp.router_kernel"] = _Tensor((f"{hf}.mlp.gate.weight",), True)
-            layout[f"{ours}.mlp.gate_up"] = _Tensor(
-                tuple(f"{x}.{name}_proj.weight" for x in experts for name in ("gate", "up")), True, config.num_experts)
-            layout[f"{ours}.mlp.down"] = _Tensor(tuple(f"{x}.down_proj.weight" for x in experts), True,
-                                                 config.num_experts)
-            continue
-        layout[f"{ours}.mlp.gate_up_proj.kernel"] = _Tensor(
-            (f"{hf}.mlp.gate_proj.weight", f"{hf}.mlp.up_proj.weight"), True)
-        layout[f"{ours}.mlp.down_proj.kernel"] = _Tensor((f"{hf}.mlp.down_proj.weight",), True)
-    return layout
-
-
-def _split_sizes(path: str, config: ModelConfig, count: int, total: int) -> list[int]:
-    if count == 1:
-        return [total]
-    if "qkv_proj" in path:
-        return [config.q_size, config.kv_size, config.kv_size]
-    return [total // count] * count  # gate|up halves
-
-
-def _flat_params(state) -> dict[str, Any]:
-    return {".".join(str(part) for part in path): variable for path, variable in nnx.to_flat_state(state)}
 
 
 # ----------------------------------------------------------------------------- reading
@@ -240,13 +171,13 @@ def load_hf(folder: str | os.PathLike, *, param_dtype: str | None = None,
 
     abstract = nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    params = _flat_params(state)
+    params = flat_params(state)
     layout = hf_tensor_layout(config)
     unmapped = sorted(set(params) - set(layout))
     if unmapped:  # a decoder change the converter has not caught up with
-        raise RuntimeError(f"rlbolt parameters {unmapped} have no Hugging Face mapping in hf_io.hf_tensor_layout.")
+        raise RuntimeError(f"rlbolt parameters {unmapped} have no Hugging Face mapping in hf_layout.hf_tensor_layout.")
     dtype = _NUMPY_DTYPES[config.param_dtype]
-    targets = _flat_params(sharding.param_shardings(state)) if sharding is not None else {}
+    targets = flat_params(sharding.param_shardings(state)) if sharding is not None else {}
     for path, variable in params.items():
         entry = layout[path]
         expected = variable.get_value().shape
@@ -265,7 +196,7 @@ def load_hf(folder: str | os.PathLike, *, param_dtype: str | None = None,
 def _assemble(reader, config, config_path, path, sources, transpose, expected) -> np.ndarray:
     """One rlbolt tensor of shape `expected` from its HF sources: shapes checked, concatenated, transposed."""
     parts = [reader.read(name) for name in sources]
-    sizes = _split_sizes(path, config, len(parts), expected[-1] if transpose else expected[0])
+    sizes = split_sizes(path, config, len(parts), expected[-1] if transpose else expected[0])
     for name, part, size in zip(sources, parts, sizes):
         want = ((size, expected[0]) if transpose else (size, *expected[1:]))
         if tuple(part.shape) != want:
@@ -281,7 +212,7 @@ def _assemble(reader, config, config_path, path, sources, transpose, expected) -
 
 
 def _hf_tensors(model: Decoder, config: ModelConfig) -> dict[str, np.ndarray]:
-    params = _flat_params(nnx.state(model, nnx.Param))
+    params = flat_params(nnx.state(model, nnx.Param))
     tensors = {}
     for path, entry in hf_tensor_layout(config).items():
         if path not in params:
@@ -292,7 +223,7 @@ def _hf_tensors(model: Decoder, config: ModelConfig) -> dict[str, np.ndarray]:
         for e, one in enumerate(stacked):
             one = one.T if entry.transpose else one
             sources = entry.sources[e * per:(e + 1) * per]
-            sizes = _split_sizes(path, config, len(sources), one.shape[0])
+            sizes = split_sizes(path, config, len(sources), one.shape[0])
             for name, part in zip(sources, np.split(one, np.cumsum(sizes)[:-1], axis=0)):
                 tensors[name] = np.ascontiguousarray(part)
     return tensors
@@ -372,22 +303,11 @@ def save_hf(
                 raise FileNotFoundError(f"tokenizer_folder {source} has no tokenizer.json to copy.")
             for path in found:
                 shutil.copy2(path, staging / path.name)
-        _swap_into_place(staging, folder)
+        replace_folder(staging, folder)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return folder
-
-
-def _swap_into_place(staging: Path, folder: Path) -> None:
-    # A directory rename cannot replace a non-empty directory, so move the old one aside first.
-    retired = None
-    if folder.exists():
-        retired = folder.parent / f".{folder.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(folder, retired)
-    os.replace(staging, folder)
-    if retired is not None:
-        shutil.rmtree(retired, ignore_errors=True)
 
 
 def tokenizer_source(*candidates: str | os.PathLike | None) -> str | None:

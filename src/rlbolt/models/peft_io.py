@@ -25,7 +25,7 @@ import numpy as np
 import safetensors.numpy
 
 from rlbolt.models.decoder import Decoder
-from rlbolt.models.hf_io import _swap_into_place
+from rlbolt.utils.files import replace_folder
 from rlbolt.models.lora import HF_MODULES, TARGETS, LoraConfig, target_sites
 from rlbolt.utils.files import default_file_mode
 
@@ -87,7 +87,7 @@ def save_peft_adapter(adapted: Decoder, lora: LoraConfig, folder: str | os.PathL
         (staging / ADAPTER_CONFIG).write_text(json.dumps(peft_config(lora, base_model), indent=2) + "\n")
         safetensors.numpy.save_file(tensors, str(staging / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         os.chmod(staging / ADAPTER_WEIGHTS, default_file_mode())  # safetensors creates its files 0600
-        _swap_into_place(staging, folder)
+        replace_folder(staging, folder)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

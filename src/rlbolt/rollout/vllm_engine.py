@@ -45,7 +45,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from rlbolt.models.hf_io import _flat_params, _split_sizes, hf_tensor_layout, read_hf_config
+from rlbolt.models.hf_io import read_hf_config
+from rlbolt.models.hf_layout import flat_params, hf_tensor_layout, split_sizes
 from rlbolt.rollout.engine import RolloutOutput, prompt_rows
 from rlbolt.rollout.sampler import DEFAULT_PROMPT_BUCKETS
 from rlbolt.rollout.sampling import SamplingParams
@@ -88,14 +89,14 @@ def hf_named_tensors(params: Any, config: Any) -> Iterator[tuple[str, Any]]:
 
     if isinstance(params, nnx.Module):
         params = nnx.state(params, nnx.Param)
-    flat = _flat_params(params)
+    flat = flat_params(params)
     for path, entry in hf_tensor_layout(config).items():
         if path not in flat:
             raise ValueError(f"update_weights: params have no {path!r}, which the engine's {config.architecture} "
                              "needs; pass the nnx.State of the same architecture (LoRA runs: merged weights).")
         value = _to_torch(flat[path].get_value(), torch)
         value = value.T if entry.transpose else value
-        sizes = _split_sizes(path, config, len(entry.sources), value.shape[0])
+        sizes = split_sizes(path, config, len(entry.sources), value.shape[0])
         for name, part in zip(entry.sources, torch.split(value, sizes, dim=0)):
             yield name, part
 

@@ -7,6 +7,8 @@ to a temporary sibling and renamed into place, so a kill never leaves half a fil
 from __future__ import annotations
 
 import os
+import shutil
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -42,3 +44,15 @@ def to_plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [to_plain(v) for v in value]
     return value
+
+
+def replace_folder(staging: Path, folder: Path) -> None:
+    """Puts a finished `staging` folder at `folder`, replacing any folder there. A directory rename
+    cannot replace a non-empty directory, so the old one is moved aside first and removed after."""
+    retired = None
+    if folder.exists():
+        retired = folder.parent / f".{folder.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(folder, retired)
+    os.replace(staging, folder)
+    if retired is not None:
+        shutil.rmtree(retired, ignore_errors=True)
