@@ -128,3 +128,12 @@ def balance_units(units: Sequence[Sequence[int]], lengths: Sequence[float], micr
     weights = [float(sum(lengths[i] for i in u)) for u in head]
     order = [i for b in balanced_order(weights, per_bin) for u in b for i in head[u]] if head else []
     return order + [i for u in tail for i in u]
+
+
+def sample_lengths(batch, name: str) -> np.ndarray:
+    """[N] lengths of the taken samples from the column `name`: numbers, or an [N, L] mask's row sums."""
+    if name not in batch:
+        raise DockError(f"get: balance needs the lengths column {name!r}, which the taken samples lack; "
+                        f"pass lengths=<a column of them>")
+    values = np.asarray(batch[name])
+    return values.reshape(len(values), -1).sum(axis=1) if values.ndim > 1 else values

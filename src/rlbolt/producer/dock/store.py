@@ -28,7 +28,7 @@ import numpy as np
 from rlbolt.batch import Batch
 from rlbolt.producer.dock.columns import ColumnStore, as_arrays, common_size, few
 from rlbolt.producer.dock.queues import StageQueue, StageStats, units_of
-from rlbolt.producer.dock.selection import DockError, balance_units
+from rlbolt.producer.dock.selection import DockError, balance_units, sample_lengths
 
 
 class DockClosed(RuntimeError):
@@ -307,7 +307,7 @@ class ExperienceDock:
             self._forget_done(chosen)
         idx = np.asarray(chosen, np.int64)
         if balance is not None and len(chosen):
-            order = balance_units(units, _lengths(batch, lengths), balance)
+            order = balance_units(units, sample_lengths(batch, lengths), balance)
             batch, idx, keys = batch.select(np.asarray(order)), idx[order], [keys[p] for p in order]
         return Taken(batch, idx, keys, timed_out)
 
@@ -394,11 +394,3 @@ def _as_indices(indices: Any, what: str) -> np.ndarray:
 def _common_columns(samples) -> list[str]:
     sets = [s.columns for s in samples]
     return sorted(sets[0].intersection(*sets[1:])) if sets else []
-
-
-def _lengths(batch: Batch, name: str) -> np.ndarray:
-    if name not in batch:
-        raise DockError(f"get: balance needs the lengths column {name!r}, which the taken samples lack; "
-                        f"pass lengths=<a column of them>")
-    values = np.asarray(batch[name])
-    return values.reshape(len(values), -1).sum(axis=1) if values.ndim > 1 else values
