@@ -32,7 +32,7 @@ CHANGES_FILE = "config_changes.jsonl"
 # Dotted keys (a trailing "." covers a whole section) whose changes do not change the math.
 FREE_FIELDS = (
     "trainer.max_steps", "trainer.max_epochs", "trainer.val_every_n_steps", "trainer.val_batch_size",
-    "trainer.run_dir", "trainer.prefetch_timeout_s",
+    "trainer.run_dir", "trainer.prefetch_timeout_s", "trainer.val_at_start",
     "callbacks.",                                            # checkpoint cadence, logging, progress bar
     "data.val", "data.builtin_val_rows", "rollout.val_temperature", "rollout.val_num_samples",  # validation only
     "demo.max_steps", "demo.checkpoint_every",
