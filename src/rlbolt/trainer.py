@@ -33,7 +33,7 @@ from rlbolt.step_metrics import step_metrics
 from rlbolt.timeline import Timeline
 from rlbolt.update import make_update_fn
 from rlbolt.utils.runlock import hold_run_dir
-from rlbolt.validation import run_validation
+from rlbolt.validation import ValidationSchedule, run_validation
 from rlbolt.producer.weights import WeightStore
 
 MODES = ("sync", "async")
@@ -133,30 +133,22 @@ class Trainer:
         state = self._setup(module, train_data, val_data)
         state = self.callbacks.on_restore(self, state)  # ModelCheckpoint resumes here
         state = self.last_state = self.callbacks.on_fit_start(self, state)
-        if self.val_at_start and val_data is not None and state.step == 0:  # before the producer's threads start
-            self.validate(state.params, val_data, 0)
+        schedule = ValidationSchedule(val_data is not None, self.val_every_n_steps, self.val_at_start, state.step)
+        if schedule.before_first_step():  # before the producer's threads start
+            self.validate(state.params, val_data, state.step)
         self.weights.publish(state.step, state.params, state.policy_version)
         producer = Producer(module, self.plan, self.source, self.weights, host_value(state.rng), max_steps=self.max_steps,
                             max_prompts=self._max_prompts(), timeline=self.timeline, share=self.sharding.share)
-        validated_at, first_step = None, state.step
         signals.defer()  # from here a signal ends the run at the next step boundary
         try:
             with producer.start(state.step, state.data_position, timeout_s=self.prefetch_timeout_s,
                                 should_stop=self._stop_while_waiting) as produced_steps:
                 waited = time.perf_counter()
                 for produced in produced_steps:
-                    data_wait = time.perf_counter() - waited
-                    self.callbacks.on_step_start(self, state.step)
-                    self.callbacks.on_rollout_end(self, produced)
-                    state, update, staleness = self._train_on(state, produced)
-                    metrics = step_metrics(produced.batch, produced.metrics, update, staleness, data_wait_s=data_wait,
-                                           step_s=time.perf_counter() - waited)
-                    info = StepInfo(state.step, state, metrics, self.source.epoch(state.data_position), produced.batch)
-                    info = self.callbacks.add_step_metrics(self, info)  # each callback's own metrics, then read-only
+                    state, info = self._step(state, produced, waited)
                     self.callbacks.on_step_end(self, info)
-                    if val_data is not None and self.val_every_n_steps and state.step % self.val_every_n_steps == 0:
+                    if schedule.after_step(state.step):
                         self.validate(state.params, val_data, state.step)
-                        validated_at = state.step
                     self.last_state = state
                     # Every process stops after the same step; agreed before publishing, so the
                     # producer's next collectives cannot interleave with this one.
@@ -165,13 +157,9 @@ class Trainer:
                     # Publishing after the callbacks keeps the hook order deterministic in sync mode.
                     self.weights.publish(state.step, state.params, state.policy_version)
                     waited = time.perf_counter()
-                if any_process(self.stop_signal is not None):  # save first, then join the producer (maybe mid-rollout)
-                    self.interrupted = True
-                    produced_steps.request_stop()
-                    self.callbacks.on_fit_end(self, state)
-                    produced_steps.stop(strict=False)
-                    return state
-            if val_data is not None and validated_at != state.step and state.step > first_step:
+                if any_process(self.stop_signal is not None):
+                    return self._end_on_signal(produced_steps, state)
+            if schedule.after_last_step(state.step):
                 self.validate(state.params, val_data, state.step)
         except KeyboardInterrupt as exc:  # raised by a hook: callbacks may save, threads are joined
             self.interrupted = True
@@ -181,6 +169,27 @@ class Trainer:
             self.callbacks.on_exception(self, exc)
             raise
         self.callbacks.on_fit_end(self, state)
+        return state
+
+    def _step(self, state: TrainState, produced, began: float) -> tuple[TrainState, StepInfo]:
+        """One global step on a produced batch: the hooks before the update, the update, and the
+        step's `StepInfo` (the callbacks' own metrics added, then read-only) for `on_step_end`.
+        `began`: when the trainer started waiting for this batch."""
+        data_wait = time.perf_counter() - began
+        self.callbacks.on_step_start(self, state.step)
+        self.callbacks.on_rollout_end(self, produced)
+        state, update, staleness = self._train_on(state, produced)
+        metrics = step_metrics(produced.batch, produced.metrics, update, staleness, data_wait_s=data_wait,
+                               step_s=time.perf_counter() - began)
+        info = StepInfo(state.step, state, metrics, self.source.epoch(state.data_position), produced.batch)
+        return state, self.callbacks.add_step_metrics(self, info)
+
+    def _end_on_signal(self, produced_steps, state: TrainState) -> TrainState:
+        """SIGINT/SIGTERM: save first (`on_fit_end`), then join the producer, maybe mid-rollout."""
+        self.interrupted = True
+        produced_steps.request_stop()
+        self.callbacks.on_fit_end(self, state)
+        produced_steps.stop(strict=False)
         return state
 
     # ------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -58,3 +59,34 @@ def accepts_keyword(fn: Callable, name: str) -> bool:
     parameters = inspect.signature(fn).parameters.values()
     return any(p.name == name and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) or p.kind == p.VAR_KEYWORD
                for p in parameters)
+
+
+@dataclasses.dataclass
+class ValidationSchedule:
+    """When a fit validates: before the first step (`at_start`, a fresh run only), after every
+    `every_n_steps`-th step, and after the last step unless that step was just validated; never
+    without validation rows.
+
+    Attributes:
+      has_rows: the fit was given validation rows.
+      every_n_steps: the period (None: only at the end).
+      at_start: also validate the starting weights (step 0).
+      first_step: the step the fit starts from (a resume starts past 0).
+    """
+
+    has_rows: bool
+    every_n_steps: int | None
+    at_start: bool
+    first_step: int
+    last: int | None = None  # the step validated last
+
+    def before_first_step(self) -> bool:
+        return self.has_rows and self.at_start and self.first_step == 0
+
+    def after_step(self, step: int) -> bool:
+        due = self.has_rows and bool(self.every_n_steps) and step % self.every_n_steps == 0
+        self.last = step if due else self.last
+        return due
+
+    def after_last_step(self, step: int) -> bool:
+        return self.has_rows and self.last != step and step > self.first_step

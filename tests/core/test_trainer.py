@@ -195,3 +195,17 @@ def test_bad_trainer_arguments():
         Trainer(_plan(), mode="fast")
     with pytest.raises(ValueError, match="fewer than prompts_per_step=4"):
         Trainer(_plan(), max_epochs=1).fit(ToyModule(), prompt_rows(3))
+
+
+def test_validation_schedule_by_hand():
+    from rlbolt.validation import ValidationSchedule
+
+    s = ValidationSchedule(has_rows=True, every_n_steps=2, at_start=True, first_step=0)
+    assert s.before_first_step()
+    assert [step for step in range(1, 6) if s.after_step(step)] == [2, 4]
+    assert s.after_last_step(5) and not s.after_last_step(4)  # 4 was just validated
+    resumed = ValidationSchedule(has_rows=True, every_n_steps=None, at_start=True, first_step=3)
+    assert not resumed.before_first_step()  # a resume does not validate its start again
+    assert not resumed.after_step(4) and not resumed.after_last_step(3) and resumed.after_last_step(4)
+    none = ValidationSchedule(has_rows=False, every_n_steps=1, at_start=True, first_step=0)
+    assert not (none.before_first_step() or none.after_step(1) or none.after_last_step(1))
