@@ -50,6 +50,11 @@ def running_first(done: jnp.ndarray, size: int) -> jnp.ndarray:
     return jnp.argsort(done, stable=True)[:size].astype(jnp.int32)
 
 
+def next_power_of_two(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): the row and piece sizes compiled shapes use."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
 def take_rows(x, idx: jnp.ndarray):
     """Rows `idx` of every [B, ...] array in the pytree x; scalars (a step, a cache's write index) pass."""
     return jax.tree.map(lambda a: a if a.ndim == 0 else jnp.take(a, idx, axis=0), x)

@@ -119,7 +119,7 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
     for end in segments:
         # Every step of this segment reads the whole (grown) cache: a static shape, no slicing of
         # the buffer the step writes into (a slice copied it every step: 2x slower on CPU).
-        carry = carry._replace(cache=on_mesh(_grow(carry.cache, end - 1)))
+        carry = carry._replace(cache=on_mesh(grow_cache(carry.cache, end - 1)))
         carry = run_compacted(carry, carry.done, run_segment(begin, end), sizes if begin > 1 else sizes[:1])
         begin = end
     step, out_ids, out_mask, out_logps, routing = carry.step, carry.ids, carry.mask, carry.logps, carry.routing
@@ -157,7 +157,7 @@ class DecodeCarry(NamedTuple):
     routing: tuple = ()
 
 
-def _grow(cache: KVCache, slots: int) -> KVCache:
+def grow_cache(cache: KVCache, slots: int) -> KVCache:
     """`cache` with empty slots appended up to `slots` (keys [B, nKV, D, S], values [B, nKV, S, D])."""
     extra = slots - cache.mask.shape[1]
     if extra <= 0:

@@ -191,14 +191,10 @@ def token_logps_and_routing(graphdef, params, prompt_ids, prompt_mask, completio
       (logps [B, C] float32, experts: per MoE layer [N, k] int32, probs: per MoE layer [N, E]
       float32), N in the forward's token order (that of `forward_routing(routing, group_size)`).
     """
-    model = nnx.merge(graphdef, params)
-    record_routing(model)
-    hidden, weight = _model_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size,
-                                   routing)
-    experts, probs = pop_routing(model)
-    logps, _ = chunked_logps(hidden, weight, completion_ids.astype(jnp.int32), temperature, chunk_size, False,
-                             model.config.final_logit_softcapping)
-    return jnp.where(completion_mask.astype(bool), logps, 0.0), experts, probs
+    logps, _, experts, probs = routed_token_logps(
+        graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=temperature,
+        with_entropy=False, chunk_size=chunk_size, group_size=group_size, routing=routing)
+    return logps, experts, probs
 
 
 def routed_token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,

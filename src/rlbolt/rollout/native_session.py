@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from rlbolt.models.shared_prefix import prompt_group_size
-from rlbolt.rollout.compaction import compaction_sizes
+from rlbolt.rollout.compaction import compaction_sizes, next_power_of_two
 from rlbolt.rollout.engine import RolloutOutput, prompt_rows
 from rlbolt.rollout.sampling import SamplingParams
 from rlbolt.rollout.session_decode import _grow_jit, _open_jit, _take_jit, _turn_jit
@@ -41,12 +41,8 @@ def cache_sizes(slots: int, smallest: int = MIN_CACHE_SLOTS) -> tuple[int, ...]:
     return tuple(sorted({slots} | {h for h in halves if smallest <= h < slots}))
 
 
-def _next_power_of_two(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _new_ids_bucket(longest: int) -> int:
-    return max(MIN_NEW_IDS_BUCKET, _next_power_of_two(longest))
+    return max(MIN_NEW_IDS_BUCKET, next_power_of_two(longest))
 
 
 class NativeSession:
@@ -93,7 +89,7 @@ class NativeSession:
         for i, r in enumerate(rows):
             full[i, longest - len(r):], full_mask[i, longest - len(r):] = r, True
         group = prompt_group_size(full, full_mask) if share_prompts else 1
-        batch = group * _next_power_of_two(-(-n // group))  # whole groups, a power of two of them
+        batch = group * next_power_of_two(-(-n // group))  # whole groups, a power of two of them
         if batch > n:  # filler rows: never live
             ids = np.concatenate([ids, np.full((batch - n, width), sp.pad_id, np.int32)])
             mask = np.concatenate([mask, np.zeros((batch - n, width), bool)])

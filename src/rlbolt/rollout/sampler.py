@@ -35,6 +35,7 @@ from rlbolt.distributed.agree import max_over_processes
 from rlbolt.distributed.sharding import host_value
 from rlbolt.models.decoder import Decoder
 from rlbolt.models.shared_prefix import prompt_group_size
+from rlbolt.rollout.compaction import next_power_of_two
 from rlbolt.rollout.engine import RolloutOutput, prompt_rows
 from rlbolt.rollout.sampling import SamplingParams
 from rlbolt.rollout.decode import DecodeCarry, _generate, _generate_jit, _MeshLayout, decode_segments  # noqa: F401
@@ -55,10 +56,6 @@ def _mesh_layout(sharding: Any, config: Any) -> _MeshLayout | None:
     named = lambda *spec: NamedSharding(sharding.mesh, P(*spec))  # noqa: E731
     return _MeshLayout(rows=named(BATCH_AXES), keys=named(BATCH_AXES, heads), values=named(BATCH_AXES, heads),
                        replicated=named())
-
-
-def _next_power_of_two(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 class NativeSampler:
@@ -158,6 +155,14 @@ class NativeSampler:
         """Executables compiled so far by all samplers (one per architecture x bucket x batch x options)."""
         return _generate_jit._cache_size()
 
+    def _sampling(self, opts: dict, where: str) -> SamplingParams:
+        """The sampler's SamplingParams with a call's overrides (checked; unknown names refused)."""
+        unknown = set(opts) - {"max_new_tokens", "temperature", "top_k", "top_p"}
+        if unknown:
+            raise TypeError(f"{where}: unknown options {sorted(unknown)}; NativeSampler accepts "
+                            "max_new_tokens, temperature, top_k, top_p.")
+        return dataclasses.replace(self.sampling, **opts).validate(self.config.vocab_size) if opts else self.sampling
+
     def open_session(self, prompt_ids: Sequence[Sequence[int]], *, max_total_tokens: int, **opts: Any):
         """Opens a multi-turn session that keeps each episode's KV cache between turns
         (`rlbolt.rollout.native_session.NativeSession`; the protocol: `rlbolt.rollout.engine`).
@@ -175,11 +180,7 @@ class NativeSampler:
 
         if (self.sharding is not None and self.sharding.mesh.size > 1) or self.record_routing:
             return None
-        unknown = set(opts) - {"max_new_tokens", "temperature", "top_k", "top_p"}
-        if unknown:
-            raise TypeError(f"open_session: unknown options {sorted(unknown)}; NativeSampler accepts "
-                            "max_new_tokens, temperature, top_k, top_p.")
-        sp = dataclasses.replace(self.sampling, **opts).validate(self.config.vocab_size) if opts else self.sampling
+        sp = self._sampling(opts, "open_session")
         return NativeSession(self._graphdef, self._params, self.policy_version, prompt_ids,
                              max_total_tokens=max_total_tokens, sp=sp, prompt_buckets=self.prompt_buckets,
                              share_prompts=self.share_prompts, noise_upfront_max_bytes=self.noise_upfront_max_bytes,
@@ -221,11 +222,7 @@ class NativeSampler:
         Returns:
           A RolloutOutput of host numpy arrays; P is the chosen bucket, C is max_new_tokens.
         """
-        unknown = set(opts) - {"max_new_tokens", "temperature", "top_k", "top_p"}
-        if unknown:
-            raise TypeError(f"generate: unknown options {sorted(unknown)}; NativeSampler accepts "
-                            "max_new_tokens, temperature, top_k, top_p.")
-        sp = dataclasses.replace(self.sampling, **opts).validate(self.config.vocab_size) if opts else self.sampling
+        sp = self._sampling(opts, "generate")
         ids, mask, rows_max = self._prepare_prompts(prompt_ids, prompt_mask, sp.max_new_tokens,
                                                     processes=self.sharding is not None)
         n = ids.shape[0]
@@ -235,7 +232,7 @@ class NativeSampler:
                              f"key per sample); got {keys.shape} {keys.dtype}.")
         group = prompt_group_size(ids, mask) if self.share_prompts else 1
         if self.micro_batch_size is None:  # whole groups, a power of two of them (bounded compiles)
-            micro = group * _next_power_of_two(-(-rows_max // group))
+            micro = group * next_power_of_two(-(-rows_max // group))
         else:
             micro = self.micro_batch_size
             group = group if micro % group == 0 else 1

@@ -40,6 +40,8 @@ from flax import nnx
 from rlbolt.models.cache import KVCache, init_cache
 from rlbolt.models.rope import layer_rope
 from rlbolt.models.shared_prefix import attend_with_prefix
+from rlbolt.rollout.compaction import take_rows
+from rlbolt.rollout.decode import grow_cache
 from rlbolt.rollout.logps import left_pad_positions
 from rlbolt.rollout.sampling import SamplingParams, gumbel_noise, is_stop_token, sample_tokens
 
@@ -165,20 +167,15 @@ def _turn(params, state: SessionCache, new_ids, new_counts, live, rng_keys, *, g
 
 
 def _grow(state: SessionCache, *, slots: int) -> SessionCache:
-    """The session's own caches with empty slots appended up to `slots`."""
-    extra = slots - state.mask.shape[1]
-    pad = lambda x, axis: jnp.pad(x, [(0, extra) if a == axis else (0, 0) for a in range(x.ndim)])  # noqa: E731
-    return state._replace(keys=tuple(pad(k, 3) for k in state.keys), values=tuple(pad(v, 2) for v in state.values),
-                          mask=pad(state.mask, 1))
+    """The session's own caches with empty slots appended up to `slots` (`decode.grow_cache`)."""
+    own = grow_cache(KVCache(state.keys, state.values, state.mask, jnp.zeros((), jnp.int32)), slots)
+    return state._replace(keys=own.keys, values=own.values, mask=own.mask)
 
 
 def _take(state: SessionCache, idx, *, group: int) -> SessionCache:
     """The session's rows `idx` (episodes leaving: the live ones kept), each with its own copy of
     its group's prefix row (the result has one prefix row per row: G = 1)."""
-    rows = lambda x: jnp.take(x, idx, axis=0)  # noqa: E731
-    prefix = jax.tree.map(lambda x: x if x.ndim == 0 else jnp.take(x, idx // group, axis=0), state.prefix)
-    return SessionCache(prefix, tuple(map(rows, state.keys)), tuple(map(rows, state.values)), rows(state.mask),
-                        rows(state.length), rows(state.start))
+    return take_rows(state._replace(prefix=None), idx)._replace(prefix=take_rows(state.prefix, idx // group))
 
 
 # One jit per function shared by all sessions (the GraphDef is static), as `rollout.decode` does.
