@@ -132,16 +132,21 @@ class ShardingPlan:
           MeshError: mesh.expert > 1 for a dense model, or one that does not divide its experts.
         """
         self._expert_parallel(model)
-        if hasattr(model, "activation_sharding") and self.mesh.size > 1:
-            model.activation_sharding = self.batch_sharding()
-            table = model.embed.embedding.get_value()
-            vocab = self.spec_for(("vocab",), table.shape[:1], "embed.embedding")[0]
-            model.embedding_read_sharding = NamedSharding(self.mesh, P(vocab, None))
+        if hasattr(model, "activation_sharding"):  # every setting, each time: a view may carry another mesh's
+            model.activation_sharding = model.embedding_read_sharding = None
+            if self.mesh.size > 1:
+                model.activation_sharding = self.batch_sharding()
+                table = model.embed.embedding.get_value()
+                vocab = self.spec_for(("vocab",), table.shape[:1], "embed.embedding")[0]
+                model.embedding_read_sharding = NamedSharding(self.mesh, P(vocab, None))
         return model
 
     def _expert_parallel(self, model: nnx.Module) -> None:
         ways = self.mesh.shape["expert"]
         if ways == 1 or not hasattr(model, "config"):
+            for layer in getattr(model, "layers", ()):  # a view of a model placed elsewhere: not that mesh's experts
+                if hasattr(layer.mlp, "expert_mesh"):
+                    layer.mlp.expert_mesh = None
             return
         experts = getattr(model.config, "num_experts", 0)
         if not experts:

@@ -161,9 +161,7 @@ class PolicyRollout:
         rollout = self.context.sharding_for("rollout")
         if rollout is None or rollout is self.sharding:
             return model
-        model = nnx.merge(*nnx.split(model))
-        model.activation_sharding = model.embedding_read_sharding = None
-        return rollout.shard_activations(model)
+        return rollout.shard_activations(nnx.merge(*nnx.split(model)))
 
     def _decode(self, completion_ids: np.ndarray, completion_mask: np.ndarray) -> np.ndarray:
         texts = np.empty(len(completion_ids), dtype=object)

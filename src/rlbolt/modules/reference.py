@@ -52,9 +52,7 @@ class PlacedReference:
                  chunk_size: int | None = DEFAULT_LOGITS_CHUNK_TOKENS):
         self.plan = plan
         view = nnx.merge(*nnx.split(model))  # same arrays, its own static activation settings
-        if hasattr(view, "activation_sharding"):
-            view.activation_sharding = view.embedding_read_sharding = None
-            plan.shard_activations(view)
+        plan.shard_activations(view)
         self.graphdef = nnx.split(view)[0]
         del view
         self.params = _move(nnx.state(model, nnx.Param), train_plan, plan)
