@@ -41,7 +41,6 @@ Parameter layout (experts stacked on axis 0, kernels [in, out]):
 
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +48,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from rlbolt.distributed.mesh import BATCH_AXES
+from rlbolt.distributed.mesh import BATCH_AXES, batch_shards
 
 
 def route(logits: jnp.ndarray, top_k: int, norm_topk_prob: bool, forced: jnp.ndarray | None = None):
@@ -206,7 +205,7 @@ class MoeMLP(nnx.Module):
         if self.record:
             self.sow(nnx.Intermediate, "routing", (experts, probs))
         mesh = self.expert_mesh
-        if mesh is not None and x2.shape[0] % math.prod(mesh.shape[a] for a in BATCH_AXES) == 0:
+        if mesh is not None and x2.shape[0] % batch_shards(mesh) == 0:
             out = expert_parallel_experts(x2, experts, weights, self.gate_up[...], self.down[...], self.hidden_act,
                                           mesh)
         else:  # no expert axis, or rows that do not split (XLA then gathers the experts' weights)

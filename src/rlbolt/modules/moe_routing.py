@@ -92,11 +92,11 @@ def slot_mismatch(recorded: list[jax.Array], recomputed: list[jax.Array], mask: 
 
 
 def completion_load_balancing(experts: list[jax.Array], probs: list[jax.Array], prompt_mask: jax.Array,
-                              completion_mask: jax.Array, group_size: int = 1) -> tuple[jax.Array, jax.Array]:
-    """(load-balancing loss over the fed completion tokens, their count) of one forward's routing
+                              completion_mask: jax.Array, group_size: int = 1) -> jax.Array:
+    """The load-balancing loss over the fed completion tokens of one forward's routing
     (`rlbolt.models.moe.load_balancing_loss`: E * sum_e f_e P_e over every MoE layer's tokens)."""
     _, completion = routed_token_masks(prompt_mask, completion_mask, group_size)
-    return load_balancing_loss(probs, experts, completion), jnp.sum(completion.astype(jnp.float32))
+    return load_balancing_loss(probs, experts, completion)
 
 
 def logps_and_mismatch(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, prompt_routing,

@@ -297,16 +297,13 @@ class LMPolicyModule(PolicyRollout, PolicySetup, RLModule):
         """One policy forward: (logps [N, C], entropy [N, C], aux) where aux feeds `extra_loss`."""
         if not self.routes_in_training:
             logps, entropy = sequence_logps(self.graphdef, self.policy_params(params), *self._token_inputs(batch),
-                                            temperature=self._train_temperature, with_entropy=True,
-                                            group_size=self.train_group_size,
-                                            chunk_size=self.config.model.logits_chunk_tokens)
+                                            with_entropy=True, group_size=self.train_group_size, **self._logps_options)
             return logps, entropy, {}
         # Mixture of experts with a router term: the forward also returns its routing (moe_routing.py).
         routing = tuple(batch[k] for k in ROUTING_COLUMNS) if self.algo.router_replay else None
         logps, entropy, experts, probs = routed_token_logps(
-            self.graphdef, self.policy_params(params), *self._token_inputs(batch), temperature=self._train_temperature,
-            with_entropy=True, group_size=self.train_group_size, routing=routing,
-            chunk_size=self.config.model.logits_chunk_tokens)
+            self.graphdef, self.policy_params(params), *self._token_inputs(batch), with_entropy=True,
+            group_size=self.train_group_size, routing=routing, **self._logps_options)
         return logps, entropy, {"router": (experts, probs)}
 
     def training_step(self, params: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -333,9 +330,9 @@ class LMPolicyModule(PolicyRollout, PolicySetup, RLModule):
         if router is not None and self.config.model.router_aux_loss_coef > 0:
             # The load-balancing loss is not a sum over tokens: each micro batch's counts its own fed
             # completion tokens and enters weighted by its share of the mini batch's completion tokens.
-            balance, _ = completion_load_balancing(*router, batch["prompt_mask"], batch["completion_mask"],
-                                                   self.train_group_size)
-            share = jnp.sum(batch["completion_mask"].astype(jnp.float32)) / jnp.maximum(batch["mini_batch_num_tokens"][0], 1.0)
+            balance = completion_load_balancing(*router, batch["prompt_mask"], batch["completion_mask"],
+                                                self.train_group_size)
+            share = self.token_mean(jnp.ones(batch["completion_mask"].shape), batch)  # this micro batch's tokens
             metrics["moe/aux_loss"] = balance * share
             loss = loss + self.config.model.router_aux_loss_coef * metrics["moe/aux_loss"]
         extra, extra_metrics = self.extra_loss(aux, batch)
