@@ -66,3 +66,15 @@ def warmed_reward(completion, sample):
 
 
 warmed_reward.warm_up = _slow_first_call_setup
+
+
+def _broken_setup():
+    raise RuntimeError("setup failed")
+
+
+def reward_with_broken_warm_up(completion, sample):
+    """Scores 0.5; its warm_up raises."""
+    return 0.5
+
+
+reward_with_broken_warm_up.warm_up = _broken_setup

@@ -239,3 +239,16 @@ def test_task_reward_declares_its_import_as_warm_up():
     partial_term = functools.partial(term)
     WeightedReward([("a", term, 1.0), ("b", partial_term, 1.0), ("c", lambda c, s: 0.0, 1.0)]).warm_up()
     assert calls == ["plain", "plain"]  # a partial's function's hook runs too; a term without one is skipped
+
+
+@pytest.mark.parametrize("executor", ["process", "thread"])
+def test_a_warm_up_that_raises_is_logged_and_the_samples_still_score(executor, caplog):
+    from hostile_rewards import reward_with_broken_warm_up
+
+    caplog.set_level(logging.WARNING)
+    with RewardRunner(reward_with_broken_warm_up, executor=executor, max_workers=1) as runner:
+        result = runner.score(["x", "y"], [{}, {}])
+        assert runner.executor == executor  # a process worker boots: no fall-back to threads
+    assert result.rewards.tolist() == [0.5, 0.5] and result.metrics["reward/failures"] == 0
+    if executor == "thread":  # a process worker logs in its own process
+        assert any("warm_up raised" in r.getMessage() for r in caplog.records)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import math
 import numbers
 import re
@@ -111,11 +113,16 @@ class WeightedReward:
     def warm_up(self) -> None:
         """Runs each term's `warm_up()` (an attribute of the function, or of a `functools.partial`'s
         function): slow first-call work such as importing a task library, done when a worker starts
-        instead of inside the first sample's time-out. A term without one is skipped."""
-        for _, fn, _ in self.terms:
+        instead of inside the first sample's time-out. A term without one is skipped; one that raises
+        is logged and skipped (its samples then do the work, and fail or time out there, counted)."""
+        for name, fn, _ in self.terms:
             hook = getattr(fn, "warm_up", None) or getattr(getattr(fn, "func", None), "warm_up", None)
             if callable(hook):
-                hook()
+                try:
+                    hook()
+                except Exception as error:  # noqa: BLE001 - the same in a worker process and a thread
+                    logging.getLogger(__name__).warning("reward %r: warm_up raised %r; its samples do that work "
+                                                        "inside their time-out", name, error)
 
     def raw_scores(self, completion: str, sample: Mapping[str, Any]) -> dict[str, float]:
         """Each term's unweighted score for one sample.

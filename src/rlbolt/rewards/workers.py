@@ -23,7 +23,6 @@ that says to use processes. A thread also cannot protect the run from a reward t
 
 from __future__ import annotations
 
-import logging
 import pickle
 import queue
 import socket
@@ -37,8 +36,6 @@ from typing import Any
 
 from rlbolt.rewards._reward_worker import describe as describe_exception
 from rlbolt.rewards.combine import WeightedReward
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["ProcessPool", "RewardWorkerError", "ThreadPool", "describe_exception"]
 
@@ -92,10 +89,7 @@ class ThreadPool:
     kind = "thread"
 
     def __init__(self, reward: WeightedReward, max_stuck: int):
-        try:  # once, here: a term's slow first-call work outside every sample's time-out
-            reward.warm_up()
-        except Exception as error:  # noqa: BLE001 - the samples then fail (and are counted), the run goes on
-            logger.warning("reward warm_up raised %r; the terms do their first-call work inside a sample", error)
+        reward.warm_up()  # once, here: a term's slow first-call work outside every sample's time-out
         self._reward = reward
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._count = 0
