@@ -16,7 +16,8 @@ from rlbolt.plan import BatchPlan
 
 
 def check_fit(plan: BatchPlan, module: Any, train_data: Any, val_data: Sequence | None, *,
-              val_every_n_steps: int | None = None, callbacks: Sequence[Any] = ()) -> BatchPlan:
+              val_every_n_steps: int | None = None, val_at_start: bool = False,
+              callbacks: Sequence[Any] = ()) -> BatchPlan:
     """Checks a fit's inputs; returns the plan with the module's whole-group stages added.
 
     Args:
@@ -25,6 +26,7 @@ def check_fit(plan: BatchPlan, module: Any, train_data: Any, val_data: Sequence 
       train_data: the training prompts (anything with a length).
       val_data: the validation rows, or None.
       val_every_n_steps: the Trainer's validation period, or None.
+      val_at_start: the Trainer validates the starting weights (needs val_data).
       callbacks: the Trainer's callbacks; one whose `needs_periodic_validation` gives a reason
         (EarlyStopping on a `val/` metric) needs val_data and val_every_n_steps.
 
@@ -34,7 +36,7 @@ def check_fit(plan: BatchPlan, module: Any, train_data: Any, val_data: Sequence 
     Raises:
       PlanError: the plan splits groups the module needs whole, or the module cannot learn with it.
       ValueError: fewer training prompts than `prompts_per_step`, empty validation data, or
-        `val_every_n_steps` without validation data, or a callback that needs periodic
+        `val_every_n_steps` or `val_at_start` without validation data, or a callback that needs periodic
         validation in a fit that does not validate periodically.
     """
     if module.whole_groups:  # the module's group statistics constrain the micro sizes
@@ -50,6 +52,9 @@ def check_fit(plan: BatchPlan, module: Any, train_data: Any, val_data: Sequence 
     if val_every_n_steps is not None and val_data is None:
         raise ValueError(f"val_every_n_steps={val_every_n_steps} but fit got no val_data, so nothing would be "
                          "validated; pass val_data=... or drop val_every_n_steps")
+    if val_at_start and val_data is None:
+        raise ValueError("val_at_start=True but fit got no val_data, so nothing would be validated; pass "
+                         "val_data=... or val_at_start=False")
     periodic = (val_data is not None and bool(val_every_n_steps)) or any(
         callback.validates_periodically for callback in callbacks)  # e.g. Evaluation
     for callback in callbacks:

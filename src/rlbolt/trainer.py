@@ -134,13 +134,13 @@ class Trainer:
         state = self.callbacks.on_restore(self, state)  # ModelCheckpoint resumes here
         state = self.last_state = self.callbacks.on_fit_start(self, state)
         schedule = ValidationSchedule(val_data is not None, self.val_every_n_steps, self.val_at_start, state.step)
-        if schedule.before_first_step():  # before the producer's threads start
-            self.validate(state.params, val_data, state.step)
         self.weights.publish(state.step, state.params, state.policy_version)
         producer = Producer(module, self.plan, self.source, self.weights, host_value(state.rng), max_steps=self.max_steps,
                             max_prompts=self._max_prompts(), timeline=self.timeline, share=self.sharding.share)
         signals.defer()  # from here a signal ends the run at the next step boundary
         try:
+            if schedule.before_first_step():  # before the producer's threads start
+                self.validate(state.params, val_data, state.step)
             with producer.start(state.step, state.data_position, timeout_s=self.prefetch_timeout_s,
                                 should_stop=self._stop_while_waiting) as produced_steps:
                 waited = time.perf_counter()
@@ -196,6 +196,7 @@ class Trainer:
     def _setup(self, module: RLModule, train_data: Any, val_data: Sequence[dict] | None) -> TrainState:
         self.module = module
         self.plan = check_fit(self.plan, module, train_data, val_data, val_every_n_steps=self.val_every_n_steps,
+                              val_at_start=self.val_at_start,
                               callbacks=self.callbacks)
         self.source = train_data if isinstance(train_data, PromptSource) else PromptSource(train_data, shuffle=self.shuffle, seed=self.data_seed)
         self.plans = self.placement.plans(self.mesh_spec)

@@ -61,7 +61,7 @@ def accepts_keyword(fn: Callable, name: str) -> bool:
                for p in parameters)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class ValidationSchedule:
     """When a fit validates: before the first step (`at_start`, a fresh run only), after every
     `every_n_steps`-th step, and after the last step unless that step was just validated; never
@@ -78,15 +78,12 @@ class ValidationSchedule:
     every_n_steps: int | None
     at_start: bool
     first_step: int
-    last: int | None = None  # the step validated last
 
     def before_first_step(self) -> bool:
         return self.has_rows and self.at_start and self.first_step == 0
 
     def after_step(self, step: int) -> bool:
-        due = self.has_rows and bool(self.every_n_steps) and step % self.every_n_steps == 0
-        self.last = step if due else self.last
-        return due
+        return self.has_rows and bool(self.every_n_steps) and step % self.every_n_steps == 0
 
     def after_last_step(self, step: int) -> bool:
-        return self.has_rows and self.last != step and step > self.first_step
+        return self.has_rows and step > self.first_step and not self.after_step(step)

@@ -53,6 +53,7 @@ class _GroupRelative(_Recorder):
     ({}, 3, None, r"3 prompt\(s\), fewer than prompts_per_step=4"),  # a step would repeat prompts
     ({"max_steps": 5}, 3, None, r"fewer than prompts_per_step=4"),  # max_steps no longer hides it
     ({"val_every_n_steps": 2}, 16, None, r"val_every_n_steps=2 but fit got no val_data"),
+    ({"val_at_start": True}, 16, None, r"val_at_start=True but fit got no val_data"),
     ({}, 16, [], r"val_data is empty"),
     # EarlyStopping on a validation metric that fit would never produce mid-run
     ({"callbacks": [EarlyStopping("val/accuracy")]}, 16, None,
