@@ -20,10 +20,12 @@ import json
 import statistics
 from pathlib import Path
 
+from rlbolt.loggers import read_jsonl
+
 
 def run_figures(run_dir: Path, skip: int) -> dict:
     """The figures of one run directory (see the module docstring)."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_jsonl(run_dir / "metrics.jsonl")
     rows = [r for r in rows if r.get("step", 0) > skip and "agents/turns" in r]
     if not rows:
         raise SystemExit(f"{run_dir}: no agents steps after --skip {skip}; run longer or lower --skip")

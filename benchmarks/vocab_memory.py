@@ -35,10 +35,10 @@ import json
 import resource
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ceiling import alternate  # noqa: E402
 from machine import cpu_model  # noqa: E402
 
 ROWS, GROUP, PROMPT = 8, 4, 48
@@ -238,13 +238,8 @@ def timing(config, completion: int, variants, rounds: int) -> dict:
         fn, cols = _pass(module, "train"), _columns(completion, True, config.vocab_size)
         jax.block_until_ready(_traced(how, fn, params, cols))  # traced, compiled and warmed up
         calls[variant] = (fn, params, cols)
-    seconds = {variant: [] for variant in variants}
-    for _ in range(rounds):
-        for variant, (fn, params, cols) in calls.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(params, cols))
-            seconds[variant].append(time.perf_counter() - t0)
-    return {variant: sorted(s)[len(s) // 2] for variant, s in seconds.items()}
+    medians = alternate([lambda f=fn, p=params, c=cols: f(p, c) for fn, params, cols in calls.values()], rounds)
+    return dict(zip(calls, medians))
 
 
 def main(argv=None) -> dict:
@@ -256,7 +251,7 @@ def main(argv=None) -> dict:
         vocab, completion, variant, kind = args.rss_point
         print(json.dumps(rss_point(int(vocab), int(completion), variant, kind)))
         return {}
-    from rollout_engines import smollm2_135m_config
+    from shapes import smollm2_135m_config
 
     if args.quick:
         vocabs, lengths, length_at_vocab, rss_points = (512, 1024), (16, 32), 16, 1

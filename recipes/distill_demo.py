@@ -33,6 +33,7 @@ import numpy as np
 
 from rlbolt.app.build import build_run
 from rlbolt.config import load_config
+from rlbolt.loggers import read_jsonl
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "distill_demo.yaml"
 VARIANTS = {
@@ -79,7 +80,7 @@ def run_variant(name: str, teacher: Path, rows: Path, run_dir: Path, seed: int, 
     start = time.perf_counter()
     trainer.fit(module, train_rows, val_rows)
     seconds = time.perf_counter() - start
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    lines = read_jsonl(run_dir / "metrics.jsonl")
     rewards = [m["reward/mean"] for m in lines if "reward/mean" in m]
     kls = [m["distill/reverse_kl"] for m in lines if "distill/reverse_kl" in m]
     return {"variant": name, "seed": seed, "seconds": seconds, "rewards": rewards, "reverse_kl": kls}

@@ -30,6 +30,8 @@ def test_config_resolves_model_path_and_tokenizer(shipped):
     cfg = load_config({"model": {"path": "package:shipsmodel/tiny.gguf", "tokenizer": "package:shipsmodel/tiny.gguf"}})
     assert cfg.model.path == cfg.model.tokenizer == str((shipped / "tiny.gguf").resolve())
     assert load_config({"model": {"path": "/some/folder"}}).model.path == "/some/folder"  # other paths untouched
+    teacher = load_config({"algorithm": {"distill_teacher": "package:shipsmodel/tiny.gguf"}}).algorithm
+    assert teacher.distill_teacher == str((shipped / "tiny.gguf").resolve())
 
 
 @pytest.mark.parametrize("spec, message", [

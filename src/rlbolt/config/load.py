@@ -134,7 +134,8 @@ def resolve(cfg: RunConfig) -> RunConfig:
     plan = cfg.plan
     if plan.max_refill_rounds is None:
         plan = dataclasses.replace(plan, max_refill_rounds=4 if algo.dynamic_sampling else 0)
-    model = _resolve_package_paths(cfg.model)
+    model = _resolve_package_paths(cfg.model, "model", ("path", "tokenizer"))
+    algo = _resolve_package_paths(algo, "algorithm", ("distill_teacher",))
     if model.lora is not None:  # written back in full, so config.yaml shows every LoRA setting
         model = dataclasses.replace(model, lora=_resolve_lora(model.lora))
     cfg = dataclasses.replace(cfg, model=model, algorithm=algo, plan=plan)
@@ -142,19 +143,20 @@ def resolve(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
-def _resolve_package_paths(model: Any) -> Any:
-    """`model.path` / `model.tokenizer` given as `package:NAME/file` -> the installed file's path."""
+def _resolve_package_paths(section: Any, name: str, keys: tuple[str, ...]) -> Any:
+    """The section's path fields given as `package:NAME/file` -> the installed file's path
+    (model.path, model.tokenizer, algorithm.distill_teacher: every field that names a model)."""
     from rlbolt.utils.package_files import is_package_path, resolve_package_path
 
     fills = {}
-    for key in ("path", "tokenizer"):
-        value = getattr(model, key)
+    for key in keys:
+        value = getattr(section, key)
         if is_package_path(value):
             try:
-                fills[key] = resolve_package_path(value, field=f"model.{key}")
+                fills[key] = resolve_package_path(value, field=f"{name}.{key}")
             except ValueError as error:
                 raise ConfigError(str(error)) from None
-    return dataclasses.replace(model, **fills) if fills else model
+    return dataclasses.replace(section, **fills) if fills else section
 
 
 def _resolve_lora(values: dict) -> dict:

@@ -121,7 +121,7 @@ class AlgorithmSection:
     clip_cov_low: float = _f(1.0, "clip_cov: tokens whose covariance lies in [clip_cov_low, clip_cov_high] may be selected")
     clip_cov_high: float = _f(5.0, "clip_cov: upper end of the covariance band")
     kl_cov_coef: float = _f(1.0, "kl_cov: the coefficient of the |log ratio| penalty on selected tokens", at_least=0)
-    distill_teacher: str | None = _f(None, "on-policy distillation: a teacher model (Hugging Face folder or .gguf file of a supported family, same tokenizer as the student, else refused) scores the student's sampled tokens; each token's advantage is -distill_kl_coef * (log student - log teacher), plus distill_task_coef * the task advantage; on train's devices or its own (trainer.placement.teacher); logs distill/reverse_kl (docs/howto/distillation.md); None: off")
+    distill_teacher: str | None = _f(None, "on-policy distillation: a teacher model (Hugging Face folder, .gguf file or package:NAME/file of a supported family, same tokenizer as the student, else refused) scores the student's sampled tokens; each token's advantage is -distill_kl_coef * (log student - log teacher), plus distill_task_coef * the task advantage; on train's devices or its own (trainer.placement.teacher); logs distill/reverse_kl (docs/howto/distillation.md); None: off")
     distill_kl_coef: float = _f(1.0, "on-policy distillation: the weight of the per-token reverse KL to the teacher", at_least=0)
     distill_task_coef: float = _f(0.0, "on-policy distillation: the weight of the reward's advantage mixed in; 0: distillation alone", at_least=0)
     entropy_coef: float = _f(0.0, "entropy bonus coefficient (subtracted from the loss)", at_least=0)
