@@ -61,13 +61,14 @@ class Trainer:
         not on a resume): the "before" of a before/after comparison.
       run_dir: where callbacks write (metrics, checkpoints); default runs/<time>.
       prefetch_timeout_s: fail if the producer yields nothing for this long (None: wait).
-      mesh: the devices to run on: a `rlbolt.distributed.MeshSpec` / `{data, fsdp, tp}` dict
+      mesh: the devices to run on: a `rlbolt.distributed.MeshSpec` / `{data, fsdp, expert, tp}` dict
         (-1 = the rest), a `jax.sharding.Mesh`, a `ShardingPlan`, or None (all devices on fsdp).
       device_memory_bytes: refuse a plan whose per-device memory exceeds this (default: what
         the backend reports; CPU reports nothing, then the plan is only logged).
       placement: "colocated" (every role on `mesh`) or role -> sub-mesh (`{"train": {"devices": [0, 4]},
         "rollout": {"devices": [4, 8], "mesh": {"tp": 2}}}`, `rlbolt.distributed.placement`): rollout
-        (and the reference, given a range) on its own devices, weights resharded after each update.
+        (and the reference or the distillation teacher, given a range) on its own devices, weights
+        resharded after each update.
 
     Attributes:
       timeline: every stage call and update as start/end events (`rlbolt.timeline.Timeline`);

@@ -27,11 +27,11 @@ def check_rules(cfg: RunConfig) -> None:
             f"algorithm.overlong_cache_length={a.overlong_cache_length} must lie in [0, rollout.max_new_tokens="
             f"{r.max_new_tokens}]"
         )
-    for axis in ("data", "fsdp", "expert", "tp"):
-        size = getattr(cfg.mesh, axis)
+    sizes = dataclasses.asdict(cfg.mesh)  # every axis the section has
+    for axis, size in sizes.items():
         if size == 0 or size < -1:
             raise ConfigError(f"mesh.{axis}={size} must be a positive integer or -1 (the devices the other axes leave)")
-    if sum(getattr(cfg.mesh, a) == -1 for a in ("data", "fsdp", "expert", "tp")) > 1:
+    if sum(size == -1 for size in sizes.values()) > 1:
         raise ConfigError(f"mesh has -1 on more than one axis ({dataclasses.asdict(cfg.mesh)}); at most one takes the rest")
     bad = [m for m in cfg.callbacks.metrics if m not in METRIC_WRITERS]
     if bad:
