@@ -13,8 +13,11 @@ with the step's dependencies, and nothing else (no norms, softmax, attention, sa
 
 The sum is a lower bound on the step's matmul time, so `flops / bound / matmul_gflops` is the
 highest `achieved / matmul` any implementation of the workload could report on this machine.
-Attention (3% of the FLOPs) is counted in the FLOPs but not timed, which favours the bound.
-grpo_step.py calls `measure_bound` in its own process, so its ratios compare like with like.
+Attention (3% of the FLOPs at the toy workload) is counted in the FLOPs but not timed, which
+favours the bound; at real shapes `measure_bound(..., attention=True)` also times the update's
+attention products (q . k and p . v, forward and backward, at their causal share) as
+`update_attention`. grpo_step.py calls `measure_bound` in its own process, so its ratios compare
+like with like.
 
     python benchmarks/ceiling.py [--repeats 7] [--quick]
 """
@@ -32,23 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from flops import step_flops  # noqa: E402
 
 
-def measure_bound(cfg, sequences: int, prompt_len: int, new_tokens: int, repeats: int = 7,
-                  matmul_gflops: float | None = None, group: int = 1, pieces: int = 1,
-                  decode_steps: int | None = None) -> dict:
-    """Times the step's dense products per phase; returns times, the bound and the ratios.
+def product_phases(cfg, sequences: int, prompt_len: int, new_tokens: int, group: int = 1, pieces: int = 1,
+                   decode_steps: int | None = None) -> dict:
+    """The step's dense products per phase as `{phase: (jitted fn, args)}` (see `measure_bound`).
 
-    `matmul_gflops`: the ceiling the caller already measured (grpo_step.py), so both of its
-    ratios share one denominator; None times the 1024^3 matmul here, before and after the phases.
-    `group` G > 1: the products of the prompt-shared step (each group's prompt once: the prefill
-    over S / G x P tokens, ref and update over S / G x P + S x C tokens).
-    `pieces` > 1: ref and update are timed on 1 / pieces of the tokens (a train micro batch's
-    share, whole groups) and the time multiplied by `pieces`: at real shapes the products in one
-    piece would hold every token's [tokens, V] logits and activations at once (C=512: > 15 GB).
-    `decode_steps`: time this many decode steps and scale to C - 1 (every step runs the same
-    products; the bound leaves attention out, so a step's cost does not grow with the cache).
+    `decode_steps`: how many sequential decode steps the decode phase runs (default C - 1).
     """
-    if sequences % (pieces * group):
-        raise ValueError(f"measure_bound pieces={pieces} must split the {sequences} sequences into whole groups of {group}")
     import jax
     import jax.numpy as jnp
 
@@ -68,7 +60,7 @@ def measure_bound(cfg, sequences: int, prompt_len: int, new_tokens: int, repeats
             x = x + (x @ w["gu"])[:, :i] @ w["d"]
         return x, x @ hd
 
-    steps = new_tokens - 1 if decode_steps is None else max(1, min(decode_steps, new_tokens - 1))
+    steps = new_tokens - 1 if decode_steps is None else decode_steps
 
     def decode(ws, hd, x):
         def body(_, x):
@@ -77,26 +69,95 @@ def measure_bound(cfg, sequences: int, prompt_len: int, new_tokens: int, repeats
 
         return jax.lax.fori_loop(0, steps, body, x)
 
-    def loss(ws, hd, x):
-        x, logits = forward(ws, hd, x)
-        return jnp.sum(logits) + jnp.sum(x)
+    def update(ws, hd, x, cotangents):
+        """Forward, then the gradients of inputs and weights for dense cotangents. The logits' max
+        keeps the forward lm_head product, which any log-softmax needs: nothing in a linear
+        backward reads it, and XLA dropped it as dead code (the bound was one lm_head product short)."""
+        (_, logits), pull = jax.vjp(forward, ws, hd, x)
+        return pull(cotangents), jnp.max(logits)
 
     prompt_tokens = sequences // group * prompt_len
     tokens = (prompt_tokens + sequences * new_tokens) // pieces
     # Weights are arguments, not closed-over constants: XLA would constant-fold the products.
     phases = {
-        "prefill": (jax.jit(forward), normal(prompt_tokens, h)),
-        "decode": (jax.jit(decode), normal(sequences, h)),
-        "ref": (jax.jit(forward), normal(tokens, h)),
-        "update": (jax.jit(jax.grad(loss, argnums=(0, 1, 2))), normal(tokens, h)),
+        "prefill": (jax.jit(forward), (weights, head, normal(prompt_tokens, h))),
+        "decode": (jax.jit(decode), (weights, head, normal(sequences, h))),
+        "ref": (jax.jit(forward), (weights, head, normal(tokens, h))),
+        "update": (jax.jit(update), (weights, head, normal(tokens, h), (normal(tokens, h), normal(tokens, v)))),
     }
-    calls = {name: (fn, (weights, head, x)) for name, (fn, x) in phases.items()}
+    return phases
+
+
+def attention_products(cfg, rows: int, prompt_len: int, new_tokens: int, group: int = 1) -> tuple:
+    """One layer's attention products of the update, `(jitted fn, args, visible share)`.
+
+    The products are q . k and p . v, forward and backward (six per layer), timed in one piece
+    over `rows` rows: with a shared prompt (G > 1) the C completion queries of each row against
+    its P prompt keys and its own C keys, else every P + C query against P + C keys. A causal
+    implementation needs only the visible pairs of that block (the returned share), so the caller
+    scales the time by share x layers. The prompt's own attention (once per group, P x P) is left
+    out, which favours the bound.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    d, kv, g = cfg.head_dim, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+    if group > 1:
+        t, s = new_tokens, prompt_len + new_tokens
+        share = (new_tokens * prompt_len + new_tokens * (new_tokens + 1) / 2) / (t * s)
+    else:
+        t = s = prompt_len + new_tokens
+        share = (t + 1) / (2 * t)
+    keys = jax.random.split(jax.random.PRNGKey(2), 5)
+    q = jax.random.normal(keys[0], (rows, t, kv, g, d))
+    k_t = jax.random.normal(keys[1], (rows, kv, d, s))
+    v = jax.random.normal(keys[2], (rows, kv, s, d))
+    g_scores = jax.random.normal(keys[3], (rows, kv, t, g, s))  # stands in for the probabilities and their cotangent
+    g_out = jax.random.normal(keys[4], (rows, t, kv, g, d))
+
+    def products(q, k_t, v, g_scores, g_out):
+        scores, pull_scores = jax.vjp(lambda q, k_t: jnp.einsum("btkgd,bkds->bktgs", q, k_t), q, k_t)
+        out, pull_out = jax.vjp(lambda p, v: jnp.einsum("bktgs,bksd->btkgd", p, v), g_scores, v)
+        return pull_scores(g_scores), pull_out(g_out), jnp.max(scores), jnp.max(out)
+
+    return jax.jit(products), (q, k_t, v, g_scores, g_out), share
+
+
+def measure_bound(cfg, sequences: int, prompt_len: int, new_tokens: int, repeats: int = 7,
+                  matmul_gflops: float | None = None, group: int = 1, pieces: int = 1,
+                  decode_steps: int | None = None, attention: bool = False) -> dict:
+    """Times the step's dense products per phase; returns times, the bound and the ratios.
+
+    `matmul_gflops`: the ceiling the caller already measured (grpo_step.py), so both of its
+    ratios share one denominator; None times the 1024^3 matmul here, before and after the phases.
+    `group` G > 1: the products of the prompt-shared step (each group's prompt once: the prefill
+    over S / G x P tokens, ref and update over S / G x P + S x C tokens).
+    `pieces` > 1: ref and update are timed on 1 / pieces of the tokens (a train micro batch's
+    share, whole groups) and the time multiplied by `pieces`: at real shapes the products in one
+    piece would hold every token's [tokens, V] logits and activations at once (C=512: > 15 GB).
+    `decode_steps`: time this many decode steps and scale to C - 1 (every step runs the same
+    products; the bound leaves attention out, so a step's cost does not grow with the cache).
+    `attention`: also time the update's attention products (`attention_products`) as the phase
+    `update_attention`, part of the bound. Worth it at long completions: at 512 new tokens
+    attention is ~10% of a layer's FLOPs and its small-K products run at half a large GEMM's rate.
+    """
+    if sequences % (pieces * group):
+        raise ValueError(f"measure_bound pieces={pieces} must split the {sequences} sequences into whole groups of {group}")
+    import jax
+
+    steps = new_tokens - 1 if decode_steps is None else max(1, min(decode_steps, new_tokens - 1))
+    calls = product_phases(cfg, sequences, prompt_len, new_tokens, group, pieces, steps)
+    if attention:
+        fn, args, share = attention_products(cfg, sequences // pieces, prompt_len, new_tokens, group)
+        calls["update_attention"] = (fn, args)
     if matmul_gflops is None:
-        calls["matmul"] = (jax.jit(lambda a: a @ a), (normal(1024, 1024),))
+        calls["matmul"] = (jax.jit(lambda a: a @ a), (jax.random.normal(jax.random.PRNGKey(1), (1024, 1024)),))
     times = _time_blocks(calls, repeats)
     times["decode"] *= (new_tokens - 1) / steps
     times["ref"] *= pieces
     times["update"] *= pieces
+    if attention:
+        times["update_attention"] *= pieces * cfg.num_layers * share
     if matmul_gflops is None:
         matmul_gflops = 2 * 1024 ** 3 / times.pop("matmul") / 1e9
     flops = step_flops(cfg, sequences, prompt_len, new_tokens, group)["total"] / 1e9

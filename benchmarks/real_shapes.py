@@ -6,8 +6,9 @@ and prints its full table there. With `--rounds R` the lengths take turns R time
 below is the median over that length's runs. Then one table row per length and one JSON line:
 
     step_s, split (rollout / logps / update / reward / other), bound_split (the products alone:
-    prefill, decode, ref, update; benchmarks/ceiling.py), phase_over_bound (rollout / its prefill +
-    decode, logps / ref, update / update), update_over_bound (the target is <= 1.5),
+    prefill, decode, ref, update, update_attention; benchmarks/ceiling.py), phase_over_bound
+    (rollout / its prefill + decode, logps / ref, update / its dense and attention products),
+    update_over_bound (the target is <= 1.5), update_over_dense_bound (the dense products only),
     gen_tokens_per_s, peak_rss_mb, update_temp_mb, matmul_gflops, compiles_after_warmup, load_avg.
 """
 
@@ -24,6 +25,7 @@ from machine import cpu_model
 
 # What each length's line keeps from its process's result (the rest is in that process's own output).
 KEPT = ("step_s_median", "step_s_all", "split", "bound_split", "bound_step_s", "phase_over_bound", "update_over_bound",
+        "update_over_dense_bound",
         "gen_tokens_per_s", "peak_rss_mb", "update_temp_mb", "live_mb", "matmul_gflops", "gflops_per_step",
         "compiles_after_warmup", "load_avg", "train_micro", "layers", "vocab", "sequences", "prompt_len")
 
@@ -86,12 +88,14 @@ def _print_table(result: dict) -> None:
     print(f"\nGRPO step at SmolLM2-135M shapes ({result['lengths'][0]['layers']} layers, vocab "
           f"{result['lengths'][0]['vocab']}), {result['cpu_model']}, medians of {result['rounds']} round(s)")
     print(f"{'new':>5} {'step s':>8} {'rollout':>8} {'logps':>7} {'update':>7} | {'bound: roll':>11} {'ref':>6} "
-          f"{'update':>7} | {'upd/bnd':>7} {'roll/bnd':>8} {'gen tok/s':>9} {'RSS MB':>7} {'load':>5}")
+          f"{'update':>7} {'attn':>6} | {'upd/bnd':>7} {'dense':>6} {'roll/bnd':>8} {'gen tok/s':>9} {'RSS MB':>7} "
+          f"{'load':>5}")
     for line in result["lengths"]:
         split, bound, ratio = line["split"], line["bound_split"] or {}, line["phase_over_bound"] or {}
         roll_bound = bound.get("prefill", float("nan")) + bound.get("decode", float("nan"))
         load = statistics.median(run[0] for run in line["load_avg"])
         print(f"{line['completion']:>5} {line['step_s_median']:8.2f} {split['rollout']:8.2f} {split['logps']:7.2f} "
               f"{split['update']:7.2f} | {roll_bound:11.2f} {bound.get('ref', float('nan')):6.2f} "
-              f"{bound.get('update', float('nan')):7.2f} | {ratio.get('update', float('nan')):7.2f} "
+              f"{bound.get('update', float('nan')):7.2f} {bound.get('update_attention', float('nan')):6.2f} | "
+              f"{ratio.get('update', float('nan')):7.2f} {line.get('update_over_dense_bound') or float('nan'):6.2f} "
               f"{ratio.get('rollout', float('nan')):8.2f} {line['gen_tokens_per_s']:9.1f} {line['peak_rss_mb']:7.0f} {load:5.1f}")

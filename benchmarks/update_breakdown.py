@@ -10,10 +10,13 @@ completion tokens, the prompt shared), in one process, the variants taking turns
     one_piece   full, with causal attention in one piece (no query chunks; only differs when C > 128)
     products    the same tokens' dense products alone (benchmarks/ceiling.py's update phase), all of them
     layer_products  the same without the lm_head's products (vocabulary 8)
+    attention_products  the layers' attention products (q . k, p . v, forward and backward) at their
+                causal share (ceiling.attention_products: one layer timed, times the layer count)
 
 so that `no_head - layer_products` is what the layers cost beyond their products (attention,
 norms, RoPE, layout copies) and `(full - no_head) - (products - layer_products)` what the lm_head
-and log-softmax cost beyond theirs. `--profile DIR` also writes a jax.profiler trace of `full`.
+and log-softmax cost beyond theirs. `--profile DIR` also writes a jax.profiler trace of `full` and its
+compiled HLO there, and prints its costliest ops (benchmarks/op_profile.py).
 
     python benchmarks/update_breakdown.py [--completion 128] [--rows 8] [--rounds 3] [--quick]
 """
@@ -29,8 +32,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ceiling import alternate, measure_bound  # noqa: E402
+from ceiling import alternate, attention_products, product_phases  # noqa: E402
 from machine import cpu_model  # noqa: E402
+from op_profile import print_op_table  # noqa: E402
 from shapes import chat_prompt_ids, smollm2_135m_config  # noqa: E402
 
 GROUP, PROMPT_LEN = 4, 48
@@ -70,37 +74,45 @@ def main(argv=None) -> dict:
         hidden, _ = completion_hidden(graphdef, ps, prompts, p_mask, completions, c_mask, GROUP)
         return jnp.sum(hidden * r)
 
-    grads = {"full": jax.jit(jax.grad(full_loss(graphdef))), "no_head": jax.jit(jax.grad(no_head_loss))}
+    calls = {"full": (jax.jit(jax.grad(full_loss(graphdef))), (params,)),
+             "no_head": (jax.jit(jax.grad(no_head_loss)), (params,))}
     if c > 128:
-        grads["one_piece"] = jax.jit(jax.grad(full_loss(graphdef_one_piece)))
-    for fn in grads.values():  # compile and warm
-        jax.block_until_ready(fn(params))
-    names = list(grads)
+        calls["one_piece"] = (jax.jit(jax.grad(full_loss(graphdef_one_piece))), (params,))
+    for n, cfg in (("products", config), ("layer_products", dataclasses.replace(config, vocab_size=8))):
+        calls[n] = product_phases(cfg, rows, PROMPT_LEN, c, group=GROUP, decode_steps=1)["update"]
+    attention_fn, attention_args, share = attention_products(config, rows, PROMPT_LEN, c, GROUP)
+    calls["attention_products"] = (attention_fn, attention_args)  # one layer, one piece; scaled below
+    for fn, inputs in calls.values():  # compile and warm
+        jax.block_until_ready(fn(*inputs))
+    names = list(calls)
     seconds = {n: [] for n in names}
     for _ in range(args.rounds):  # the model variants and the products take turns, round by round
-        for n, s in zip(names, alternate([lambda f=grads[n]: f(params) for n in names], 1)):
+        for n, s in zip(names, alternate([lambda n=n: calls[n][0](*calls[n][1]) for n in names], 1)):
             seconds[n].append(s)
-        for n, cfg in (("products", config), ("layer_products", dataclasses.replace(config, vocab_size=8))):
-            t = measure_bound(cfg, rows, PROMPT_LEN, c, repeats=1, matmul_gflops=1.0, group=GROUP, decode_steps=1)
-            seconds.setdefault(n, []).append(t["times_s"]["update"])
+    seconds["attention_products"] = [s * config.num_layers * share for s in seconds["attention_products"]]
     med = {n: statistics.median(v) for n, v in seconds.items()}
     if args.profile:
         jax.profiler.start_trace(args.profile)
         for _ in range(2):
-            jax.block_until_ready(grads["full"](params))
+            jax.block_until_ready(calls["full"][0](params))
         jax.profiler.stop_trace()
+        hlo = calls["full"][0].lower(params).compile().as_text()
+        Path(args.profile, "full.hlo.txt").write_text(hlo)
+        print_op_table(args.profile, hlo, calls=2)
     layers_extra = med["no_head"] - med["layer_products"]
     head_extra = (med["full"] - med["no_head"]) - (med["products"] - med["layer_products"])
     result = {"system": "rlbolt-update-breakdown", "completion": c, "rows": rows, "prompt": PROMPT_LEN, "group": GROUP,
               "layers": config.num_layers, "vocab": config.vocab_size, "rounds": args.rounds, "seconds": med,
               "all_s": seconds, "full_over_products": med["full"] / med["products"],
+              "full_over_all_products": med["full"] / (med["products"] + med["attention_products"]),
               "layers_beyond_products_s": layers_extra, "head_beyond_products_s": head_extra,
               "cpu_model": cpu_model(), "load_avg": [*load_start, *os.getloadavg()]}
     print(f"one micro batch's gradient, {rows} rows x ({PROMPT_LEN} + {c}) tokens, G={GROUP}, "
           f"{config.num_layers} layers, vocab {config.vocab_size} ({args.rounds} rounds, medians)")
     for n, s in med.items():
         print(f"  {n:<16} {s:8.3f} s")
-    print(f"  {'full / products':<16} {result['full_over_products']:8.2f}")
+    print(f"  {'full / products':<16} {result['full_over_products']:8.2f}   (dense products only)")
+    print(f"  {'full / all':<16} {result['full_over_all_products']:8.2f}   (dense + attention products)")
     print(f"  layers beyond their products {layers_extra:.3f} s; lm_head + log-softmax beyond theirs {head_extra:.3f} s")
     print(json.dumps(result))
     return result

@@ -1,7 +1,8 @@
 """The benchmarks run in quick mode so they never rot; their numbers are not asserted here (speed
 is measured in benchmarks/, never in tests), only that each prints its table and ends with one
 JSON line holding every field the speed issue names. The default tier runs grpo_step.py (which
-also runs ceiling.py's bound); the ceiling and sampler scripts on their own are in the slow tier."""
+also runs ceiling.py's bound) and the cheap scripts; the ones that compile a model several times
+(ceiling, sampler, length sweep, LoRA, meshes, agents, real shapes, update breakdown) are slow."""
 
 import json
 import os
@@ -48,7 +49,7 @@ def test_grpo_step_benchmark_quick_mode():
 
 
 REAL_SHAPE_FIELDS = {"completion", "runs", "step_s_median", "split", "bound_split", "bound_step_s", "phase_over_bound",
-                     "update_over_bound", "gen_tokens_per_s", "peak_rss_mb", "update_temp_mb", "matmul_gflops",
+                     "update_over_bound", "update_over_dense_bound", "gen_tokens_per_s", "peak_rss_mb", "update_temp_mb", "matmul_gflops",
                      "compiles_after_warmup", "load_avg", "train_micro", "layers", "vocab", "sequences", "prompt_len"}
 
 
@@ -63,10 +64,13 @@ def test_real_shape_benchmark_quick_mode():
     # the shapes asked for: 8 prompts x G=4 of 48 tokens, 32 new tokens, the 49,152 vocabulary (2 layers in quick mode)
     assert (line["completion"], line["sequences"], line["prompt_len"], line["vocab"], line["layers"]) == (32, 32, 48, 49152, 2)
     assert set(line["split"]) == {"rollout", "logps", "reward", "update", "other"}
-    assert set(line["bound_split"]) == {"prefill", "decode", "ref", "update"} and all(v > 0 for v in line["bound_split"].values())
-    # each phase is set against its own products (benchmarks/ceiling.py), the update's ratio being the target's
+    assert set(line["bound_split"]) == {"prefill", "decode", "ref", "update", "update_attention"}
+    assert all(v > 0 for v in line["bound_split"].values())
+    # each phase is set against its own products (benchmarks/ceiling.py), the update's ratio being the target's:
+    # its dense products plus its attention products (q . k and p . v at their causal share)
     split, bound, ratio = line["split"], line["bound_split"], line["phase_over_bound"]
-    assert ratio["update"] == line["update_over_bound"] == split["update"] / bound["update"]
+    assert ratio["update"] == line["update_over_bound"] == split["update"] / (bound["update"] + bound["update_attention"])
+    assert line["update_over_dense_bound"] == split["update"] / bound["update"]
     assert ratio["rollout"] == split["rollout"] / (bound["prefill"] + bound["decode"])
     assert ratio["logps"] == split["logps"] / bound["ref"]
     assert line["peak_rss_mb"] > 0 and len(line["load_avg"][0]) == 6
@@ -103,6 +107,7 @@ SWEEP_FIELDS = {"system", "completion", "prompt", "group", "sequences", "shared_
                 "whole_cache_attention_share", "rollout_s_whole_cache", "rollout_s_segmented"}
 
 
+@pytest.mark.slow  # ~27 s: a fit per point; the default tier keeps grpo_step.py's quick mode
 def test_length_sweep_quick_mode_prints_one_json_line_per_point():
     env = {**os.environ, "XLA_FLAGS": os.environ.get("RLBOLT_TEST_USER_XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
@@ -184,6 +189,7 @@ def test_mesh_benchmark_quick_mode():
     assert runs[1]["memory_plan_bytes"]["params"] * 2 == runs[0]["memory_plan_bytes"]["params"]
 
 
+@pytest.mark.slow  # ~19 s: three rollouts of 32 episodes compiled; tests/agents pin the session path's samples
 def test_agents_overhead_benchmark_quick_mode():
     out, result = _last_json("agents_overhead.py")
     assert "multi-turn overhead per sampled token" in out
@@ -194,3 +200,17 @@ def test_agents_overhead_benchmark_quick_mode():
     for path in ("session", "history"):
         assert result["overhead_per_token"][path] == (result["seconds_per_sampled_token"][path]
                                                      / result["seconds_per_sampled_token"]["single"])
+
+
+@pytest.mark.slow  # ~20 s: the 49k-vocabulary lm_head's gradient, two layers, traced once
+def test_update_breakdown_quick_mode_prints_its_split_and_the_costliest_ops(tmp_path):
+    out, result = _last_json("update_breakdown.py", "--rounds", "1", "--profile", str(tmp_path))
+    assert result["system"] == "rlbolt-update-breakdown" and result["vocab"] == 49152
+    assert set(result["seconds"]) == {"full", "no_head", "products", "layer_products", "attention_products"}
+    parts = result["seconds"]
+    assert result["full_over_products"] == parts["full"] / parts["products"]
+    assert result["full_over_all_products"] == parts["full"] / (parts["products"] + parts["attention_products"])
+    assert result["layers_beyond_products_s"] == parts["no_head"] - parts["layer_products"]
+    # The op table read the trace against the compiled HLO: the lm_head's [tokens, V] product is named with its shape.
+    assert "ops of one call" in out and "f32[128,49152]" in out
+    assert (tmp_path / "full.hlo.txt").read_text().count("ENTRY") == 1
