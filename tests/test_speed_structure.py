@@ -108,8 +108,9 @@ def test_no_recompilation_when_prompt_and_completion_lengths_vary():
 
 def test_logps_and_training_step_memory_stay_under_full_logits():
     # A large vocabulary against a tiny trunk, so [B, T, V] is what would dominate: the chunked
-    # projection keeps one or two blocks of model.logits_chunk_tokens x V instead.
-    vocab, batch, prompt_len, new_tokens = 65536, 2, 8, 1024
+    # projection keeps one or two blocks of model.logits_chunk_tokens x V instead (4 x 1,032 tokens:
+    # [B, T, V] is 1.08 GB, two blocks of the default 1,024 tokens 0.54 GB).
+    vocab, batch, prompt_len, new_tokens = 65536, 4, 8, 1024
     module = _module(vocab, beta=0.04, new_tokens=new_tokens, stop_at_eos=False, prompt_tokens=prompt_len)
     module.setup(SetupContext(BatchPlan(2, 2)))
     params = nnx.state(module.model, nnx.Param)

@@ -37,7 +37,7 @@ class ModelSection:
     share_prompt: bool = _f(True, "run each prompt once per group of num_generations samples (rollout prefill, logps, training) instead of once per sample; same results to float32 rounding; stages whose micro batches split groups, and meshes with more than one batch shard, run unshared")
     router_aux_loss_coef: float = _f(0.0, "mixture-of-experts models: add this times the Switch load-balancing loss (over the completion tokens the forward runs, per layer, as transformers' load_balancing_loss_func) to the training loss, logged as moe/aux_loss; 0: off (a Hugging Face config's own router_aux_loss_coef is not read: set it here)", at_least=0)
     lora: dict | None = _f(None, "train LoRA adapters on a frozen base: {rank: 8, alpha: 16, targets: [q, k, v, o, gate, up, down], quantize: null|int8|int4|nf4, rollout: merged|adapters} (omitted keys take these defaults; rollout defaults to adapters when quantized); None: train every parameter")
-    logits_chunk_tokens: int | None = _f(512, "tokens per chunk of the output projection + log-softmax in the logps and training forwards (all rows of a micro batch together; the backward recomputes each chunk's logits), so the [B, T, V] float32 logits never exist at once; same results to float32 rounding; 0 or null: unchunked", at_least=0)
+    logits_chunk_tokens: int | None = _f(1024, "tokens per chunk of the output projection + log-softmax in the logps and training forwards (all rows of a micro batch together; the backward recomputes each chunk's logits), so the [B, T, V] float32 logits never exist at once; same results to float32 rounding; 0 or null: unchunked", at_least=0)
 
 
 @dataclass(frozen=True)
