@@ -1,7 +1,7 @@
 """NativeSampler vs VLLMEngine on one rollout batch, in one process, in interleaved rounds.
 
 The batch: 8 prompts x G=4 samples (32 rows), 48-token prompts with ids in [2, V), temperature
-1, no stop tokens (every row generates all its tokens), 32 and 128 new tokens. The model: the
+1, no stop tokens (every row generates all its tokens), 32 and 128 new tokens (`--lengths`). The model: the
 SmolLM2-135M architecture with random weights (30 layers, width 576, 9 query / 3 key-value heads
 of 64, SwiGLU 1536, vocab 49152, tied embeddings, float32, seed 0), written once as a Hugging
 Face folder that vLLM loads; the native sampler runs the same Decoder.
@@ -42,6 +42,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 layers, 8/16 new tokens, 1 round")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds (after one warm-up call per pair)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[32, 128],
+                        help="new tokens per row, each a pair per engine (default 32 128; 512 takes minutes per call)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="torch threads for vLLM (vLLM alone would drop to one on 2 cores)")
     args = parser.parse_args()
@@ -62,7 +64,7 @@ def main() -> None:
 
     have_vllm = importlib.util.find_spec("vllm") is not None
     config = smollm2_135m_config(num_layers=2) if args.quick else smollm2_135m_config()
-    lengths = (8, 16) if args.quick else (32, 128)
+    lengths = (8, 16) if args.quick else tuple(args.lengths)
     rounds = 1 if args.quick else args.rounds
     model = Decoder(config, rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
