@@ -20,6 +20,7 @@ import logging
 import math
 import shutil
 import signal
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -150,6 +151,18 @@ def read_config(run_dir: str | Path) -> dict[str, Any]:
     return data
 
 
+class RunLogHandler(logging.FileHandler):
+    """`train.log`'s handler: a record it cannot write (the run folder's disk is full, or gone) is
+    dropped. logging's default prints "--- Logging error ---" and a traceback to stderr for each
+    such record (Orbax logs its failed save through absl while the disk is full), burying the
+    one line in which the command reports the failure that matters."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if isinstance(sys.exc_info()[1], OSError):
+            return
+        super().handleError(record)
+
+
 def attach_log_file(run_dir: str | Path, level: int = logging.INFO) -> logging.Handler:
     """Sends the `rlbolt` logger's records to `<run_dir>/train.log` (appending on resume).
 
@@ -157,18 +170,19 @@ def attach_log_file(run_dir: str | Path, level: int = logging.INFO) -> logging.H
     libraries may have set up) and only warnings and errors reach stderr, so the terminal
     shows the progress bar rather than every log line twice. Orbax's warnings and errors
     (logged through absl) go to train.log only: a failed save is reported once, in one line.
+    A record that cannot be written there (a full disk) is dropped (`RunLogHandler`).
 
     Returns:
       The file handler; pass it to `detach_log_file` when the run ends.
     """
-    handler = logging.FileHandler(Path(run_dir) / LOG_FILE, encoding="utf-8")
+    handler = RunLogHandler(Path(run_dir) / LOG_FILE, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     handler.setLevel(level)
     console = logging.StreamHandler()
     console.setLevel(logging.WARNING)
     console.addFilter(lambda record: getattr(record, "console", True))
     console.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    library = logging.FileHandler(Path(run_dir) / LOG_FILE, encoding="utf-8")
+    library = RunLogHandler(Path(run_dir) / LOG_FILE, encoding="utf-8")
     library.setFormatter(handler.formatter)
     library.setLevel(logging.WARNING)
     absl = logging.getLogger("absl")
