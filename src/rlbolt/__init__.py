@@ -18,7 +18,8 @@ Layout (a test keeps this list complete):
     the loop's own parts
       producer/        the stage threads around the ExperienceDock, the weight store
       update           the jitted update (gradient accumulation + optimizer step)
-      validation       Trainer.validate's loop
+      train_batch      one global batch's updates (iterations x mini batches, one host sync)
+      validation       Trainer.validate's loop, and the Trainer's own validation as loop hooks
       fit_checks       what fit refuses before building anything
       step_metrics     a step's metrics, assembled in one place
       signals          SIGINT / SIGTERM as a stop at the next step boundary

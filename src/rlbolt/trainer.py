@@ -19,7 +19,7 @@ import numpy as np
 
 from rlbolt.callback import Callback, CallbackList
 from rlbolt.data.source import PromptSource
-from rlbolt.distributed import any_process, host_tree, host_value, layout
+from rlbolt.distributed import any_process, host_value, layout
 from rlbolt.distributed.placement import Placement, WeightSync
 from rlbolt.distributed.sharding import ShardingPlan
 from rlbolt.fit_checks import check_fit, lag_steps
@@ -31,9 +31,10 @@ from rlbolt.signals import StopOnSignal
 from rlbolt.state import StepInfo, TrainState
 from rlbolt.step_metrics import step_metrics
 from rlbolt.timeline import Timeline
+from rlbolt.train_batch import run_updates
 from rlbolt.update import make_update_fn
 from rlbolt.utils.runlock import hold_run_dir
-from rlbolt.validation import ValidationSchedule, run_validation
+from rlbolt.validation import ScheduledValidation, ValidationSchedule, run_validation
 from rlbolt.producer.weights import WeightStore
 
 MODES = ("sync", "async")
@@ -134,34 +135,28 @@ class Trainer:
         state = self._setup(module, train_data, val_data)
         state = self.callbacks.on_restore(self, state)  # ModelCheckpoint resumes here
         state = self.last_state = self.callbacks.on_fit_start(self, state)
-        schedule = ValidationSchedule(val_data is not None, self.val_every_n_steps, self.val_at_start, state.step)
+        validation = ScheduledValidation(ValidationSchedule(val_data is not None, self.val_every_n_steps,
+                                                            self.val_at_start, state.step), val_data, self.validate)
         self.weights.publish(state.step, state.params, state.policy_version)
         producer = Producer(module, self.plan, self.source, self.weights, host_value(state.rng), max_steps=self.max_steps,
                             max_prompts=self._max_prompts(), timeline=self.timeline, share=self.sharding.share)
         signals.defer()  # from here a signal ends the run at the next step boundary
         try:
-            if schedule.before_first_step():  # before the producer's threads start
-                self.validate(state.params, val_data, state.step)
+            validation.on_train_start(state)  # before the producer's threads start
             with producer.start(state.step, state.data_position, timeout_s=self.prefetch_timeout_s,
                                 should_stop=self._stop_while_waiting) as produced_steps:
                 waited = time.perf_counter()
                 for produced in produced_steps:
                     state, info = self._step(state, produced, waited)
                     self.callbacks.on_step_end(self, info)
-                    if schedule.after_step(state.step):
-                        self.validate(state.params, val_data, state.step)
+                    validation.on_step_end(state)
                     self.last_state = state
-                    # Every process stops after the same step; agreed before publishing, so the
-                    # producer's next collectives cannot interleave with this one.
-                    if any_process(self.should_stop):
+                    if not self._publish_unless_stopping(state):
                         break
-                    # Publishing after the callbacks keeps the hook order deterministic in sync mode.
-                    self.weights.publish(state.step, state.params, state.policy_version)
                     waited = time.perf_counter()
                 if any_process(self.stop_signal is not None):
                     return self._end_on_signal(produced_steps, state)
-            if schedule.after_last_step(state.step):
-                self.validate(state.params, val_data, state.step)
+            validation.on_train_end(state)
         except KeyboardInterrupt as exc:  # raised by a hook: callbacks may save, threads are joined
             self.interrupted = True
             self.callbacks.on_exception(self, exc)
@@ -185,6 +180,16 @@ class Trainer:
         info = StepInfo(state.step, state, metrics, self.source.epoch(state.data_position), produced.batch)
         return state, self.callbacks.add_step_metrics(self, info)
 
+    def _publish_unless_stopping(self, state: TrainState) -> bool:
+        """After a step: False when the run stops here (a callback or a signal asked), else publishes
+        the step's weights for the producer and returns True. Every process stops after the same
+        step, agreed before publishing so the producer's next collectives cannot interleave with
+        this one; publishing after the callbacks keeps the hook order deterministic in sync mode."""
+        if any_process(self.should_stop):
+            return False
+        self.weights.publish(state.step, state.params, state.policy_version)
+        return True
+
     def _end_on_signal(self, produced_steps, state: TrainState) -> TrainState:
         """SIGINT/SIGTERM: save first (`on_fit_end`), then join the producer, maybe mid-rollout."""
         self.interrupted = True
@@ -197,8 +202,7 @@ class Trainer:
     def _setup(self, module: RLModule, train_data: Any, val_data: Sequence[dict] | None) -> TrainState:
         self.module = module
         self.plan = check_fit(self.plan, module, train_data, val_data, val_every_n_steps=self.val_every_n_steps,
-                              val_at_start=self.val_at_start,
-                              callbacks=self.callbacks)
+                              val_at_start=self.val_at_start, callbacks=self.callbacks)
         self.source = train_data if isinstance(train_data, PromptSource) else PromptSource(train_data, shuffle=self.shuffle, seed=self.data_seed)
         self.plans = self.placement.plans(self.mesh_spec)
         self.sharding = self.plans["train"]
@@ -227,28 +231,15 @@ class Trainer:
         t0, began = time.perf_counter(), self.timeline.clock()
         state = self.callbacks.on_update_start(self, state)
         batch = produced.batch.numeric().to_host()  # every process holds the whole global batch
-        versions = np.asarray(batch["policy_version"])
-        mini_size, accum = self.plan.mini_batch_size, self.plan.grad_accum_steps
-        minis = [layout.micro_batches(self.sharding, batch.slice(s, s + mini_size), accum)
-                 for s in range(0, batch.num_samples, mini_size)]
-        params, opt_state, version = state.params, state.opt_state, state.policy_version
-        device_metrics, staleness = [], []
-        for _ in range(self.plan.num_iterations):
-            for i, mini in enumerate(minis):
-                staleness.append(version - versions[i * mini_size:(i + 1) * mini_size])
-                params, opt_state, m = self._update(params, opt_state, mini)
-                device_metrics.append(m)
-                version += 1
-        # The one host sync of the step: all update metrics at once.
-        host = host_tree(device_metrics)
-        metrics = {k: float(np.mean([m[k] for m in host])) for k in host[0]}
+        params, opt_state, version, metrics, staleness = run_updates(
+            self._update, batch, self.plan, self.sharding, state.params, state.opt_state, state.policy_version)
         state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                               policy_version=version, data_position=produced.data_position)
         state = self.callbacks.on_update_end(self, state)
         metrics["time/update"] = time.perf_counter() - t0
         self.timeline.record("update", produced.step, began, self.timeline.clock(), samples=produced.batch.num_samples,
                              role=STAGE_ROLES["update"])
-        return state, metrics, np.concatenate(staleness)
+        return state, metrics, staleness
 
     def validate(self, params: Any, val_data: Sequence[dict], step: int, *,
                  num_samples: int | None = None) -> dict[str, float]:

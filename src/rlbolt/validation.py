@@ -87,3 +87,34 @@ class ValidationSchedule:
 
     def after_last_step(self, step: int) -> bool:
         return self.has_rows and step > self.first_step and not self.after_step(step)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduledValidation:
+    """The Trainer's own validation (`val_data`, `val_every_n_steps`, `val_at_start`) as three hooks
+    of its fit loop, so the loop calls them without deciding anything: `on_train_start` (inside
+    fit's signal and error handling, before the producer's threads start), `on_step_end` (after
+    every callback's `on_step_end`) and `on_train_end` (after the last step, before `on_fit_end`;
+    not after a signal or an exception).
+
+    Attributes:
+      schedule: when to validate.
+      rows: the validation rows (None: never validates).
+      validate: `(params, rows, step) -> metrics` (`Trainer.validate`).
+    """
+
+    schedule: ValidationSchedule
+    rows: Sequence[dict] | None
+    validate: Callable[[Any, Sequence[dict], int], dict[str, float]]
+
+    def on_train_start(self, state) -> None:
+        if self.schedule.before_first_step():
+            self.validate(state.params, self.rows, state.step)
+
+    def on_step_end(self, state) -> None:
+        if self.schedule.after_step(state.step):
+            self.validate(state.params, self.rows, state.step)
+
+    def on_train_end(self, state) -> None:
+        if self.schedule.after_last_step(state.step):
+            self.validate(state.params, self.rows, state.step)
