@@ -149,7 +149,7 @@ def sampler(meshes: list[dict]) -> dict:
     def compiled_memory(plan):
         s = NativeSampler(heavy, max_new_tokens=4, temperature=1.0, prompt_buckets=(16,), sharding=plan)
         args = plan.put_local((np.ones((16, 16), np.int32), np.ones((16, 16), bool), np.zeros((16, 2), np.uint32)))
-        memory = _generate_jit.lower(s._params, *args, graphdef=s._graphdef, sp=s.sampling, noise_upfront=True,
+        memory = _generate_jit.lower(s._params, *args, graphdef=s._graphdef, sp=s.sampling,
                                      layout=s._layout).compile().memory_analysis()
         return {"heavy_param_bytes": sum(x.nbytes for x in jax.tree.leaves(nnx.state(heavy))),
                 "heavy_params_per_device": per_device_bytes(s._params),

@@ -121,11 +121,11 @@ def test_compacted_samples_equal_the_loop_that_keeps_every_row(model, temperatur
                                    np.where(got.completion_mask, np.asarray(ref), 0), rtol=0, atol=1e-4)
 
 
-def test_noise_drawn_per_step_and_rows_without_groups_compact_the_same(model):
+def test_rows_without_groups_compact_the_same(model):
     rows = _rows(groups=8, group=1, seed=1)  # 8 different prompts: nothing shared
     keys = _keys(len(rows), seed=5)
     outs = [NativeSampler(model, max_new_tokens=MAX_NEW, temperature=1.0, prompt_buckets=(8,), stop_token_ids=STOPS,
-                          decode_segment=SEGMENT, compact_finished=c, noise_upfront_max_bytes=0).generate(rows, keys)
+                          decode_segment=SEGMENT, compact_finished=c).generate(rows, keys)
             for c in (True, False)]
     np.testing.assert_array_equal(outs[0].completion_ids, outs[1].completion_ids)
     np.testing.assert_allclose(outs[0].logps, outs[1].logps, rtol=0, atol=2e-5)
@@ -157,7 +157,7 @@ def test_the_executable_holds_one_loop_per_size_and_compacts_only_after_the_firs
     sp = NativeSampler(model, max_new_tokens=MAX_NEW, stop_token_ids=STOPS).sampling
     ids, mask = jnp.ones((4, 8), jnp.int32), jnp.ones((4, 8), bool)
     trace = lambda compact, segments: jax.make_jaxpr(functools.partial(  # noqa: E731
-        _generate, graphdef=graphdef, sp=sp, noise_upfront=True, group=4, segments=segments, compact=compact))(
+        _generate, graphdef=graphdef, sp=sp, group=4, segments=segments, compact=compact))(
         params, ids, mask, jnp.zeros((16, 2), jnp.uint32))
     segments = decode_segments(MAX_NEW, SEGMENT)
     assert _while_row_counts(trace(True, segments).jaxpr, MAX_NEW) == {16, 8, 4}

@@ -18,7 +18,7 @@ from rlbolt.models.cache import KVCache, init_cache
 from rlbolt.models.shared_prefix import decode_with_prefix
 from rlbolt.rollout.compaction import compaction_sizes, run_compacted, take_rows
 from rlbolt.rollout.logps import left_pad_positions
-from rlbolt.rollout.sampling import SamplingParams, gumbel_noise, is_stop_token, sample_tokens
+from rlbolt.rollout.sampling import SamplingParams, is_stop_token, sample_tokens, step_uniforms
 
 @dataclasses.dataclass(frozen=True)
 class _MeshLayout:
@@ -36,7 +36,7 @@ class _MeshLayout:
                        constrain(cache.mask, self.rows), cache.index)
 
 
-def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: SamplingParams, noise_upfront: bool,
+def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: SamplingParams,
               group: int = 1, segments: tuple[int, ...] | None = None, layout: _MeshLayout | None = None,
               compact: bool = False, record_routing: bool = False):
     """Prefill + decode for one micro batch. See NativeSampler. Returns ids, mask, logps [B, C], steps [],
@@ -54,8 +54,8 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
     model = nnx.merge(graphdef, params)
     on_mesh = (lambda cache: layout.cache(cache)) if layout is not None else (lambda cache: cache)
     batch = rng_keys.shape[0]
-    steps_total, vocab = sp.max_new_tokens, model.config.vocab_size
-    noise_at = gumbel_noise(rng_keys, sp, vocab, noise_upfront)
+    steps_total = sp.max_new_tokens
+    uniforms_at = step_uniforms(rng_keys, sp)
 
     # Prefill, once per group: the prompt's last hidden state gives each sample's first token.
     prompt_cache = on_mesh(init_cache(model.config, prompt_ids.shape[0], prompt_ids.shape[1]))
@@ -63,7 +63,7 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
     hidden, prompt_cache = model(prompt_ids, left_pad_positions(prompt_mask), attention_mask=prompt_mask,
                                  cache=prompt_cache, return_hidden=True, routing_out=prompt_routing)
     prompt_cache = on_mesh(prompt_cache)
-    tokens, logps = sample_tokens(jnp.repeat(model.logits(hidden[:, -1]), group, axis=0), noise_at(0), sp)
+    tokens, logps = sample_tokens(jnp.repeat(model.logits(hidden[:, -1]), group, axis=0), uniforms_at(0), sp)
     is_stop = functools.partial(is_stop_token, sp=sp)
 
     out_ids = jnp.full((batch, steps_total), sp.pad_id, jnp.int32).at[:, 0].set(tokens)
@@ -90,7 +90,7 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
             routing = (jax.lax.dynamic_update_index_in_dim(routing[0], jnp.stack(routing_out, axis=1), step - 1,
                                                            axis=1),)
         cache = on_mesh(cache)
-        new_tokens, new_logps = sample_tokens(logits, noise_at(step, idx), sp)
+        new_tokens, new_logps = sample_tokens(logits, uniforms_at(step, idx), sp)
         alive = ~done
         new_tokens = jnp.where(alive, new_tokens, sp.pad_id)
         out_ids = jax.lax.dynamic_update_index_in_dim(out_ids, new_tokens, step, axis=1)
@@ -187,7 +187,7 @@ def decode_segments(max_new_tokens: int, segment: int | None) -> tuple[int, ...]
 
 # One jit shared by all samplers: the GraphDef (hashable) is a static argument, so samplers of the
 # same architecture (policy, eval, tests) share executables.
-_generate_jit = jax.jit(_generate, static_argnames=("graphdef", "sp", "noise_upfront", "group", "segments", "layout",
+_generate_jit = jax.jit(_generate, static_argnames=("graphdef", "sp", "group", "segments", "layout",
                                                         "compact", "record_routing"))
 
 

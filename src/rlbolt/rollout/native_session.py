@@ -57,13 +57,12 @@ class NativeSession:
       sp: the sampling options (`max_new_tokens` is each turn's C).
       prompt_buckets: the sampler's padded prompt lengths (the prompt cache's width).
       share_prompts: prefill the prompt of consecutive rows with one prompt once.
-      noise_upfront_max_bytes: as `NativeSampler`'s.
       max_position_embeddings: the model's; the longest prompt + T + 1 must fit.
     """
 
     def __init__(self, graphdef: Any, params: Any, policy_version: int, prompts: Sequence[Sequence[int]], *,
                  max_total_tokens: int, sp: SamplingParams, prompt_buckets: Sequence[int], share_prompts: bool,
-                 noise_upfront_max_bytes: int, vocab_size: int, max_position_embeddings: int):
+                 vocab_size: int, max_position_embeddings: int):
         if not isinstance(max_total_tokens, int) or isinstance(max_total_tokens, bool) or max_total_tokens < 1:
             raise ValueError(f"open_session: max_total_tokens={max_total_tokens!r} must be an int >= 1")
         rows = prompt_rows(prompts, None, vocab_size)
@@ -95,8 +94,7 @@ class NativeSession:
             mask = np.concatenate([mask, np.zeros((batch - n, width), bool)])
         self._graphdef, self._params, self.policy_version = graphdef, params, int(policy_version)
         self.sp, self.max_total_tokens, self.num_episodes = sp, max_total_tokens, n
-        self._noise_bytes, self._vocab = noise_upfront_max_bytes, vocab_size
-        self._group = group
+        self._vocab, self._group = vocab_size, group
         self._sizes = compaction_sizes(batch)  # the row counts the cache may shrink to
         self._slots = cache_sizes(max_total_tokens + 1, MIN_CACHE_SLOTS)
         self._state = _open_jit(params, ids[::group], mask[::group], graphdef=graphdef, group=group,
@@ -172,10 +170,9 @@ class NativeSession:
         rows = self._row[episodes]
         for row, f, key in zip(rows, fed, keys):
             ids[row, :len(f)], counts[row], live[row], all_keys[row] = f, len(f), True, key
-        noise_upfront = b * self.sp.max_new_tokens * self._vocab * 4 <= self._noise_bytes
         self._state, out_ids, out_mask, out_logps, steps = _turn_jit(
             self._params, self._state, ids, counts, live, all_keys, graphdef=self._graphdef, sp=self.sp,
-            group=self._group, noise_upfront=noise_upfront)
+            group=self._group)
         out_ids, out_mask, out_logps = (np.asarray(x)[rows] for x in (out_ids, out_mask, out_logps))
         self.last_decode_steps = int(steps)
         sampled = out_mask.sum(axis=1)

@@ -71,8 +71,8 @@ class NativeSampler:
       pad_id: prompt left-padding and post-stop filler.
       prompt_buckets: allowed padded prompt lengths, ascending.
       micro_batch_size: rows per device call; None pads the whole call to the next power of two.
-      noise_upfront_max_bytes: draw all steps' Gumbel noise before the loop when [B, C, V] float32
-        fits in this many bytes; otherwise draw per step (same values either way).
+      noise_upfront_max_bytes: deprecated, no effect (the draw needs two uniforms per row and step,
+        not a Gumbel per vocabulary entry; see `rlbolt.rollout.sampling`).
       share_prompts: when a call's rows come as consecutive groups of G rows with one prompt
         (GRPO's `a a b b`, pass@k), prefill each group's prompt once and let its G samples read
         that one prompt cache (same samples; see `rlbolt.models.shared_prefix`). On a mesh with
@@ -93,7 +93,7 @@ class NativeSampler:
     def __init__(self, model: Decoder, *, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0, stop_token_ids: Sequence[int] = (), pad_id: int = 0,
                  prompt_buckets: Sequence[int] = DEFAULT_PROMPT_BUCKETS, micro_batch_size: int | None = None,
-                 noise_upfront_max_bytes: int = 64 << 20, share_prompts: bool = True,
+                 noise_upfront_max_bytes: int | None = None, share_prompts: bool = True,
                  decode_segment: int | None = 128, compact_finished: bool = True, sharding: Any = None,
                  record_routing: bool = False):
         self.config = model.config
@@ -106,7 +106,6 @@ class NativeSampler:
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1 or None.")
         self.micro_batch_size = micro_batch_size
-        self.noise_upfront_max_bytes = noise_upfront_max_bytes
         if decode_segment is not None and decode_segment < 1:
             raise ValueError(f"decode_segment={decode_segment} must be >= 1 or None.")
         self.decode_segment = decode_segment
@@ -183,8 +182,7 @@ class NativeSampler:
         sp = self._sampling(opts, "open_session")
         return NativeSession(self._graphdef, self._params, self.policy_version, prompt_ids,
                              max_total_tokens=max_total_tokens, sp=sp, prompt_buckets=self.prompt_buckets,
-                             share_prompts=self.share_prompts, noise_upfront_max_bytes=self.noise_upfront_max_bytes,
-                             vocab_size=self.config.vocab_size,
+                             share_prompts=self.share_prompts, vocab_size=self.config.vocab_size,
                              max_position_embeddings=self.config.max_position_embeddings)
 
     def _prepare_prompts(self, prompt_ids, prompt_mask, max_new_tokens, *, processes: bool = False):
@@ -248,13 +246,12 @@ class NativeSampler:
             keys_all = np.concatenate([keys, np.zeros((padded - n, 2), np.uint32)])
         else:
             mask_all, keys_all = mask, keys
-        noise_upfront = micro * sp.max_new_tokens * self.config.vocab_size * 4 <= self.noise_upfront_max_bytes
         # Filler rows are identical, and n and micro are multiples of the group: they fill whole groups.
         segments = decode_segments(sp.max_new_tokens, self.decode_segment)
         put = (lambda x: x) if self.sharding is None else self.sharding.put_local
         results = [_generate_jit(self._params, *put((ids[s:s + micro:group], mask_all[s:s + micro:group],
                                                      keys_all[s:s + micro])),
-                                 graphdef=self._graphdef, sp=sp, noise_upfront=noise_upfront, group=group,
+                                 graphdef=self._graphdef, sp=sp, group=group,
                                  segments=segments, layout=self._layout, compact=self.compact_finished,
                                  record_routing=self.record_routing)
                    for s in range(0, padded, micro)]  # dispatched asynchronously; the host syncs below

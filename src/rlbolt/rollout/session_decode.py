@@ -43,7 +43,7 @@ from rlbolt.models.shared_prefix import attend_with_prefix
 from rlbolt.rollout.compaction import take_rows
 from rlbolt.rollout.decode import grow_cache
 from rlbolt.rollout.logps import left_pad_positions
-from rlbolt.rollout.sampling import SamplingParams, gumbel_noise, is_stop_token, sample_tokens
+from rlbolt.rollout.sampling import SamplingParams, is_stop_token, sample_tokens, step_uniforms
 
 
 class SessionCache(NamedTuple):
@@ -126,22 +126,22 @@ class _TurnCarry(NamedTuple):
 
 
 def _turn(params, state: SessionCache, new_ids, new_counts, live, rng_keys, *, graphdef, sp: SamplingParams,
-          group: int, noise_upfront: bool):
+          group: int):
     """One turn of every live row: prefill its new ids [B, D] (`new_counts` real), then decode.
 
     Rows not `live` write nothing and sample nothing (their outputs are masked). Returns
     (state, ids [B, C], mask [B, C], logps [B, C], decode steps []).
     """
     model = nnx.merge(graphdef, params)
-    batch, steps_total, vocab = rng_keys.shape[0], sp.max_new_tokens, model.config.vocab_size
+    batch, steps_total = rng_keys.shape[0], sp.max_new_tokens
     slots = state.mask.shape[1]
-    noise_at = gumbel_noise(rng_keys, sp, vocab, noise_upfront)
+    uniforms_at = step_uniforms(rng_keys, sp)
     is_stop = functools.partial(is_stop_token, sp=sp)
 
     counts = jnp.where(live, new_counts, 0)
     hidden, state = model.run(_append, new_ids, counts, state, group)
     last = jnp.take_along_axis(hidden, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]  # [B, H]
-    tokens, logps = sample_tokens(model.logits(last), noise_at(0), sp)
+    tokens, logps = sample_tokens(model.logits(last), uniforms_at(0), sp)
     tokens = jnp.where(live, tokens, sp.pad_id)
     out_ids = jnp.full((batch, steps_total), sp.pad_id, jnp.int32).at[:, 0].set(tokens)
     out_mask = jnp.zeros((batch, steps_total), bool).at[:, 0].set(live)
@@ -154,7 +154,7 @@ def _turn(params, state: SessionCache, new_ids, new_counts, live, rng_keys, *, g
     def body(c: _TurnCarry) -> _TurnCarry:
         alive = ~c.done
         hidden, state = model.run(_append, c.tokens[:, None], alive.astype(jnp.int32), c.state, group)
-        new_tokens, new_logps = sample_tokens(model.logits(hidden[:, 0]), noise_at(c.step), sp)
+        new_tokens, new_logps = sample_tokens(model.logits(hidden[:, 0]), uniforms_at(c.step), sp)
         new_tokens = jnp.where(alive, new_tokens, sp.pad_id)
         ids = jax.lax.dynamic_update_index_in_dim(c.ids, new_tokens, c.step, axis=1)
         mask = jax.lax.dynamic_update_index_in_dim(c.mask, alive, c.step, axis=1)
@@ -180,7 +180,7 @@ def _take(state: SessionCache, idx, *, group: int) -> SessionCache:
 
 # One jit per function shared by all sessions (the GraphDef is static), as `rollout.decode` does.
 _open_jit = jax.jit(_open, static_argnames=("graphdef", "group", "slots"))
-_turn_jit = jax.jit(_turn, static_argnames=("graphdef", "sp", "group", "noise_upfront"), donate_argnums=(1,))
+_turn_jit = jax.jit(_turn, static_argnames=("graphdef", "sp", "group"), donate_argnums=(1,))
 _take_jit = jax.jit(_take, static_argnames=("group",))
 _grow_jit = jax.jit(_grow, static_argnames=("slots",))
 
