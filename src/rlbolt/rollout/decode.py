@@ -19,6 +19,7 @@ from rlbolt.models.shared_prefix import decode_with_prefix
 from rlbolt.rollout.compaction import compaction_sizes, run_compacted, take_rows
 from rlbolt.rollout.logps import left_pad_positions
 from rlbolt.rollout.sampling import SamplingParams, is_stop_token, sample_tokens, step_uniforms
+from rlbolt.utils.xla_flags import DecodeJit
 
 @dataclasses.dataclass(frozen=True)
 class _MeshLayout:
@@ -186,8 +187,8 @@ def decode_segments(max_new_tokens: int, segment: int | None) -> tuple[int, ...]
 
 
 # One jit shared by all samplers: the GraphDef (hashable) is a static argument, so samplers of the
-# same architecture (policy, eval, tests) share executables.
-_generate_jit = jax.jit(_generate, static_argnames=("graphdef", "sp", "group", "segments", "layout",
+# same architecture (policy, eval, tests) share executables. Compiled with the decode's XLA options.
+_generate_jit = DecodeJit(_generate, static_argnames=("graphdef", "sp", "group", "segments", "layout",
                                                         "compact", "record_routing"))
 
 

@@ -44,6 +44,7 @@ from rlbolt.rollout.compaction import take_rows
 from rlbolt.rollout.decode import grow_cache
 from rlbolt.rollout.logps import left_pad_positions
 from rlbolt.rollout.sampling import SamplingParams, is_stop_token, sample_tokens, step_uniforms
+from rlbolt.utils.xla_flags import DecodeJit
 
 
 class SessionCache(NamedTuple):
@@ -180,7 +181,7 @@ def _take(state: SessionCache, idx, *, group: int) -> SessionCache:
 
 # One jit per function shared by all sessions (the GraphDef is static), as `rollout.decode` does.
 _open_jit = jax.jit(_open, static_argnames=("graphdef", "group", "slots"))
-_turn_jit = jax.jit(_turn, static_argnames=("graphdef", "sp", "group"), donate_argnums=(1,))
+_turn_jit = DecodeJit(_turn, static_argnames=("graphdef", "sp", "group"), donate_argnums=(1,))
 _take_jit = jax.jit(_take, static_argnames=("group",))
 _grow_jit = jax.jit(_grow, static_argnames=("slots",))
 
