@@ -35,7 +35,12 @@ def test_decode_segments_cover_every_step_in_equal_pieces():
     assert decode_segments(1, 4) == ()  # one new token: no decode step
     ends = decode_segments(1024, 128)
     sizes = np.diff((1, *ends))
-    assert ends[-1] == 1024 and sizes.sum() == 1023 and sizes.max() <= 128 and len(ends) == 8
+    assert ends[-1] == 1024 and sizes.sum() == 1023 and sizes.max() <= 128 and len(ends) == 8 + 3
+    # Segments of 64 or more open with a ramp of 1/8, 1/4, 1/2 of a segment (the first steps read fewer slots).
+    assert ends[:4] == (17, 33, 65, 129)
+    assert decode_segments(128, 128) == (17, 33, 65, 128)  # one segment's steps, ramp first
+    assert decode_segments(20, 128) == (17, 20) and decode_segments(17, 128) == (17,)
+    assert decode_segments(10, 32) == (10,)  # under 64: no ramp
 
 
 def test_groups_share_one_prefill_and_sample_what_separate_prompts_would(model):
