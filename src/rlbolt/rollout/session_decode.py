@@ -22,8 +22,8 @@ full. The host gives a turn a cache with room for every live row's whole turn un
 pass max_total_tokens + 1 slots, so a full cache is the budget: the row samples at most one id
 past max_total_tokens, and the caller sees that the budget cut the turn.
 
-The Gumbel noise of token k is drawn from `fold_in(turn_key, k)`, as `rlbolt.rollout.decode`
-draws it, so a session's turn samples the tokens a `generate` call over the whole history
+The uniforms of token k are drawn from `fold_in(turn_key, k)`, as `rlbolt.rollout.decode`
+draws them, so a session's turn samples the tokens a `generate` call over the whole history
 samples with the same key (up to float32 rounding of the logits).
 """
 
