@@ -15,7 +15,7 @@ import yaml
 from rlbolt.app.demo import DemoConfig, demo_rows, position_rewards
 from rlbolt.loggers import read_jsonl
 
-STEPS = 60  # the full demo passes 0.9 near step 194; by step 60 the reward has clearly left chance (0.074 -> 0.146)
+STEPS = 60  # the full demo passes 0.9 near step 200; by step 60 the reward has clearly left chance
 
 
 @pytest.fixture(scope="module")
