@@ -215,20 +215,25 @@ def test_a_log_file_on_a_full_disk_drops_its_records_without_a_word_on_stderr(tm
         def flush(self):
             raise OSError(errno.ENOSPC, "No space left on device")
 
+        def close(self):  # a buffered file flushes its tail when closed
+            raise OSError(errno.ENOSPC, "No space left on device")
+
     handler = rundir.attach_log_file(tmp_path)
-    try:
-        for h in (handler, handler.rlbolt_restore[3]):  # rlbolt's records and the libraries' (absl)
-            h.stream.close()
-            h.stream = FullDisk()
-        logging.getLogger("rlbolt.run").info("a step summary")
-        logging.getLogger("absl").error("Save Finalize thread failed", exc_info=ValueError("RESOURCE_EXHAUSTED"))
-        assert capsys.readouterr().err == ""
-        handler.stream = None  # a bug in a record is still reported: only write failures are dropped
+    for h in (handler, handler.rlbolt_restore[3]):  # rlbolt's records and the libraries' (absl)
+        h.stream.close()
+        h.stream = FullDisk()
+    logging.getLogger("rlbolt.run").info("a step summary")
+    logging.getLogger("absl").error("Save Finalize thread failed", exc_info=ValueError("RESOURCE_EXHAUSTED"))
+    assert capsys.readouterr().err == ""
+    rundir.detach_log_file(handler)  # the run ends on the full disk: flushing and closing raise ENOSPC
+    assert capsys.readouterr().err == ""
+    assert logging.getLogger("rlbolt").propagate is True and handler.stream is None
+
+    handler = rundir.attach_log_file(tmp_path)
+    try:  # a bug in a record (two %d, one argument) is still reported: only write failures are dropped
         logging.getLogger("rlbolt.run").info("%d %d", 1)
         assert "--- Logging error ---" in capsys.readouterr().err
     finally:
-        for h in (handler, handler.rlbolt_restore[3]):
-            h.stream = None
         rundir.detach_log_file(handler)
 
 

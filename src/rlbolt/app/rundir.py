@@ -152,15 +152,28 @@ def read_config(run_dir: str | Path) -> dict[str, Any]:
 
 
 class RunLogHandler(logging.FileHandler):
-    """`train.log`'s handler: a record it cannot write (the run folder's disk is full, or gone) is
-    dropped. logging's default prints "--- Logging error ---" and a traceback to stderr for each
-    such record (Orbax logs its failed save through absl while the disk is full), burying the
-    one line in which the command reports the failure that matters."""
+    """`train.log`'s handler: what it cannot write (the run folder's disk is full, or gone) is
+    dropped, a record or, at flush and close, the buffered tail. logging's default prints "---
+    Logging error ---" and a traceback to stderr for each such record (Orbax logs its failed save
+    through absl while the disk is full), and a failing flush at close raised out of the command
+    after its one-line report; either buried the line that reports the failure that matters."""
 
     def handleError(self, record: logging.LogRecord) -> None:
         if isinstance(sys.exc_info()[1], OSError):
             return
         super().handleError(record)
+
+    def flush(self) -> None:
+        try:
+            super().flush()
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        try:  # the file is closed even when its final flush fails (io closes the descriptor anyway)
+            super().close()
+        except OSError:
+            pass
 
 
 def attach_log_file(run_dir: str | Path, level: int = logging.INFO) -> logging.Handler:
