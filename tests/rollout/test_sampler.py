@@ -175,3 +175,11 @@ def test_bad_inputs_name_the_problem(model):
         NativeSampler(model, max_new_tokens=4, top_p=0.0)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         NativeSampler(model, max_new_tokens=600, prompt_buckets=(8,)).generate([[3]], _keys(1))
+
+
+def test_the_deprecated_noise_budget_warns_and_changes_nothing(model):
+    prompts, keys = _prompts(3, seed=4), _keys(3, seed=4)
+    with pytest.warns(DeprecationWarning, match="noise_upfront_max_bytes"):
+        old = NativeSampler(model, max_new_tokens=MAX_NEW, prompt_buckets=(16,), noise_upfront_max_bytes=0)
+    new = NativeSampler(model, max_new_tokens=MAX_NEW, prompt_buckets=(16,))
+    np.testing.assert_array_equal(old.generate(prompts, keys).completion_ids, new.generate(prompts, keys).completion_ids)

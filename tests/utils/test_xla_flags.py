@@ -3,6 +3,7 @@ the decode executables take YNNPACK's single dots back (checked in the compiled 
 process, since XLA reads XLA_FLAGS once)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -24,8 +25,6 @@ def test_configure_adds_the_flag_once_and_keeps_the_users(monkeypatch, jaxlib_01
     monkeypatch.setenv("XLA_FLAGS", "--xla_user_flag=1")
     assert xla_flags.configure_xla_flags() == [FLAG]
     assert xla_flags.configure_xla_flags() == []
-    import os
-
     assert os.environ["XLA_FLAGS"] == f"--xla_user_flag=1 {FLAG}"
 
 
@@ -76,7 +75,7 @@ def test_decode_jit_compiles_its_dots_in_ynnpack_where_the_flag_took_them_out():
 
     if not importlib.metadata.version("jaxlib").startswith("0.10."):
         pytest.skip("the flag is only added on jaxlib 0.10.x")
-    env = {k: v for k, v in __import__("os").environ.items() if k not in ("XLA_FLAGS", "RLBOLT_NO_XLA_FLAGS")}
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "RLBOLT_NO_XLA_FLAGS")}
     out = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])

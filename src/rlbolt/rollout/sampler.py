@@ -28,6 +28,7 @@ the call's shapes (rows, prompt bucket) first, and each gets its own rows back.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Sequence
 
 import jax
@@ -100,6 +101,10 @@ class NativeSampler:
                  decode_segment: int | None = 128, compact_finished: bool = True, sharding: Any = None,
                  record_routing: bool = False):
         self.config = model.config
+        if noise_upfront_max_bytes is not None:
+            warnings.warn("NativeSampler(noise_upfront_max_bytes=...) is deprecated and has no effect: a token is drawn "
+                          "from two uniforms per row and step (rlbolt.rollout.sampling); remove the argument",
+                          DeprecationWarning, stacklevel=2)
         self.sampling = SamplingParams(max_new_tokens, float(temperature), int(top_k), float(top_p),
                                        tuple(int(t) for t in stop_token_ids), int(pad_id)).validate(model.config.vocab_size)
         buckets = tuple(sorted(int(b) for b in prompt_buckets))
