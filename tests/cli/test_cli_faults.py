@@ -159,10 +159,14 @@ def check_disk_full_then_resume(run_dir: Path, proc: subprocess.CompletedProcess
     (tmp_path / "stderr.txt").write_text(proc.stderr)
     assert proc.stderr.count("\n") == 1, proc.stderr[:3000]  # one line: no Orbax traceback, no shutdown noise
     line = proc.stderr.strip()
-    assert line.startswith(f"rlbolt demo: error: could not write the checkpoint of step ") and "no space left on device (free " in line
-    assert "this checkpoint needs about" in line and "nothing half-written is used as a checkpoint" in line
-    failed = int(line.split("checkpoint of step ")[1].split()[0])
-    assert all(s < failed for s in steps_on_disk(run_dir))  # finished checkpoints are intact, the failed one is not one
+    assert line.startswith("rlbolt demo: error: could not write ") and "no space left on device (free " in line, line
+    if "could not write the checkpoint of step " in line:  # the disk filled up during a checkpoint write
+        assert "this checkpoint needs about" in line and "nothing half-written is used as a checkpoint" in line
+        failed = int(line.split("checkpoint of step ")[1].split()[0])
+        assert all(s < failed for s in steps_on_disk(run_dir))  # finished checkpoints are intact, the failed one is not one
+    else:  # ... or while a run file (metrics.jsonl, train.log) was appended to: cli_run.RunDiskFull
+        assert f"finished checkpoints: {sorted(steps_on_disk(run_dir)) or 'none'}, intact" in line, line
+        assert line.endswith(f"rlbolt resume {run_dir}"), line
     resume()
     resumed = rlbolt("resume", str(run_dir), env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -241,6 +241,9 @@ _USER_ERRORS = (  # (module, class): bad input or a refusal, reported in one lin
 )
 
 
+_DISK_ERRORS = ("rlbolt.checkpointing.io.CheckpointWriteError", "rlbolt.app.cli_run.RunDiskFull")  # exit 1, one line
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     # An exception's class is loaded once one was raised: looking in sys.modules imports nothing
     # (a refusal that comes before JAX is imported stays fast).
@@ -282,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             kind = f"{type(error).__module__}.{type(error).__name__}"
             if kind == "rlbolt.app.cli_run.RunInterrupted":  # the run saved its last step, then stopped
                 return fail(_one_line(error), error.exit_code)
-            if kind == "rlbolt.checkpointing.io.CheckpointWriteError" and not debug:
+            if kind in _DISK_ERRORS and not debug:
                 return fail("error: " + _one_line(error), EXIT_FAILED)
             raise
 

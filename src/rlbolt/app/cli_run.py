@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import logging
+import shutil
 import signal
 import sys
 import time
@@ -22,9 +24,11 @@ from rlbolt.app import rundir
 from rlbolt.app.cli_export import demo_module
 from rlbolt.app.demo import DemoConfig, demo_rows
 from rlbolt.callback import Callback
+from rlbolt.checkpointing import CheckpointWriteError
 from rlbolt.fit_checks import check_fit
 from rlbolt.plan import BatchPlan
 from rlbolt.trainer import Trainer
+from rlbolt.utils.files import format_size, is_disk_full
 
 log = logging.getLogger("rlbolt.run")
 
@@ -53,6 +57,39 @@ class RunInterrupted(Exception):
     def exit_code(self) -> int:
         """128 + signum: 130 for SIGINT, 143 for SIGTERM."""
         return 128 + self.signum
+
+
+class RunDiskFull(OSError):
+    """The disk filled up while a run wrote its files (metrics.jsonl, train.log, plots, texts):
+    one line saying which file, the free space, the finished checkpoints (intact) and how to go
+    on. A checkpoint that cannot be written raises `CheckpointWriteError` instead."""
+
+    def __init__(self, error: BaseException, run_dir: Path):
+        where = next((e.filename for e in _chain(error) if isinstance(e, OSError) and e.filename), None)
+        try:
+            free = f"free {format_size(shutil.disk_usage(run_dir).free)}"
+        except OSError:
+            free = "free space unknown"
+        kept = _finished_checkpoints(run_dir)
+        super().__init__(errno.ENOSPC, f"could not write {where or f'to {run_dir}'}: no space left on device ({free}); "
+                         f"finished checkpoints: {kept or 'none'}, intact; free space, then continue with: "
+                         f"rlbolt resume {run_dir}")
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def _chain(error: BaseException | None):
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def _finished_checkpoints(run_dir: Path) -> list[int]:
+    folder = run_dir / rundir.CHECKPOINTS_DIR
+    return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.is_dir() else []
 
 
 class ResumeNotice(Callback):
@@ -274,6 +311,10 @@ def _fit_and_report(trainer: Trainer, module: Any, train_rows: Any, val_rows: An
             return RunSummary(run_dir, state.step, time.perf_counter() - started, None, None, None, target, ())
         summary = summarize(run_dir, state.step, time.perf_counter() - started, target)
         log.info("summary:\n%s", summary.text())
+    except Exception as error:
+        if is_disk_full(error) and not isinstance(error, CheckpointWriteError):  # one line, like a checkpoint's
+            raise RunDiskFull(error, run_dir) from error
+        raise
     finally:
         if handler is not None:
             rundir.detach_log_file(handler)

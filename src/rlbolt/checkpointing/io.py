@@ -22,7 +22,6 @@ scripts) never deletes, renames or cleans anything: a training process may be wr
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -37,7 +36,7 @@ import orbax.checkpoint as ocp
 
 from rlbolt.checkpointing import integrity
 from rlbolt.checkpointing.integrity import CheckpointCorrupt
-from rlbolt.utils.files import write_text_atomic
+from rlbolt.utils.files import format_size, is_disk_full, write_text_atomic
 
 STATE, META, RETAINED = "state", "meta", "retained_weights"
 SAVED_FILE = "saved.json"
@@ -155,8 +154,8 @@ class CheckpointIO:
             free = shutil.disk_usage(self.directory).free
         except OSError:
             free = None
-        if _is_disk_full(exc):
-            space = f"free {_size(free)}, this checkpoint needs about {_size(need)}" if free is not None else ""
+        if is_disk_full(exc):
+            space = f"free {format_size(free)}, this checkpoint needs about {format_size(need)}" if free is not None else ""
             reason = f"no space left on device ({space})"
         else:
             reason = f"{type(exc).__name__}: {_first_line(exc, directory=self.directory)}"
@@ -343,27 +342,6 @@ def write_json_atomic(path: Path, value: dict) -> None:
 
 def _nbytes(tree: Any) -> int:
     return sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TB"
-
-
-def _is_disk_full(exc: BaseException) -> bool:
-    """ENOSPC anywhere in the chain; TensorStore reports it as text (os_error_code='28')."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        text = str(exc)
-        if (isinstance(exc, OSError) and exc.errno == errno.ENOSPC) or "No space left on device" in text \
-                or f"os_error_code='{errno.ENOSPC}'" in text:
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
 
 
 def _first_line(exc: BaseException, limit: int = 160, directory: Path | None = None) -> str:

@@ -85,16 +85,24 @@ class JsonlWriter(MetricWriter):
                 f"{str(self.path / 'metrics.jsonl')!r}")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fsync = fsync
+        self._failed = False
         _drop_torn_tail(self.path)
         self._file = open(self.path, "a", encoding="utf-8")
         self._texts_path = self.path.with_name("texts.jsonl")
         self._texts_file = None
 
     def _append(self, f, record: Mapping[str, Any]) -> None:
-        f.write(json.dumps(record, allow_nan=False) + "\n")
-        f.flush()
-        if self._fsync:
-            os.fsync(f.fileno())
+        line = json.dumps(record, allow_nan=False) + "\n"
+        try:
+            f.write(line)
+            f.flush()
+            if self._fsync:
+                os.fsync(f.fileno())
+        except OSError as error:
+            self._failed = True  # flush and close then drop what cannot be written: this error says it once
+            if error.filename is None:  # a failed write() names no file: say which one
+                raise OSError(error.errno, error.strerror, f.name) from error
+            raise
 
     def write_scalars(self, step: int, scalars: Mapping[str, Any]) -> None:
         self._check_open()
@@ -119,12 +127,21 @@ class JsonlWriter(MetricWriter):
     def flush(self) -> None:
         for f in (self._file, self._texts_file):
             if f is not None and not f.closed:
-                f.flush()
+                self._unless_failed(f.flush)
 
     def close(self) -> None:
         for f in (self._file, self._texts_file):
             if f is not None and not f.closed:
-                f.close()
+                self._unless_failed(f.close)
+
+    def _unless_failed(self, action) -> None:
+        """After a failed append (a full disk), the buffered tail of that line cannot be written
+        either: it is dropped (a resumed run cuts the torn line) instead of raising a second time."""
+        try:
+            action()
+        except OSError:
+            if not self._failed:
+                raise
 
     def _check_open(self) -> None:
         if self._file.closed:

@@ -6,6 +6,7 @@ to a temporary sibling and renamed into place, so a kill never leaves half a fil
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import uuid
@@ -56,3 +57,30 @@ def replace_folder(staging: Path, folder: Path) -> None:
     os.replace(staging, folder)
     if retired is not None:
         shutil.rmtree(retired, ignore_errors=True)
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def is_disk_full(exc: BaseException | None) -> bool:
+    """Whether a full disk (ENOSPC, or EDQUOT: a quota) caused `exc`, anywhere in its chain of
+    causes; TensorStore reports it as text only (``os_error_code='28'``)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = str(exc)
+        if (isinstance(exc, OSError) and exc.errno in _FULL) or "No space left on device" in text \
+                or "Disk quota exceeded" in text or any(f"os_error_code='{code}'" in text for code in _FULL):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def format_size(n: float) -> str:
+    """A byte count for people: ``512 B``, ``1.5 MB``, ``3.2 GB``, ``1.1 TB``."""
+    if n < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KB", "MB", "GB", "TB"):
+        n /= 1024
+        if n < 1024 or unit == "TB":
+            return f"{n:.1f} {unit}"
