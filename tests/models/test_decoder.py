@@ -216,3 +216,19 @@ def test_rope_inv_freq_llama3_matches_reference():
 def test_validate_names_the_field(overrides, field):
     with pytest.raises(ValueError, match=field):
         tiny_config(**overrides)
+
+
+@pytest.mark.parametrize("tied, cap", [(True, None), (True, 2.5), (False, None)])
+def test_next_token_logits_vocabulary_major_when_tied(tied, cap):
+    """A decode step's logits: [V, B] (vocab_axis 0) with tied embeddings, [B, V] otherwise; the
+    values of the embedding (or lm_head) product and soft-capping, against float64."""
+    cfg = tiny_config(tie_word_embeddings=tied, final_logit_softcapping=cap)
+    model = Decoder(cfg, rngs=nnx.Rngs(3))
+    hidden = jax.random.normal(jax.random.key(4), (5, cfg.hidden_size))
+    logits, axis = model.next_token_logits(hidden)
+    head = np.asarray(model.embed.embedding[...], np.float64).T if tied else np.asarray(model.lm_head.kernel[...], np.float64)
+    ref = np.asarray(hidden, np.float64) @ head
+    if cap is not None:
+        ref = cap * np.tanh(ref / cap)
+    assert (axis, logits.dtype) == ((0 if tied else 1), jnp.float32)
+    np.testing.assert_allclose(np.asarray(logits), ref.T if tied else ref, rtol=1e-5, atol=1e-5)

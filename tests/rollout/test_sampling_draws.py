@@ -142,3 +142,47 @@ def test_a_row_draws_from_its_own_key_and_step_only():
         np.testing.assert_array_equal(np.asarray(at(step, jnp.asarray([2, 0]))), np.asarray(at(step))[[2, 0]])
     assert not np.array_equal(np.asarray(at(1)), np.asarray(at(2)))
     assert step_uniforms(keys, SamplingParams(6, temperature=0.0))(1) is None
+
+
+@pytest.mark.parametrize("sp", [SamplingParams(4, temperature=1.0), SamplingParams(4, temperature=0.7),
+                                SamplingParams(4, temperature=0.0), SamplingParams(4, temperature=1.0, top_k=5),
+                                SamplingParams(4, temperature=1.3, top_p=0.8)],
+                         ids=["t1", "t0.7", "greedy", "top_k", "top_p"])
+@pytest.mark.parametrize("vocab", [1_100, 7])  # 1,100: three blocks, the last one padded
+def test_vocabulary_major_logits_draw_the_same_tokens_and_logps(sp, vocab):
+    """`vocab_axis=0` ([V, B], what tied embeddings give in the decode) is the same draw as [B, V]."""
+    rng = np.random.default_rng(vocab)
+    logits = rng.normal(0, 3.0, (5, vocab)).astype(np.float32)
+    logits[0, 3] = -np.inf  # a token that can never be drawn
+    logits[1, :] = -np.inf
+    logits[1, vocab - 1] = 0.0  # a row with one possible token, in the last (padded) block
+    keys = jax.random.key_data(jax.random.split(jax.random.key(1), 5))
+    uniforms = step_uniforms(keys, sp)(2)
+    draw = jax.jit(sample_tokens, static_argnums=2, static_argnames="vocab_axis")
+    rows = draw(jnp.asarray(logits), uniforms, sp)
+    cols = draw(jnp.asarray(logits.T), uniforms, sp, vocab_axis=0)
+    np.testing.assert_array_equal(np.asarray(cols[0]), np.asarray(rows[0]))
+    np.testing.assert_allclose(np.asarray(cols[1]), np.asarray(rows[1]), rtol=0, atol=1e-6)  # sums in another order
+    assert int(cols[0][1]) == vocab - 1 and (np.asarray(cols[0]) != 3).all()
+    ref = [np.log(_softmax64(row / (sp.temperature or 1.0))[t]) for row, t in zip(logits, np.asarray(cols[0]))]
+    np.testing.assert_allclose(np.asarray(cols[1]), ref, atol=2e-5)
+
+
+def test_vocabulary_major_draws_follow_the_softmax():
+    logits = _logits(600, seed=5)
+    sp = SamplingParams(max_new_tokens=4, temperature=1.0)
+    n = 40_000
+    keys = jax.random.key_data(jax.random.split(jax.random.key(2), n))
+    columns = jnp.broadcast_to(jnp.asarray(logits)[:, None], (600, n))
+    tokens, _ = jax.jit(sample_tokens, static_argnums=2, static_argnames="vocab_axis")(
+        columns, step_uniforms(keys, sp)(0), sp, vocab_axis=0)
+    _assert_frequencies(np.asarray(tokens), _softmax64(logits))
+
+
+def test_bad_vocab_axis_is_refused_naming_it():
+    greedy = SamplingParams(4, temperature=0.0)
+    logits = jnp.asarray([[0.0, 2.0, 1.0], [3.0, 0.0, 1.0]])
+    assert np.asarray(sample_tokens(logits, None, greedy, vocab_axis=-1)[0]).tolist() == [1, 0]
+    for axis, shape in ((2, (2, 3)), (0, (2, 3, 4))):
+        with pytest.raises(ValueError, match="vocab_axis 0 or 1"):
+            sample_tokens(jnp.zeros(shape), None, greedy, vocab_axis=axis)

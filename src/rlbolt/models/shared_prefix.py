@@ -217,7 +217,8 @@ def _grouped_completion_hidden(model, prompt_ids, prompt_mask, completion_ids, c
 
 
 def decode_with_prefix(model: Decoder, tokens: jnp.ndarray, positions: jnp.ndarray, prefix: KVCache,
-                       own: KVCache, read: int, routing_out: list | None = None) -> tuple[jnp.ndarray, KVCache]:
+                       own: KVCache, read: int, routing_out: list | None = None, *,
+                       return_hidden: bool = False) -> tuple[jnp.ndarray, KVCache]:
     """One decode step of B rows against their groups' prompt cache and their own cache.
 
     The new token's keys/values are written to slot `own.index` of `own`; attention reads the
@@ -233,14 +234,16 @@ def decode_with_prefix(model: Decoder, tokens: jnp.ndarray, positions: jnp.ndarr
       own: the rows' completion KVCache, [B, ...] rows; `own.index` is the slot written now.
       read: own slots attention reads (static; > own.index).
       routing_out: a list that receives each MoE layer's experts [B, k] (None: not collected).
+      return_hidden: give the final-normed hidden states [B, H] instead of the logits (for
+        `Decoder.next_token_logits`, as the decode loop does).
 
     Returns:
-      (logits [B, V] float32, the updated own cache).
+      (logits [B, V] float32 or hidden [B, H], the updated own cache).
     """
-    return model.run(_decode_with_prefix, tokens, positions, prefix, own, read, routing_out)
+    return model.run(_decode_with_prefix, tokens, positions, prefix, own, read, routing_out, return_hidden)
 
 
-def _decode_with_prefix(model, tokens, positions, prefix, own, read, routing_out=None):
+def _decode_with_prefix(model, tokens, positions, prefix, own, read, routing_out=None, return_hidden=False):
     cfg = model.config
     b = tokens.shape[0]
     ropes = layer_rope(cfg, positions[:, None])
@@ -266,5 +269,6 @@ def _decode_with_prefix(model, tokens, positions, prefix, own, read, routing_out
                                  values[:, :, :read], local_visible if sliding else visible,
                                  prefix_band if sliding else None, scale=layer.attn.scale, cap=layer.attn.cap)
         x = model._constrain(layer.add_mlp(layer.add_attention(x, layer.attn.o_proj(out)), routing_out))
-    logits = model.logits(model.final_norm(x))[:, 0]
-    return logits, KVCache(tuple(new_keys), tuple(new_values), mask, index + 1)
+    hidden = model.final_norm(x)[:, 0]
+    cache = KVCache(tuple(new_keys), tuple(new_values), mask, index + 1)
+    return (hidden if return_hidden else model.logits(hidden)), cache

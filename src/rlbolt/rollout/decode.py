@@ -64,7 +64,9 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
     hidden, prompt_cache = model(prompt_ids, left_pad_positions(prompt_mask), attention_mask=prompt_mask,
                                  cache=prompt_cache, return_hidden=True, routing_out=prompt_routing)
     prompt_cache = on_mesh(prompt_cache)
-    tokens, logps = sample_tokens(jnp.repeat(model.logits(hidden[:, -1]), group, axis=0), uniforms_at(0), sp)
+    logits, vocab_axis = model.next_token_logits(hidden[:, -1])  # [V, U] with tied embeddings, else [U, V]
+    tokens, logps = sample_tokens(jnp.repeat(logits, group, axis=1 - vocab_axis), uniforms_at(0), sp,
+                                  vocab_axis=vocab_axis)
     is_stop = functools.partial(is_stop_token, sp=sp)
 
     out_ids = jnp.full((batch, steps_total), sp.pad_id, jnp.int32).at[:, 0].set(tokens)
@@ -86,12 +88,14 @@ def _generate(params, prompt_ids, prompt_mask, rng_keys, *, graphdef, sp: Sampli
         prompt cache `prefix` and first positions gathered once per segment)."""
         step, tokens, cache, done, out_ids, out_mask, out_logps, routing = carry
         routing_out = [] if record_routing else None
-        logits, cache = decode_with_prefix(model, tokens, positions + step - 1, prefix, cache, read, routing_out)
+        hidden, cache = decode_with_prefix(model, tokens, positions + step - 1, prefix, cache, read, routing_out,
+                                           return_hidden=True)
         if record_routing:  # [B, L, k] for the fed token, completion index step - 1
             routing = (jax.lax.dynamic_update_index_in_dim(routing[0], jnp.stack(routing_out, axis=1), step - 1,
                                                            axis=1),)
         cache = on_mesh(cache)
-        new_tokens, new_logps = sample_tokens(logits, uniforms_at(step, idx), sp)
+        logits, vocab_axis = model.next_token_logits(hidden)
+        new_tokens, new_logps = sample_tokens(logits, uniforms_at(step, idx), sp, vocab_axis=vocab_axis)
         alive = ~done
         new_tokens = jnp.where(alive, new_tokens, sp.pad_id)
         out_ids = jax.lax.dynamic_update_index_in_dim(out_ids, new_tokens, step, axis=1)

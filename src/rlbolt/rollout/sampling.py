@@ -71,44 +71,61 @@ def _filter_top_k_top_p(scaled: jnp.ndarray, top_k: int, top_p: float) -> jnp.nd
 _CDF_BLOCK = 512
 
 
-def sample_tokens(logits: jnp.ndarray, uniforms: jnp.ndarray | None, sp: SamplingParams):
+def sample_tokens(logits: jnp.ndarray, uniforms: jnp.ndarray | None, sp: SamplingParams, *, vocab_axis: int = 1):
     """Draws one token per row (greedy when `sp.temperature` is 0).
 
     Args:
-      logits: [B, V] float32 logits of the next token.
+      logits: [B, V] float32 logits of the next token, or [V, B] with `vocab_axis=0` (what
+        `Decoder.next_token_logits` gives with tied embeddings: the same draw, no transpose).
       uniforms: [B, 2] uniform [0, 1) draws of each row (`step_uniforms`); None when greedy.
       sp: the sampling options.
+      vocab_axis: the axis of `logits` that indexes the vocabulary: 1 (or -1), or 0.
 
     Returns:
       (tokens [B] int32, logps [B] float32): the drawn tokens and their log-probabilities under
       the softmax of logits / temperature (of the logits when greedy), before top-k / top-p.
     """
+    vocab_axis = 1 if vocab_axis == -1 else vocab_axis
+    if vocab_axis not in (0, 1) or logits.ndim != 2:
+        raise ValueError(f"sample_tokens: logits must be 2-D with vocab_axis 0 or 1 (-1), got shape {logits.shape} "
+                         f"and vocab_axis={vocab_axis}")
+    if vocab_axis == 0 and (sp.top_k > 0 or sp.top_p < 1.0):  # the filters sort rows: [B, V]
+        logits, vocab_axis = logits.T, 1
     scaled = logits if sp.temperature == 0 else logits / sp.temperature
-    shifted = scaled - jnp.max(scaled, axis=-1, keepdims=True)
+    shifted = scaled - jnp.max(scaled, axis=vocab_axis, keepdims=True)
     weights = jnp.exp(shifted)  # the unnormalized probabilities, max 1
     if sp.temperature == 0:
-        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        tokens = jnp.argmax(logits, axis=vocab_axis).astype(jnp.int32)
     else:
         kept = weights
         if sp.top_k > 0 or sp.top_p < 1.0:
             kept = jnp.where(_filter_top_k_top_p(scaled, sp.top_k, sp.top_p) == -jnp.inf, 0.0, weights)
-        tokens = _inverse_cdf(kept, uniforms)
-    logps = jnp.take_along_axis(shifted, tokens[:, None], axis=-1)[:, 0] - jnp.log(jnp.sum(weights, axis=-1))
+        tokens = _inverse_cdf(kept, uniforms, vocab_axis)
+    picked = jnp.take_along_axis(shifted, jnp.expand_dims(tokens, vocab_axis), axis=vocab_axis)
+    logps = jnp.squeeze(picked, vocab_axis) - jnp.log(jnp.sum(weights, axis=vocab_axis))
     return tokens, logps
 
 
-def _inverse_cdf(weights: jnp.ndarray, uniforms: jnp.ndarray) -> jnp.ndarray:
+def _inverse_cdf(weights: jnp.ndarray, uniforms: jnp.ndarray, vocab_axis: int = 1) -> jnp.ndarray:
     """Token i of each row with probability weights[i] / sum(weights): a block of `_CDF_BLOCK`
     entries by its share of the mass (uniforms[:, 0]), then a token inside it by its share of the
     block (uniforms[:, 1]). Two levels keep float32's resolution relative to the block, so a rare
-    token in a block of rare ones is drawn at its own rate. [B, V] weights >= 0, some > 0 per row.
+    token in a block of rare ones is drawn at its own rate. Weights >= 0, some > 0 per row: [B, V],
+    or [V, B] with `vocab_axis=0` (only the small per-block arrays are transposed then).
     """
-    batch, vocab = weights.shape
+    vocab = weights.shape[vocab_axis]
     size = min(_CDF_BLOCK, vocab)
     count = -(-vocab // size)
-    blocks = jnp.pad(weights, ((0, 0), (0, count * size - vocab))).reshape(batch, count, size)
-    block = _first_above(blocks.sum(axis=-1), uniforms[:, 0])  # [B]
-    inside = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]  # [B, size]
+    pad = [(0, 0), (0, 0)]
+    pad[vocab_axis] = (0, count * size - vocab)
+    if vocab_axis == 1:
+        blocks = jnp.pad(weights, pad).reshape(weights.shape[0], count, size)  # [B, count, size]
+        block = _first_above(blocks.sum(axis=-1), uniforms[:, 0])  # [B]
+        inside = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]  # [B, size]
+    else:
+        blocks = jnp.pad(weights, pad).reshape(count, size, weights.shape[1])  # [count, size, B]
+        block = _first_above(blocks.sum(axis=1).T, uniforms[:, 0])
+        inside = jnp.take_along_axis(blocks, block[None, None, :], axis=0)[0].T
     return (block * size + _first_above(inside, uniforms[:, 1])).astype(jnp.int32)
 
 

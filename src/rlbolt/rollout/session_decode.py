@@ -142,7 +142,8 @@ def _turn(params, state: SessionCache, new_ids, new_counts, live, rng_keys, *, g
     counts = jnp.where(live, new_counts, 0)
     hidden, state = model.run(_append, new_ids, counts, state, group)
     last = jnp.take_along_axis(hidden, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]  # [B, H]
-    tokens, logps = sample_tokens(model.logits(last), uniforms_at(0), sp)
+    logits, vocab_axis = model.next_token_logits(last)
+    tokens, logps = sample_tokens(logits, uniforms_at(0), sp, vocab_axis=vocab_axis)
     tokens = jnp.where(live, tokens, sp.pad_id)
     out_ids = jnp.full((batch, steps_total), sp.pad_id, jnp.int32).at[:, 0].set(tokens)
     out_mask = jnp.zeros((batch, steps_total), bool).at[:, 0].set(live)
@@ -155,7 +156,8 @@ def _turn(params, state: SessionCache, new_ids, new_counts, live, rng_keys, *, g
     def body(c: _TurnCarry) -> _TurnCarry:
         alive = ~c.done
         hidden, state = model.run(_append, c.tokens[:, None], alive.astype(jnp.int32), c.state, group)
-        new_tokens, new_logps = sample_tokens(model.logits(hidden[:, 0]), uniforms_at(c.step), sp)
+        logits, vocab_axis = model.next_token_logits(hidden[:, 0])
+        new_tokens, new_logps = sample_tokens(logits, uniforms_at(c.step), sp, vocab_axis=vocab_axis)
         new_tokens = jnp.where(alive, new_tokens, sp.pad_id)
         ids = jax.lax.dynamic_update_index_in_dim(c.ids, new_tokens, c.step, axis=1)
         mask = jax.lax.dynamic_update_index_in_dim(c.mask, alive, c.step, axis=1)
