@@ -214,3 +214,19 @@ def test_update_breakdown_quick_mode_prints_its_split_and_the_costliest_ops(tmp_
     # The op table read the trace against the compiled HLO: the lm_head's [tokens, V] product is named with its shape.
     assert "ops of one call" in out and "f32[128,49152]" in out
     assert (tmp_path / "full.hlo.txt").read_text().count("ENTRY") == 1
+
+
+def test_decode_products_benchmark_quick_mode():
+    """XLA's decode products (both lm_head layouts, weights on either side) and, where torch is
+    installed, torch's; vLLM's oneDNN kernels only in vLLM's venv (absent here: not in the JSON)."""
+    out, result = _last_json("decode_products.py")
+    assert "total ms per step" in out and result["system"] == "rlbolt-decode-products"
+    assert result["rows"] == 32 and result["layers"] == 2 and result["quick"] is True
+    times = result["ms_per_step"]
+    for product in ("qkv", "o_proj", "gate_up", "down"):
+        assert times[f"xla/{product}"] > 0 and times[f"xla_weights_left/{product}"] > 0
+    assert times["xla/lm_head [B, V]"] > 0 and times["xla/lm_head [V, B]"] > 0
+    totals = result["total_ms_per_step"]
+    assert totals["xla"] == pytest.approx(sum(times[f"xla/{p}"] for p in ("qkv", "o_proj", "gate_up", "down"))
+                                          + times["xla/lm_head [V, B]"], abs=0.02)
+    assert (totals["vllm_onednn"] is None) == (not result["vllm_onednn"])
