@@ -106,6 +106,13 @@ def test_demo_lora_trains_adapters_on_the_frozen_policy_of_another_run(demo_run,
     assert sum(v.size for v in adapters.values()) == 2 * 4 * ((64 + 64) + 2 * (64 + 32) + (64 + 64) + 2 * (64 + 128) + (128 + 64))
     assert all(np.abs(v).max() > 0 for k, v in adapters.items() if "lora_b" in k)  # B left zero: they trained
     assert len(_rewards(tmp_path / "lora")) == 8
+    # The merged export carries the demo's tokenizer, as a full-parameter demo run's does.
+    from rlbolt.app.cli_export import export_run
+
+    export_run(tmp_path / "lora", tmp_path / "merged")
+    assert (tmp_path / "merged" / "tokenizer.json").is_file()
+    full = export_run(base_dir, tmp_path / "full")[0]
+    assert (full / "tokenizer.json").read_bytes() == (tmp_path / "merged" / "tokenizer.json").read_bytes()
 
 
 @pytest.mark.slow

@@ -278,6 +278,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, overwrite: bool = False,
         return out, step
     model = lora.merged_model(nnx.state(module.model, nnx.LoRAParam))
     folders = (cfg.model.tokenizer, cfg.model.path) if cfg is not None else ()
-    with hf_tokenizer_folder(tokenizer_source(*folders)) as tokenizer_folder:
+    with _demo_tokenizer_folder(data) as demo_folder, hf_tokenizer_folder(
+            tokenizer_source(*folders, demo_folder)) as tokenizer_folder:
         save_hf(model, model.config, out, tokenizer_folder=tokenizer_folder, overwrite=overwrite)
     return out, step

@@ -28,7 +28,7 @@ from rlbolt.checkpointing import CheckpointWriteError
 from rlbolt.fit_checks import check_fit
 from rlbolt.plan import BatchPlan
 from rlbolt.trainer import Trainer
-from rlbolt.utils.files import format_size, is_disk_full
+from rlbolt.utils.files import exception_chain, format_size, is_disk_full
 
 log = logging.getLogger("rlbolt.run")
 
@@ -65,7 +65,7 @@ class RunDiskFull(OSError):
     on. A checkpoint that cannot be written raises `CheckpointWriteError` instead."""
 
     def __init__(self, error: BaseException, run_dir: Path):
-        where = next((e.filename for e in _chain(error) if isinstance(e, OSError) and e.filename), None)
+        where = next((e.filename for e in exception_chain(error) if isinstance(e, OSError) and e.filename), None)
         try:
             free = f"free {format_size(shutil.disk_usage(run_dir).free)}"
         except OSError:
@@ -77,14 +77,6 @@ class RunDiskFull(OSError):
 
     def __str__(self) -> str:
         return self.strerror
-
-
-def _chain(error: BaseException | None):
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        yield error
-        error = error.__cause__ or error.__context__
 
 
 def _finished_checkpoints(run_dir: Path) -> list[int]:

@@ -43,6 +43,20 @@ def training_plan(mesh: Any) -> ShardingPlan:
     return plan
 
 
+def check_placed_role(plan: Any, role: ShardingPlan, name: str) -> None:
+    """A role on devices of its own (`placement.<name>`: the reference, a teacher) runs its
+    forward on logps micro batches, which must split over its mesh's batch shards.
+
+    Raises:
+      MeshError: naming plan.logps_micro_batch_size, the role's mesh and what would work.
+    """
+    rows, shards = plan.logps_micro_batch_size, role.batch_shards
+    if rows % shards:
+        raise MeshError(f"plan.logps_micro_batch_size={rows} cannot be split over the {name} mesh's {shards} batch "
+                        f"shards ({describe(role.mesh)}); use a multiple of {shards}, or move placement.{name}'s "
+                        "devices to mesh.tp")
+
+
 def check_batch_plan(plan: Any, sharding: ShardingPlan, mode: str = "sync",
                      reference: ShardingPlan | None = None) -> None:
     """Every batch the Trainer places must split evenly over the batch shards and data shares.
@@ -58,10 +72,8 @@ def check_batch_plan(plan: Any, sharding: ShardingPlan, mode: str = "sync",
       MeshError: naming the field, its value and the sizes that would work (or the mode).
     """
     sharding.check_divides("plan.train_micro_batch_size", plan.train_micro_batch_size)
-    if reference is not None and reference is not sharding and plan.logps_micro_batch_size % reference.batch_shards:
-        raise MeshError(f"plan.logps_micro_batch_size={plan.logps_micro_batch_size} cannot be split over the "
-                        f"reference mesh's {reference.batch_shards} batch shards ({describe(reference.mesh)}); use a "
-                        f"multiple of {reference.batch_shards}, or move placement.reference's devices to mesh.tp")
+    if reference is not None and reference is not sharding:
+        check_placed_role(plan, reference, "reference")
     if mode == "async" and jax.process_count() > 1:
         # The producer thread's collectives (rollout) would overlap the main thread's (update)
         # in a different order on each process, and collectives must be issued in one order.

@@ -24,6 +24,7 @@ import jax
 from flax import nnx
 
 from rlbolt.config import ConfigError, RunConfig, load_config
+from rlbolt.distributed.layout import check_placed_role
 from rlbolt.distributed.mesh import MeshError
 from rlbolt.modules import lm_ops
 from rlbolt.modules.lora_policy import LoraHooks
@@ -146,11 +147,7 @@ class PolicySetup(LoraHooks):
         if apart:  # the teacher's weights and forward only on its devices (placement.teacher)
             from rlbolt.modules.reference import PlacedReference
 
-            rows = context.plan.logps_micro_batch_size
-            if rows % plan.batch_shards:
-                raise MeshError(f"plan.logps_micro_batch_size={rows} cannot be split over the teacher mesh's "
-                                f"{plan.batch_shards} batch shards; use a multiple of {plan.batch_shards}, or put "
-                                "placement.teacher's devices on mesh.tp")
+            check_placed_role(context.plan, plan, "teacher")
             self.teacher_forward = PlacedReference(self.teacher, None, plan, **self._logps_options)
             self.teacher_params = self.teacher_forward.params
             return

@@ -62,17 +62,24 @@ def replace_folder(staging: Path, folder: Path) -> None:
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
+def exception_chain(error: BaseException | None):
+    """`error`, then its cause (or the exception it was raised while handling), and so on; a
+    cycle ends the walk."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
 def is_disk_full(exc: BaseException | None) -> bool:
     """Whether a full disk (ENOSPC, or EDQUOT: a quota) caused `exc`, anywhere in its chain of
     causes; TensorStore reports it as text only (``os_error_code='28'``)."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        text = str(exc)
-        if (isinstance(exc, OSError) and exc.errno in _FULL) or "No space left on device" in text \
+    for error in exception_chain(exc):
+        text = str(error)
+        if (isinstance(error, OSError) and error.errno in _FULL) or "No space left on device" in text \
                 or "Disk quota exceeded" in text or any(f"os_error_code='{code}'" in text for code in _FULL):
             return True
-        exc = exc.__cause__ or exc.__context__
     return False
 
 
