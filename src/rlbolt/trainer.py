@@ -132,14 +132,10 @@ class Trainer:
             return self._fit(module, train_data, val_data, signals)
 
     def _fit(self, module: RLModule, train_data: Any, val_data: Sequence[dict] | None, signals) -> TrainState:
-        state = self._setup(module, train_data, val_data)
-        state = self.callbacks.on_restore(self, state)  # ModelCheckpoint resumes here
-        state = self.last_state = self.callbacks.on_fit_start(self, state)
+        state = self._start(module, train_data, val_data)
         validation = ScheduledValidation(ValidationSchedule(val_data is not None, self.val_every_n_steps,
                                                             self.val_at_start, state.step), val_data, self.validate)
-        self.weights.publish(state.step, state.params, state.policy_version)
-        producer = Producer(module, self.plan, self.source, self.weights, host_value(state.rng), max_steps=self.max_steps,
-                            max_prompts=self._max_prompts(), timeline=self.timeline, share=self.sharding.share)
+        producer = self._producer(module, state)
         signals.defer()  # from here a signal ends the run at the next step boundary
         try:
             validation.on_train_start(state)  # before the producer's threads start
@@ -148,10 +144,7 @@ class Trainer:
                 waited = time.perf_counter()
                 for produced in produced_steps:
                     state, info = self._step(state, produced, waited)
-                    self.callbacks.on_step_end(self, info)
-                    validation.on_step_end(state)
-                    self.last_state = state
-                    if not self._publish_unless_stopping(state):
+                    if not self._end_step(state, info, validation):
                         break
                     waited = time.perf_counter()
                 if any_process(self.stop_signal is not None):
@@ -167,6 +160,19 @@ class Trainer:
         self.callbacks.on_fit_end(self, state)
         return state
 
+    def _start(self, module: RLModule, train_data: Any, val_data: Sequence[dict] | None) -> TrainState:
+        """Builds everything (`_setup`), then the callbacks' `on_restore` (a resume) and `on_fit_start`."""
+        state = self._setup(module, train_data, val_data)
+        state = self.callbacks.on_restore(self, state)  # ModelCheckpoint resumes here
+        state = self.last_state = self.callbacks.on_fit_start(self, state)
+        return state
+
+    def _producer(self, module: RLModule, state: TrainState) -> Producer:
+        """The producer of the steps after `state`, with `state`'s weights published for its first rollout."""
+        self.weights.publish(state.step, state.params, state.policy_version)
+        return Producer(module, self.plan, self.source, self.weights, host_value(state.rng), max_steps=self.max_steps,
+                        max_prompts=self._max_prompts(), timeline=self.timeline, share=self.sharding.share)
+
     def _step(self, state: TrainState, produced, began: float) -> tuple[TrainState, StepInfo]:
         """One global step on a produced batch: the hooks before the update, the update, and the
         step's `StepInfo` (the callbacks' own metrics added, then read-only) for `on_step_end`.
@@ -180,11 +186,15 @@ class Trainer:
         info = StepInfo(state.step, state, metrics, self.source.epoch(state.data_position), produced.batch)
         return state, self.callbacks.add_step_metrics(self, info)
 
-    def _publish_unless_stopping(self, state: TrainState) -> bool:
-        """After a step: False when the run stops here (a callback or a signal asked), else publishes
-        the step's weights for the producer and returns True. Every process stops after the same
-        step, agreed before publishing so the producer's next collectives cannot interleave with
-        this one; publishing after the callbacks keeps the hook order deterministic in sync mode."""
+    def _end_step(self, state: TrainState, info: StepInfo, validation: ScheduledValidation) -> bool:
+        """After a step's update: `on_step_end`, validation when it is due, then False when the run
+        stops here (a callback or a signal asked), else the step's weights published for the
+        producer. Every process stops after the same step, agreed before publishing so the
+        producer's next collectives cannot interleave with this one; publishing after the callbacks
+        keeps the hook order deterministic in sync mode."""
+        self.callbacks.on_step_end(self, info)
+        validation.on_step_end(state)
+        self.last_state = state
         if any_process(self.should_stop):
             return False
         self.weights.publish(state.step, state.params, state.policy_version)
