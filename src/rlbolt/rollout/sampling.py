@@ -116,14 +116,13 @@ def _inverse_cdf(weights: jnp.ndarray, uniforms: jnp.ndarray, vocab_axis: int = 
     vocab = weights.shape[vocab_axis]
     size = min(_CDF_BLOCK, vocab)
     count = -(-vocab // size)
-    pad = [(0, 0), (0, 0)]
-    pad[vocab_axis] = (0, count * size - vocab)
+    extra = count * size - vocab
     if vocab_axis == 1:
-        blocks = jnp.pad(weights, pad).reshape(weights.shape[0], count, size)  # [B, count, size]
+        blocks = jnp.pad(weights, ((0, 0), (0, extra))).reshape(weights.shape[0], count, size)  # [B, count, size]
         block = _first_above(blocks.sum(axis=-1), uniforms[:, 0])  # [B]
         inside = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]  # [B, size]
     else:
-        blocks = jnp.pad(weights, pad).reshape(count, size, weights.shape[1])  # [count, size, B]
+        blocks = jnp.pad(weights, ((0, extra), (0, 0))).reshape(count, size, weights.shape[1])  # [count, size, B]
         block = _first_above(blocks.sum(axis=1).T, uniforms[:, 0])
         inside = jnp.take_along_axis(blocks, block[None, None, :], axis=0)[0].T
     return (block * size + _first_above(inside, uniforms[:, 1])).astype(jnp.int32)
