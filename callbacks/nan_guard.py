@@ -2,7 +2,7 @@
 or skip the updates whose gradients are non-finite.
 
 "stop" checks the watched metrics after every step. On a non-finite value at step k it saves
-step k - 1's state (the Trainer's `last_state`: updates do not donate their inputs, so it is
+step k - 1's state (`StepInfo.previous_state`: updates do not donate their inputs, so it is
 still intact) through the ModelCheckpoint in the callback list, or through its own synchronous
 one in `<run_dir>/checkpoints` when there is none, then raises `NonFiniteError`. NaNGuard runs
 before ModelCheckpoint (`order = -30`), so a non-finite step is never checkpointed.
@@ -88,7 +88,7 @@ class NaNGuard(Callback):
             return
         bad = {k: info.metrics[k] for k in self.metrics if k in info.metrics and not math.isfinite(info.metrics[k])}
         if any_process(bool(bad)):  # every process saves and stops together (the save is a collective)
-            self._stop(trainer, info.step, bad or {"loss on another process": float("nan")})
+            self._stop(trainer, info.step, info.previous_state, bad or {"loss on another process": float("nan")})
 
     def state_dict(self) -> dict:
         return {"skipped_updates": self.skipped_updates, "consecutive": self._consecutive}
@@ -98,8 +98,8 @@ class NaNGuard(Callback):
         self._consecutive = int(state.get("consecutive", 0))
 
     # -- helpers -----------------------------------------------------------------------------------
-    def _stop(self, trainer, step: int, bad: dict[str, float]) -> None:
-        good = trainer.last_state  # step - 1: the Trainer updates it only after on_step_end
+    def _stop(self, trainer, step: int, good, bad: dict[str, float]) -> None:
+        """Saves `good` (the state before step `step`) and raises NonFiniteError."""
         checkpoints = trainer.callbacks.find(ModelCheckpoint)
         if checkpoints:
             saver = checkpoints[0]

@@ -47,6 +47,8 @@ class StepInfo:
         callbacks see it (a callback adds metrics through `Callback.step_metrics`).
       epoch: epochs of the data source consumed so far (fractional).
       batch: the trained global batch (host/device columns), for callbacks that inspect samples.
+      previous_state: the TrainState before the step, still intact (updates do not donate their
+        inputs): what `NaNGuard` saves when the step went non-finite.
     """
 
     step: int
@@ -54,3 +56,4 @@ class StepInfo:
     metrics: Mapping[str, float]
     epoch: float
     batch: Any = None
+    previous_state: TrainState | None = None

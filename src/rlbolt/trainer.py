@@ -180,10 +180,12 @@ class Trainer:
         data_wait = time.perf_counter() - began
         self.callbacks.on_step_start(self, state.step)
         self.callbacks.on_rollout_end(self, produced)
+        before = state
         state, update, staleness = self._train_on(state, produced)
         metrics = step_metrics(produced.batch, produced.metrics, update, staleness, data_wait_s=data_wait,
                                step_s=time.perf_counter() - began)
-        info = StepInfo(state.step, state, metrics, self.source.epoch(state.data_position), produced.batch)
+        info = StepInfo(state.step, state, metrics, self.source.epoch(state.data_position), produced.batch,
+                        previous_state=before)
         return state, self.callbacks.add_step_metrics(self, info)
 
     def _end_step(self, state: TrainState, info: StepInfo, validation: ScheduledValidation) -> bool:
