@@ -72,7 +72,7 @@ def test_clip_cov_selected_share_counts_the_tokens_in_the_covariance_band(band):
     want = int(np.sum(MASK & (cov >= band[0]) & (cov <= band[1])))
     assert 0 < want < 12  # the band splits the tokens, so a wrong count could show
     assert float(metrics["cov/selected_frac"]) == pytest.approx(want / 12, abs=1e-7)
-    assert float(metrics["clip_frac"]) == pytest.approx(want / 12, abs=1e-7)  # detached tokens count as clipped
+    assert float(metrics["clip_frac"]) == 0.0  # PPO's clip alone: a detached token is not a clipped one
 
 
 def test_ppo_clip_share_and_no_covariance_metric_without_a_covariance_rule():
@@ -171,3 +171,4 @@ def test_rollout_correction_logs_the_share_of_tokens_it_masked():
     assert mean_logs(logged)["rollout_corr/token_masked_frac"] == pytest.approx(want, abs=1e-7)
     weights = out["importance_weights"]
     assert np.all(weights[shift != 0] == 0.0) and np.all(weights[mask & (shift == 0)] == 1.0)
+    np.testing.assert_array_equal(out["keep_mask"], mask & (shift == 0))  # what the objectives pool

@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from rlbolt.algorithms.masked import check_token_shapes
 from rlbolt.algorithms.policy_loss import LOG_RATIO_BOUND, _log_ratio, _token_advantages
 
 
@@ -37,7 +38,8 @@ def cispo_surrogate(
     never below 0). The paper gives no eps_high; our default 4 is ScaleRL's (arXiv 2510.13786)
     cap ``r_hat <= 5`` that TRL recommends (TRL's ``epsilon_high`` is that cap itself, verl's
     ``clip_ratio_high`` is ``eps_high`` as here, defaulting to 0.2 on both sides). The paper
-    normalises by the batch's token count: aggregate with ``token-mean``.
+    normalises by the batch's token count: aggregate with ``token-mean`` (the default
+    ``algorithm.policy_loss: cispo`` fills in, whatever the algorithm; TRL's ``cispo`` does the same).
 
     Args:
         logps: ``[N, C]`` float32 current-policy log-probs.
@@ -87,8 +89,8 @@ def sapo_surrogate(
     Conventions: ``A == 0`` uses ``tau_neg`` (as verl and TRL). The log-ratio is clamped to
     ``+-20`` before ``exp`` (verl's bound; TRL does not clamp): beyond it ``w`` is 0 in float32
     anyway, and the clamp keeps a ratio of ``1e30`` from making ``inf * 0 = NaN`` gradients. The
-    paper averages per sequence then over sequences: aggregate with ``seq-mean-token-mean``
-    (verl forces it; TRL's ``sapo`` does the same).
+    paper averages per sequence then over sequences: aggregate with ``seq-mean-token-mean`` (the
+    default ``algorithm.policy_loss: sapo`` fills in; verl forces it, TRL's ``sapo`` uses it too).
 
     Args:
         logps: ``[N, C]`` float32 current-policy log-probs.
@@ -130,6 +132,7 @@ def gmpo_surrogate(
     *,
     clip_low: float = 0.4,
     clip_high: float = 0.4,
+    importance_weights: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """GMPO: the geometric mean of token ratios per sequence, clipped per token in log space.
 
@@ -141,25 +144,42 @@ def gmpo_surrogate(
     ``(e^-0.4, e^0.4)``.
 
     Token form: every valid token of row i carries the loss ``-A_i s_i`` (value and full
-    gradient of ``s_i``), so ``seq-mean-token-mean`` aggregation gives exactly ``-mean_i A_i s_i``,
-    the paper's objective (verl's ``geo_mean`` reduces with a plain mean over sequences, the
-    same); other aggregations weight rows by their length. Token-level advantages ``[N, C]`` are
-    averaged over each row's valid tokens first (verl does the same; the paper has one ``A_i``).
-    ``A_i == 0`` gives loss 0. The log-ratio is clamped to ``+-20`` (verl leaves that clamp
-    commented out): an unclipped side (``A < 0`` and a huge ratio) stays finite.
+    gradient of ``s_i``), so ``seq-mean-token-mean`` aggregation (the paper's, and this
+    objective's default) gives exactly ``-mean_i A_i s_i``; other aggregations weight rows by
+    their length. ``mask`` is every token the row pools: pass a rollout correction's keep-mask,
+    so a dropped token is out of ``|o_i|`` and of the product, not a term with weight 0.
+    Token-level advantages ``[N, C]`` are averaged over the row's tokens first and that one
+    ``A_i`` picks every token's clip side (the paper has one ``A_i``; verl's ``geo_mean``
+    averages them the same way for the factor ``A_i`` but clips each token on its own token
+    advantage's side). ``A_i == 0`` gives loss 0. The log-ratio is clamped to ``+-20`` (verl
+    leaves that clamp commented out): an unclipped side (``A < 0`` and a huge ratio) stays finite.
+
+    Importance weights (rollout correction ``w_t = pi_old / mu``) enter the geometric mean, not
+    the loss: ``J_i = A_i * s_i * exp(mean_t log w_t)``. The sampled tokens' ratio to the
+    distribution that drew them is ``r_t w_t``, and GMPO's objective is the geometric mean of the
+    per-token ratios, so ``prod_t (r_t w_t)^(1/|o_i|) = s_i * G_i(w)``. Multiplying each token's
+    loss by ``w_t`` instead would put the arithmetic mean of the row's weights on ``s_i``, the
+    very outlier sensitivity GMPO replaces; the two agree when a row shares one weight (a
+    sequence-level correction). ``w`` carries no gradient and sits outside the clip, as the
+    behaviour correction of decoupled PPO does (verl's ``geo_mean`` takes the same geometric mean).
 
     Args:
         logps: ``[N, C]`` float32 current-policy log-probs.
         old_logps: ``[N, C]`` float32 old-policy log-probs.
         advantages: ``[N]`` or ``[N, C]``.
-        mask: ``[N, C]`` bool completion mask.
+        mask: ``[N, C]`` bool: the tokens each row pools (the completion mask, or a rollout
+            correction's keep-mask).
         clip_low: eps_low >= 0; token log-ratios are clipped below at ``-clip_low``.
         clip_high: eps_high >= 0; token log-ratios are clipped above at ``clip_high``.
+        importance_weights: ``[N, C]`` weights >= 0 (see ``rollout_correction``) or None; their
+            geometric mean over ``mask`` multiplies ``s_i``. A weight of 0 on a pooled token
+            zeroes its row (drop the token from ``mask`` instead).
 
     Returns:
-        ``(per_token_loss [N, C], info)``; info has ``seq_ratio`` ``[N]`` (``s_i``), ``ratio``
-        ``[N, C]`` (``s_i`` on each valid token) and ``clipped`` ``[N, C]`` bool (the token's
-        log-ratio was clipped on its advantage's side, so it has no gradient).
+        ``(per_token_loss [N, C], info)``; info has ``seq_ratio`` ``[N]`` (``s_i``),
+        ``seq_weight`` ``[N]`` (``G_i(w)``, 1 without weights), ``ratio`` ``[N, C]`` (``s_i`` on
+        each token of ``mask``) and ``clipped`` ``[N, C]`` bool (the token's log-ratio was clipped
+        on its advantage's side, so it has no gradient).
     """
     if clip_low < 0 or clip_high < 0:
         raise ValueError(f"gmpo_surrogate: clip_low={clip_low} and clip_high={clip_high} must be >= 0 "
@@ -174,10 +194,17 @@ def gmpo_surrogate(
     bounded = jnp.clip(log_ratio, -clip_low, clip_high)
     chosen = sign * jnp.minimum(sign * log_ratio, sign * bounded)
     seq_ratio = jnp.exp(jnp.sum(jnp.where(mask, chosen, 0.0), axis=1) / lengths)  # [N]
-    loss = jnp.where(mask, -advantages * seq_ratio[:, None], 0.0)
+    seq_weight = jnp.ones_like(seq_ratio)
+    if importance_weights is not None:
+        check_token_shapes("importance_weights", importance_weights, mask)
+        weights = jax.lax.stop_gradient(jnp.asarray(importance_weights, jnp.float32))
+        log_weights = jnp.where(mask, jnp.log(jnp.where(mask, weights, 1.0)), 0.0)
+        seq_weight = jnp.exp(jnp.sum(log_weights, axis=1) / lengths)
+    loss = jnp.where(mask, -advantages * (seq_ratio * seq_weight)[:, None], 0.0)
     clipped = (sign * bounded < sign * log_ratio) & mask
     info = {
         "seq_ratio": jax.lax.stop_gradient(seq_ratio),
+        "seq_weight": seq_weight,
         "ratio": jnp.where(mask, jax.lax.stop_gradient(seq_ratio)[:, None], 0.0),
         "clipped": clipped,
     }

@@ -172,9 +172,10 @@ class LMPolicyModule(PolicyRollout, PolicySetup, RLModule):
 
     def compute_logps(self, params: Any, batch: Batch) -> Batch:
         """Adds `old_logps` (a forward pass when num_iterations > 1 or a rollout correction is on;
-        else the sampler's), `ref_logps` when beta > 0, and `importance_weights` [N, C] when
-        `algorithm.rollout_correction` corrects the engine's logps toward the trainer's
-        (`rlbolt.algorithms.rollout_correction`: 0 on dropped tokens; its metrics are logged)."""
+        else the sampler's), `ref_logps` when beta > 0, and `importance_weights` [N, C] float32 and
+        `keep_mask` [N, C] bool when `algorithm.rollout_correction` corrects the engine's logps toward
+        the trainer's (`rlbolt.algorithms.rollout_correction`: weights 0 and keep False on dropped
+        tokens; its metrics are logged)."""
         inputs = self._rows_on_mesh(batch)
         cols: dict[str, Any] = {}
         correcting = self.algo.rollout_correction != "none"
@@ -202,9 +203,12 @@ class LMPolicyModule(PolicyRollout, PolicySetup, RLModule):
             weights, keep, metrics = rollout_correction(
                 jnp.asarray(old), jnp.asarray(batch["sampler_logps"]), jnp.asarray(batch["completion_mask"]),
                 mode=a.rollout_correction, level=a.rollout_correction_level, cap=a.rollout_correction_cap)
-            # A dropped token keeps its place in the normaliser with weight 0, so the loss's scale does not
-            # depend on how many tokens were dropped (verl instead removes them from the mask).
+            # The objectives see the keep-mask (a dropped token is out of every sequence ratio and
+            # covariance they pool: policy_losses.py); the aggregation keeps the completion mask, so a
+            # dropped token keeps its place in the normaliser with weight 0 and the loss's scale does
+            # not depend on how many tokens were dropped (verl instead removes them from the mask).
             cols["importance_weights"] = np.asarray(jnp.where(keep, weights, 0.0), np.float32)
+            cols["keep_mask"] = np.asarray(keep, bool)
             for name, value in metrics.items():
                 self.log(name, float(value))
         if self.reference is not None:  # on the reference's own devices (its forward runs unshared)

@@ -3,9 +3,16 @@
 Each entry maps `(logps [N, C], batch, algorithm section)` to `(per_token_loss [N, C], info)` with
 `info["ratio"]` and `info["clipped"]` (the step's `ratio/mean` and `clip_frac`; Clip-Cov and KL-Cov
 also their selected tokens, `cov/selected_frac`), calling the pure
-functions of `rlbolt.algorithms` with the section's fields. Rollout-correction weights
-(`importance_weights`, from `compute_logps`) multiply the per-token loss of the objectives that
-do not take them themselves.
+functions of `rlbolt.algorithms` with the section's fields.
+
+Rollout correction (`compute_logps`): every objective gets the correction's keep-mask
+(`keep_mask`) as its mask, so a token the correction dropped is out of everything an objective
+pools (GMPO's and GSPO's sequence ratios and lengths, Clip-Cov's and KL-Cov's covariance means and
+selection counts), not a term weighted 0; the aggregation still divides by the completion mask's
+totals (a dropped token keeps its place in the normaliser). The weights (`importance_weights`)
+multiply the per-token loss, except GMPO's, which takes their geometric mean over the row
+(`gmpo_surrogate`). The objectives' paper settings (clip ranges, aggregation) are
+`rlbolt.config.sections.POLICY_LOSS_DEFAULTS`.
 """
 
 from __future__ import annotations
@@ -34,7 +41,9 @@ Objective = Callable[[jax.Array, Mapping[str, Any], Any], tuple[jax.Array, dict[
 
 
 def _inputs(batch):
-    return batch["old_logps"], batch["advantages"], batch["completion_mask"]
+    """(old_logps, advantages, mask): the mask is the rollout correction's keep-mask when it ran."""
+    mask = batch["keep_mask"] if "keep_mask" in batch else batch["completion_mask"]
+    return batch["old_logps"], batch["advantages"], mask
 
 
 def _weighted(out, batch):
@@ -59,8 +68,9 @@ POLICY_LOSSES: dict[str, Objective] = {
         logps, *_inputs(batch), clip_low=a.clip_low, clip_high=a.clip_high), batch),
     "sapo": lambda logps, batch, a: _weighted(sapo_surrogate(
         logps, *_inputs(batch), tau_pos=a.sapo_tau_pos, tau_neg=a.sapo_tau_neg), batch),
-    "gmpo": lambda logps, batch, a: _weighted(gmpo_surrogate(
-        logps, *_inputs(batch), clip_low=a.clip_low, clip_high=a.clip_high), batch),
+    "gmpo": lambda logps, batch, a: gmpo_surrogate(
+        logps, *_inputs(batch), clip_low=a.clip_low, clip_high=a.clip_high,
+        importance_weights=batch.get("importance_weights")),
     "clip_cov": lambda logps, batch, a: _weighted(clip_cov_surrogate(
         logps, *_inputs(batch), _micro_batch_key(batch), clip_low=a.clip_low, clip_high=a.clip_high,
         select_ratio=a.cov_select_ratio, cov_low=a.clip_cov_low, cov_high=a.clip_cov_high), batch),

@@ -27,8 +27,8 @@ from rlbolt.rollout.engines import BUILT_IN, EngineHandle, EngineSpec, build_eng
 _FRAMEWORK_COLUMNS = frozenset({
     "group_ids", "policy_version", "sample_keys", "prompt_ids", "prompt_mask", "completion_ids",
     "completion_mask", "sampler_logps", "old_logps", "ref_logps", "rewards", "advantages", "completion_text",
-    "old_values", "returns", "importance_weights", "mini_batch_num_tokens", "mini_batch_num_samples", "dock_index",
-    "teacher_logps", "sequence_mask", *ROUTING_COLUMNS,  # episodes: every real id (sampled and environment); env_reward stays visible to rewards
+    "old_values", "returns", "importance_weights", "keep_mask", "mini_batch_num_tokens", "mini_batch_num_samples",
+    "dock_index", "teacher_logps", "sequence_mask", *ROUTING_COLUMNS,  # episodes: every real id (sampled and environment); env_reward stays visible to rewards
 })
 
 
