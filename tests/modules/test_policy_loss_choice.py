@@ -69,3 +69,23 @@ def test_covariance_objectives_run_jitted_and_reproducibly(loss):
     first, again = np.asarray(run(logps, batch)), np.asarray(run(logps, batch))
     np.testing.assert_array_equal(first, again)  # the draw comes from the micro batch's sample key
     assert np.all(first[~np.asarray(batch["completion_mask"])] == 0)
+
+
+# The papers' aggregations: GSPO / GMPO's sequence objective (exact in token form only under
+# seq-mean-token-mean), SAPO (arXiv 2511.20347: mean per sequence, then over sequences), CISPO
+# (arXiv 2506.13585: normalised by the batch's token count). PPO-based objectives keep the module's.
+PAPER_AGGREGATION = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean", "gmpo": "seq-mean-token-mean",
+                     "cispo": "token-mean"}
+MODULE_AGGREGATION = {"grpo": "seq-mean-token-mean", "dapo": "token-mean", "ppo": "token-mean",
+                      "reinforcepp": "token-mean", "drgrpo": "seq-mean-token-sum-norm", "rloo": "seq-mean-token-sum",
+                      "gspo": "seq-mean-token-mean"}
+
+
+@pytest.mark.parametrize("algorithm", sorted(MODULE_AGGREGATION))
+def test_each_objective_trains_with_its_papers_aggregation_unless_the_config_says(algorithm):
+    for loss in ("ppo", "gspo", "cispo", "sapo", "gmpo", "clip_cov", "kl_cov"):
+        got = load_config({"algorithm": {"name": algorithm, "policy_loss": loss}}).algorithm.loss_aggregation
+        assert got == PAPER_AGGREGATION.get(loss, MODULE_AGGREGATION[algorithm]), (algorithm, loss)
+        for explicit in ("token-mean", "seq-mean-token-sum"):  # what the user wrote wins
+            cfg = load_config({"algorithm": {"name": algorithm, "policy_loss": loss, "loss_aggregation": explicit}})
+            assert cfg.algorithm.loss_aggregation == explicit

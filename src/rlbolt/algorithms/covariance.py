@@ -162,16 +162,17 @@ def clip_cov_surrogate(
         cov_high: omega_high.
 
     Returns:
-        ``(per_token_loss [N, C], info)``; info has ``ratio``, ``clipped`` (PPO-clipped *or*
-        detached: every token without gradient, verl's ``pg_clipfrac``), ``cov_detached`` (the
-        chosen tokens) and ``cov`` ``[N, C]``.
+        ``(per_token_loss [N, C], info)``; info has ``ratio``, ``clipped`` (the tokens PPO's clip
+        cut, the step's ``clip_frac``; never a chosen one, those are excluded from the draw),
+        ``cov_detached`` (the chosen tokens, the step's ``cov/selected_frac``: what verl's Clip-Cov
+        reports as ``pg_clipfrac``) and ``cov`` ``[N, C]``.
     """
     loss, info = clipped_surrogate(logps, old_logps, advantages, mask, clip_low=clip_low, clip_high=clip_high)
     cov = token_covariance(logps, advantages, mask)
     chosen = clip_cov_select(cov, mask, key, select_ratio=select_ratio, cov_low=cov_low, cov_high=cov_high,
                              exclude=info["clipped"])
     loss = jnp.where(chosen, jax.lax.stop_gradient(loss), loss)
-    return loss, {"ratio": info["ratio"], "clipped": info["clipped"] | chosen, "cov_detached": chosen, "cov": cov}
+    return loss, {"ratio": info["ratio"], "clipped": info["clipped"], "cov_detached": chosen, "cov": cov}
 
 
 def kl_cov_surrogate(

@@ -156,8 +156,10 @@ def _metrics(token_lr, weights, mask, keep) -> dict[str, jax.Array]:
     kept = jnp.maximum(jnp.sum(keep), 1).astype(jnp.float32)
     rows = jnp.any(mask, axis=1)
     dropped = mask & ~keep
-    # k3 = rho - 1 - log rho; expm1 keeps precision near 0. The log-ratio is clamped to +-20 (as
-    # verl) so a ratio of 1e30 reports ~4.9e8, not inf: metric writers (JSON) need finite numbers.
+    # k3 = rho - 1 - log rho; expm1 keeps precision near 0. The log-ratio is clamped to +-20 so a
+    # ratio of 1e30 reports ~4.9e8, not inf: metric writers (JSON) need finite numbers. verl's k3_kl
+    # metric is unclamped (it can report inf); verl clamps to the same +-20 only in its rejection
+    # statistics (token_k3 / seq_*_k3).
     bounded = jnp.clip(token_lr, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     k3 = jnp.where(mask, jnp.expm1(bounded) - bounded, 0.0)
     return {

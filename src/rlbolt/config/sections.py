@@ -16,10 +16,18 @@ from rlbolt.config.fields import option as _f
 METRIC_WRITERS = ("console", "jsonl", "tensorboard", "wandb")
 REWARD_TERMS = ("answer", "format", "digits", "task", "env")  # rlbolt.modules.rewarding builds them
 POLICY_LOSSES = ("ppo", "gspo", "cispo", "sapo", "gmpo", "clip_cov", "kl_cov")  # modules/policy_losses.py implements them
-# The fields each policy objective fills when the config left them None (the papers' settings).
+# The fields each policy objective fills when the config left them None (the papers' settings); they
+# win over the algorithm's own defaults (`algorithm_defaults`), and a value the config sets wins over
+# both. `loss_aggregation` is the paper's: an objective that declares none (ppo, clip_cov, kl_cov:
+# PPO's per-token surrogate) trains with the algorithm's.
 POLICY_LOSS_DEFAULTS = {
-    "cispo": {"clip_low": 1.0, "clip_high": 4.0},  # MiniMax-M1 (arXiv 2506.13585): no lower bound; an upper cap of 5
-    "gmpo": {"clip_low": 0.4, "clip_high": 0.4},  # log-space token clip (arXiv 2507.20673)
+    # MiniMax-M1 (arXiv 2506.13585): no lower bound, an upper cap of 5; normalised by the batch's token count
+    "cispo": {"clip_low": 1.0, "clip_high": 4.0, "loss_aggregation": "token-mean"},
+    # GSPO (arXiv 2507.18071), SAPO (arXiv 2511.20347), GMPO (arXiv 2507.20673): a mean over each
+    # sequence's tokens, then over sequences (exactly the sequence objective in GSPO's and GMPO's token forms)
+    "gspo": {"loss_aggregation": "seq-mean-token-mean"},
+    "sapo": {"loss_aggregation": "seq-mean-token-mean"},
+    "gmpo": {"clip_low": 0.4, "clip_high": 0.4, "loss_aggregation": "seq-mean-token-mean"},  # log-space token clip
     "clip_cov": {"cov_select_ratio": 2e-4},  # arXiv 2505.22617
     "kl_cov": {"cov_select_ratio": 2e-3},
 }
@@ -111,7 +119,7 @@ class AlgorithmSection:
     clip_low: float | None = _f(None, "lower ratio clip epsilon; None: algorithm default (GSPO 3e-4, else 0.2)", at_least=0)
     clip_high: float | None = _f(None, "upper ratio clip epsilon; None: algorithm default (DAPO 0.28, GSPO 4e-4, else 0.2)", at_least=0)
     dual_clip: float | None = _f(None, "dual-clip constant c > 1 bounding the loss for negative advantages; None = off", above=1)
-    loss_aggregation: str | None = _f(None, "how per-token losses become one scalar; None: algorithm default", LOSS_AGGREGATIONS)
+    loss_aggregation: str | None = _f(None, "how per-token losses become one scalar; None: the policy objective's paper aggregation (policy_loss gspo, sapo, gmpo: seq-mean-token-mean; cispo: token-mean), else the algorithm's (grpo, gspo: seq-mean-token-mean; drgrpo: seq-mean-token-sum-norm; rloo: seq-mean-token-sum; dapo, ppo, reinforcepp: token-mean)", LOSS_AGGREGATIONS)
     dynamic_sampling: bool | None = _f(None, "drop groups whose rewards are all equal and refill (DAPO); None: on for dapo only")
     overlong_cache_length: int | None = _f(None, "DAPO soft overlong ramp width L_cache in tokens (0 = off); None: max_new_tokens // 4 for dapo, else 0", at_least=0)
     policy_loss: str | None = _f(None, "the per-token policy objective: ppo (PPO-clip with clip-higher / dual-clip), gspo (sequence ratio), cispo (clipped IS weight, every token keeps its gradient; MiniMax-M1), sapo (soft sigmoid gate), gmpo (geometric mean of token ratios), clip_cov / kl_cov (clip or KL-penalise the tokens of highest log-prob/advantage covariance); None: the algorithm's own (gspo for GSPO, else ppo)", POLICY_LOSSES)
