@@ -16,6 +16,9 @@ Conventions the paper leaves open, and what verl (``compute_policy_loss_clip_cov
 
 - The means run over every valid token handed to the loss: with micro-batching, over the micro
   batch (as verl). Pass the whole mini batch to make the selection independent of the split.
+  "Valid" is the ``mask`` passed in: with a rollout correction, its keep-mask, so a dropped token
+  neither moves the means nor counts toward ``N`` or takes a selection (verl, which replaces its
+  ``response_mask`` with the rejection mask, likewise).
 - ``log pi`` is the current policy's, without gradient (verl likewise).
 - The random draw uses a PRNG key passed in (verl: ``torch.randperm``), so a step is
   reproducible: the chosen tokens are the candidates with the smallest

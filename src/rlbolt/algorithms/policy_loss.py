@@ -113,14 +113,16 @@ def gspo_surrogate(
     GSPO-token form (Eqs. 13-14): ``s_{i,t} = sg[s_i] * pi(y_t) / sg[pi(y_t)]``, whose value is
     ``s_i`` and whose gradient w.r.t. token t is ``s_i * grad logp_t``. With sequence
     advantages and ``seq-mean-token-mean`` aggregation this equals GSPO exactly (value and
-    gradient); token-level advantages ``[N, C]`` are also accepted. The paper's clip ranges are
-    tiny (3e-4 / 4e-4) because ``s_i`` is a geometric mean.
+    gradient; the default ``algorithm.policy_loss: gspo`` fills in); token-level advantages
+    ``[N, C]`` are also accepted. The paper's clip ranges are tiny (3e-4 / 4e-4) because ``s_i``
+    is a geometric mean. ``mask`` is every token ``s_i`` pools: pass a rollout correction's
+    keep-mask, so a dropped token is out of the mean, not a term with weight 0.
 
     Args:
         logps: ``[N, C]`` float32 current-policy log-probs.
         old_logps: ``[N, C]`` float32 old-policy log-probs.
         advantages: ``[N]`` or ``[N, C]``.
-        mask: ``[N, C]`` bool completion mask.
+        mask: ``[N, C]`` bool: the tokens each row pools (the completion mask or a keep-mask).
         clip_low: eps_low.
         clip_high: eps_high.
 

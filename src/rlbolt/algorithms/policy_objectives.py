@@ -178,7 +178,7 @@ def gmpo_surrogate(
     Returns:
         ``(per_token_loss [N, C], info)``; info has ``seq_ratio`` ``[N]`` (``s_i``),
         ``seq_weight`` ``[N]`` (``G_i(w)``, 1 without weights), ``ratio`` ``[N, C]`` (``s_i`` on
-        each token of ``mask``) and ``clipped`` ``[N, C]`` bool (the token's log-ratio was clipped
+        each token of ``mask``, 1 elsewhere) and ``clipped`` ``[N, C]`` bool (the token's log-ratio was clipped
         on its advantage's side, so it has no gradient).
     """
     if clip_low < 0 or clip_high < 0:
@@ -205,7 +205,7 @@ def gmpo_surrogate(
     info = {
         "seq_ratio": jax.lax.stop_gradient(seq_ratio),
         "seq_weight": seq_weight,
-        "ratio": jnp.where(mask, jax.lax.stop_gradient(seq_ratio)[:, None], 0.0),
+        "ratio": jnp.where(mask, jax.lax.stop_gradient(seq_ratio)[:, None], 1.0),  # 1 off the mask, as PPO's
         "clipped": clipped,
     }
     return loss, info
