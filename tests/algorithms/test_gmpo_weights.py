@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rlbolt.algorithms import gmpo_surrogate
-from tests.float_tolerance import EPS32
+from float_tolerance import EPS32
 
 # Float32 against float64: a log-ratio, a clip, a mean over <= 4 terms, exp, log, products of
 # order-1 values: ~10 roundings, 64 ulps with margin (the arithmetic-mean fault moves it by > 1e-2).

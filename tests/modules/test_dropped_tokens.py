@@ -12,7 +12,7 @@ import pytest
 
 from rlbolt.algorithms import aggregate_loss
 from rlbolt.modules import GRPO
-from tests.float_tolerance import EPS32
+from float_tolerance import EPS32
 
 # Float32 against float64: ~10 roundings of order-1 values (a log-ratio, a clip, a mean over <= 5
 # terms, exp, log of a weight, products); 64 ulps covers them with margin, and the faults these

@@ -178,8 +178,8 @@ def gmpo_surrogate(
     Returns:
         ``(per_token_loss [N, C], info)``; info has ``seq_ratio`` ``[N]`` (``s_i``),
         ``seq_weight`` ``[N]`` (``G_i(w)``, 1 without weights), ``ratio`` ``[N, C]`` (``s_i`` on
-        each token of ``mask``, 1 elsewhere) and ``clipped`` ``[N, C]`` bool (the token's log-ratio was clipped
-        on its advantage's side, so it has no gradient).
+        each token of ``mask``, 1 elsewhere) and ``clipped`` ``[N, C]`` bool (the token's
+        log-ratio was clipped on its advantage's side, so it has no gradient).
     """
     if clip_low < 0 or clip_high < 0:
         raise ValueError(f"gmpo_surrogate: clip_low={clip_low} and clip_high={clip_high} must be >= 0 "
