@@ -107,7 +107,7 @@ class MetricsLogger(Callback):
             writer.close()
 
 
-def collect_hparams(trainer) -> dict[str, Any]:
+def collect_hparams(trainer: Any) -> dict[str, Any]:
     """The run settings a dashboard should show: trainer fields, the BatchPlan, module hparams.
 
     Args:

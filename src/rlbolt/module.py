@@ -22,6 +22,7 @@ import optax
 
 from rlbolt.batch import Batch
 from rlbolt.config.algorithms import register_algorithm
+from rlbolt.distributed.sharding import ShardingPlan
 from rlbolt.setup_context import SetupContext
 
 
@@ -103,7 +104,7 @@ class RLModule:
         """The optimizer (schedules live inside it). Default: AdamW, lr 1e-6, grad-norm clip 1.0."""
         return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-6))
 
-    def memory_plan(self, sharding) -> dict[str, int]:
+    def memory_plan(self, sharding: ShardingPlan) -> dict[str, int]:
         """Per-device bytes of what this module keeps on the devices besides the trainable params
         and optimizer state (a frozen reference model, a KV cache), for the Trainer's memory
         plan, computed before anything compiles. Default: nothing.

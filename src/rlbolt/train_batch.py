@@ -10,10 +10,11 @@ import numpy as np
 
 from rlbolt.batch import Batch
 from rlbolt.distributed import host_tree, layout
+from rlbolt.distributed.sharding import ShardingPlan
 from rlbolt.plan import BatchPlan
 
 
-def run_updates(update: Callable, batch: Batch, plan: BatchPlan, sharding, params: Any, opt_state: Any,
+def run_updates(update: Callable, batch: Batch, plan: BatchPlan, sharding: ShardingPlan, params: Any, opt_state: Any,
                 version: int) -> tuple[Any, Any, int, dict[str, float], np.ndarray]:
     """`plan.num_iterations` passes of one `update` per mini batch over a global batch.
 
@@ -22,7 +23,8 @@ def run_updates(update: Callable, batch: Batch, plan: BatchPlan, sharding, param
       batch: the global batch on the host (every process holds all of it).
       plan: the BatchPlan (mini batch size, gradient accumulation, iterations).
       sharding: the train role's ShardingPlan (places each mini batch's micro batches).
-      params, opt_state: the state before the first update.
+      params: the trainable parameters before the first update.
+      opt_state: the optimizer state before the first update.
       version: the policy version of `params`; each update adds one.
 
     Returns:

@@ -21,6 +21,8 @@ from collections.abc import Callable
 import numpy as np
 
 from rlbolt.agents.environment import EnvFactory
+from rlbolt.data.tokenizers import Tokenizer
+from rlbolt.models.decoder import Decoder
 from rlbolt.modules import GRPO
 
 __all__ = ["EpisodeGRPO", "episode_config", "train_demo"]
@@ -52,7 +54,8 @@ class EpisodeGRPO(GRPO):
     """
 
     def __init__(self, config: dict, *, env_factory: EnvFactory, max_turns: int, max_total_tokens: int,
-                 max_turn_tokens: int, prompt_width: int, model=None, tokenizer=None):
+                 max_turn_tokens: int, prompt_width: int, model: Decoder | None = None,
+                 tokenizer: Tokenizer | None = None):
         super().__init__(episode_config(config, max_turns=max_turns, max_total_tokens=max_total_tokens,
                                         max_turn_tokens=max_turn_tokens, prompt_width=prompt_width),
                          model=model, tokenizer=tokenizer, env=env_factory)

@@ -19,7 +19,7 @@ def check_token_shapes(name: str, values: jax.Array, mask: jax.Array) -> None:
         )
 
 
-def masked_mean(values: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
+def masked_mean(values: jax.Array, mask: jax.Array, axis: int | tuple[int, ...] | None = None) -> jax.Array:
     """Mean of ``values`` over positions where ``mask`` is true; 0 where nothing is valid.
 
     Args:

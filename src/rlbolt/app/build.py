@@ -244,7 +244,8 @@ def assemble_run(cfg: RunConfig, *, callbacks: Sequence[Any] = (), **objects: An
     return Run(module, trainer, train, val, cfg)
 
 
-def build_run(cfg: RunConfig, *, callbacks: Sequence[Any] = (), **objects: Any):
+def build_run(cfg: RunConfig, *, callbacks: Sequence[Any] = (),
+              **objects: Any) -> tuple[Any, Trainer, list, list | None]:
     """Builds and checks everything a run needs (`assemble_run`), then opens the run folder and
     writes the resolved config to `<run_dir>/config.yaml` (Python objects recorded in it).
 

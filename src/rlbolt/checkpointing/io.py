@@ -275,7 +275,7 @@ class CheckpointIO:
                                    f"{_first_line(exc, directory=self.directory)})") from exc
 
     def restore_usable(self, steps: list[int], abstract_arrays: Any = None, abstract_params: Any = None,
-                       check_meta: Callable[[int, dict], None] | None = None):
+                       check_meta: Callable[[int, dict], None] | None = None) -> tuple[int, Any, dict, dict]:
         """Restores the newest of `steps` that passes every check; warns about (and, unless
         read-only, sets aside) newer bad ones. With `abstract_arrays=None` only the parameters
         are restored (`restore_params`) and the result is (step, params, meta, {}).

@@ -36,7 +36,7 @@ def _reader(path: str, mtime_ns: int, size: int):
     return gguf_module().GGUFReader(path)
 
 
-def open_gguf(path: str | os.PathLike):
+def open_gguf(path: str | os.PathLike) -> Any:
     """Opens a GGUF file with the `gguf` package's reader (memory-mapped: tensors are read on use).
 
     The reader of an unchanged file (same path, size and modification time) is reused.

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from rlbolt.models.config import ModelConfig
 
@@ -34,7 +35,7 @@ class KVCache(NamedTuple):
         return self.mask.shape[1]
 
 
-def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype=None) -> KVCache:
+def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype: DTypeLike | None = None) -> KVCache:
     """An empty cache (zeros, nothing valid, index 0).
 
     Args:

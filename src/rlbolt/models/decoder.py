@@ -81,12 +81,12 @@ class Attention(nnx.Module):
         """`rlbolt.models.attention.attend` with this layer's score scale and soft-capping."""
         return attend(q, keys_t, values, visible, scale=self.scale, cap=self.cap)
 
-    def project(self, x, cos, sin):
+    def project(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The rotated queries, keys and values of x [B, T, H] (cos/sin [B, T, D]).
 
         Returns:
           (q [B, T, nH, D], k [B, T, nKV, D], v [B, T, nKV, D]); q and k rotated (and
-          RMS-normed first when qk_norm).
+            RMS-normed first when qk_norm).
         """
         b, t, _ = x.shape
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim

@@ -38,6 +38,7 @@ from rlbolt.models.decoder import Decoder
 from rlbolt.models.hf_layout import flat_params, hf_tensor_layout, split_sizes
 from rlbolt.models.rope import rope_inv_freq
 
+from rlbolt.data.tokenizers import HFTokenizer
 from rlbolt.data.gguf_file import gguf_field, gguf_module as _gguf_module, is_gguf_path, open_gguf  # noqa: F401
 
 __all__ = ["GGUF_ARCHITECTURES", "load_gguf", "load_gguf_model", "read_gguf_config", "is_gguf_path",
@@ -276,7 +277,8 @@ def load_gguf_model(path: str | os.PathLike, *, param_dtype: str | None = None,
     return nnx.merge(graphdef, state), config
 
 
-def load_gguf(path: str | os.PathLike, *, param_dtype: str | None = None, sharding: Any = None):
+def load_gguf(path: str | os.PathLike, *, param_dtype: str | None = None,
+              sharding: Any = None) -> tuple[Decoder, HFTokenizer]:
     """Loads a GGUF file's model and its tokenizer: the `load_hf` of a `.gguf` file.
 
     Args:
@@ -286,7 +288,7 @@ def load_gguf(path: str | os.PathLike, *, param_dtype: str | None = None, shardi
 
     Returns:
         (model, tokenizer): a Decoder (its config at `model.config`) and an `HFTokenizer` built
-        from the file's tokenizer metadata and chat template (`rlbolt.data.gguf_tokenizer`).
+            from the file's tokenizer metadata and chat template (`rlbolt.data.gguf_tokenizer`).
     """
     from rlbolt.data.gguf_tokenizer import gguf_tokenizer
 

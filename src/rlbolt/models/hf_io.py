@@ -264,7 +264,7 @@ def save_hf(
             this many bytes (a single larger tensor gets its own shard) plus an index; None writes
             one model.safetensors.
         tokenizer_folder: copy the tokenizer files found there (tokenizer.json, tokenizer_config.json, ...);
-          a `.gguf` file's tokenizer goes through `rlbolt.data.gguf_tokenizer.hf_tokenizer_folder` first.
+            a `.gguf` file's tokenizer goes through `rlbolt.data.gguf_tokenizer.hf_tokenizer_folder` first.
         overwrite: replace an existing folder; False raises FileExistsError instead.
 
     Returns:

@@ -51,7 +51,8 @@ from jax.sharding import PartitionSpec as P
 from rlbolt.distributed.mesh import BATCH_AXES, batch_shards
 
 
-def route(logits: jnp.ndarray, top_k: int, norm_topk_prob: bool, forced: jnp.ndarray | None = None):
+def route(logits: jnp.ndarray, top_k: int, norm_topk_prob: bool,
+          forced: jnp.ndarray | None = None) -> tuple[jnp.ndarray, jnp.ndarray, jnp.ndarray]:
     """Top-k routing of N tokens over E experts, as transformers' Qwen3MoeTopKRouter.
 
     Args:
@@ -107,12 +108,15 @@ def grouped_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, 
 
 
 def expert_parallel_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, gate_up: jnp.ndarray,
-                            down: jnp.ndarray, hidden_act: str, mesh) -> jnp.ndarray:
+                            down: jnp.ndarray, hidden_act: str, mesh: jax.sharding.Mesh) -> jnp.ndarray:
     """`grouped_experts` with the experts split over `mesh`'s `expert` axis (module docstring).
 
     Args:
-      x, experts, weights: [N, H], [N, k], [N, k]; rows over the batch axes (N must divide them).
-      gate_up, down: [E, H, 2I], [E, I, H], axis 0 over `expert`.
+      x: [N, H]; rows over the batch axes (N must divide them), as for `experts` and `weights`.
+      experts: [N, k] int chosen experts.
+      weights: [N, k] their routing weights.
+      gate_up: [E, H, 2I], axis 0 over `expert`.
+      down: [E, I, H], axis 0 over `expert`.
       hidden_act: as in `grouped_experts`.
       mesh: the mesh (axes data, fsdp, expert, tp).
 
@@ -135,7 +139,8 @@ def expert_parallel_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.n
                          axis_names=set(BATCH_AXES))(x, experts, weights, gate_up, down)
 
 
-def load_balancing_loss(probs: list[jnp.ndarray], experts: list[jnp.ndarray], mask: jnp.ndarray | None = None):
+def load_balancing_loss(probs: list[jnp.ndarray], experts: list[jnp.ndarray],
+                        mask: jnp.ndarray | None = None) -> jnp.ndarray:
     """Switch-Transformer load-balancing loss over MoE layers (Fedus et al. 2021, eq. 4), as
     transformers' `load_balancing_loss_func`: `E * sum_e f_e * P_e` with f_e the share of top-k
     assignments to expert e and P_e its mean router probability, both over every layer's real tokens.

@@ -12,6 +12,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from rlbolt.models.config import ModelConfig
+
 
 def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict[str, Any] | None) -> np.ndarray:
     """Inverse frequencies `1 / theta^(2i/D)`, optionally divided by a linear factor or with Llama 3.1's scaling.
@@ -84,7 +86,7 @@ def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarra
     return x * cos + rotated * sin
 
 
-def layer_rope(config, positions: jnp.ndarray) -> list[tuple[jnp.ndarray, jnp.ndarray]]:
+def layer_rope(config: ModelConfig, positions: jnp.ndarray) -> list[tuple[jnp.ndarray, jnp.ndarray]]:
     """(cos, sin) for every layer: sliding layers use `rope_local_theta` when the config sets it (Gemma 3).
 
     Args:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
+from rlbolt.config.sections import ModelSection
+from rlbolt.distributed.sharding import ShardingPlan
 from rlbolt.models import Decoder, tiny_config
 from rlbolt.rewards import RewardRunner
 
@@ -23,7 +25,7 @@ def load_tokenizer(folder: str):
     return HFTokenizer.from_folder(folder)
 
 
-def build_model(model_cfg, vocab_size: int, seed: int, sharding=None) -> Decoder:
+def build_model(model_cfg: ModelSection, vocab_size: int, seed: int, sharding: ShardingPlan | None = None) -> Decoder:
     """`model.path` -> `load_hf` (a `.gguf` file: `load_gguf_model`); None -> a tiny random Decoder
     whose vocabulary fits the tokenizer.
 

@@ -101,12 +101,12 @@ def completion_load_balancing(experts: list[jax.Array], probs: list[jax.Array], 
 
 def logps_and_mismatch(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, prompt_routing,
                        completion_routing, *, temperature: float, group_size: int = 1,
-                       chunk_size: int | None = DEFAULT_LOGITS_CHUNK_TOKENS):
+                       chunk_size: int | None = DEFAULT_LOGITS_CHUNK_TOKENS) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The logps forward without replay, and how its routing differs from the rollout's recorded one.
 
     Returns:
       (logps [B, C] float32, mismatched slots [], counted slots []) (`slot_mismatch` over the
-      routed tokens).
+        routed tokens).
     """
     logps, _, experts, _ = routed_token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids,
                                               completion_mask, temperature=temperature, group_size=group_size,
@@ -123,7 +123,9 @@ def check_router_settings(num_experts: int, aux_loss_coef: float, record: bool, 
 
     Args:
       num_experts: the model's E (0: dense).
-      aux_loss_coef, record, replay: model.router_aux_loss_coef, rollout.record_routing, algorithm.router_replay.
+      aux_loss_coef: `model.router_aux_loss_coef`.
+      record: `rollout.record_routing`.
+      replay: `algorithm.router_replay`.
       own_forward: the module class's name when it overrides the policy forward (PPO's trunk), else None.
     """
     fields = [name for name, on in (("model.router_aux_loss_coef", aux_loss_coef > 0),

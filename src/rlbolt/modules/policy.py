@@ -21,7 +21,7 @@ Metrics from `training_step` are normalised by the mini-batch totals (`mini_batc
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -31,8 +31,11 @@ import optax
 
 from rlbolt.algorithms import LossAggregation, aggregate_loss, kl_penalty, overlong_penalty
 from rlbolt.algorithms import grpo_advantages, reverse_kl_advantages, rollout_correction
+from rlbolt.agents.environment import EnvFactory
 from rlbolt.batch import Batch
 from rlbolt.config import RunConfig, config_to_dict
+from rlbolt.data.tokenizers import Tokenizer
+from rlbolt.models.decoder import Decoder
 from rlbolt.module import RLModule
 from rlbolt.plan import PlanError
 from rlbolt.modules.policy_rollout import PolicyRollout, row_fields as _row_fields
@@ -44,6 +47,8 @@ from rlbolt.modules.rewarding import answer_score, score_shared
 from rlbolt.modules.moe_routing import ROUTING_COLUMNS, completion_load_balancing
 from rlbolt.distributed.sharding import host_value
 from rlbolt.rollout.logps import routed_token_logps, sequence_logps
+from rlbolt.rewards import RewardFn, WeightedReward
+from rlbolt.rollout.engine import RolloutEngine
 from rlbolt.rollout.engines import EngineHandle
 
 
@@ -69,8 +74,10 @@ class LMPolicyModule(PolicyRollout, PolicySetup, RLModule):
 
     kl_in_loss = True  # False: the KL is folded into the reward instead (REINFORCE++, RLOO, PPO)
 
-    def __init__(self, config: RunConfig | Mapping | None = None, *, model=None, tokenizer=None, reward=None,
-                 engine=None, env=None, teacher=None):
+    def __init__(self, config: RunConfig | Mapping | None = None, *, model: Decoder | None = None,
+                 tokenizer: Tokenizer | None = None, reward: RewardFn | WeightedReward | None = None,
+                 engine: str | Callable[..., RolloutEngine] | RolloutEngine | None = None,
+                 env: EnvFactory | str | None = None, teacher: Decoder | None = None):
         self.config = _config_for(type(self), config)
         self.algo, self.rollout_cfg = self.config.algorithm, self.config.rollout
         self.hparams = {k: v for k, v in config_to_dict(self.config).items() if k in ("algorithm", "rollout", "reward")}

@@ -24,12 +24,16 @@ import jax
 from flax import nnx
 
 from rlbolt.config import ConfigError, RunConfig, load_config
+from rlbolt.config.sections import ModelSection
+from rlbolt.data.tokenizers import Tokenizer
 from rlbolt.distributed.layout import check_placed_role
 from rlbolt.distributed.mesh import MeshError
+from rlbolt.distributed.sharding import ShardingPlan
 from rlbolt.modules import lm_ops
 from rlbolt.modules.lora_policy import LoraHooks
 from rlbolt.modules.moe_routing import check_router_settings, logps_and_mismatch
 from rlbolt.modules.prompts import PromptEncoder, builtin_tokenizer
+from rlbolt.models.decoder import Decoder
 from rlbolt.modules.rewarding import build_reward
 from rlbolt.rollout.logps import token_logps
 from rlbolt.setup_context import SetupContext
@@ -196,7 +200,8 @@ class PolicySetup(LoraHooks):
         return nnx.merge(graphdef, policy, rest)
 
 
-def load_teacher(path: str, model_cfg, tokenizer, seed: int, sharding=None):
+def load_teacher(path: str, model_cfg: ModelSection, tokenizer: Tokenizer, seed: int,
+                 sharding: ShardingPlan | None = None) -> Decoder:
     """The Decoder `algorithm.distill_teacher` names (a Hugging Face folder or a .gguf file), read
     straight onto `sharding`'s devices; refused in one line when it is missing or its tokenizer
     gives other ids than the student's `tokenizer`.

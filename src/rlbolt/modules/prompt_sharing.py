@@ -38,7 +38,7 @@ def stage_group_size(share: bool, micro_batch_size: int, num_generations: int, b
     return num_generations
 
 
-def require_shared_layout(prompt_ids, prompt_mask, group_size: int, where: str) -> None:
+def require_shared_layout(prompt_ids: np.ndarray, prompt_mask: np.ndarray, group_size: int, where: str) -> None:
     """Raises ValueError unless every block of `group_size` consecutive rows has one prompt.
 
     Args:

@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from rlbolt.rewards import WeightedReward, gsm8k_reward, make_format_reward
+from rlbolt.distributed.sharding import DataShare
+from rlbolt.rewards import RewardRunner, WeightedReward, gsm8k_reward, make_format_reward
 from rlbolt.rewards.environment import env_reward
 from rlbolt.rewards.task_reward import reasoning_gym_reward
 from rlbolt.rewards.format import digit_fraction_reward  # noqa: F401 - defined there so worker processes import it without JAX
@@ -56,7 +57,8 @@ def answer_score(completion: str, row: Mapping[str, Any], answer_field: str) -> 
         return 0.0
 
 
-def score_shared(runner, texts: list[str], samples: list[Mapping[str, Any]], share=None) -> tuple[np.ndarray, dict]:
+def score_shared(runner: RewardRunner, texts: list[str], samples: list[Mapping[str, Any]],
+                 share: DataShare | None = None) -> tuple[np.ndarray, dict]:
     """Rewards of a global batch, each process scoring only its data share's rows.
 
     On several processes every one holds the whole gathered batch (its share's rows in share

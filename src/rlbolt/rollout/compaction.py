@@ -15,7 +15,7 @@ tokens and log-probabilities are those of the uncompacted loop.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +65,7 @@ def put_rows(full, part, idx: jnp.ndarray):
     return jax.tree.map(lambda f, p: p if f.ndim == 0 else f.at[idx].set(p), full, part)
 
 
-def run_compacted(state, done: jnp.ndarray, run: Callable, sizes: tuple[int, ...]):
+def run_compacted(state: Any, done: jnp.ndarray, run: Callable, sizes: tuple[int, ...]) -> Any:
     """Runs `run(state, idx)` on the running rows at the smallest size that holds them.
 
     Args:

@@ -30,7 +30,7 @@ def left_pad_positions(mask: jnp.ndarray) -> jnp.ndarray:
     return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0)
 
 
-def forward_routing(routing, group_size: int = 1) -> list[jnp.ndarray]:
+def forward_routing(routing: tuple[jnp.ndarray, jnp.ndarray], group_size: int = 1) -> list[jnp.ndarray]:
     """A rollout's recorded experts in the token order of the forward `completion_hidden` runs.
 
     Args:
@@ -97,9 +97,11 @@ def chunked_logps(hidden, weight, targets, temperature, chunk_size, with_entropy
                          with_entropy=with_entropy)
 
 
-def token_logps_and_entropy(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
+def token_logps_and_entropy(graphdef: nnx.GraphDef | nnx.Module, params: nnx.State | None, prompt_ids: jnp.ndarray,
+                            prompt_mask: jnp.ndarray, completion_ids: jnp.ndarray, completion_mask: jnp.ndarray, *,
                             temperature: float = 1.0, chunk_size: int | None = DEFAULT_LOGITS_CHUNK_TOKENS,
-                            group_size: int = 1, routing=None):
+                            group_size: int = 1, routing: tuple[jnp.ndarray, jnp.ndarray] | None = None,
+                            ) -> tuple[jnp.ndarray, jnp.ndarray]:
     """Log-probabilities and entropies of completion tokens under the temperature-scaled policy.
 
     Pure and jittable; differentiable w.r.t. `params`. The sequence is `prompt | completion`,
@@ -135,9 +137,10 @@ def token_logps_and_entropy(graphdef, params, prompt_ids, prompt_mask, completio
     return jnp.where(mask, logps, 0.0), jnp.where(mask, entropy, 0.0)
 
 
-def token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
+def token_logps(graphdef: nnx.GraphDef | nnx.Module, params: nnx.State | None, prompt_ids: jnp.ndarray,
+                prompt_mask: jnp.ndarray, completion_ids: jnp.ndarray, completion_mask: jnp.ndarray, *,
                 temperature: float = 1.0, chunk_size: int | None = DEFAULT_LOGITS_CHUNK_TOKENS, group_size: int = 1,
-                routing=None):
+                routing: tuple[jnp.ndarray, jnp.ndarray] | None = None) -> jnp.ndarray:
     """Log-probabilities of completion tokens; `token_logps_and_entropy` without the entropy work.
 
     Args:
@@ -177,19 +180,29 @@ def sequence_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, co
                        temperature=temperature, group_size=group_size, chunk_size=chunk_size), None
 
 
-def token_logps_and_routing(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
+def token_logps_and_routing(graphdef: nnx.GraphDef, params: nnx.State, prompt_ids: jnp.ndarray,
+                            prompt_mask: jnp.ndarray, completion_ids: jnp.ndarray, completion_mask: jnp.ndarray, *,
                             temperature: float = 1.0, chunk_size: int | None = DEFAULT_LOGITS_CHUNK_TOKENS,
-                            group_size: int = 1, routing=None):
+                            group_size: int = 1, routing: tuple[jnp.ndarray, jnp.ndarray] | None = None,
+                            ) -> tuple[jnp.ndarray, list[jnp.ndarray], list[jnp.ndarray]]:
     """`token_logps` of a mixture-of-experts model plus the routing its forward used, for the
     load-balancing loss (`rlbolt.models.moe.load_balancing_loss`) and the routing-mismatch metric.
 
     Args:
-      graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
-        chunk_size, group_size, routing: as in `token_logps`.
+      graphdef: the model's `nnx.GraphDef`.
+      params: the model's `nnx.State`.
+      prompt_ids: [B, P] int32, left-padded.
+      prompt_mask: [B, P] bool.
+      completion_ids: [B, C] int32, right-padded.
+      completion_mask: [B, C] bool.
+      temperature: as in `token_logps`.
+      chunk_size: as in `token_logps`.
+      group_size: as in `token_logps`.
+      routing: as in `token_logps`.
 
     Returns:
       (logps [B, C] float32, experts: per MoE layer [N, k] int32, probs: per MoE layer [N, E]
-      float32), N in the forward's token order (that of `forward_routing(routing, group_size)`).
+        float32), N in the forward's token order (that of `forward_routing(routing, group_size)`).
     """
     logps, _, experts, probs = routed_token_logps(
         graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature=temperature,
@@ -197,21 +210,31 @@ def token_logps_and_routing(graphdef, params, prompt_ids, prompt_mask, completio
     return logps, experts, probs
 
 
-def routed_token_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, *,
+def routed_token_logps(graphdef: nnx.GraphDef, params: nnx.State, prompt_ids: jnp.ndarray, prompt_mask: jnp.ndarray,
+                       completion_ids: jnp.ndarray, completion_mask: jnp.ndarray, *,
                        temperature: float = 1.0, with_entropy: bool = False,
                        chunk_size: int | None = DEFAULT_LOGITS_CHUNK_TOKENS,
-                       group_size: int = 1, routing=None):
+                       group_size: int = 1, routing: tuple[jnp.ndarray, jnp.ndarray] | None = None,
+                       ) -> tuple[jnp.ndarray, jnp.ndarray | None, list[jnp.ndarray], list[jnp.ndarray]]:
     """`sequence_logps` of a mixture-of-experts model plus the routing its forward used: what the LM
     modules' training and logps forwards call when a router term is on (aux loss, replay, mismatch).
 
     Args:
-      graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature,
-        chunk_size, group_size, routing: as in `token_logps_and_entropy`.
+      graphdef: the model's `nnx.GraphDef`.
+      params: the model's `nnx.State`.
+      prompt_ids: [B, P] int32, left-padded.
+      prompt_mask: [B, P] bool.
+      completion_ids: [B, C] int32, right-padded.
+      completion_mask: [B, C] bool.
+      temperature: as in `token_logps_and_entropy`.
       with_entropy: also return the entropy (else None).
+      chunk_size: as in `token_logps_and_entropy`.
+      group_size: as in `token_logps_and_entropy`.
+      routing: as in `token_logps_and_entropy`.
 
     Returns:
       (logps [B, C], entropy [B, C] or None, experts per MoE layer [N, k] int32, router
-      probabilities per MoE layer [N, E] float32), N in the order of `forward_routing`.
+        probabilities per MoE layer [N, E] float32), N in the order of `forward_routing`.
     """
     model = nnx.merge(graphdef, params)
     record_routing(model)

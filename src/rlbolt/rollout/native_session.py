@@ -57,6 +57,7 @@ class NativeSession:
       sp: the sampling options (`max_new_tokens` is each turn's C).
       prompt_buckets: the sampler's padded prompt lengths (the prompt cache's width).
       share_prompts: prefill the prompt of consecutive rows with one prompt once.
+      vocab_size: the model's vocabulary size (every prompt id must be below it).
       max_position_embeddings: the model's; the longest prompt + T + 1 must fit.
     """
 

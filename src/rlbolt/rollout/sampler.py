@@ -40,7 +40,7 @@ from rlbolt.distributed.sharding import host_value
 from rlbolt.models.decoder import Decoder
 from rlbolt.models.shared_prefix import prompt_group_size
 from rlbolt.rollout.compaction import next_power_of_two
-from rlbolt.rollout.engine import RolloutOutput, prompt_rows
+from rlbolt.rollout.engine import RolloutOutput, TurnSession, prompt_rows
 from rlbolt.rollout.sampling import SamplingParams
 from rlbolt.rollout.decode import DecodeCarry, _generate, _generate_jit, _MeshLayout, decode_segments  # noqa: F401
 
@@ -170,7 +170,8 @@ class NativeSampler:
                             "max_new_tokens, temperature, top_k, top_p.")
         return dataclasses.replace(self.sampling, **opts).validate(self.config.vocab_size) if opts else self.sampling
 
-    def open_session(self, prompt_ids: Sequence[Sequence[int]], *, max_total_tokens: int, **opts: Any):
+    def open_session(self, prompt_ids: Sequence[Sequence[int]], *, max_total_tokens: int,
+                     **opts: Any) -> TurnSession | None:
         """Opens a multi-turn session that keeps each episode's KV cache between turns
         (`rlbolt.rollout.native_session.NativeSession`; the protocol: `rlbolt.rollout.engine`).
 
@@ -181,7 +182,7 @@ class NativeSampler:
 
         Returns:
           The session, or None on a mesh of several devices or with `record_routing` (not
-          supported there: the caller falls back to `generate` over whole histories).
+            supported there: the caller falls back to `generate` over whole histories).
         """
         from rlbolt.rollout.native_session import NativeSession
 
@@ -215,7 +216,8 @@ class NativeSampler:
             mask[i, bucket - len(r):] = True
         return ids, mask, rows_max
 
-    def generate(self, prompt_ids, rng_keys, *, prompt_mask=None, **opts: Any) -> RolloutOutput:
+    def generate(self, prompt_ids: Sequence[Sequence[int]] | np.ndarray, rng_keys: np.ndarray, *,
+                 prompt_mask: np.ndarray | None = None, **opts: Any) -> RolloutOutput:
         """Samples one completion per prompt (see `RolloutEngine.generate`).
 
         Args:

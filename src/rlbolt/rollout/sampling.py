@@ -71,7 +71,8 @@ def _filter_top_k_top_p(scaled: jnp.ndarray, top_k: int, top_p: float) -> jnp.nd
 _CDF_BLOCK = 512
 
 
-def sample_tokens(logits: jnp.ndarray, uniforms: jnp.ndarray | None, sp: SamplingParams, *, vocab_axis: int = 1):
+def sample_tokens(logits: jnp.ndarray, uniforms: jnp.ndarray | None, sp: SamplingParams, *,
+                  vocab_axis: int = 1) -> tuple[jnp.ndarray, jnp.ndarray]:
     """Draws one token per row (greedy when `sp.temperature` is 0).
 
     Args:
@@ -83,7 +84,7 @@ def sample_tokens(logits: jnp.ndarray, uniforms: jnp.ndarray | None, sp: Samplin
 
     Returns:
       (tokens [B] int32, logps [B] float32): the drawn tokens and their log-probabilities under
-      the softmax of logits / temperature (of the logits when greedy), before top-k / top-p.
+        the softmax of logits / temperature (of the logits when greedy), before top-k / top-p.
     """
     vocab_axis = 1 if vocab_axis == -1 else vocab_axis
     if vocab_axis not in (0, 1) or logits.ndim != 2:

@@ -20,7 +20,7 @@ import dataclasses
 import itertools
 import threading
 import time
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -95,7 +95,7 @@ class ExperienceDock:
     """
 
     def __init__(self, stages: Mapping[str, Sequence[str]], *, columns: Sequence[str] | None = None,
-                 clock=time.monotonic):
+                 clock: Callable[[], float] = time.monotonic):
         if not stages:
             raise DockError("stages is empty; name at least one stage and its input columns")
         self._clock = clock
