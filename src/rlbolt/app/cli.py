@@ -138,8 +138,15 @@ def split_overrides(extra: Sequence[str]) -> list[str]:
 
 # -- subcommands ------------------------------------------------------------------------------------
 def demo_config(args: argparse.Namespace) -> DemoConfig:
-    """The DemoConfig a parsed `rlbolt demo` command line asks for, resolved: each flag given sets
-    its field, every other field is the default of the chosen task (`DemoConfig.resolved`)."""
+    """The DemoConfig a parsed `rlbolt demo` command line asks for, resolved.
+
+    Args:
+      args: the parsed `rlbolt demo` arguments (`build_parser().parse_args`).
+
+    Returns:
+      The config: each flag given sets its field, every other field is the chosen task's default
+      (`DemoConfig.resolved`).
+    """
     from rlbolt.config.demo import DemoConfig
 
     given = {k: v for k, v in (("max_steps", args.max_steps), ("checkpoint_every", args.checkpoint_every),
