@@ -268,8 +268,11 @@ def test_console_transcripts_print_what_the_page_shows(key, tmp_path, monkeypatc
 
 # -- slow tier: the commands that train, for real --------------------------------------------------------
 def _rlbolt(argv, cwd: Path, timeout: float = 1500) -> subprocess.CompletedProcess:
-    """The command as the console script runs it (`python -m rlbolt` is the same program)."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    """The command as the console script runs it (`python -m rlbolt` is the same program), with the
+    user's XLA flags rather than the test session's fast-compile ones (tests/conftest.py): the
+    agent demos' trajectories follow float rounding, and the README's figures are the user's."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": os.environ.get("RLBOLT_TEST_USER_XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))}
     proc = subprocess.run([sys.executable, "-m", "rlbolt", *argv], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env=env)
     assert proc.returncode == 0, (argv, proc.stdout[-2000:], proc.stderr[-2000:])
@@ -312,13 +315,17 @@ def _readme_figures(task: str) -> tuple[float, float]:
 @pytest.mark.slow
 @pytest.mark.parametrize("task", ["tool", "guess"])
 def test_agent_demos_reach_the_readme_figures(task, tmp_path):
-    """`rlbolt demo --task tool|guess` as typed prints the README's start -> end rewards (start
-    within 0.05, the end at least the README's less 0.05: the mean of the last 5 steps of 128
-    episodes each moves by a few hundredths between machines)."""
+    """`rlbolt demo --task tool|guess` as typed prints the README's start -> end rewards: the start
+    within 0.05 (a random policy's first step), the end at least the README's less 0.15. The
+    trajectories follow float rounding: the same command under the test session's XLA flags ended
+    guess at 0.893 instead of 1.000, and tool's 5-step mean moves between 0.83 and 0.92 on its
+    plateau (benchmarks/RESULTS.md). The command line's fault of issue 33 (300 steps at the copy
+    demo's lr: tool 0.37, guess 0.75) stays far below either bound."""
     out = _rlbolt(_documented(f"rlbolt demo --task {task}").argv, tmp_path).stdout
     start, end = _summary(out)
     want_start, want_end = _readme_figures(task)
-    assert abs(start - want_start) <= 0.05 and end >= want_end - 0.05, (out, want_start, want_end)
+    assert abs(start - want_start) <= 0.05 and end >= want_end - 0.15, (out, want_start, want_end)
+    assert f"rlbolt demo: task={task}, 600 steps" in out
 
 
 @pytest.mark.slow
