@@ -40,9 +40,9 @@ def test_demo_task_defaults_match_the_agent_tasks_own():
 
     for task, spec in DEMO_TASKS.items():
         assert TASK_DEFAULTS[task] == (spec.steps, spec.learning_rate)
-        config = DemoConfig(task=task)
+        config = DemoConfig(task=task).resolved()
         assert (config.max_steps, config.learning_rate) == (spec.steps, spec.learning_rate)
-    assert (DemoConfig().max_steps, DemoConfig().learning_rate) == (300, 5e-4)  # the digit demo as before
+    assert (DemoConfig().resolved().max_steps, DemoConfig().resolved().learning_rate) == (300, 5e-4)  # as before
     with pytest.raises(DemoConfigError, match="lora_rank and base_run apply to the digit tasks"):
         DemoConfig(task="tool", lora_rank=4)
 

@@ -84,7 +84,7 @@ def test_every_cli_config_field_is_classified(tmp_path):
 
 
 def test_every_demo_field_is_classified():
-    base = DemoConfig().to_dict()
+    base = DemoConfig().resolved().to_dict()  # what a run records
     for _, key, value in every_field_of(base):
         changed = {"demo": {**base["demo"], key: mutated(value)}}
         assert bool(config_guard.math_changes(base, changed)) != expected_free(f"demo.{key}"), key

@@ -1,7 +1,7 @@
 """The `rlbolt` command.
 
-    rlbolt demo   [--run-dir D] [--max-steps N] [--checkpoint-every K] [--seed S] [--task T]
-                  [--lora-rank R] [--base-run D]
+    rlbolt demo   [--run-dir D] [--max-steps N] [--checkpoint-every K] [--seed S]
+                  [--task copy|reverse|increment|tool|guess] [--lora-rank R] [--base-run D]
     rlbolt fit    CONFIG [--section.key=value ...]
     rlbolt resume D [--max-steps N] [--allow-config-change]
     rlbolt plot   D [--out DIR]
@@ -25,6 +25,10 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlbolt.config.demo import DemoConfig
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -133,14 +137,28 @@ def split_overrides(extra: Sequence[str]) -> list[str]:
 
 
 # -- subcommands ------------------------------------------------------------------------------------
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from rlbolt.app.cli_run import run_demo
+def demo_config(args: argparse.Namespace) -> DemoConfig:
+    """The DemoConfig a parsed `rlbolt demo` command line asks for, resolved.
+
+    Args:
+      args: the parsed `rlbolt demo` arguments (`build_parser().parse_args`).
+
+    Returns:
+      The config: each flag given sets its field, every other field is the chosen task's default
+      (`DemoConfig.resolved`).
+    """
     from rlbolt.config.demo import DemoConfig
 
-    changes = {k: v for k, v in (("max_steps", args.max_steps), ("checkpoint_every", args.checkpoint_every),
-                                 ("seed", args.seed), ("task", args.task), ("lora_rank", args.lora_rank),
-                                 ("base_run", args.base_run)) if v is not None}
-    config = dataclasses.replace(DemoConfig(), **changes)
+    given = {k: v for k, v in (("max_steps", args.max_steps), ("checkpoint_every", args.checkpoint_every),
+                               ("seed", args.seed), ("task", args.task), ("lora_rank", args.lora_rank),
+                               ("base_run", args.base_run)) if v is not None}
+    return DemoConfig(**given).resolved()
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from rlbolt.app.cli_run import run_demo
+
+    config = demo_config(args)
     run_dir = args.run_dir or str(Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}")
     print(f"rlbolt demo: task={config.task}, {config.max_steps} steps, run directory {run_dir}", flush=True)
     run_demo(config, run_dir, progress=not args.no_progress)

@@ -163,6 +163,7 @@ def _module_for(run_dir: Path) -> tuple[Any, Any]:
 def demo_module(config: DemoConfig):
     """The module a demo config trains: DigitsGRPO for the digit tasks (from `demo.base_run`'s model
     when set), GRPO on episodes for the agent tasks (`rlbolt.agents.demo_training.demo_module`)."""
+    config = config.resolved()
     if config.task in AGENT_TASKS:
         from rlbolt.agents.demo_training import demo_module as episode_module
 

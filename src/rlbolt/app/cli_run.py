@@ -160,7 +160,8 @@ def run_demo(config: DemoConfig, run_dir: str | Path, *, resume: bool = False, p
     """Trains the built-in demo (see `rlbolt.app.demo`) into `run_dir`.
 
     Args:
-      config: the demo settings (written to config.yaml).
+      config: the demo settings; unset ones take the task's defaults (`DemoConfig.resolved`), and
+        config.yaml records the resolved values.
       run_dir: the run directory; must be empty or absent unless `resume`.
       resume: continue from the latest checkpoint in `run_dir` (config.yaml must exist).
       progress: show the progress bar.
@@ -173,6 +174,7 @@ def run_demo(config: DemoConfig, run_dir: str | Path, *, resume: bool = False, p
     Raises:
       RunInterrupted: SIGINT/SIGTERM stopped the run (its last step is saved).
     """
+    config = config.resolved()  # the task's defaults where a field is unset; config.yaml records them
     rundir.check_run_dir(run_dir, resume=resume)
     if resume:
         _require_checkpoints(Path(run_dir))

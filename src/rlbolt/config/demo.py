@@ -22,12 +22,12 @@ class DemoConfig:
 
     Attributes:
       seed: seeds the model init, the prompts and every sampled token.
-      max_steps: global steps to train (None: the task's, `TASK_DEFAULTS`).
+      max_steps: global steps to train (None: the task's, `TASK_DEFAULTS`, filled in by `resolved()`).
       num_digits: digits per prompt (= completion tokens).
       num_prompts: size of the synthetic training set.
       prompts_per_step: prompts per global step.
       num_generations: completions per prompt (the GRPO group size G).
-      learning_rate: AdamW learning rate (None: the task's, `TASK_DEFAULTS`).
+      learning_rate: AdamW learning rate (None: the task's, `TASK_DEFAULTS`, filled in by `resolved()`).
       clip: PPO clip range epsilon.
       temperature: sampling temperature.
       hidden_size: model width (2 layers, 4 query / 2 kv heads).
@@ -59,25 +59,20 @@ class DemoConfig:
     base_run: str | None = None
 
     def __post_init__(self):
+        # max_steps / learning_rate stay None when not given: `resolved()` fills in the task's, so a
+        # copy made with dataclasses.replace(config, task=...) gets the new task's defaults.
         if self.task not in TASKS:
             raise DemoConfigError(f"demo.task={self.task!r}; allowed: {list(TASKS)}")
-        steps, lr = TASK_DEFAULTS[self.task]
-        if self.max_steps is None:
-            object.__setattr__(self, "max_steps", steps)
-        if self.learning_rate is None:
-            object.__setattr__(self, "learning_rate", lr)
         if self.task in AGENT_TASKS and (self.lora_rank is not None or self.base_run is not None):
             raise DemoConfigError(f"demo.task={self.task}: lora_rank and base_run apply to the digit tasks "
                                   f"{list(TASKS[:3])}; leave them out")
         for f in dataclasses.fields(self):
             value, kind = getattr(self, f.name), _FIELD_KINDS[f.name]
-            ok = (value is None and f.name in ("checkpoint_every", "lora_rank", "base_run")) or (
+            ok = (value is None and f.name in _OPTIONAL) or (
                 isinstance(value, kind) and not isinstance(value, bool)) or (kind is float and isinstance(value, int)
                                                                             and not isinstance(value, bool))
             if not ok:
                 raise DemoConfigError(f"demo.{f.name}={value!r} must be of type {kind.__name__}")
-        if self.task not in TASKS:
-            raise DemoConfigError(f"demo.task={self.task!r}; allowed: {list(TASKS)}")
         for name in ("max_steps", "num_digits", "num_prompts", "prompts_per_step", "num_generations", "hidden_size",
                      "lora_rank"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
@@ -87,8 +82,20 @@ class DemoConfig:
         if self.hidden_size % 4:
             raise DemoConfigError(f"demo.hidden_size={self.hidden_size} must be a multiple of 4 (4 heads)")
 
+    def resolved(self) -> DemoConfig:
+        """This config with every unset field (None) that has a task default filled in from
+        `TASK_DEFAULTS[task]`: what a run trains with, and what its config.yaml records.
+
+        A field given explicitly (`DemoConfig(max_steps=50)`, `--max-steps 50`) is kept.
+        """
+        steps, lr = TASK_DEFAULTS[self.task]
+        return dataclasses.replace(self, max_steps=steps if self.max_steps is None else self.max_steps,
+                                   learning_rate=lr if self.learning_rate is None else self.learning_rate)
+
     def to_dict(self) -> dict[str, Any]:
-        """The config as a `{"demo": {...}}` mapping (the config.yaml layout of a demo run)."""
+        """The config as a `{"demo": {...}}` mapping (the config.yaml layout of a demo run; unset
+        fields are written as null, so `from_dict(to_dict())` gives the same config back: a run
+        writes `resolved().to_dict()`)."""
         return {"demo": dataclasses.asdict(self)}
 
     @classmethod
@@ -116,10 +123,12 @@ class DemoConfigError(ValueError):
 
 TASKS = ("copy", "reverse", "increment", "tool", "guess")
 AGENT_TASKS = ("tool", "guess")  # multi-turn episodes (rlbolt.agents.tasks.DEMO_TASKS)
-# (max_steps, learning_rate) each task learns with on the CI machine; the agent tasks' figures are
-# rlbolt.agents.tasks.DEMO_TASKS's (a test keeps the two in step).
+# (max_steps, learning_rate) each task learns with on the CI machine, used where the config leaves
+# them None (`DemoConfig.resolved`); the agent tasks' figures are rlbolt.agents.tasks.DEMO_TASKS's
+# (a test keeps the two in step).
 TASK_DEFAULTS = {"copy": (300, 5e-4), "reverse": (300, 5e-4), "increment": (300, 5e-4),
                  "tool": (600, 1e-3), "guess": (600, 2e-3)}
+_OPTIONAL = ("max_steps", "learning_rate", "checkpoint_every", "lora_rank", "base_run")  # None allowed
 _FIELD_KINDS = {"seed": int, "max_steps": int, "num_digits": int, "num_prompts": int, "prompts_per_step": int,
                 "num_generations": int, "learning_rate": float, "clip": float, "temperature": float,
                 "hidden_size": int, "checkpoint_every": int, "task": str, "lora_rank": int, "base_run": str}

@@ -68,7 +68,8 @@ def _as_number(value: Any) -> Any:
 def coerce(where: str, value: Any, tp: Any, choices: tuple | None, bounds: Mapping[str, float] | None = None) -> Any:
     """`value` checked against the annotation `tp` (and `choices`, `bounds`), converted where YAML
     and the command line differ (int -> float, "1e-4" -> 0.0001, 1e4 -> 10000 for an int,
-    list -> tuple, "a,b" -> tuple, `token_mean` -> `token-mean`).
+    list -> tuple, "a,b" -> tuple, `token_mean` -> `token-mean`, and for a choice of "on" / "off"
+    YAML's booleans for those words back to them).
 
     Raises:
       ConfigError: naming `where` (e.g. "trainer.max_steps"), the value, and what is expected.
@@ -93,6 +94,8 @@ def coerce(where: str, value: Any, tp: Any, choices: tuple | None, bounds: Mappi
             out = float(value)
         elif t is str and isinstance(value, str):
             out = value
+        elif t is str and isinstance(value, bool) and choices is not None and {"on", "off"} <= set(choices):
+            out = "on" if value else "off"  # YAML 1.1 reads a bare `on` / `off` as a bool
         elif t is dict and isinstance(value, Mapping):
             out = dict(value)
         elif t is tuple and isinstance(value, (list, tuple)):

@@ -95,7 +95,7 @@ class DigitsGRPO(LoraHooks, RLModule):
     """
 
     def __init__(self, config: DemoConfig, base_model: Decoder | None = None):
-        self.config = config
+        self.config = config.resolved()  # the task's learning rate when unset
         self.base_model = base_model
         self.tokenizer = demo_tokenizer()
         self.model_config = tiny_config(vocab_size=self.tokenizer.vocab_size, hidden_size=config.hidden_size,
