@@ -22,11 +22,14 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from rlbolt.config.fields import ConfigError
 from rlbolt.config.references import import_reference
+from rlbolt.agents.failures import EnvFailureError
 from rlbolt.agents.parsers import ParsedTurn, ToolCallParser
 from rlbolt.agents.tools import Tool, ToolRunner, as_tool
 
-__all__ = ["Message", "StepResult", "Environment", "EnvFactory", "ToolEnvironment", "load_env_factory"]
+__all__ = ["Message", "StepResult", "Environment", "EnvFactory", "ToolEnvironment", "load_env_factory",
+           "EnvFailureError"]
 
 Message = Mapping[str, Any]
 
@@ -79,13 +82,14 @@ def load_env_factory(reference: str | EnvFactory) -> EnvFactory:
         The callable `Factory(row) -> Environment`.
 
     Raises:
-        ValueError: the reference is not of the form `package.module:Name`, or cannot be imported.
+        ConfigError: the reference is not of the form `package.module:Name`, does not import, or
+            is not callable (one line naming `rollout.env`).
     """
     if callable(reference):
         return reference
     factory = import_reference(str(reference), "rollout.env")  # ConfigError (a ValueError) naming the field
     if not callable(factory):
-        raise ValueError(f"rollout.env={reference!r} is a {type(factory).__name__}, not a callable row -> Environment")
+        raise ConfigError(f"rollout.env={reference!r} is a {type(factory).__name__}, not a callable row -> Environment")
     return factory
 
 

@@ -218,7 +218,8 @@ def assemble_run(cfg: RunConfig, *, callbacks: Sequence[Any] = (), **objects: An
         checks.check_vocab(cfg, model_config, tokenizer.vocab_size)
     d = cfg.data
     encoder = PromptEncoder(tokenizer, prompt_field=d.prompt_field, max_prompt_tokens=d.max_prompt_tokens,
-                            system_prompt=d.system_prompt, use_chat_template=d.use_chat_template)
+                            system_prompt=d.system_prompt, use_chat_template=d.use_chat_template,
+                            template_kwargs=d.chat_template_kwargs)
     builtin = objects.get("tokenizer") is None and not (cfg.model.tokenizer or cfg.model.path)
     train, val = load_data(cfg, check=lambda row: checks.check_prompt(encoder, row, builtin))
     if cfg.reward.executor == "process" and "reward" in objects:

@@ -71,7 +71,7 @@ class LMPolicyModule(PolicyRollout, PolicySetup, RLModule):
 
     def __init__(self, config: RunConfig | Mapping | None = None, *, model=None, tokenizer=None, reward=None,
                  engine=None, env=None, teacher=None):
-        self.config = _config_for(type(self), config)
+        self.config = _config_for(type(self), config, has_env=env is not None)
         self.algo, self.rollout_cfg = self.config.algorithm, self.config.rollout
         self.hparams = {k: v for k, v in config_to_dict(self.config).items() if k in ("algorithm", "rollout", "reward")}
         self.model, self.tokenizer, self.reward = model, tokenizer, reward
@@ -89,6 +89,7 @@ class LMPolicyModule(PolicyRollout, PolicySetup, RLModule):
         self.teacher_params = None
         self.teacher_forward = None  # a PlacedReference when placement gives the teacher devices of its own
         self.env_factory = None  # the environment factory (setup), when samples are episodes
+        self.env_errors = None  # its EnvErrorMonitor (setup): every error logged, a broken environment stops the run
 
     # -- plan and optimizer -----------------------------------------------------------------------
     def check_plan(self, plan) -> None:
