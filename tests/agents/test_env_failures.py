@@ -176,3 +176,16 @@ def test_environment_errors_reach_train_log_and_the_env_reward_is_the_reward(env
                   if "reward/mean" in line)
     assert record["reward/mean"] == pytest.approx(record["agents/env_reward"], rel=1e-6)  # float32 mean vs float64
     assert record["reward/mean"] >= 0.25  # every episode earns 0.25 or 0.75
+
+
+def test_episode_rows_need_no_gold_answer_unless_the_answer_term_scores_them(tmp_path):
+    from rlbolt.app.build import load_data
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"question": "What is the weather in Oslo?", "city": "Oslo"}\n')
+    with_env = {"data": {"train": str(rows)}, "rollout": {"env": "trap_envs:Scored"}}
+    assert load_data(load_config(with_env))[0] == [{"question": "What is the weather in Oslo?", "city": "Oslo"}]
+    for config in ({"data": {"train": str(rows)}},
+                   {**with_env, "reward": {"weights": {"env": 1.0, "answer": 0.5}}}):
+        with pytest.raises(ConfigError, match=r"missing field\(s\) \['answer'\]"):
+            load_data(load_config(config))

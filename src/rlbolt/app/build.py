@@ -71,7 +71,9 @@ def load_data(cfg: RunConfig, check: Callable[[Mapping[str, Any]], None] | None 
       ConfigError: a data file is missing or holds a bad row (naming the field, file and row).
     """
     d = cfg.data
-    required = (d.prompt_field, d.answer_field)
+    # Episodes are scored by their environment: a gold answer is needed only for the answer term.
+    needs_answer = cfg.rollout.env is None or bool((cfg.reward.weights or {}).get("answer"))
+    required = (d.prompt_field, d.answer_field) if needs_answer else (d.prompt_field,)
 
     def rows(field: str, path: str | None, builtin: int, seed: int) -> list[dict] | None:
         try:

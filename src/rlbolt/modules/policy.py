@@ -65,6 +65,7 @@ class LMPolicyModule(PolicyRollout, PolicySetup, RLModule):
       env: an environment factory `Factory(row) -> Environment` (or its 'package.module:Factory'
         name) instead of `config.rollout.env`: each sample becomes a multi-turn episode
         (`rlbolt.agents.run_episodes`), trained token-in/token-out with environment ids masked out.
+        A dict config that leaves `reward.weights` unset then scores with `{env: 1.0}`.
     """
 
     kl_in_loss = True  # False: the KL is folded into the reward instead (REINFORCE++, RLOO, PPO)
