@@ -189,3 +189,17 @@ def test_episode_rows_need_no_gold_answer_unless_the_answer_term_scores_them(tmp
                    {**with_env, "reward": {"weights": {"env": 1.0, "answer": 0.5}}}):
         with pytest.raises(ConfigError, match=r"missing field\(s\) \['answer'\]"):
             load_data(load_config(config))
+
+
+def test_a_reward_that_fails_every_sample_ends_the_run_in_one_line(envs, tmp_path, capsys, monkeypatch):
+    """The same class of failure as a broken environment: user code that cannot run, exit 1."""
+    from rlbolt.rewards import RewardFailureError
+    from rlbolt.trainer import Trainer
+
+    def broken(self, module, train_data, val_data=None):
+        raise RewardFailureError("every sample's reward failed in 3 consecutive batches: KeyError: 'answer'")
+
+    monkeypatch.setattr(Trainer, "fit", broken)
+    assert _fit(envs, tmp_path) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "rlbolt fit: error: every sample's reward failed in 3 consecutive batches: KeyError: 'answer'"]
