@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").rglob("*.md")),
@@ -133,3 +134,61 @@ def test_the_readme_example_runs_as_written(tmp_path):
     assert steps[-1] == 3 and 2 in steps
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert sorted({m["step"] for m in lines if "loss" in m or "reward/mean" in m}) == [1, 2, 3]
+
+
+def _agents_example() -> tuple[str, str]:
+    """The agents how-to's complete example: (the script, the config)."""
+    text = (ROOT / "docs" / "howto" / "agents.md").read_text(encoding="utf-8")
+    section = text[text.index("## A complete example"):text.index("## Training on episodes from Python")]
+    script = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    config = re.search(r"```yaml\n(.*?)```", section, re.S).group(1)
+    return script, config
+
+
+def test_agents_howto_environment_runs_its_tool_and_scores_the_answer():
+    """The script's environment on scripted turns (a call, then the answer after some reasoning),
+    and its config as `rlbolt fit` reads it; the slow twin below trains both."""
+    from rlbolt.config import load_config
+
+    script, config = _agents_example()
+    namespace: dict = {}
+    exec(compile(script, "agents.md", "exec"), namespace)  # noqa: S102 - our own docs; __main__ part skipped
+    env = namespace["make_env"]({"question": "What is the weather in Oslo?", "city": "Oslo"})
+    assert env.reset() == [{"role": "user", "content": "What is the weather in Oslo?"}]
+    call = env.step('<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>')
+    assert not call.done and call.tool_calls == 1 and call.tool_errors == 0
+    assert [m["content"] for m in call.messages] == ["rain"]
+    assert env.step("<think>the tool said rain; <tool_call>{\"name\": \"x\"}</tool_call>?</think>\nrain").reward == 1.0
+    assert namespace["make_env"](namespace["ROWS"][4]).step("rain").reward == 0.0  # Rome: sun
+    cfg = load_config(yaml.safe_load(config))
+    assert (cfg.rollout.env, cfg.rollout.max_turns, cfg.rollout.max_total_tokens) == ("weather_env:make_env", 3, 96)
+    assert cfg.reward.weights == {"env": 1.0} and cfg.rollout.env_max_failed_batches == 3
+
+
+@pytest.mark.slow
+def test_agents_howto_script_and_config_train(tmp_path, monkeypatch):
+    """The script as a program, then the config through `rlbolt fit`: two steps each, whose reward
+    is the environment's."""
+    import subprocess
+    import sys
+
+    from rlbolt.app.cli import main
+
+    script, config = _agents_example()
+    (tmp_path / "weather_env.py").write_text(script)
+    done = subprocess.run([sys.executable, "weather_env.py"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(script, "agents.md", "exec"), namespace)  # noqa: S102
+    (tmp_path / "cities.jsonl").write_text("".join(json.dumps(r) + "\n" for r in namespace["ROWS"]))
+    (tmp_path / "weather.yaml").write_text(config)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["fit", "weather.yaml", "--trainer.run_dir=runs/weather-cli", "--callbacks.progress=false"]) == 0
+    for run in ("runs/weather", "runs/weather-cli"):
+        records = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in records if "reward/mean" in r]
+        assert [r["step"] for r in steps] == [1, 2]
+        for r in steps:  # float32 mean over the same 8 episode rewards against float64: rel 1e-6
+            assert r["reward/mean"] == pytest.approx(r["agents/env_reward"], rel=1e-6, abs=1e-7)

@@ -58,8 +58,13 @@ def test_trained_ids_are_the_sampled_ids_turn_by_turn_with_a_non_append_only_tem
     assert out.sequence_mask[0, :n].all()
     assert (out.completion_ids[0, n:] == tok.pad_id).all()
     assert out.prompt_ids[0] == tok.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
-    # The environment read each turn without the stop token; the episode summed its rewards.
-    assert env.seen == TURNS
+    # The environment read each turn's answer (the reasoning split off, no stop token); the
+    # messages hold the answer as content and the reasoning beside it; the ids above hold both.
+    assert env.seen == ["call 1", "call 2", "answer"]
+    assert [m for m in out.messages[0] if m["role"] == "assistant"] == [
+        {"role": "assistant", "content": "call 1", "reasoning_content": "plan A"},
+        {"role": "assistant", "content": "call 2", "reasoning_content": "plan B"},
+        {"role": "assistant", "content": "answer", "reasoning_content": "done"}]
     assert out.env_reward[0] == pytest.approx(1.5)
     assert out.end_reason[0] == "done" and out.turns[0] == 3
     # Re-rendering the whole conversation drops the earlier reasoning: a re-tokenisation would train
@@ -67,6 +72,19 @@ def test_trained_ids_are_the_sampled_ids_turn_by_turn_with_a_non_append_only_tem
     rerendered = tok.encode(tok.apply_chat_template(out.messages[0], add_generation_prompt=False))
     assert rerendered != out.prompt_ids[0] + expected
     assert "plan A" in out.transcript[0] and "plan A" not in tok.decode(rerendered)
+
+
+def test_without_reasoning_tags_the_environment_reads_the_whole_turn_and_the_ids_are_the_same():
+    tok = ChatTokenizer()
+    split, raw = Echo(), Echo()
+    a = run_episodes(ScriptedEngine(tok, _script), [split], KEYS(1), tokenizer=tok, max_turns=5,
+                     max_total_tokens=200, max_turn_tokens=40)
+    b = run_episodes(ScriptedEngine(tok, _script), [raw], KEYS(1), tokenizer=tok, max_turns=5,
+                     max_total_tokens=200, max_turn_tokens=40, reasoning_tags=None)
+    assert raw.seen == TURNS and split.seen == ["call 1", "call 2", "answer"]
+    np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
+    np.testing.assert_array_equal(a.completion_mask, b.completion_mask)
+    assert a.transcript[0] == b.transcript[0] and "<think>plan A</think>call 1" in a.transcript[0]
 
 
 def test_logps_sit_on_the_sampled_ids_and_are_zero_on_environment_ids():
@@ -106,3 +124,19 @@ def test_a_template_that_does_not_render_content_verbatim_is_refused_in_one_line
     with pytest.raises(ValueError, match="does not render an assistant message's content verbatim") as error:
         TurnRenderer(tok).delta_text([{"role": "user", "content": "x"}], True)
     assert "\n" not in str(error.value)
+
+
+def test_chat_template_options_reach_every_render_from_the_config():
+    from rlbolt.config import load_config
+    from rlbolt.modules.prompts import PromptEncoder
+
+    cfg = load_config({"data": {"chat_template_kwargs": {"enable_thinking": False}}})
+    assert cfg.data.chat_template_kwargs == {"enable_thinking": False}
+    tok = ChatTokenizer()
+    tok.chat_template = tok.template
+    PromptEncoder(tok, template_kwargs=cfg.data.chat_template_kwargs).encode({"question": "q"})
+    TurnRenderer(tok, template_kwargs=cfg.data.chat_template_kwargs).delta_ids([{"role": "user", "content": "x"}], True)
+    assert tok.template_calls == [{"enable_thinking": False}] * 2
+    char = CharTokenizer("abc\n")  # its plain join takes no template variables: left out, not a TypeError
+    assert TurnRenderer(char, template_kwargs={"enable_thinking": False}).prompt_ids(
+        [{"role": "user", "content": "ab"}]) == char.encode("ab\n")

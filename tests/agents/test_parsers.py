@@ -56,3 +56,55 @@ def test_compact_parser():
     assert "needs a key" in parser.parse("?").errors[0]
     with pytest.raises(ValueError, match="must be one character"):
         CompactToolParser({"??": ("a", "b")})
+
+
+THOUGHT_CALL = '<tool_call>{"name": "lookup", "arguments": {"key": "a"}}</tool_call>'
+
+
+@pytest.mark.parametrize("parser, thought_call", [
+    (HermesToolParser(), THOUGHT_CALL),
+    (Llama3JsonToolParser(), '{"name": "lookup", "parameters": {"key": "a"}}'),
+    (CompactToolParser({"?": ("lookup", "key")}), "?a"),
+])
+def test_a_call_written_while_thinking_is_not_a_call_and_the_answer_is_the_content(parser, thought_call):
+    # Hostile: the reasoning holds a well-formed call (and for Llama 3 starts with it).
+    parsed = parser.parse(f"<think>{thought_call}? no.</think>\n\n42")
+    assert parsed.calls == () and parsed.errors == ()
+    assert parsed.content == "42" and parsed.reasoning == f"{thought_call}? no."
+    # Cut off while thinking: all reasoning, no answer, no call.
+    parsed = parser.parse(f"<think>{thought_call}")
+    assert parsed.calls == () and parsed.content == "" and parsed.reasoning == thought_call
+    # A call in the answer after the reasoning still runs; reasoning_tags=None reads the whole turn.
+    parsed = parser.parse(f"<think>I will look it up.</think>{thought_call}")
+    assert [c.name for c in parsed.calls] == ["lookup"] and parsed.reasoning == "I will look it up."
+    raw = type(parser)(*([parser.calls] if isinstance(parser, CompactToolParser) else []), reasoning_tags=None)
+    assert raw.parse(f"{thought_call}</think>").reasoning == ""
+
+
+def test_split_reasoning():
+    from rlbolt.agents import split_reasoning
+
+    assert split_reasoning("<think>\nplan\n</think>\n\nanswer <b>") == ("plan", "answer <b>")
+    assert split_reasoning("plan</think>answer") == ("plan", "answer")  # the template opened it (DeepSeek-R1)
+    assert split_reasoning("  no tags\n") == ("", "  no tags\n")  # unchanged
+    assert split_reasoning("<think>unfinished") == ("unfinished", "")
+    assert split_reasoning("<think>a</think>b</think>c") == ("a", "b</think>c")  # the first close ends it
+    assert split_reasoning("<think>a</think>b", None) == ("", "<think>a</think>b")
+
+
+def test_tool_environment_scores_the_answer_without_the_reasoning():
+    from rlbolt.agents import ToolEnvironment
+
+    def lookup(key: str) -> str:
+        """Looks up.
+
+        Args:
+            key: the key.
+        """
+        raise AssertionError("a call inside the reasoning must not run")
+
+    seen = []
+    env = ToolEnvironment([{"role": "user", "content": "q"}], [lookup], lambda a: seen.append(a) or 1.0,
+                          HermesToolParser())
+    result = env.step(f"<think>maybe {THOUGHT_CALL}? no.</think>\n7")
+    assert result.done and result.reward == 1.0 and result.tool_calls == 0 and seen == ["7"]

@@ -133,6 +133,22 @@ def test_a_model_that_emits_malformed_calls_in_a_loop_costs_its_episode_and_show
     assert m["agents/model_tokens"] == model.mean() and m["agents/env_tokens"] == env_tokens.mean()
 
 
+def test_tool_time_is_a_mean_over_episodes_like_every_other_metric():
+    class Timed(Counter):
+        def __init__(self, seconds):
+            super().__init__()
+            self.seconds = seconds
+
+        def step(self, text):
+            return StepResult(done=True, tool_calls=2, tool_time_s=self.seconds)
+
+    _, out = _run([Timed(0.25), Timed(0.5), Timed(0.0), Timed(1.25)])
+    m = out.metrics()
+    assert m["agents/tool_time_s"] == pytest.approx((0.25 + 0.5 + 0.0 + 1.25) / 4, rel=1e-7)  # float32 sums: rel 1e-7
+    assert m["agents/tool_calls"] == 2.0
+    np.testing.assert_allclose(out.tool_time_s, [0.25, 0.5, 0.0, 1.25])
+
+
 def test_hostile_tools_inside_episodes_become_messages_the_model_reads():
     gate = threading.Event()
 

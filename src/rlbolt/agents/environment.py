@@ -5,15 +5,19 @@ An environment lives for one episode. A factory builds it from the prompt row
 
 - `reset()` returns the opening messages (`[{"role": "user", "content": ...}, ...]`), or None
   to use the prompt the caller encoded from the row as it is;
-- `step(turn_text)` gets each model turn's text and returns a `StepResult`: the messages to
-  append (tool results, the environment's reply), the reward earned by this step, and whether
-  the episode is over;
+- `step(turn_text)` gets each model turn's text (a reasoning model's `<think>` part split off:
+  `run_episodes(reasoning_tags=)`) and returns a `StepResult`: the messages to append (tool
+  results, the environment's reply), the reward earned by this step, and whether the episode is
+  over. It runs after every turn, the `max_turns`-th included (its reward counts; a reply it
+  returns then is recorded in the messages but no ids are appended, since no turn follows);
 - an optional `tools` attribute (a sequence of `rlbolt.agents.Tool`) is rendered into the
   opening prompt through the chat template's `tools=` (for tokenizers whose template takes it).
 
 Environments are plain in-process Python objects; they need not be thread-safe (each episode
 has its own) and `run_episodes` isolates a step that raises or hangs (the episode ends with
-end reason "env_error", the batch carries on).
+end reason "env_error", the batch carries on). A training run logs every such error and stops
+when every episode failed in `rollout.env_max_failed_batches` consecutive batches
+(`rlbolt.agents.failures`).
 """
 
 from __future__ import annotations
@@ -22,11 +26,14 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from rlbolt.config.fields import ConfigError
 from rlbolt.config.references import import_reference
+from rlbolt.agents.failures import EnvFailureError
 from rlbolt.agents.parsers import ParsedTurn, ToolCallParser
 from rlbolt.agents.tools import Tool, ToolRunner, as_tool
 
-__all__ = ["Message", "StepResult", "Environment", "EnvFactory", "ToolEnvironment", "load_env_factory"]
+__all__ = ["Message", "StepResult", "Environment", "EnvFactory", "ToolEnvironment", "load_env_factory",
+           "EnvFailureError"]
 
 Message = Mapping[str, Any]
 
@@ -79,13 +86,14 @@ def load_env_factory(reference: str | EnvFactory) -> EnvFactory:
         The callable `Factory(row) -> Environment`.
 
     Raises:
-        ValueError: the reference is not of the form `package.module:Name`, or cannot be imported.
+        ConfigError: the reference is not of the form `package.module:Name`, does not import, or
+            is not callable (one line naming `rollout.env`).
     """
     if callable(reference):
         return reference
     factory = import_reference(str(reference), "rollout.env")  # ConfigError (a ValueError) naming the field
     if not callable(factory):
-        raise ValueError(f"rollout.env={reference!r} is a {type(factory).__name__}, not a callable row -> Environment")
+        raise ConfigError(f"rollout.env={reference!r} is a {type(factory).__name__}, not a callable row -> Environment")
     return factory
 
 
@@ -104,7 +112,8 @@ class ToolEnvironment:
     Args:
         messages: the opening messages (e.g. a system prompt and the user's question).
         tools: functions (or `Tool`s) the model may call.
-        score: final answer text -> reward.
+        score: final answer text -> reward. It gets the answer alone: `run_episodes` and the
+            shipped parsers split a reasoning model's `<think>` part off (`ParsedTurn.content`).
         parser: reads calls out of a turn (`HermesToolParser()` for Qwen, ...).
         runner: runs the calls (time-out, result size, isolation); default `ToolRunner()`.
         max_calls_per_turn: calls beyond it are not run (the model reads an error for each).

@@ -55,7 +55,8 @@ class TurnRenderer:
         tokenizer: an `rlbolt.data.tokenizers.Tokenizer` (`apply_chat_template`, `encode`, `decode`).
         tools: tool schemas passed as `tools=` to templates that take it (ignored by the tiny
             built-in tokenizers, whose "template" just joins contents).
-        template_kwargs: more template variables (e.g. `enable_thinking=False`).
+        template_kwargs: more template variables (e.g. `enable_thinking=False`), for templates
+            that take them (the tiny built-in tokenizers' plain join takes none).
         stop_text: the text of the stop token as the template writes it; default: the
             tokenizer's eos token decoded with special tokens kept.
     """
@@ -63,7 +64,8 @@ class TurnRenderer:
     def __init__(self, tokenizer: Any, tools: Sequence[Mapping] = (), template_kwargs: Mapping[str, Any] | None = None,
                  stop_text: str | None = None):
         self.tokenizer = tokenizer
-        self.kwargs = dict(template_kwargs or {})
+        # Variables a template function cannot take (the built-in tokenizers' plain join) are left out.
+        self.kwargs = {k: v for k, v in (template_kwargs or {}).items() if _accepts(tokenizer.apply_chat_template, k)}
         if tools and _accepts(tokenizer.apply_chat_template, "tools"):
             self.kwargs["tools"] = [dict(t) for t in tools]
         if stop_text is None:

@@ -11,6 +11,11 @@ shows the model). The formats shipped:
   by `;`). Text that does not start with `{` is an answer.
 - `CompactToolParser`: one character introduces a call and the rest of the turn is its one
   argument (`?k` -> `lookup(key="k")`), for tiny models on a character tokenizer.
+
+Reasoning models think before they answer (`<think>...</think>answer`). Every shipped parser
+first splits the reasoning off (`split_reasoning`, as a serving stack's reasoning parser does
+before its tool parser): a call written while thinking is not a call, and `ParsedTurn.content`
+is the answer alone (`ParsedTurn.reasoning` holds the thinking).
 """
 
 from __future__ import annotations
@@ -22,7 +27,39 @@ from collections.abc import Mapping
 from typing import Protocol, runtime_checkable
 
 __all__ = ["ToolCall", "ParsedTurn", "ToolCallParser", "HermesToolParser", "Llama3JsonToolParser",
-           "CompactToolParser"]
+           "CompactToolParser", "THINK_TAGS", "split_reasoning"]
+
+THINK_TAGS = ("<think>", "</think>")  # Qwen3, DeepSeek-R1, QwQ and most open reasoning models
+
+
+def split_reasoning(text: str, tags: tuple[str, str] | None = THINK_TAGS) -> tuple[str, str]:
+    """(reasoning, answer) of a model turn.
+
+    Everything before the first closing tag is reasoning (an opening tag there is dropped; a
+    template may have put it in the prompt, as DeepSeek-R1's does); the answer is what follows,
+    leading whitespace stripped. A turn that opens the reasoning and never closes it (cut off
+    while thinking) is all reasoning and has no answer. A turn without the tags is all answer,
+    unchanged.
+
+    Args:
+        text: the turn's decoded text.
+        tags: (open, close); None: no split.
+
+    Returns:
+        (reasoning, answer).
+    """
+    if not tags:
+        return "", text
+    open_tag, close_tag = tags
+    if close_tag in text:
+        head, _, answer = text.partition(close_tag)
+        if open_tag in head:
+            before, _, head = head.partition(open_tag)
+            head = before + head
+        return head.strip(), answer.lstrip()
+    if text.lstrip().startswith(open_tag):
+        return text.lstrip()[len(open_tag):].strip(), ""
+    return "", text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,14 +75,16 @@ class ParsedTurn:
     """A model turn split into its content, its calls and what was malformed.
 
     Attributes:
-        content: the text outside the tool calls (stripped).
-        calls: the well-formed calls, in order.
+        content: the text outside the tool calls and the reasoning (stripped): the answer.
+        calls: the well-formed calls, in order (none from inside the reasoning).
         errors: one message per malformed call, written for the model to read.
+        reasoning: the turn's reasoning (`split_reasoning`), "" when it has none.
     """
 
     content: str
     calls: tuple[ToolCall, ...] = ()
     errors: tuple[str, ...] = ()
+    reasoning: str = ""
 
 
 @runtime_checkable
@@ -90,14 +129,18 @@ class HermesToolParser:
     Args:
         open_tag: the tag opening a call.
         close_tag: the tag closing it.
+        reasoning_tags: split off first (`split_reasoning`); None: no reasoning.
     """
 
-    def __init__(self, open_tag: str = "<tool_call>", close_tag: str = "</tool_call>"):
+    def __init__(self, open_tag: str = "<tool_call>", close_tag: str = "</tool_call>",
+                 reasoning_tags: tuple[str, str] | None = THINK_TAGS):
         self.open_tag, self.close_tag = open_tag, close_tag
+        self.reasoning_tags = reasoning_tags
         self._block = re.compile(re.escape(open_tag) + r"(.*?)" + re.escape(close_tag), re.DOTALL)
 
     def parse(self, text: str) -> ParsedTurn:
-        """Every closed block is a call (or an error); an unclosed opening tag is an error."""
+        """Every closed block after the reasoning is a call (or an error); an unclosed opening tag is an error."""
+        reasoning, text = split_reasoning(text, self.reasoning_tags)
         calls, errors = [], []
         for match in self._block.finditer(text):
             result = _call_from_json(match.group(1).strip(), ("arguments", "parameters"))
@@ -107,7 +150,7 @@ class HermesToolParser:
             tail = rest[rest.index(self.open_tag):]
             errors.append(f"malformed tool call ({self.open_tag} without {self.close_tag}): {tail[:200]}")
             rest = rest[:rest.index(self.open_tag)]
-        return ParsedTurn(rest.strip(), tuple(calls), tuple(errors))
+        return ParsedTurn(rest.strip(), tuple(calls), tuple(errors), reasoning)
 
 
 class Llama3JsonToolParser:
@@ -115,18 +158,21 @@ class Llama3JsonToolParser:
 
     Args:
         python_tag: a prefix the model may emit before calls (stripped).
+        reasoning_tags: split off first (`split_reasoning`); None: no reasoning.
     """
 
-    def __init__(self, python_tag: str = "<|python_tag|>"):
+    def __init__(self, python_tag: str = "<|python_tag|>", reasoning_tags: tuple[str, str] | None = THINK_TAGS):
         self.python_tag = python_tag
+        self.reasoning_tags = reasoning_tags
 
     def parse(self, text: str) -> ParsedTurn:
-        """A turn starting with `{` (after the python tag) is calls; anything else is content."""
+        """A turn whose answer starts with `{` (after the python tag) is calls; anything else is content."""
+        reasoning, text = split_reasoning(text, self.reasoning_tags)
         body = text.strip()
         if self.python_tag and body.startswith(self.python_tag):
             body = body[len(self.python_tag):].strip()
         if not body.startswith("{"):
-            return ParsedTurn(text.strip())
+            return ParsedTurn(text.strip(), reasoning=reasoning)
         decoder = json.JSONDecoder()
         calls, errors, position = [], [], 0
         while position < len(body):
@@ -141,7 +187,7 @@ class Llama3JsonToolParser:
             position = end
             while position < len(body) and body[position] in " \t\r\n;":
                 position += 1
-        return ParsedTurn("", tuple(calls), tuple(errors))
+        return ParsedTurn("", tuple(calls), tuple(errors), reasoning)
 
 
 class CompactToolParser:
@@ -153,21 +199,24 @@ class CompactToolParser:
 
     Args:
         calls: call character -> (tool name, argument name).
+        reasoning_tags: split off first (`split_reasoning`); None: no reasoning.
     """
 
-    def __init__(self, calls: Mapping[str, tuple[str, str]]):
+    def __init__(self, calls: Mapping[str, tuple[str, str]], reasoning_tags: tuple[str, str] | None = THINK_TAGS):
         for char in calls:
             if len(char) != 1:
                 raise ValueError(f"CompactToolParser: call prefix {char!r} must be one character")
         self.calls = dict(calls)
+        self.reasoning_tags = reasoning_tags
 
     def parse(self, text: str) -> ParsedTurn:
         """"?b" -> lookup(key="b"); an empty argument is an error."""
+        reasoning, text = split_reasoning(text, self.reasoning_tags)
         body = text.strip()
         if not body or body[0] not in self.calls:
-            return ParsedTurn(body)
+            return ParsedTurn(body, reasoning=reasoning)
         name, argument = self.calls[body[0]]
         value = body[1:].strip()
         if not value:
-            return ParsedTurn("", errors=(f"malformed tool call: {name} needs a {argument}",))
-        return ParsedTurn("", (ToolCall(name, {argument: value}),))
+            return ParsedTurn("", errors=(f"malformed tool call: {name} needs a {argument}",), reasoning=reasoning)
+        return ParsedTurn("", (ToolCall(name, {argument: value}),), reasoning=reasoning)

@@ -32,6 +32,8 @@ import numpy as np
 
 from rlbolt.agents.environment import Environment, StepResult
 from rlbolt.agents.episode import EpisodeState, TurnRenderer
+from rlbolt.agents.failures import EnvFailureError
+from rlbolt.agents.parsers import THINK_TAGS, split_reasoning
 from rlbolt.rollout.sessions import open_session
 
 __all__ = ["EpisodeBatch", "run_episodes", "END_REASONS"]
@@ -117,7 +119,7 @@ class EpisodeBatch:
                 "sampler_logps": self.sampler_logps, "env_reward": self.env_reward, "completion_text": self.transcript}
 
     def metrics(self) -> dict[str, float]:
-        """Step metrics (means over episodes unless named a fraction or total)."""
+        """Step metrics, each a mean over the episodes (`agents/end/<reason>`: the fraction that ended so)."""
         n = max(self.num_episodes, 1)
         model = self.completion_mask.sum(axis=1)
         env = self.sequence_mask.sum(axis=1) - model
@@ -125,7 +127,7 @@ class EpisodeBatch:
             "agents/turns": float(self.turns.mean()) if self.num_episodes else 0.0,
             "agents/tool_calls": float(self.tool_calls.sum()) / n,
             "agents/tool_errors": float(self.tool_errors.sum()) / n,
-            "agents/tool_time_s": float(self.tool_time_s.sum()),
+            "agents/tool_time_s": float(self.tool_time_s.astype(np.float64).sum()) / n,
             "agents/model_tokens": float(model.sum()) / n,
             "agents/env_tokens": float(env.sum()) / n,
             "agents/env_reward": float(self.env_reward.mean()) if self.num_episodes else 0.0,
@@ -180,7 +182,8 @@ def run_episodes(engine: Any, envs: Sequence[Environment], rng_keys: np.ndarray,
                  max_turns: int, max_total_tokens: int, max_turn_tokens: int,
                  prompt_ids: Sequence[Sequence[int]] | None = None, temperature: float | None = None,
                  stop_token_ids: Sequence[int] | None = None, template_kwargs: Mapping[str, Any] | None = None,
-                 stop_text: str | None = None, step_timeout_s: float = 60.0) -> EpisodeBatch:
+                 stop_text: str | None = None, step_timeout_s: float = 60.0,
+                 reasoning_tags: tuple[str, str] | None = THINK_TAGS) -> EpisodeBatch:
     """Runs N episodes to their end, batching each turn's generation over the live ones.
 
     Args:
@@ -203,13 +206,19 @@ def run_episodes(engine: Any, envs: Sequence[Environment], rng_keys: np.ndarray,
         template_kwargs: extra chat-template variables (e.g. `enable_thinking=False`).
         stop_text: the stop token's text in the template (see `TurnRenderer`).
         step_timeout_s: how long one environment step may take before its episode ends.
+        reasoning_tags: (open, close) of a reasoning model's thinking (`<think>`, `</think>`):
+            each turn's reasoning is split off (`split_reasoning`) and `step` gets the answer
+            after it, as a serving stack's reasoning parser does, so a tool call written while
+            thinking is not run; the messages hold the answer as `content` and the reasoning as
+            `reasoning_content`. The trained ids are the sampled ids either way. None: `step`
+            gets the whole turn.
 
     Returns:
         An EpisodeBatch with T = max_total_tokens.
 
     Raises:
         ValueError: a limit, the keys or the prompts do not fit the environments (one line each).
-        RuntimeError: an environment's `reset()` raised (set-up, not the model's doing).
+        EnvFailureError: an environment's `reset()` raised (set-up, not the model's doing).
     """
     _check_limits(max_turns, max_total_tokens, max_turn_tokens)
     n = len(envs)
@@ -233,8 +242,8 @@ def run_episodes(engine: Any, envs: Sequence[Environment], rng_keys: np.ndarray,
         try:
             opening = env.reset()
         except Exception as error:  # a broken factory or row is a set-up bug: stop, naming the episode
-            raise RuntimeError(f"run_episodes: environment {i} ({type(env).__name__}).reset() raised "
-                               f"{type(error).__name__}: {error}") from error
+            raise EnvFailureError(f"environment {i} ({type(env).__name__}).reset() raised "
+                                  f"{type(error).__name__}: {error}") from error
         if opening is None:
             if prompt_ids is None:
                 raise ValueError(f"run_episodes: environment {i} ({type(env).__name__}) returned no opening messages "
@@ -249,7 +258,7 @@ def run_episodes(engine: Any, envs: Sequence[Environment], rng_keys: np.ndarray,
         session = open_session(engine, [s.prompt for s in states], max_total_tokens=max_total_tokens, **opts)
         try:
             _run_turns(session, envs, states, renderers, keys, tokenizer, stops, max_turns, max_total_tokens,
-                       step_timeout_s)
+                       step_timeout_s, reasoning_tags)
         finally:
             session.close()
     for state in states:  # the loop ran out of turns before these were stepped
@@ -259,7 +268,7 @@ def run_episodes(engine: Any, envs: Sequence[Environment], rng_keys: np.ndarray,
 
 
 def _run_turns(session, envs, states, renderers, keys, tokenizer, stops, max_turns, max_total_tokens,
-               step_timeout_s) -> None:
+               step_timeout_s, reasoning_tags) -> None:
     """The turns of `run_episodes`: every live episode's turn in one session call, then its step."""
     new_ids: dict[int, list[int]] = {i: [] for i in range(len(states))}  # ids since each episode's last turn
     for turn in range(max_turns):
@@ -278,8 +287,12 @@ def _run_turns(session, envs, states, renderers, keys, tokenizer, stops, max_tur
             state.add_model_turn(ids[:room], logps[:room])
             state.turns += 1
             text = tokenizer.decode(ids[:room])
-            state.messages.append({"role": "assistant", "content": text})
-            texts.append(text)
+            reasoning, answer = split_reasoning(text, reasoning_tags) if reasoning_tags else ("", text)
+            message = {"role": "assistant", "content": answer}
+            if reasoning or answer != text:  # the raw turn is in the transcript
+                message["reasoning_content"] = reasoning
+            state.messages.append(message)
+            texts.append(answer)
             stopped.append(count > 0 and ids[min(count, room) - 1] in stops)
             if cut:  # the budget ended the turn: the environment never sees a turn it did not finish
                 state.end_reason = "budget"

@@ -71,7 +71,9 @@ def load_data(cfg: RunConfig, check: Callable[[Mapping[str, Any]], None] | None 
       ConfigError: a data file is missing or holds a bad row (naming the field, file and row).
     """
     d = cfg.data
-    required = (d.prompt_field, d.answer_field)
+    # Episodes are scored by their environment: a gold answer is needed only for the answer term.
+    needs_answer = cfg.rollout.env is None or bool((cfg.reward.weights or {}).get("answer"))
+    required = (d.prompt_field, d.answer_field) if needs_answer else (d.prompt_field,)
 
     def rows(field: str, path: str | None, builtin: int, seed: int) -> list[dict] | None:
         try:
@@ -218,7 +220,8 @@ def assemble_run(cfg: RunConfig, *, callbacks: Sequence[Any] = (), **objects: An
         checks.check_vocab(cfg, model_config, tokenizer.vocab_size)
     d = cfg.data
     encoder = PromptEncoder(tokenizer, prompt_field=d.prompt_field, max_prompt_tokens=d.max_prompt_tokens,
-                            system_prompt=d.system_prompt, use_chat_template=d.use_chat_template)
+                            system_prompt=d.system_prompt, use_chat_template=d.use_chat_template,
+                            template_kwargs=d.chat_template_kwargs)
     builtin = objects.get("tokenizer") is None and not (cfg.model.tokenizer or cfg.model.path)
     train, val = load_data(cfg, check=lambda row: checks.check_prompt(encoder, row, builtin))
     if cfg.reward.executor == "process" and "reward" in objects:

@@ -10,7 +10,9 @@
 Exit status: 0 done; 2 bad input or a refusal (an unknown config key, a wrong type, a missing or
 non-empty run directory, a run directory another process is training in, no usable checkpoint,
 a changed config at resume); 1 a failure while running (a checkpoint that cannot be written,
-e.g. a full disk); 130 / 143 stopped by SIGINT / SIGTERM (a run first saves its last completed
+e.g. a full disk; an environment whose factory or reset() raised, or that failed every episode
+for rollout.env_max_failed_batches batches; a reward that failed every sample for
+reward.max_failed_batches batches); 130 / 143 stopped by SIGINT / SIGTERM (a run first saves its last completed
 step; a second signal exits at once). Each ends with one line on stderr that names the problem
 and the fix, no traceback, and nothing after it: library noise at interpreter shutdown is
 discarded. Set RLBOLT_DEBUG=1 to see tracebacks instead.
@@ -260,6 +262,9 @@ _USER_ERRORS = (  # (module, class): bad input or a refusal, reported in one lin
 
 
 _DISK_ERRORS = ("rlbolt.checkpointing.io.CheckpointWriteError", "rlbolt.app.cli_run.RunDiskFull")  # exit 1, one line
+# User code that cannot run (an environment's reset or factory raised, or every episode / every
+# reward failed for the configured number of batches): exit 1, one line (the traceback is in train.log).
+_RUN_FAILURES = (*_DISK_ERRORS, "rlbolt.agents.failures.EnvFailureError", "rlbolt.rewards.runner.RewardFailureError")
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -303,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             kind = f"{type(error).__module__}.{type(error).__name__}"
             if kind == "rlbolt.app.cli_run.RunInterrupted":  # the run saved its last step, then stopped
                 return fail(_one_line(error), error.exit_code)
-            if kind in _DISK_ERRORS and not debug:
+            if kind in _RUN_FAILURES and not debug:
                 return fail("error: " + _one_line(error), EXIT_FAILED)
             raise
 

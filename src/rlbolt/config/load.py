@@ -22,7 +22,7 @@ import yaml
 from rlbolt.config.algorithms import algorithm_defaults, algorithm_names, import_algorithm
 from rlbolt.config.fields import ConfigError, closest as _closest, coerce as _coerce, describe_bounds
 from rlbolt.config.rules import check_rules
-from rlbolt.config.sections import POLICY_LOSS_DEFAULTS, SECTIONS, RunConfig
+from rlbolt.config.sections import POLICY_LOSS_DEFAULTS, SECTIONS, RunConfig, default_reward_weights
 from rlbolt.utils.files import to_plain, write_text_atomic
 
 def _build_section(name: str, values: Mapping[str, Any]) -> Any:
@@ -134,11 +134,14 @@ def resolve(cfg: RunConfig) -> RunConfig:
     plan = cfg.plan
     if plan.max_refill_rounds is None:
         plan = dataclasses.replace(plan, max_refill_rounds=4 if algo.dynamic_sampling else 0)
+    reward = cfg.reward
+    if reward.weights is None:  # the environment's reward counts by default (rollout.env)
+        reward = dataclasses.replace(reward, weights=default_reward_weights(cfg.rollout.env is not None))
     model = _resolve_package_paths(cfg.model, "model", ("path", "tokenizer"))
     algo = _resolve_package_paths(algo, "algorithm", ("distill_teacher",))
     if model.lora is not None:  # written back in full, so config.yaml shows every LoRA setting
         model = dataclasses.replace(model, lora=_resolve_lora(model.lora))
-    cfg = dataclasses.replace(cfg, model=model, algorithm=algo, plan=plan)
+    cfg = dataclasses.replace(cfg, model=model, algorithm=algo, plan=plan, reward=reward)
     check_rules(cfg)
     return cfg
 

@@ -88,7 +88,7 @@ def import_reference(value: str, field: str) -> Any:
 
     Raises:
       ConfigError: the run was built from an object that cannot be imported, or the reference
-        does not import.
+        does not import (its one line names the field once: callers pass it on unchanged).
     """
     if value.startswith(NOT_IMPORTABLE):
         raise ConfigError(
@@ -101,6 +101,9 @@ def import_reference(value: str, field: str) -> Any:
     except (ImportError, AttributeError) as error:
         raise ConfigError(f"{field}={value!r} does not import ({type(error).__name__}: {error}); check the name and "
                           "that its package is installed or on PYTHONPATH") from None
+    except Exception as error:  # noqa: BLE001 - the module raised while it was imported: a bug in it, named here
+        raise ConfigError(f"{field}={value!r}: importing {value.partition(':')[0]} raised {type(error).__name__}: "
+                          f"{_first_line(error)}; fix that module") from None
 
 
 def import_all(section: Any, names: tuple[str, ...] = ("model", "tokenizer", "reward")) -> dict[str, Any]:
@@ -108,6 +111,11 @@ def import_all(section: Any, names: tuple[str, ...] = ("model", "tokenizer", "re
     values = section if isinstance(section, Mapping) else vars(section)
     values = {k: v for k, v in values.items() if k in names}
     return {name: import_reference(value, f"objects.{name}") for name, value in values.items() if value is not None}
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else ""
 
 
 def _import(reference: str) -> Any:

@@ -40,6 +40,10 @@ def check_rules(cfg: RunConfig) -> None:
         unknown_terms = [t for t in cfg.reward.weights if t not in REWARD_TERMS]
         if unknown_terms:
             raise ConfigError(f"reward.weights has unknown term(s) {unknown_terms}; known terms: {list(REWARD_TERMS)}")
+        if r.env is not None and "env" not in cfg.reward.weights:
+            raise ConfigError(f"rollout.env={r.env!r} but reward.weights={dict(cfg.reward.weights)} has no env term, so "
+                              "the environment's rewards would not count; add reward.weights.env (e.g. env: 1.0), or "
+                              "env: 0 to score the transcripts with the other terms alone")
         if not any(w != 0 for w in cfg.reward.weights.values()):
             raise ConfigError(f"reward.weights={dict(cfg.reward.weights)} gives no term a non-zero weight; "
                               "e.g. reward.weights={answer: 1.0}")

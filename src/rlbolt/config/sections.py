@@ -31,6 +31,14 @@ POLICY_LOSS_DEFAULTS = {
     "clip_cov": {"cov_select_ratio": 2e-4},  # arXiv 2505.22617
     "kl_cov": {"cov_select_ratio": 2e-3},
 }
+
+
+def default_reward_weights(has_env: bool) -> dict:
+    """`reward.weights` when the config leaves it None: the environment's reward with an
+    environment (rollout.env, or env= from Python), else the GSM8K answer check."""
+    return {"env": 1.0} if has_env else {"answer": 1.0, "format": 0.0}
+
+
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
@@ -62,6 +70,7 @@ class DataSection:
     answer_field: str = _f("answer", "row field holding the gold answer ('... #### 42' or '42')")
     system_prompt: str | None = _f(None, "system message put before each prompt when the tokenizer has a chat template")
     use_chat_template: bool = _f(True, "format prompts with the tokenizer's chat template when it has one")
+    chat_template_kwargs: dict = _f({}, "extra chat-template variables for every render (prompts, and with rollout.env each environment reply), e.g. {enable_thinking: false} for Qwen3")
     max_prompt_tokens: int = _f(256, "longer prompts keep their last max_prompt_tokens tokens (the question's end)", at_least=1)
     shuffle: bool = _f(True, "reshuffle the train rows every epoch")
     builtin_train_rows: int = _f(256, "how many built-in rows to generate when data.train is None", at_least=1)
@@ -98,6 +107,7 @@ class RolloutSection:
     max_turns: int = _f(4, "with env: the most model turns per episode", at_least=1)
     max_total_tokens: int | None = _f(None, "with env: the most ids after the prompt per episode, sampled and environment ids together; None: max_turns * max_new_tokens", at_least=1)
     env_step_timeout_s: float = _f(60.0, "with env: seconds one environment step may take before its episode ends (end reason env_error)", above=0)
+    env_max_failed_batches: int = _f(3, "with env: stop with an error quoting the first environment error when every episode ended with one (env_error) in this many consecutive rollout batches; every error is logged to train.log either way; 0: never stop", at_least=0)
     engine: str = _f("native", "what generates the completions: native (rlbolt's jitted sampler), vllm (vLLM in process: the rlbolt[vllm] extra), or a factory 'package.module:make_engine' called as factory(model, EngineSpec) -> RolloutEngine (docs/howto/engines.md)")
     record_routing: bool = _f(False, "mixture-of-experts models, native engine: keep the experts the rollout routed every token to (columns prompt_routing, completion_routing) for algorithm.router_replay; without replay the logps stage recomputes the routing and logs moe/routing_mismatch (one more forward per sample when old logps were the sampler's)")
     val_temperature: float = _f(1.0, "temperature of the pass@k samples in validation (accuracy is always greedy)", at_least=0)
@@ -148,7 +158,7 @@ class AlgorithmSection:
 class RewardSection:
     """Reward functions, scored per sample with failure isolation."""
 
-    weights: dict = _f({"answer": 1.0, "format": 0.0}, "reward term -> weight; terms: answer (GSM8K final answer), format (think/answer tags), digits (fraction of digit characters: a dense signal for tiny-model smoke runs), task (a reasoning_gym task's own scorer on the extracted final answer), env (an episode's environment rewards, summed: with rollout.env); weight 0 drops a term")
+    weights: dict | None = _f(None, "reward term -> weight; terms: answer (GSM8K final answer), format (think/answer tags), digits (fraction of digit characters: a dense signal for tiny-model smoke runs), task (a reasoning_gym task's own scorer on the extracted final answer), env (an episode's environment rewards, summed: with rollout.env); weight 0 drops a term; with an environment the weights must name env (env: 0 scores the transcripts alone); None: {env: 1.0} with rollout.env, else {answer: 1.0, format: 0.0}")
     timeout_s: float = _f(10.0, "seconds one sample's reward may run before it gets the penalty", above=0)
     penalty: float = _f(0.0, "reward of a sample whose reward function failed or timed out")
     max_workers: int = _f(4, "concurrent reward workers", at_least=1)

@@ -70,6 +70,7 @@ class LMPolicyModule(PolicyRollout, PolicySetup, RLModule):
       env: an environment factory `Factory(row) -> Environment` (or its 'package.module:Factory'
         name) instead of `config.rollout.env`: each sample becomes a multi-turn episode
         (`rlbolt.agents.run_episodes`), trained token-in/token-out with environment ids masked out.
+        A dict config that leaves `reward.weights` unset then scores with `{env: 1.0}`.
     """
 
     kl_in_loss = True  # False: the KL is folded into the reward instead (REINFORCE++, RLOO, PPO)
@@ -78,7 +79,7 @@ class LMPolicyModule(PolicyRollout, PolicySetup, RLModule):
                  tokenizer: Tokenizer | None = None, reward: RewardFn | WeightedReward | None = None,
                  engine: str | Callable[..., RolloutEngine] | RolloutEngine | None = None,
                  env: EnvFactory | str | None = None, teacher: Decoder | None = None):
-        self.config = _config_for(type(self), config)
+        self.config = _config_for(type(self), config, has_env=env is not None)
         self.algo, self.rollout_cfg = self.config.algorithm, self.config.rollout
         self.hparams = {k: v for k, v in config_to_dict(self.config).items() if k in ("algorithm", "rollout", "reward")}
         self.model, self.tokenizer, self.reward = model, tokenizer, reward
@@ -96,6 +97,7 @@ class LMPolicyModule(PolicyRollout, PolicySetup, RLModule):
         self.teacher_params = None
         self.teacher_forward = None  # a PlacedReference when placement gives the teacher devices of its own
         self.env_factory = None  # the environment factory (setup), when samples are episodes
+        self.env_errors = None  # its EnvErrorMonitor (setup): every error logged, a broken environment stops the run
 
     # -- plan and optimizer -----------------------------------------------------------------------
     def check_plan(self, plan) -> None:

@@ -9,11 +9,13 @@ the same engine. It relies on what `LMPolicyModule` and `PolicySetup` set: `conf
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
 from flax import nnx
 
+from rlbolt.agents.failures import EnvFailureError
 from rlbolt.agents.rollout import run_episodes
 from rlbolt.batch import Batch
 from rlbolt.config import ConfigError
@@ -22,6 +24,8 @@ from rlbolt.modules.moe_routing import ROUTING_COLUMNS, routing_columns
 from rlbolt.modules.prompts import rows_of
 from rlbolt.rollout.engine import RolloutEngine
 from rlbolt.rollout.engines import BUILT_IN, EngineHandle, EngineSpec, build_engine
+
+_log = logging.getLogger("rlbolt.agents")
 
 # Columns the framework adds; every other column of an arriving batch is a prompt-row field.
 _FRAMEWORK_COLUMNS = frozenset({
@@ -95,14 +99,34 @@ class PolicyRollout:
                                                keep=module.lora is None or not module.lora.merge_for_rollout,
                                                **{"temperature": temperature, **opts})
 
-        episodes = run_episodes(Engine(), [self.env_factory(row) for row in rows], np.asarray(keys, np.uint32),
-                                tokenizer=self.tokenizer, prompt_ids=ids, max_turns=r.max_turns,
-                                max_total_tokens=self.completion_width, max_turn_tokens=r.max_new_tokens,
-                                temperature=temperature, step_timeout_s=r.env_step_timeout_s)
-        if log:
+        try:
+            episodes = run_episodes(Engine(), self._environments(rows), np.asarray(keys, np.uint32),
+                                    tokenizer=self.tokenizer, prompt_ids=ids, max_turns=r.max_turns,
+                                    max_total_tokens=self.completion_width, max_turn_tokens=r.max_new_tokens,
+                                    temperature=temperature, step_timeout_s=r.env_step_timeout_s,
+                                    template_kwargs=self.config.data.chat_template_kwargs)
+        except EnvFailureError as error:  # one line on the terminal; its traceback in train.log
+            _log.error("the environment failed: %s", error, exc_info=error, extra={"console": False})
+            raise EnvFailureError(f"rollout.env: {error}; fix the environment (RLBOLT_DEBUG=1 shows the "
+                                  "traceback)") from error
+        if log:  # training batches: a broken environment stops the run (validation only logs)
+            self.env_errors.record(episodes.num_episodes, episodes.errors)
             for name, value in episodes.metrics().items():
                 self.log(name, value)
+        else:
+            self.env_errors.log(episodes.errors)
         return episodes.columns(self.tokenizer.pad_id, self.encoder.width)
+
+    def _environments(self, rows: list[dict]) -> list:
+        """One environment per row from the factory; a factory that raises stops the run (`EnvFailureError`)."""
+        envs = []
+        for i, row in enumerate(rows):
+            try:
+                envs.append(self.env_factory(row))
+            except Exception as error:  # noqa: BLE001 - user code: a set-up bug, named in one line
+                raise EnvFailureError(f"the environment factory raised {type(error).__name__}: {error} "
+                                      f"for row {i} of the batch (fields {sorted(row)})") from error
+        return envs
 
     def rollout_engine(self) -> EngineHandle:
         """The module's rollout engine (built on first use from `rollout.engine` or `engine=`),

@@ -24,7 +24,7 @@ import jax
 from flax import nnx
 
 from rlbolt.config import ConfigError, RunConfig, load_config
-from rlbolt.config.sections import ModelSection
+from rlbolt.config.sections import ModelSection, default_reward_weights
 from rlbolt.data.tokenizers import Tokenizer
 from rlbolt.distributed.layout import check_placed_role
 from rlbolt.distributed.mesh import MeshError
@@ -77,20 +77,27 @@ class PolicySetup(LoraHooks):
         self.graphdef, _ = nnx.split(self.model)
         self.encoder = PromptEncoder(
             self.tokenizer, prompt_field=cfg.data.prompt_field, max_prompt_tokens=cfg.data.max_prompt_tokens,
-            system_prompt=cfg.data.system_prompt, use_chat_template=cfg.data.use_chat_template)
-        if cfg.reward.weights.get("env") and self._env_choice is None and self.reward is None:
+            system_prompt=cfg.data.system_prompt, use_chat_template=cfg.data.use_chat_template,
+            template_kwargs=cfg.data.chat_template_kwargs)
+        weights = cfg.reward.weights
+        if weights is None:  # a config that was not resolved
+            weights = default_reward_weights(self._env_choice is not None)
+        if weights.get("env") and self._env_choice is None and self.reward is None:
             raise ConfigError("reward.weights has the term env, an episode's environment reward, but the run has no "
                               "environment; set rollout.env='package.module:Factory' (or env= from Python) or drop it")
+        if self._env_choice is not None and self.reward is None and "env" not in weights:
+            raise ConfigError(f"the run has an environment but reward.weights={dict(weights)} has no env term, so "
+                              "the environment's rewards would not count; add reward.weights.env (e.g. env: 1.0), or "
+                              "env: 0 to score the transcripts with the other terms alone")
         if self.reward is None:
-            self.reward = build_reward(cfg.reward.weights, answer_field=cfg.data.answer_field)
+            self.reward = build_reward(weights, answer_field=cfg.data.answer_field)
         self.reward_runner = lm_ops.reward_runner(self.reward, cfg.reward)
         if self._env_choice is not None:  # samples are multi-turn episodes (rlbolt.agents)
             from rlbolt.agents.environment import load_env_factory
+            from rlbolt.agents.failures import EnvErrorMonitor
 
-            try:
-                self.env_factory = load_env_factory(self._env_choice)
-            except (ImportError, AttributeError, TypeError, ValueError) as error:
-                raise ConfigError(f"rollout.env={self._env_choice!r}: {error}") from None
+            self.env_factory = load_env_factory(self._env_choice)  # ConfigError naming rollout.env
+            self.env_errors = EnvErrorMonitor(self.rollout_cfg.env_max_failed_batches)
         self._setup_teacher(cfg, context)
         ref_plan = context.sharding_for("reference")
         apart = ref_plan is not None and ref_plan is not self.sharding
@@ -240,7 +247,7 @@ def _encodes(tokenizer, text: str) -> bool:
         return False
 
 
-def _config_for(cls: type, config: RunConfig | Mapping | None) -> RunConfig:
+def _config_for(cls: type, config: RunConfig | Mapping | None, has_env: bool = False) -> RunConfig:
     name = cls.algorithm_name
     if name is None:
         raise TypeError(f"{cls.__name__} is a base class; build one of its algorithms (GRPO, DAPO, ...) or subclass it "
@@ -254,6 +261,8 @@ def _config_for(cls: type, config: RunConfig | Mapping | None) -> RunConfig:
         return config
     raw = {k: dict(v) for k, v in (config or {}).items()}
     raw.setdefault("algorithm", {}).setdefault("name", name)
+    if has_env and raw.setdefault("reward", {}).get("weights") is None:  # env= from Python: its reward counts
+        raw["reward"]["weights"] = default_reward_weights(True)
     return _config_for(cls, load_config(raw))
 
 

@@ -35,14 +35,18 @@ class PromptEncoder:
       system_prompt: a system message put first when a chat template is used.
       use_chat_template: render a chat template when the tokenizer has one (`chat_template`
         attribute not None); the built-in tokenizers have none, so their prompts are the raw text.
+      template_kwargs: extra chat-template variables (`data.chat_template_kwargs`, e.g.
+        `{"enable_thinking": False}`).
     """
 
     def __init__(self, tokenizer: Tokenizer, *, prompt_field: str = "question", max_prompt_tokens: int = 256,
-                 system_prompt: str | None = None, use_chat_template: bool = True):
+                 system_prompt: str | None = None, use_chat_template: bool = True,
+                 template_kwargs: Mapping[str, Any] | None = None):
         if max_prompt_tokens < 1:
             raise ValueError(f"data.max_prompt_tokens={max_prompt_tokens} must be >= 1")
         self.tokenizer, self.prompt_field, self.width = tokenizer, prompt_field, int(max_prompt_tokens)
         self.system_prompt = system_prompt
+        self.template_kwargs = dict(template_kwargs or {})
         self.chat = use_chat_template and getattr(tokenizer, "chat_template", None) is not None
         self._cache: dict[str, list[int]] = {}
 
@@ -58,7 +62,7 @@ class PromptEncoder:
         if self.system_prompt and messages[0].get("role") != "system":
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **self.template_kwargs)
         except jinja2.TemplateError as error:  # e.g. a template that refuses a system message
             raise ValueError(f"the tokenizer's chat template refused the prompt ({error}); set "
                              "data.use_chat_template=false, or data.system_prompt=null if it rejects system messages") from None
