@@ -80,19 +80,15 @@ def plan_memory(sharding: ShardingPlan, params: Any, opt_state: Any, extra: dict
 
 
 def device_memory_bytes(sharding: ShardingPlan) -> int | None:
-    """The smallest `bytes_limit` the backend reports over this process's mesh devices (None: not reported)."""
-    limits = []
-    for device in sharding.mesh.devices.flat:
-        if device.process_index != jax.process_index():
-            continue
-        try:
-            stats = device.memory_stats()
-        except (NotImplementedError, RuntimeError, AttributeError):
-            stats = None
-        if not stats or "bytes_limit" not in stats:
-            return None
-        limits.append(int(stats["bytes_limit"]))
-    return min(limits) if limits else None
+    """The smallest memory over this process's mesh devices: the backend's `bytes_limit`, or for a
+    device without one (a described TPU slice's abstract chips) the per-kind table of
+    `rlbolt.distributed.topology` (None: neither knows, e.g. a CPU)."""
+    from rlbolt.distributed.topology import device_hbm_bytes
+
+    devices = list(sharding.mesh.devices.flat)
+    mine = [d for d in devices if d.process_index == jax.process_index()] or devices[:1]
+    limits = [device_hbm_bytes(device)[0] for device in mine]
+    return None if not limits or None in limits else min(limits)
 
 
 def kv_cache_bytes(config: Any, batch: int, max_len: int, sharding: ShardingPlan) -> int:

@@ -1,0 +1,66 @@
+"""`rlbolt plan --topology`: a tiny model compiled with libtpu for small TPU slices on this CPU.
+Marked `tpu` (run with -m tpu in a venv with the rlbolt[tpu] extra); skipped without libtpu."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("libtpu")
+pytestmark = pytest.mark.tpu
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+from rlbolt.config import load_config  # noqa: E402
+from plan_tiny import PARAMS, RUN  # noqa: E402
+
+# TPU buffers are laid out in (sublane x 128) tiles: a shard whose last dimensions are not whole
+# tiles is padded, by less than one bf16/f32 tile (16 x 128 x 4 bytes = 8 KiB) per array.
+TILE = 8 << 10
+
+
+def _run(topology: str):
+    from rlbolt.distributed.topology import target_devices
+    from rlbolt.planning import build_abstract
+
+    return build_abstract(load_config(RUN), target_devices(topology))
+
+
+@pytest.mark.parametrize("topology, chips, hosts", [("v5e:2x2", 4, 1), ("v5p:2x2x2", 8, 2)])
+def test_arguments_are_the_hand_count_split_over_fsdp(topology, chips, hosts):
+    import jax
+
+    from rlbolt.planning import plan_run
+
+    run = _run(topology)
+    assert len(run.devices) == chips and run.sharding.mesh.shape["fsdp"] == chips
+    assert run.sharding.share.size == hosts  # the slice's processes, not this host's one
+    report = plan_run(run, topology, names=("optimizer",))
+    (opt,) = report.executables
+    logical = 4 * 2 * PARAMS // chips + 4  # params, gradients, mu, nu: every leaf split over fsdp; the count
+    leaves = 4 * len(jax.tree.leaves(run.params)) + 1
+    assert logical <= opt.argument_bytes <= logical + leaves * TILE
+    assert opt.seconds is not None and opt.seconds > 0  # the TPU compiler's estimate
+
+
+def test_fits_flips_when_the_chip_is_small():
+    from rlbolt.planning import plan_run
+
+    run = _run("v5e:2x2")
+    roomy = plan_run(run, "v5e:2x2", names=("update",))
+    assert roomy.hbm_bytes == 16 << 30 and roomy.hbm_source == "table (v5e)" and roomy.fits
+    tight = plan_run(run, "v5e:2x2", names=("update",), hbm_bytes=roomy.peak_bytes - 1)
+    assert tight.fits is False and tight.advice
+    assert "FITS" in roomy.text() and "DOES NOT FIT" in tight.text()
+
+
+def test_cli_refuses_a_shape_libtpu_cannot_describe(tmp_path, capsys):
+    import json
+
+    from rlbolt.app.cli import main
+
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps(RUN))
+    code = main(["plan", str(config), "--topology", "v5e:3x7"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--topology=v5e:3x7" in err[-1], err
