@@ -19,7 +19,7 @@ import optax
 
 from rlbolt.batch import Batch
 from rlbolt.distributed.memory import MemoryPlan, plan_memory
-from rlbolt.distributed.mesh import MeshError, MeshSpec, as_mesh, describe
+from rlbolt.distributed.mesh import MeshError, MeshSpec, as_mesh, describe, mesh_processes
 from rlbolt.distributed.sharding import ShardingPlan
 from rlbolt.update import split_micro_batches
 
@@ -76,7 +76,7 @@ def check_batch_plan(plan: Any, sharding: ShardingPlan, mode: str = "sync",
     sharding.check_divides("plan.train_micro_batch_size", plan.train_micro_batch_size)
     if reference is not None and reference is not sharding:
         check_placed_role(plan, reference, "reference")
-    processes = len({d.process_index for d in sharding.mesh.devices.flat})  # the mesh's, not this host's
+    processes = mesh_processes(sharding.mesh)  # the mesh's, not this host's
     if mode == "async" and processes > 1:
         # The producer thread's collectives (rollout) would overlap the main thread's (update)
         # in a different order on each process, and collectives must be issued in one order.

@@ -5,7 +5,9 @@
     optimizer state   as sharded (Adam: two params-sized moments)
     + the module's own items (`RLModule.memory_plan`): a frozen reference model, the KV cache
 
-Activations and compiler temporaries come on top and are not estimated. When the backend reports
+Activations and compiler temporaries come on top and are not estimated here; `rlbolt plan`
+(`rlbolt.planning`) compiles the step's executables and reports them from the compiler's buffer
+assignment, where the planner can run. When the backend reports
 how much memory a device has (GPU, TPU: `bytes_limit`), a plan whose items alone exceed it is
 refused with the numbers and what would shrink them; where it does not (CPU), the plan is logged.
 """

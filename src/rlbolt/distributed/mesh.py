@@ -150,6 +150,15 @@ def _with_expert_axis(mesh: Mesh) -> Mesh:
     return Mesh(devices.reshape(shape), AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
+def mesh_processes(mesh: Any) -> int:
+    """How many processes own the mesh's devices (1 for an AbstractMesh, which has none): the
+    target slice's count when planning, not this host's `jax.process_count()`."""
+    try:
+        return len({d.process_index for d in mesh.devices.flat})
+    except ValueError:  # jax.sharding.AbstractMesh: shapes only
+        return 1
+
+
 def batch_shards(mesh: Mesh) -> int:
     """How many pieces the sample axis is cut into: data x fsdp x expert."""
     return int(np.prod([mesh.shape[a] for a in BATCH_AXES]))

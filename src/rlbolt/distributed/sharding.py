@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from rlbolt.distributed.mesh import AXES, BATCH_AXES, MeshError, as_mesh, batch_shards, describe
+from rlbolt.distributed.mesh import AXES, BATCH_AXES, MeshError, as_mesh, batch_shards, describe, mesh_processes
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ class DataShare:
     def of(cls, mesh: Mesh) -> DataShare:
         """The share of this process under `mesh`'s batch sharding (for a described slice that this
         process is not part of: process 0's share of that slice's processes)."""
-        if len({d.process_index for d in mesh.devices.flat}) == 1:
+        if mesh_processes(mesh) == 1:
             return cls()
         shards = batch_shards(mesh)
         index_map = NamedSharding(mesh, P(BATCH_AXES)).devices_indices_map((shards,))
