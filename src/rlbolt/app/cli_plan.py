@@ -7,7 +7,8 @@ import argparse
 import os
 from collections.abc import Sequence
 
-EXECUTABLES = ("update", "optimizer", "logps", "rollout")
+EXECUTABLES = ("update", "optimizer", "logps", "rollout")  # compiled by default
+OPTIONAL = ("grad",)  # one train micro batch's gradients alone (inside the update)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -22,7 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     plan.add_argument("config", help="a YAML config, the same as `rlbolt fit` takes")
     plan.add_argument("--topology", help="a TPU slice, e.g. v5e:4x4, v5p:2x2x2, v6e:2x4 (default: this host's devices)")
     plan.add_argument("--json", dest="json_path", metavar="FILE", help="also write the plan as one JSON object")
-    plan.add_argument("--only", help=f"comma-separated executables to compile (default: {','.join(EXECUTABLES)})")
+    plan.add_argument("--only", help=f"comma-separated executables to compile (default: {','.join(EXECUTABLES)}; also: grad)")
     plan.add_argument("--hbm-gib", type=float, help="judge against this memory per device instead of the table's")
 
 
@@ -36,9 +37,9 @@ def run_plan(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     from rlbolt.app.cli import CLIError
 
     names = tuple(n.strip() for n in args.only.split(",")) if args.only else EXECUTABLES
-    unknown = [n for n in names if n not in EXECUTABLES]
+    unknown = [n for n in names if n not in EXECUTABLES + OPTIONAL]
     if unknown:
-        raise CLIError(f"--only names {unknown}; choose from {','.join(EXECUTABLES)}")
+        raise CLIError(f"--only names {unknown}; choose from {','.join(EXECUTABLES + OPTIONAL)}")
     if args.hbm_gib is not None and args.hbm_gib <= 0:
         raise CLIError(f"--hbm-gib={args.hbm_gib} must be > 0 (GiB per device)")
     if args.json_path and not os.path.isdir(os.path.dirname(os.path.abspath(args.json_path))):
@@ -71,4 +72,4 @@ def run_plan(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     return 0
 
 
-__all__ = ["EXECUTABLES", "add_parser", "run_plan"]
+__all__ = ["EXECUTABLES", "OPTIONAL", "add_parser", "run_plan"]

@@ -2,6 +2,8 @@
 
     update     the training micro-batch gradients (a scan over the A micro batches) and the optimizer
                step: the one executable `Trainer` compiles per mini batch (`rlbolt.update`)
+    grad       one train micro batch's loss and gradients alone (not compiled by default: the update
+               holds it; `--only grad` shows its share)
     optimizer  the optimizer step alone (gradients in, parameters and state out): its share of the update
     logps      one logps micro batch's forward, the old and the reference log-probs' executable
     rollout    one sampler call: each group's prompt prefilled into the KV cache, then the decode loop
@@ -93,6 +95,9 @@ def compile_executables(run: Any, names: tuple[str, ...] = ("update", "optimizer
         started = time.perf_counter()
         if name == "update":
             out.append(analyse(name, _lower_update(run), _updates_per_step(plan), frozen_copies, started))
+        elif name == "grad":
+            out.append(analyse(name, _lower_grad(run), _updates_per_step(plan) * plan.grad_accum_steps,
+                               opt_bytes + frozen_copies, started))
         elif name == "optimizer":
             out.append(analyse(name, _lower_optimizer(run), _updates_per_step(plan), frozen_copies, started))
         elif name == "logps":
@@ -102,7 +107,7 @@ def compile_executables(run: Any, names: tuple[str, ...] = ("update", "optimizer
             lowered, calls = _lower_rollout(run)
             out.append(analyse(name, lowered, calls, opt_bytes + frozen_copies, started))
         else:
-            raise ValueError(f"unknown executable {name!r}; choose from update, optimizer, logps, rollout")
+            raise ValueError(f"unknown executable {name!r}; choose from update, grad, optimizer, logps, rollout")
     return out
 
 
@@ -131,6 +136,29 @@ def _lower_update(run: Any) -> Any:
     micro = schema.train_batch(accum, plan.mini_batch_size // accum, prompt_width(run), module.completion_width,
                                reference=run.config.algorithm.beta > 0, sharding=run.sharding)
     return update.func.lower(run.params, run.opt_state, micro, module.frozen_params())
+
+
+def _lower_grad(run: Any) -> Any:
+    from rlbolt.update import _shardings_of
+
+    module, plan = run.module, run.plan
+    accum = plan.grad_accum_steps
+    micro = schema.train_batch(1, plan.mini_batch_size // accum, prompt_width(run), module.completion_width,
+                               reference=run.config.algorithm.beta > 0, sharding=run.sharding)
+    micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=run.sharding.batch_sharding()),
+                         micro)
+    rows = micro["completion_mask"].shape[0]
+    micro = micro.with_columns(
+        mini_batch_num_tokens=jax.ShapeDtypeStruct((rows,), jax.numpy.float32, sharding=run.sharding.batch_sharding()),
+        mini_batch_num_samples=jax.ShapeDtypeStruct((rows,), jax.numpy.float32, sharding=run.sharding.batch_sharding()))
+    frozen = module.frozen_params()
+
+    def loss(params, batch, frozen):
+        return module.training_step(module.with_frozen(params, frozen), batch)
+
+    grad = jax.value_and_grad(loss, has_aux=True)
+    return jax.jit(grad, out_shardings=((run.sharding.replicated, run.sharding.replicated), _shardings_of(run.params))
+                   ).lower(run.params, micro, frozen)
 
 
 def _lower_optimizer(run: Any) -> Any:

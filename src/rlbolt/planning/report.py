@@ -18,6 +18,7 @@ import numpy as np
 from rlbolt.planning.compile import Executable, compile_executables, prompt_width
 
 GIB = 1 << 30
+STEP = ("update", "logps", "rollout")  # a step runs these; grad and optimizer are parts of the update
 
 
 @dataclasses.dataclass
@@ -51,6 +52,17 @@ class PlanReport:
     floor_bytes: int
     model_flops: dict[str, float]
     advice: list[str] = dataclasses.field(default_factory=list)
+    accum: int = 1
+
+    def seconds_of(self, e: Executable) -> float | None:
+        """The compiler's estimate of one call of `e`. XLA's cost analysis counts a loop body once,
+        so the update's A micro batches count as one: with the optimizer compiled too, the update is
+        its estimate plus (A - 1) x (update - optimizer). The rollout's decode loop stays one step per
+        segment (a lower bound)."""
+        if e.seconds is None or e.name != "update" or self.accum == 1:
+            return e.seconds
+        opt = next((o.seconds for o in self.executables if o.name == "optimizer" and o.seconds is not None), None)
+        return None if opt is None else e.seconds + (self.accum - 1) * max(e.seconds - opt, 0.0)
 
     @property
     def peak_bytes(self) -> int:
@@ -65,19 +77,19 @@ class PlanReport:
     @property
     def step_seconds(self) -> float | None:
         """The compiler's estimate of one global step (sum of calls x estimate; None if any is missing)."""
-        parts = [e.calls * e.seconds for e in self.executables if e.name != "optimizer" and e.seconds is not None]
-        missing = any(e.seconds is None for e in self.executables if e.name != "optimizer")
-        return None if missing or not parts else sum(parts)
+        chosen = [e for e in self.executables if e.name in STEP]
+        seconds = [self.seconds_of(e) for e in chosen]
+        return None if not chosen or None in seconds else sum(e.calls * t for e, t in zip(chosen, seconds))
 
     def mfu(self, name: str | None = None) -> float | None:
         """Model FLOPs utilisation of one executable (or the whole step) under the compiler's estimate."""
         if self.peak_flops is None:
             return None
-        chosen = [e for e in self.executables if (e.name == name if name else e.name != "optimizer")]
-        if not chosen or any(e.seconds is None for e in chosen):
+        chosen = [e for e in self.executables if (e.name == name if name else e.name in STEP)]
+        if not chosen or any(self.seconds_of(e) is None for e in chosen):
             return None
         flops = sum(self.model_flops.get(e.name, 0.0) * e.calls for e in chosen)
-        seconds = sum(e.seconds * e.calls for e in chosen)
+        seconds = sum(self.seconds_of(e) * e.calls for e in chosen)
         return flops / (seconds * self.peak_flops * self.devices) if seconds > 0 else None
 
     def to_json(self) -> dict[str, Any]:
@@ -87,10 +99,13 @@ class PlanReport:
                 "fits": self.fits, "peak_bytes": self.peak_bytes, "floor_bytes": self.floor_bytes,
                 "state": self.state, "step_seconds_estimate": self.step_seconds, "mfu_estimate": self.mfu(),
                 "update_mfu_estimate": self.mfu("update"),
-                "executables": [{**dataclasses.asdict(e), "total_bytes": e.total_bytes,
+                "grad_accum_steps": self.accum,
+                "executables": [{**dataclasses.asdict(e), "total_bytes": e.total_bytes, "seconds_per_call": self.seconds_of(e),
                                  "model_flops": self.model_flops.get(e.name)} for e in self.executables],
                 "advice": self.advice,
-                "note": "times are the compiler's cost-model estimates (optimal_seconds), not measurements"}
+                "note": "times are the compiler's cost-model estimates (optimal_seconds), not measurements; XLA counts "
+                        "a loop body once: the update is corrected for its A micro batches, the rollout's decode "
+                        "loop is not (a lower bound)"}
 
     def text(self) -> str:
         """The human-readable plan (one table per device, the verdict, the estimate and the advice)."""
@@ -99,13 +114,14 @@ class PlanReport:
         hbm = f"{self.hbm_bytes / GIB:.2f} GiB ({self.hbm_source})" if self.hbm_bytes else "unknown (no table entry)"
         mesh = " ".join(f"{k}={v}" for k, v in self.mesh.items())
         lines = [f"plan for {self.target}: {self.devices} x {self.device_kind}, mesh {mesh}, memory per device {hbm}",
-                 f"per device, {unit}   args  outputs    temps  aliased  held outside    total   calls/step     GFLOP  "
+                 f"per device, {unit}   args  outputs    temps  aliased  held outside    total   calls/step     GFLOP  GB accessed  "
                  "est. ms"]
         for e in self.executables:
-            est = f"{e.seconds * 1e3:8.2f}" if e.seconds is not None else "       -"
+            seconds = self.seconds_of(e)
+            est = f"{seconds * 1e3:8.2f}" if seconds is not None else "       -"
             lines.append(f"  {e.name:<10}{g(e.argument_bytes)} {g(e.output_bytes)} {g(e.temp_bytes)} "
                          f"{g(e.alias_bytes)}      {g(e.held_outside)} {g(e.total_bytes)}   {e.calls:10d} "
-                         f"{e.flops / 1e9:9.1f} {est}   (compiled in {e.compile_seconds:.1f} s)")
+                         f"{e.flops / 1e9:9.1f} {e.bytes_accessed / 1e9:12.2f} {est}   (compiled in {e.compile_seconds:.1f} s)")
         state = ", ".join(f"{k} {v / scale:.2f}" for k, v in self.state.items())
         lines.append(f"state per device ({unit}): {state}; analytic floor {self.floor_bytes / scale:.2f} {unit} "
                      f"(peak / floor = {self.peak_bytes / max(self.floor_bytes, 1):.2f})")
@@ -119,7 +135,8 @@ class PlanReport:
         else:
             mfu, umfu = self.mfu(), self.mfu("update")
             lines.append(f"step estimate (the compiler's cost model, not a measurement): {step:.3f} s per global step"
-                         + (f", MFU {mfu:.1%} (update alone {umfu:.1%})" if mfu is not None and umfu is not None else ""))
+                         + (f", MFU {mfu:.1%} (update alone {umfu:.1%})" if mfu is not None and umfu is not None else "")
+                         + "; the rollout's decode loop counts one step per segment (a lower bound)")
         lines += [f"  - {a}" for a in self.advice]
         return "\n".join(lines)
 
@@ -149,7 +166,8 @@ def plan_run(run: Any, target: str = "this host", names: tuple[str, ...] = ("upd
              **{k: v for k, v in extra.items() if k != "kv cache"}}
     report = PlanReport(target, str(device.device_kind), len(run.devices), dict(run.sharding.mesh.shape), hbm_bytes,
                         source, chip.peak_flops if chip else None, executables, state,
-                        sum(state.values()) + boundary_activation_bytes(run), model_flops(run))
+                        sum(state.values()) + boundary_activation_bytes(run), model_flops(run),
+                        accum=run.plan.grad_accum_steps)
     report.advice = advice(report, run)
     return report
 
@@ -169,6 +187,7 @@ def model_flops(run: Any) -> dict[str, float]:
     n = sum(math.prod(x.shape) for x in jax.tree.leaves(run.module.policy_params(run.module.full_params(run.params))))
     plan, width = run.plan, prompt_width(run) + run.module.completion_width
     return {"update": 6.0 * n * plan.mini_batch_size * width,
+            "grad": 6.0 * n * plan.train_micro_batch_size * width,
             "logps": 2.0 * n * plan.logps_micro_batch_size * width,
             "rollout": 2.0 * n * plan.rollout_micro_batch_size * width}
 
@@ -191,6 +210,7 @@ def advice(report: PlanReport, run: Any) -> list[str]:
                        "(trainer.placement.reference)")
             continue
         field, size = {"update": ("plan.train_micro_batch_size", plan.train_micro_batch_size),
+                       "grad": ("plan.train_micro_batch_size", plan.train_micro_batch_size),
                        "logps": ("plan.logps_micro_batch_size", plan.logps_micro_batch_size),
                        "rollout": ("plan.rollout_micro_batch_size", plan.rollout_micro_batch_size)
                        }.get(e.name, (None, None))
