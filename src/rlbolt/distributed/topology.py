@@ -13,6 +13,7 @@ built for them with `jax.eval_shape` and ShapeDtypeStructs only (`rlbolt.plannin
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any
 
@@ -107,7 +108,7 @@ def target_devices(topology: str | None) -> list[Any]:
     """
     if topology is None:
         return list(jax.devices())
-    parse_topology(topology)
+    generation, dims = parse_topology(topology)
     try:
         import libtpu  # noqa: F401
     except ImportError:
@@ -121,6 +122,12 @@ def target_devices(topology: str | None) -> list[Any]:
     # Describing a slice opens no TPU: let several planning processes load libtpu side by side
     # (otherwise the second one fails on libtpu's lock file).
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # Off a TPU VM libtpu probes the metadata server for these and logs screens of warnings; they do
+    # not change the description (checked for v5e:4x4, v5p:2x2x2, v5p:4x4x4, v6e:2x4), so name the slice.
+    chips = math.prod(dims)
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", {"v4": f"v4-{2 * chips}", "v5p": f"v5p-{2 * chips}",
+                                                   "v5e": f"v5litepod-{chips}", "v6e": f"v6e-{chips}"}[generation])
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     try:
         return list(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
     except Exception as error:  # libtpu's own refusal (an unsupported shape)
