@@ -243,7 +243,7 @@ _USER_ERRORS = (  # (module, class): bad input or a refusal, reported in one lin
     ("rlbolt.checkpointing.io", "NoUsableCheckpoint"), ("rlbolt.checkpointing.config_guard", "ConfigChanged"),
     ("rlbolt.checkpointing.meta", "FrozenParamsMismatch"),  # a LoRA resume or export on another base
     ("rlbolt.data.loaders", "DataFileError"),
-    ("rlbolt.distributed.topology", "TopologyError"),
+    ("rlbolt.distributed.topology", "TopologyError"), ("rlbolt.app.cli_plan", "PlanInputError"),
 )
 
 

@@ -7,6 +7,10 @@ import argparse
 import os
 from collections.abc import Sequence
 
+class PlanInputError(ValueError):
+    """A bad `rlbolt plan` option (reported in one line, exit status 2)."""
+
+
 EXECUTABLES = ("update", "optimizer", "logps", "rollout")  # compiled by default
 OPTIONAL = ("grad",)  # one train micro batch's gradients alone (inside the update)
 
@@ -31,19 +35,18 @@ def run_plan(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     """The `plan` subcommand: prints the plan (and writes --json); returns 0.
 
     Raises:
-      CLIError: a bad --only, --hbm-gib or --json path (one line).
+      PlanInputError: a bad --only, --hbm-gib or --json path, or a mesh that does not fit the devices.
       TopologyError, ConfigError, PlanError, MeshError: refusals, each one line.
     """
-    from rlbolt.app.cli import CLIError
 
     names = tuple(n.strip() for n in args.only.split(",")) if args.only else EXECUTABLES
     unknown = [n for n in names if n not in EXECUTABLES + OPTIONAL]
     if unknown:
-        raise CLIError(f"--only names {unknown}; choose from {','.join(EXECUTABLES + OPTIONAL)}")
+        raise PlanInputError(f"--only names {unknown}; choose from {','.join(EXECUTABLES + OPTIONAL)}")
     if args.hbm_gib is not None and args.hbm_gib <= 0:
-        raise CLIError(f"--hbm-gib={args.hbm_gib} must be > 0 (GiB per device)")
+        raise PlanInputError(f"--hbm-gib={args.hbm_gib} must be > 0 (GiB per device)")
     if args.json_path and not os.path.isdir(os.path.dirname(os.path.abspath(args.json_path))):
-        raise CLIError(f"--json={args.json_path}: its folder does not exist")
+        raise PlanInputError(f"--json={args.json_path}: its folder does not exist")
     if args.topology and "JAX_PLATFORMS" not in os.environ:
         import jax
 
@@ -62,7 +65,7 @@ def run_plan(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     try:
         run = build_abstract(cfg, devices)
     except MeshError as error:  # a mesh or batch size that does not fit this device set: one line
-        raise CLIError(f"{error} (planning for {args.topology or 'this host'}: {len(devices)} devices)") from None
+        raise PlanInputError(f"{error} (planning for {args.topology or 'this host'}: {len(devices)} devices)") from None
     hbm = None if args.hbm_gib is None else int(args.hbm_gib * (1 << 30))
     report = plan_run(run, args.topology or "this host", names, hbm_bytes=hbm)
     print(report.text(), flush=True)
@@ -72,4 +75,4 @@ def run_plan(args: argparse.Namespace, overrides: Sequence[str]) -> int:
     return 0
 
 
-__all__ = ["EXECUTABLES", "OPTIONAL", "add_parser", "run_plan"]
+__all__ = ["EXECUTABLES", "OPTIONAL", "PlanInputError", "add_parser", "run_plan"]
