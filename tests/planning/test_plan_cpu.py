@@ -47,17 +47,21 @@ def test_plan_counts_the_parameters_by_hand_and_holds_no_array():
 
 
 def test_cli_plan_writes_json_and_says_what_to_turn(tmp_path, capsys):
+    # One layer, short sequences, the logps forward only (the update's compile is the tpu tier's):
+    # a few seconds of the default tier.
     config = tmp_path / "run.yaml"
-    config.write_text(json.dumps(RUN))
+    small = {**RUN, "model": {**RUN["model"], "tiny": {**RUN["model"]["tiny"], "num_layers": 1}},
+             "data": {"max_prompt_tokens": 8}, "rollout": {"max_new_tokens": 4}}
+    config.write_text(json.dumps(small))
     out = tmp_path / "plan.json"
-    code = main(["plan", str(config), "--only", "update", "--hbm-gib", "0.0001", "--json", str(out)])
+    code = main(["plan", str(config), "--only", "logps", "--hbm-gib", "0.0001", "--json", str(out)])
     text = capsys.readouterr().out
     assert code == 0 and "DOES NOT FIT" in text
     record = json.loads(out.read_text())
     assert record["fits"] is False and record["hbm_bytes"] == int(0.0001 * (1 << 30))
-    (update,) = record["executables"]
-    assert update["total_bytes"] > record["hbm_bytes"]
-    assert any("plan.train_micro_batch_size" in a or "devices" in a for a in record["advice"])
+    (logps,) = record["executables"]
+    assert logps["name"] == "logps" and logps["total_bytes"] > record["hbm_bytes"]
+    assert record["advice"] and all(a.startswith("logps: ") for a in record["advice"])
 
 
 @pytest.mark.parametrize("argv, needle", [

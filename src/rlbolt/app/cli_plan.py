@@ -36,7 +36,7 @@ def run_plan(args: argparse.Namespace, overrides: Sequence[str]) -> int:
 
     Raises:
       PlanInputError: a bad --only, --hbm-gib or --json path, or a mesh that does not fit the devices.
-      TopologyError, ConfigError, PlanError, MeshError: refusals, each one line.
+      TopologyError, ConfigError, PlanError: refusals, each one line.
     """
 
     names = tuple(n.strip() for n in args.only.split(",")) if args.only else EXECUTABLES
