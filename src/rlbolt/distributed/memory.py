@@ -54,7 +54,7 @@ class MemoryPlan:
         """One line: every item, the total, and the device's memory when known."""
         parts = ", ".join(f"{k} {_fmt(v)}" for k, v in self.items.items())
         limit = f" of {_fmt(self.device_bytes)}" if self.device_bytes else ", device memory not reported"
-        return f"memory plan per device, mesh {self.mesh}: {parts}; total {_fmt(self.total)}{limit}; activations come on top"
+        return f"memory plan per device, mesh {self.mesh}: {parts}; total {_fmt(self.total)}{limit}; activations come on top (rlbolt plan compiles the step and counts them)"
 
     def check(self) -> None:
         """Raises MemoryPlanError when the items alone exceed the device's memory."""
