@@ -83,3 +83,18 @@ def test_update_estimate_counts_every_micro_batch():
     # 10%: the update also sums the micro batches' metrics and builds the mini-batch totals, which
     # neither part holds (4% here on libtpu 0.0.42.1)
     assert abs(report.seconds_of(update) - reference) < 0.10 * reference
+
+
+def test_rollout_on_devices_of_its_own_compiles_there():
+    """placement: train on chips [0, 2), rollout on [2, 4) of a v5e:2x2; the rollout's executable
+    compiles on the rollout mesh (the model view's activation constraints name that mesh), and
+    nothing of the training state is resident on its devices."""
+    from rlbolt.distributed.topology import target_devices
+    from rlbolt.planning import build_abstract, plan_run
+
+    placed = {**RUN, "trainer": {"placement": {"train": {"devices": [0, 2]}, "rollout": {"devices": [2, 4]}}}}
+    run = build_abstract(load_config(placed), target_devices("v5e:2x2"))
+    rollout_ids = {d.id for d in run.shardings["rollout"].mesh.devices.flat}
+    assert rollout_ids == {d.id for d in run.devices[2:4]} and run.sharding.mesh.shape["fsdp"] == 2
+    (rollout,) = plan_run(run, "v5e:2x2", names=("rollout",)).executables
+    assert rollout.held_outside == 0 and rollout.argument_bytes > 0

@@ -105,7 +105,8 @@ def compile_executables(run: Any, names: tuple[str, ...] = ("update", "optimizer
             out.append(analyse(name, _lower_logps(run), calls, opt_bytes + frozen_copies, started))
         elif name == "rollout":
             lowered, calls = _lower_rollout(run)
-            out.append(analyse(name, lowered, calls, opt_bytes + frozen_copies, started))
+            apart = run.shardings["rollout"] is not sharding  # its own devices hold only its weights and cache
+            out.append(analyse(name, lowered, calls, 0 if apart else opt_bytes + frozen_copies, started))
         else:
             raise ValueError(f"unknown executable {name!r}; choose from update, grad, optimizer, logps, rollout")
     return out
@@ -189,7 +190,7 @@ def _lower_rollout(run: Any) -> tuple[Any, int]:
     module, plan, r = run.module, run.plan, run.config.rollout
     target = run.shardings["rollout"]
     eos = module.tokenizer.eos_id
-    sampler = NativeSampler(module.model, max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
+    sampler = NativeSampler(module._rollout_model(), max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
                             top_p=r.top_p, stop_token_ids=(eos,) if r.stop_at_eos else (), pad_id=module.tokenizer.pad_id,
                             share_prompts=run.config.model.share_prompt, sharding=target)
     width = prompt_width(run)

@@ -131,7 +131,8 @@ class PlanReport:
         lines.append(f"{verdict}: peak {self.peak_bytes / scale:.2f} {unit} per device{of} (in {worst.name})")
         step = self.step_seconds
         if step is None:
-            lines.append("step estimate: none (this backend's compiler gives no time estimate)")
+            lines.append("step estimate: none (this backend's compiler gives no time estimate, or the update's "
+                         "correction for its micro batches needs the optimizer compiled too)")
         else:
             mfu, umfu = self.mfu(), self.mfu("update")
             lines.append(f"step estimate (the compiler's cost model, not a measurement): {step:.3f} s per global step"
