@@ -98,3 +98,18 @@ def test_rollout_on_devices_of_its_own_compiles_there():
     assert rollout_ids == {d.id for d in run.devices[2:4]} and run.sharding.mesh.shape["fsdp"] == 2
     (rollout,) = plan_run(run, "v5e:2x2", names=("rollout",)).executables
     assert rollout.held_outside == 0 and rollout.argument_bytes > 0
+
+
+def test_batch_checks_count_the_slices_processes(tmp_path, capsys):
+    """v5p:2x2x2 has two hosts: one prompt per step cannot be split over the two processes that
+    produce data, although this planning process is one (refused before anything compiles)."""
+    import json
+
+    from rlbolt.app.cli import main
+
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps({**RUN, "plan": {"prompts_per_step": 1, "num_generations": 8,
+                                                  "train_micro_batch_size": 8}}))
+    code = main(["plan", str(config), "--topology", "v5p:2x2x2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "plan.prompts_per_step=1 cannot be split over the 2 processes" in err[0], err
