@@ -39,6 +39,7 @@ Layout (a test keeps this list complete):
       utils/           small shared helpers
     the application
       app/             the `rlbolt` command, run folders, the demo, plots
+      planning/        `rlbolt plan`: a run built abstractly and compiled for a TPU slice or this host
       callbacks        (the top-level `callbacks/` folder, installed as rlbolt.callbacks)
 """
 

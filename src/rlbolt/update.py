@@ -98,7 +98,10 @@ def make_update_fn(training_step: Callable, optimizer: optax.GradientTransformat
 
 
 def _shardings_of(tree: Any) -> Any:
-    return jax.tree.map(lambda x: x.sharding if isinstance(x, jax.Array) else None, tree)
+    """The sharding of every leaf: placed arrays and ShapeDtypeStructs of an abstract run alike
+    (reading it from arrays only would leave an abstract state's out_shardings None, unpinned)."""
+    return jax.tree.map(lambda x: getattr(x, "sharding", None) if isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
+                        else None, tree)
 
 
 __all__ = ["add_mini_batch_totals", "make_update_fn", "split_micro_batches"]

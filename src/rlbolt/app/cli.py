@@ -3,6 +3,7 @@
     rlbolt demo   [--run-dir D] [--max-steps N] [--checkpoint-every K] [--seed S]
                   [--task copy|reverse|increment|tool|guess] [--lora-rank R] [--base-run D]
     rlbolt fit    CONFIG [--section.key=value ...]
+    rlbolt plan   CONFIG [--topology v5p:2x2x2] [--json FILE] [--section.key=value ...]
     rlbolt resume D [--max-steps N] [--allow-config-change]
     rlbolt plot   D [--out DIR]
     rlbolt export D OUT [--overwrite] [--adapter]
@@ -77,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      "Run `rlbolt fit --list-fields` for every section and key.")
     fit.add_argument("config", nargs="?", help="a YAML config, e.g. recipes/configs/grpo_gsm8k.yaml")
     fit.add_argument("--list-fields", action="store_true", help="print every config section, key and default")
+
+    from rlbolt.app.cli_plan import add_parser as add_plan_parser
+
+    add_plan_parser(sub)
 
     resume = sub.add_parser("resume", help="continue a run from its latest checkpoint",
                             description="Continue the run in RUN_DIR from its newest usable checkpoint, using its "
@@ -258,6 +263,7 @@ _USER_ERRORS = (  # (module, class): bad input or a refusal, reported in one lin
     ("rlbolt.checkpointing.io", "NoUsableCheckpoint"), ("rlbolt.checkpointing.config_guard", "ConfigChanged"),
     ("rlbolt.checkpointing.meta", "FrozenParamsMismatch"),  # a LoRA resume or export on another base
     ("rlbolt.data.loaders", "DataFileError"),
+    ("rlbolt.distributed.topology", "TopologyError"), ("rlbolt.app.cli_plan", "PlanInputError"),
 )
 
 
@@ -284,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_xla_flags()  # before the first JAX computation: XLA reads the flags once
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and args.command != "fit":
+    if extra and args.command not in ("fit", "plan"):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     handlers = {"demo": _cmd_demo, "resume": _cmd_resume, "plot": _cmd_plot, "export": _cmd_export}
     debug = bool(os.environ.get("RLBOLT_DEBUG"))
@@ -297,6 +303,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             if args.command == "fit":
                 return _cmd_fit(args, extra)
+            if args.command == "plan":
+                from rlbolt.app.cli_plan import run_plan
+
+                return run_plan(args, split_overrides(extra))
             return handlers[args.command](args)
         except _user_errors() as error:
             if debug:

@@ -19,26 +19,28 @@ import optax
 
 from rlbolt.batch import Batch
 from rlbolt.distributed.memory import MemoryPlan, plan_memory
-from rlbolt.distributed.mesh import MeshError, MeshSpec, as_mesh, describe
+from rlbolt.distributed.mesh import MeshError, MeshSpec, as_mesh, describe, mesh_processes
 from rlbolt.distributed.sharding import ShardingPlan
 from rlbolt.update import split_micro_batches
 
 log = logging.getLogger(__name__)
 
 
-def training_plan(mesh: Any) -> ShardingPlan:
+def training_plan(mesh: Any, devices: Any = None) -> ShardingPlan:
     """The ShardingPlan for a Trainer's `mesh` argument.
 
     Args:
       mesh: a ShardingPlan (used as is), a `jax.sharding.Mesh`, a MeshSpec, a `{data, fsdp, tp}`
         dict, or None (every visible device on fsdp).
+      devices: the devices a MeshSpec or dict is laid over (None: every visible device; a described
+        slice's abstract devices when planning, `rlbolt.distributed.topology`).
     """
     if isinstance(mesh, ShardingPlan):
         return mesh
     if not (mesh is None or isinstance(mesh, (MeshSpec, Mapping, jax.sharding.Mesh))):
         raise TypeError(f"Trainer(mesh={mesh!r}): pass a MeshSpec, a {{data, fsdp, tp}} dict, a jax.sharding.Mesh, "
                         "a ShardingPlan or None")
-    plan = ShardingPlan(as_mesh(mesh))
+    plan = ShardingPlan(as_mesh(mesh, devices))
     log.info("mesh: %s", describe(plan.mesh))
     return plan
 
@@ -74,10 +76,11 @@ def check_batch_plan(plan: Any, sharding: ShardingPlan, mode: str = "sync",
     sharding.check_divides("plan.train_micro_batch_size", plan.train_micro_batch_size)
     if reference is not None and reference is not sharding:
         check_placed_role(plan, reference, "reference")
-    if mode == "async" and jax.process_count() > 1:
+    processes = mesh_processes(sharding.mesh)  # the mesh's, not this host's
+    if mode == "async" and processes > 1:
         # The producer thread's collectives (rollout) would overlap the main thread's (update)
         # in a different order on each process, and collectives must be issued in one order.
-        raise MeshError(f"mode='async' is not supported across {jax.process_count()} processes yet; use mode='sync' "
+        raise MeshError(f"mode='async' is not supported across {processes} processes yet; use mode='sync' "
                         "(one process on many devices runs async)")
     size = sharding.share.size
     if size == 1:
@@ -91,8 +94,11 @@ def check_batch_plan(plan: Any, sharding: ShardingPlan, mode: str = "sync",
 
 
 def init_optimizer(optimizer: optax.GradientTransformation, params: Any, sharding: ShardingPlan) -> Any:
-    """`optimizer.init(params)` computed directly into its shardings (moments follow their params)."""
+    """`optimizer.init(params)` computed directly into its shardings (moments follow their params);
+    for abstract params (ShapeDtypeStructs: `rlbolt.planning`) the abstract state with those shardings."""
     abstract = jax.eval_shape(optimizer.init, params)
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
+        return sharding.place(abstract, sharding.param_shardings(abstract))
     return jax.jit(optimizer.init, out_shardings=sharding.param_shardings(abstract))(params)
 
 

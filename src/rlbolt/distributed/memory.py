@@ -5,7 +5,9 @@
     optimizer state   as sharded (Adam: two params-sized moments)
     + the module's own items (`RLModule.memory_plan`): a frozen reference model, the KV cache
 
-Activations and compiler temporaries come on top and are not estimated. When the backend reports
+Activations and compiler temporaries come on top and are not estimated here; `rlbolt plan`
+(`rlbolt.planning`) compiles the step's executables and reports them from the compiler's buffer
+assignment, where the planner can run. When the backend reports
 how much memory a device has (GPU, TPU: `bytes_limit`), a plan whose items alone exceed it is
 refused with the numbers and what would shrink them; where it does not (CPU), the plan is logged.
 """
@@ -52,7 +54,7 @@ class MemoryPlan:
         """One line: every item, the total, and the device's memory when known."""
         parts = ", ".join(f"{k} {_fmt(v)}" for k, v in self.items.items())
         limit = f" of {_fmt(self.device_bytes)}" if self.device_bytes else ", device memory not reported"
-        return f"memory plan per device, mesh {self.mesh}: {parts}; total {_fmt(self.total)}{limit}; activations come on top"
+        return f"memory plan per device, mesh {self.mesh}: {parts}; total {_fmt(self.total)}{limit}; activations come on top (rlbolt plan compiles the step and counts them)"
 
     def check(self) -> None:
         """Raises MemoryPlanError when the items alone exceed the device's memory."""
@@ -80,19 +82,15 @@ def plan_memory(sharding: ShardingPlan, params: Any, opt_state: Any, extra: dict
 
 
 def device_memory_bytes(sharding: ShardingPlan) -> int | None:
-    """The smallest `bytes_limit` the backend reports over this process's mesh devices (None: not reported)."""
-    limits = []
-    for device in sharding.mesh.devices.flat:
-        if device.process_index != jax.process_index():
-            continue
-        try:
-            stats = device.memory_stats()
-        except (NotImplementedError, RuntimeError, AttributeError):
-            stats = None
-        if not stats or "bytes_limit" not in stats:
-            return None
-        limits.append(int(stats["bytes_limit"]))
-    return min(limits) if limits else None
+    """The smallest memory over this process's mesh devices: the backend's `bytes_limit`, or for a
+    device without one (a described TPU slice's abstract chips) the per-kind table of
+    `rlbolt.distributed.topology` (None: neither knows, e.g. a CPU)."""
+    from rlbolt.distributed.topology import device_hbm_bytes
+
+    devices = list(sharding.mesh.devices.flat)
+    mine = [d for d in devices if d.process_index == jax.process_index()] or devices[:1]
+    limits = [device_hbm_bytes(device)[0] for device in mine]
+    return None if not limits or None in limits else min(limits)
 
 
 def kv_cache_bytes(config: Any, batch: int, max_len: int, sharding: ShardingPlan) -> int:

@@ -98,14 +98,33 @@ class MeshSpec:
         """
         devices = list(jax.devices() if devices is None else devices)
         shape = self.resolve(len(devices))
+        auto = (AxisType.Auto,) * len(AXES)  # jax.make_mesh's default is Explicit: rlbolt's code needs Auto
         if devices == list(jax.devices()):
             # jax.make_mesh orders devices by the physical topology (TPU/GPU interconnect).
-            return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+            return _hosts_together(jax.make_mesh(shape, AXES, axis_types=auto))
+        from rlbolt.distributed.topology import is_abstract
+
+        if is_abstract(devices):  # a described slice (rlbolt plan --topology): ordered by its topology too
+            return _hosts_together(jax.make_mesh(shape, AXES, axis_types=auto, devices=devices))
         return Mesh(np.asarray(devices, dtype=object).reshape(shape), AXES,
                     axis_types=(AxisType.Auto,) * len(AXES))
 
     def _text(self) -> str:
         return "{" + ", ".join(f"{name}: {getattr(self, name)}" for name in AXES) + "}"
+
+
+def _hosts_together(mesh: Mesh) -> Mesh:
+    """`mesh` with each process's devices consecutive in the flat order (the physical order kept
+    within a process). jax.make_mesh may interleave hosts (a v5p:2x2x2 ring alternates its two
+    hosts' chips), which gives every process scattered rows of the batch (`DataShare` refuses
+    that); one process's devices, or hosts already consecutive, are returned as they are."""
+    flat = list(mesh.devices.flat)
+    owners = [d.process_index for d in flat]
+    if owners == sorted(owners):
+        return mesh
+    order = sorted(range(len(flat)), key=lambda i: (owners[i], i))
+    return Mesh(np.asarray([flat[i] for i in order], dtype=object).reshape(mesh.devices.shape), mesh.axis_names,
+                axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
 def as_mesh(mesh: Mesh | MeshSpec | Mapping[str, int] | None, devices: Sequence[Any] | None = None) -> Mesh:
@@ -129,6 +148,15 @@ def _with_expert_axis(mesh: Mesh) -> Mesh:
     devices = mesh.devices.transpose([mesh.axis_names.index(a) for a in AXES if a != "expert"])
     shape = [mesh.shape[a] if a != "expert" else 1 for a in AXES]
     return Mesh(devices.reshape(shape), AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def mesh_processes(mesh: Any) -> int:
+    """How many processes own the mesh's devices (1 for an AbstractMesh, which has none): the
+    target slice's count when planning, not this host's `jax.process_count()`."""
+    try:
+        return len({d.process_index for d in mesh.devices.flat})
+    except ValueError:  # jax.sharding.AbstractMesh: shapes only
+        return 1
 
 
 def batch_shards(mesh: Mesh) -> int:

@@ -98,8 +98,12 @@ class Placement:
         """True when the reference has devices of its own (not train's)."""
         return not self.colocated and self.roles["reference"] is not self.roles["train"]
 
-    def plans(self, mesh: Any = None) -> dict[str, ShardingPlan]:
+    def plans(self, mesh: Any = None, devices: Any = None) -> dict[str, ShardingPlan]:
         """role -> ShardingPlan; colocated: one plan on `mesh` for every role.
+
+        Args:
+          mesh: the colocated mesh (MeshSpec, dict, Mesh, ShardingPlan or None).
+          devices: the devices the ranges index (None: `jax.devices()`; a described slice's when planning).
 
         Raises:
           MeshError: a range past the visible devices, a mesh shape that does not fit its range,
@@ -108,15 +112,16 @@ class Placement:
         from rlbolt.distributed.layout import training_plan
 
         if self.colocated:
-            plan = training_plan(mesh)
+            plan = training_plan(mesh, devices)
             return dict.fromkeys(ROLES, plan)
-        if jax.process_count() > 1:
-            raise MeshError(f"placement on sub-meshes runs on one process for now ({jax.process_count()} started); "
+        devices = list(jax.devices() if devices is None else devices)
+        processes = len({d.process_index for d in devices})
+        if processes > 1:
+            raise MeshError(f"placement on sub-meshes runs on one process for now ({processes} processes); "
                             "use placement: colocated across processes")
         if mesh is not None and (not isinstance(mesh, (Mapping, MeshSpec)) or MeshSpec.of(mesh) != MeshSpec()):
             raise MeshError(f"mesh={mesh!r} and a placement on sub-meshes: give each role's mesh in placement "
                             "(placement.<role>.mesh) and leave mesh at its default")
-        devices = jax.devices()
         built: dict[RoleMesh, ShardingPlan] = {}
         for role, where in self.roles.items():
             if where.stop > len(devices):

@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from rlbolt.distributed.mesh import AXES, BATCH_AXES, MeshError, as_mesh, batch_shards, describe
+from rlbolt.distributed.mesh import AXES, BATCH_AXES, MeshError, as_mesh, batch_shards, describe, mesh_processes
 
 log = logging.getLogger(__name__)
 
@@ -208,8 +208,9 @@ class DataShare:
 
     @classmethod
     def of(cls, mesh: Mesh) -> DataShare:
-        """The share of this process under `mesh`'s batch sharding."""
-        if jax.process_count() == 1:
+        """The share of this process under `mesh`'s batch sharding (for a described slice that this
+        process is not part of: process 0's share of that slice's processes)."""
+        if mesh_processes(mesh) == 1:
             return cls()
         shards = batch_shards(mesh)
         index_map = NamedSharding(mesh, P(BATCH_AXES)).devices_indices_map((shards,))
@@ -223,7 +224,8 @@ class DataShare:
             raise MeshError(f"mesh {describe(mesh)} gives the processes overlapping or scattered rows of the batch "
                             f"({[list(b) for b in blocks]}); keep each host's devices together on data x fsdp "
                             "(build the mesh with MeshSpec(...).build(), tp inside a host)")
-        return cls(blocks.index(tuple(sorted(rows[jax.process_index()]))), len(blocks))
+        mine = rows.get(jax.process_index(), rows[min(rows)])
+        return cls(blocks.index(tuple(sorted(mine))), len(blocks))
 
     def range(self, count: int) -> tuple[int, int]:
         """[start, stop) of this process's part of `count` items (equal parts; `count` must divide)."""
@@ -250,6 +252,8 @@ def _logical_axes(leaf: Any) -> tuple | None:
 def _put(x: Any, sharding: Any) -> Any:
     if isinstance(sharding, nnx.Variable):  # param_shardings keeps Variable leaves; a tree.map sees values
         sharding = sharding.get_value()
+    if isinstance(x, jax.ShapeDtypeStruct):  # an abstract run (rlbolt.planning): the value with its sharding
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
     if isinstance(x, jax.Array) and x.sharding == sharding:
         return x
     if jax.process_count() == 1 or (isinstance(x, jax.Array) and not x.is_fully_addressable):

@@ -54,6 +54,41 @@ def build_model(model_cfg: ModelSection, vocab_size: int, seed: int, sharding: S
     return sharding.build_module(create)
 
 
+def model_config_only(model_cfg, vocab_size: int):
+    """The ModelConfig of `model.path` from its config.json (or a .gguf file's header) alone, no
+    weight file opened; without a path, the tiny model's (`model.tiny`, vocabulary `vocab_size`).
+
+    Raises:
+      FileNotFoundError: the folder or its config.json is missing.
+      ValueError: an unsupported architecture or a malformed config.json.
+    """
+    if not model_cfg.path:
+        return tiny_config(**{"param_dtype": model_cfg.param_dtype, "vocab_size": vocab_size, **model_cfg.tiny})
+    import json
+    from pathlib import Path
+
+    from rlbolt.models.gguf_io import is_gguf_path, read_gguf_config
+    from rlbolt.models.hf_config import CONFIG_FILE, config_from_hf
+
+    if is_gguf_path(model_cfg.path):
+        return read_gguf_config(model_cfg.path, param_dtype=model_cfg.param_dtype)
+    path = Path(model_cfg.path) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"model.path={model_cfg.path} has no {CONFIG_FILE}; give a Hugging Face model folder "
+                                "(planning reads only its config.json)")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
+    return config_from_hf(raw, path, param_dtype=model_cfg.param_dtype)
+
+
+def abstract_model(config, seed: int = 0) -> Decoder:
+    """A Decoder of `config` whose variables are ShapeDtypeStructs (`nnx.eval_shape`): its shapes,
+    dtypes and logical axes, and no memory on any device (what `rlbolt plan` builds the run from)."""
+    return nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(seed)))
+
+
 SHARDED_INIT_BYTES = 1 << 30  # larger random models are initialised shard by shard (compiling that takes seconds)
 
 

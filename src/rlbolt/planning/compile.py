@@ -1,0 +1,211 @@
+"""Compile the executables of one step of an abstract run and read what the compiler says.
+
+    update     the training micro-batch gradients (a scan over the A micro batches) and the optimizer
+               step: the one executable `Trainer` compiles per mini batch (`rlbolt.update`)
+    grad       one train micro batch's loss and gradients alone (not compiled by default: the update
+               holds it; `--only grad` shows its share)
+    optimizer  the optimizer step alone (gradients in, parameters and state out): its share of the update
+    logps      one logps micro batch's forward, the old and the reference log-probs' executable
+    rollout    one sampler call: each group's prompt prefilled into the KV cache, then the decode loop
+
+Each is lowered with ShapeDtypeStructs under the run's shardings and compiled for the mesh's devices
+(a described TPU slice compiles with libtpu's real TPU compiler on this host). `memory_analysis()`
+is the buffer assignment per device; `cost_analysis()` the compiler's flops, bytes and time estimate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import optax
+
+from rlbolt.planning import schema
+
+
+@dataclasses.dataclass(frozen=True)
+class Executable:
+    """What the compiler says about one executable, per device.
+
+    Attributes:
+      name: update, optimizer, logps or rollout.
+      calls: how many times one global step runs it.
+      argument_bytes, output_bytes, temp_bytes, alias_bytes, code_bytes: `memory_analysis()`.
+      flops, bytes_accessed: `cost_analysis()` (a loop's body is counted once by XLA's cost analysis).
+      seconds: the compiler's time estimate (`optimal_seconds`; None when the backend gives none).
+      compile_seconds: how long lowering and compiling took here.
+      held_outside: bytes per device resident while it runs that are not its arguments (optimizer
+        state during the rollout, the reference during the update, ...).
+    """
+
+    name: str
+    calls: int
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    alias_bytes: int
+    code_bytes: int
+    flops: float
+    bytes_accessed: float
+    seconds: float | None
+    compile_seconds: float
+    held_outside: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        """Resident per device while it runs: arguments + outputs + temporaries - aliased + code + held outside."""
+        return (self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes + self.code_bytes
+                + self.held_outside)
+
+
+def analyse(name: str, lowered: Any, calls: int, held_outside: int, started: float) -> Executable:
+    """Compiles `lowered` and reads its memory and cost analyses."""
+    compiled = lowered.compile()
+    took = time.perf_counter() - started
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
+    if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
+        cost = cost[0] if cost else {}
+    get = lambda field: int(getattr(memory, field, 0) or 0) if memory is not None else 0  # noqa: E731
+    seconds = cost.get("optimal_seconds")
+    return Executable(name, calls, get("argument_size_in_bytes"), get("output_size_in_bytes"),
+                      get("temp_size_in_bytes"), get("alias_size_in_bytes"), get("generated_code_size_in_bytes"),
+                      float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)),
+                      float(seconds) if seconds is not None and seconds > 0 else None, took, held_outside)
+
+
+def compile_executables(run: Any, names: tuple[str, ...] = ("update", "optimizer", "logps", "rollout")
+                        ) -> list[Executable]:
+    """The `names` executables of one step of `run` (a `rlbolt.planning.AbstractRun`), compiled.
+
+    Args:
+      run: the abstract run.
+      names: which executables (a subset of update, optimizer, logps, rollout).
+    """
+    from rlbolt.distributed.sharding import per_device_bytes
+
+    module, plan, sharding = run.module, run.plan, run.sharding
+    extra = module.memory_plan(sharding)
+    frozen_copies = sum(v for k, v in extra.items() if k in ("reference", "teacher"))
+    opt_bytes = per_device_bytes(run.opt_state)
+    out = []
+    for name in names:
+        started = time.perf_counter()
+        if name == "update":
+            out.append(analyse(name, _lower_update(run), _updates_per_step(plan), frozen_copies, started))
+        elif name == "grad":
+            out.append(analyse(name, _lower_grad(run), _updates_per_step(plan) * plan.grad_accum_steps,
+                               opt_bytes + frozen_copies, started))
+        elif name == "optimizer":
+            out.append(analyse(name, _lower_optimizer(run), _updates_per_step(plan), frozen_copies, started))
+        elif name == "logps":
+            calls = (plan.global_batch_size // plan.logps_micro_batch_size) * _forwards(run)
+            out.append(analyse(name, _lower_logps(run), calls, opt_bytes + frozen_copies, started))
+        elif name == "rollout":
+            lowered, calls = _lower_rollout(run)
+            apart = run.shardings["rollout"] is not sharding  # its own devices hold only its weights and cache
+            out.append(analyse(name, lowered, calls, 0 if apart else opt_bytes + frozen_copies, started))
+        else:
+            raise ValueError(f"unknown executable {name!r}; choose from update, grad, optimizer, logps, rollout")
+    return out
+
+
+def prompt_width(run: Any) -> int:
+    """P: the padded prompt width (`data.max_prompt_tokens`)."""
+    return run.module.encoder.width
+
+
+def _updates_per_step(plan: Any) -> int:
+    return plan.num_iterations * plan.global_batch_size // plan.mini_batch_size
+
+
+def _forwards(run: Any) -> int:
+    """Logps forwards per sample: the reference's (beta > 0), the old policy's (num_iterations > 1)."""
+    return int(run.config.algorithm.beta > 0) + int(run.plan.num_iterations > 1)
+
+
+def _lower_update(run: Any) -> Any:
+    from rlbolt.update import make_update_fn
+
+    module, plan = run.module, run.plan
+    accum = plan.grad_accum_steps
+    update = make_update_fn(module.training_step, run.optimizer, accum, frozen=module.frozen_params(),
+                            with_frozen=module.with_frozen, sharding=run.sharding, params=run.params,
+                            opt_state=run.opt_state)
+    micro = schema.train_batch(accum, plan.mini_batch_size // accum, prompt_width(run), module.completion_width,
+                               reference=run.config.algorithm.beta > 0, sharding=run.sharding)
+    return update.func.lower(run.params, run.opt_state, micro, module.frozen_params())
+
+
+def _lower_grad(run: Any) -> Any:
+    from rlbolt.update import _shardings_of
+
+    module, plan = run.module, run.plan
+    accum = plan.grad_accum_steps
+    micro = schema.train_batch(1, plan.mini_batch_size // accum, prompt_width(run), module.completion_width,
+                               reference=run.config.algorithm.beta > 0, sharding=run.sharding)
+    micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=run.sharding.batch_sharding()),
+                         micro)
+    rows = micro["completion_mask"].shape[0]
+    micro = micro.with_columns(
+        mini_batch_num_tokens=jax.ShapeDtypeStruct((rows,), jax.numpy.float32, sharding=run.sharding.batch_sharding()),
+        mini_batch_num_samples=jax.ShapeDtypeStruct((rows,), jax.numpy.float32, sharding=run.sharding.batch_sharding()))
+    frozen = module.frozen_params()
+
+    def loss(params, batch, frozen):
+        return module.training_step(module.with_frozen(params, frozen), batch)
+
+    grad = jax.value_and_grad(loss, has_aux=True)
+    return jax.jit(grad, out_shardings=((run.sharding.replicated, run.sharding.replicated), _shardings_of(run.params))
+                   ).lower(run.params, micro, frozen)
+
+
+def _lower_optimizer(run: Any) -> Any:
+    from rlbolt.update import _shardings_of
+
+    p, o = _shardings_of(run.params), _shardings_of(run.opt_state)
+
+    def step(params, grads, opt_state):
+        updates, opt_state = run.optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return jax.jit(step, out_shardings=(p, o)).lower(run.params, run.params, run.opt_state)
+
+
+def _lower_logps(run: Any) -> Any:
+    module, plan = run.module, run.plan
+    rows = plan.logps_micro_batch_size
+    inputs = schema.logps_inputs(rows, prompt_width(run), module.completion_width, run.sharding)
+    lm_params = module.policy_params(module.full_params(run.params))
+    return module._logps.lower(lm_params, *inputs, group_size=module._group_size(rows, plan))
+
+
+def _lower_rollout(run: Any) -> tuple[Any, int]:
+    from rlbolt.rollout.compaction import next_power_of_two
+    from rlbolt.rollout.decode import _generate_jit, decode_segments
+    from rlbolt.rollout.sampler import DEFAULT_PROMPT_BUCKETS, NativeSampler
+
+    module, plan, r = run.module, run.plan, run.config.rollout
+    target = run.shardings["rollout"]
+    eos = module.tokenizer.eos_id
+    sampler = NativeSampler(module._rollout_model(), max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
+                            top_p=r.top_p, stop_token_ids=(eos,) if r.stop_at_eos else (), pad_id=module.tokenizer.pad_id,
+                            share_prompts=run.config.model.share_prompt, sharding=target)
+    width = prompt_width(run)
+    bucket = next((b for b in DEFAULT_PROMPT_BUCKETS if b >= width), width)
+    rows = next_power_of_two(plan.rollout_micro_batch_size)
+    rows = -(-rows // target.batch_shards) * target.batch_shards
+    g = plan.num_generations
+    group = g if sampler.share_prompts and rows % g == 0 else 1
+    calls = -(-plan.global_batch_size // rows)
+    inputs = schema.rollout_inputs(rows, group, bucket, target)
+    lowered = _generate_jit.lower(sampler._params, *inputs, graphdef=sampler._graphdef, sp=sampler.sampling,
+                                  group=group, segments=decode_segments(r.max_new_tokens, sampler.decode_segment),
+                                  layout=sampler._layout, compact=sampler.compact_finished,
+                                  record_routing=sampler.record_routing)
+    return lowered, calls
+
+
+__all__ = ["Executable", "analyse", "compile_executables", "prompt_width"]

@@ -1,0 +1,98 @@
+"""`rlbolt plan` on this host's CPU devices (no libtpu): the abstract build holds no arrays, and the
+compiled sizes match a hand count of the tiny model's parameters."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from rlbolt.app.cli import main
+from rlbolt.config import load_config
+
+from plan_tiny import PARAMS, RUN
+
+
+def test_abstract_values_keep_their_shardings():
+    from rlbolt.distributed.layout import init_optimizer, training_plan
+    from rlbolt.update import _shardings_of
+
+    plan = training_plan(None)
+    s = NamedSharding(plan.mesh, P())
+    x = jax.ShapeDtypeStruct((4, 8), jnp.bfloat16)
+    placed = plan.place({"w": x}, {"w": s})["w"]
+    assert isinstance(placed, jax.ShapeDtypeStruct) and placed.sharding == s  # _put made no array
+    assert _shardings_of({"w": placed}) == {"w": s}  # was None for abstract leaves: out_shardings unpinned
+    state = init_optimizer(optax.adam(1e-3), {"w": placed}, plan)
+    leaves = jax.tree.leaves(state)
+    assert leaves and all(isinstance(v, jax.ShapeDtypeStruct) and v.sharding is not None for v in leaves)
+
+
+def test_plan_counts_the_parameters_by_hand_and_holds_no_array():
+    from rlbolt.distributed.sharding import per_device_bytes
+    from rlbolt.planning import build_abstract, plan_run
+
+    run = build_abstract(load_config(RUN), jax.devices()[:1])
+    assert not [x for x in jax.tree.leaves((run.params, run.opt_state)) if isinstance(x, jax.Array)]
+    assert per_device_bytes(run.params) == 2 * PARAMS
+    report = plan_run(run, names=("optimizer",))
+    (opt,) = report.executables
+    # params + gradients + AdamW's mu and nu (bf16 like the params) + its int32 step count
+    assert opt.argument_bytes == 4 * 2 * PARAMS + 4
+    assert report.fits is None and report.hbm_bytes is None  # a CPU: no memory table entry
+
+
+def test_cli_plan_writes_json_and_says_what_to_turn(tmp_path, capsys):
+    # One layer, short sequences, the logps forward only (the update's compile is the tpu tier's):
+    # a few seconds of the default tier.
+    config = tmp_path / "run.yaml"
+    small = {**RUN, "model": {**RUN["model"], "tiny": {**RUN["model"]["tiny"], "num_layers": 1}},
+             "data": {"max_prompt_tokens": 8}, "rollout": {"max_new_tokens": 4}}
+    config.write_text(json.dumps(small))
+    out = tmp_path / "plan.json"
+    code = main(["plan", str(config), "--only", "logps", "--hbm-gib", "0.0001", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert code == 0 and "DOES NOT FIT" in text
+    record = json.loads(out.read_text())
+    assert record["fits"] is False and record["hbm_bytes"] == int(0.0001 * (1 << 30))
+    (logps,) = record["executables"]
+    assert logps["name"] == "logps" and logps["total_bytes"] > record["hbm_bytes"]
+    assert record["advice"] and all(a.startswith("logps: ") for a in record["advice"])
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--topology", "v5x:2"], "--topology='v5x:2' is not a slice name"),
+    (["--topology", "v5p:2x2"], "v5p slices have three dimensions"),
+    (["--only", "decode"], "--only names ['decode']"),
+    (["--mesh.fsdp=3"], "mesh {data: 1, fsdp: 3, expert: 1, tp: 1} needs 3 devices"),
+])
+def test_cli_plan_refuses_in_one_line(tmp_path, capsys, argv, needle):
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps(RUN))
+    code = main(["plan", str(config), *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and needle in err[0], err
+
+
+def test_hosts_together_keeps_process_rows_consecutive():
+    from rlbolt.distributed.mesh import _hosts_together
+
+    class Dev:  # a stand-in with a process index (the order jax.make_mesh gave a v5p:2x2x2 ring)
+        def __init__(self, i, p):
+            self.id, self.process_index = i, p
+
+        def __repr__(self):
+            return f"D{self.id}"
+
+    import numpy as np
+    from jax.sharding import Mesh
+
+    devices = [Dev(i, i % 2) for i in range(8)]
+    mesh = Mesh(np.asarray(devices, dtype=object).reshape(1, 8, 1, 1), ("data", "fsdp", "expert", "tp"))
+    fixed = _hosts_together(mesh)
+    assert [d.process_index for d in fixed.devices.flat] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [d.id for d in fixed.devices.flat] == [0, 2, 4, 6, 1, 3, 5, 7]
