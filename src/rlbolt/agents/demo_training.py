@@ -119,6 +119,7 @@ def train_demo(task: str = "tool", *, steps: int | None = None, prompts_per_step
 
     from rlbolt import BatchPlan, Callback, Trainer
     from rlbolt.agents.tasks import DEMO_TASKS
+    from rlbolt.config.demo import demo_num_prompts
 
     module = demo_module(task, learning_rate=learning_rate, entropy_coef=entropy_coef, hidden_size=hidden_size,
                          seed=seed)
@@ -137,7 +138,7 @@ def train_demo(task: str = "tool", *, steps: int | None = None, prompts_per_step
     plan = BatchPlan(prompts_per_step=prompts_per_step, num_generations=num_generations)
     with tempfile.TemporaryDirectory() as scratch:
         trainer = Trainer(plan, max_steps=steps, seed=seed, callbacks=[_Record()], run_dir=run_dir or scratch)
-        trainer.fit(module, make_rows(max(steps * prompts_per_step, 64), seed))
+        trainer.fit(module, make_rows(demo_num_prompts(task, steps, prompts_per_step), seed))
     return rewards
 
 

@@ -59,7 +59,9 @@ def target_match_reward(completion: str, sample: Mapping[str, Any]) -> float:
 
 def demo_rows(config: DemoConfig) -> list[dict[str, str]]:
     """The synthetic prompts: `{"prompt": "3141=", "target": "1413"}` rows, seeded; an agent task's
-    rows (`rlbolt.agents.tasks.DEMO_TASKS`) for "tool" and "guess"."""
+    rows (`rlbolt.agents.tasks.DEMO_TASKS`) for "tool" and "guess"; an unset `num_prompts` is
+    the task's (`DemoConfig.resolved`)."""
+    config = config.resolved()
     if config.task in AGENT_TASKS:
         from rlbolt.agents.tasks import DEMO_TASKS
 
