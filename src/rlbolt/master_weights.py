@@ -75,7 +75,12 @@ def _master_dtype(p: Any, dtype: Any) -> Any:
 
 
 def needs_masters(params: Any, dtype: Any = jnp.float32) -> bool:
-    """Whether any floating parameter is narrower than `dtype` (e.g. bfloat16 under float32)."""
+    """Whether any floating parameter is narrower than `dtype` (e.g. bfloat16 under float32).
+
+    Args:
+      params: the parameters (arrays or ShapeDtypeStructs: only dtypes are read).
+      dtype: the masters' dtype.
+    """
     return any(_master_dtype(p, dtype) != p.dtype for p in jax.tree.leaves(params))
 
 
@@ -97,13 +102,23 @@ def wrap(optimizer: optax.GradientTransformation, params: Any, mode: str) -> opt
 
 
 def masters_of(opt_state: Any) -> Any:
-    """The master weights inside `opt_state` (None when the optimizer has none)."""
+    """The master weights inside `opt_state` (None when the optimizer has none).
+
+    Args:
+      opt_state: an optimizer state (a `MasterWeightsState` when the run has masters).
+    """
     return opt_state.masters if isinstance(opt_state, MasterWeightsState) else None
 
 
 def apply(params: Any, updates: Any, opt_state: Any) -> Any:
     """The parameters after an update: the masters of the new `opt_state` cast to the params'
-    dtypes, or `params + updates` (`optax.apply_updates`) when there are no masters."""
+    dtypes, or `params + updates` (`optax.apply_updates`) when there are no masters.
+
+    Args:
+      params: the parameters before the update (their dtypes are kept).
+      updates: the optimizer's updates (used only without masters).
+      opt_state: the optimizer state after the update.
+    """
     masters = masters_of(opt_state)
     if masters is None:
         return optax.apply_updates(params, updates)
