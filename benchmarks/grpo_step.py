@@ -271,7 +271,9 @@ def _floor_step_s(module, trainer, state, produced, repeats: int) -> tuple[float
         else:  # the reference is the base with the adapters off
             jax.block_until_ready(module._ref_logps(module.lora.base, *inputs))
         t2 = time.perf_counter()
-        jax.block_until_ready(trainer._update(state.params, state.opt_state, device_batch))
+        # The update donates its inputs (their arrays are deleted): the next round runs on its outputs.
+        params, opt_state, _ = jax.block_until_ready(trainer._update(state.params, state.opt_state, device_batch))
+        state = state.replace(params=params, opt_state=opt_state)
         t3 = time.perf_counter()
         if i:  # the first round re-warms caches after fit
             rounds.append((t3 - t0, t1 - t0, t2 - t1, t3 - t2))

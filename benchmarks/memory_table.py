@@ -4,7 +4,8 @@ For Qwen2.5-0.5B / 1.5B / 3B and Llama-3-8B shapes (bfloat16 parameters) this bu
 abstractly (`nnx.eval_shape`: shapes and dtypes, no weights allocated, nothing downloaded), the
 optimizer state the LM modules use (AdamW after global-norm clipping) with `jax.eval_shape`, and
 asks `rlbolt.distributed.memory.plan_memory` for the per-device items the Trainer logs before
-anything compiles: params, gradients, optimizer state, the KL reference or LoRA's frozen base,
+anything compiles: params, gradients, the float32 master weights of bfloat16 params (the default
+`model.master_weights: auto`; gradients are then float32 too), optimizer state, the KL reference or LoRA's frozen base,
 and the sampler's KV cache (`kv_cache_bytes`) for one rollout micro batch. Three set-ups:
 
     full   every parameter trained, KL reference copy kept (algorithm.beta > 0)
@@ -68,6 +69,7 @@ def plan_items(shape: dict, setup: str, rollout_rows: int, max_len: int, shardin
     import optax
     from flax import nnx
 
+    from rlbolt import master_weights
     from rlbolt.distributed.memory import kv_cache_bytes, plan_memory
     from rlbolt.distributed.sharding import per_device_bytes
     from rlbolt.models.config import ModelConfig
@@ -93,6 +95,7 @@ def plan_items(shape: dict, setup: str, rollout_rows: int, max_len: int, shardin
         trainable = nnx.state(model, nnx.LoRAParam)
         base = nnx.state(model, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
         extra = {"frozen base": per_device_bytes(base)}
+    optimizer = master_weights.wrap(optimizer, trainable, "auto")  # the default: float32 masters for bf16 params
     opt_state = jax.eval_shape(optimizer.init, trainable)
     rows = 1 << max(0, (rollout_rows - 1).bit_length())  # the sampler pads a call to a power of two
     extra["kv cache"] = kv_cache_bytes(config, rows, max_len, sharding)
@@ -124,12 +127,13 @@ def main(argv=None) -> dict:
 
     print(f"Memory plan per device (GiB; bf16 params, AdamW, rollout micro batch {args.rollout_rows} rows x "
           f"{max_len} cache slots); activations come on top")
-    print("| model | set-up | trainable | gradients | optimizer | reference / frozen base | kv cache | total | "
-          + " | ".join(CARDS) + " |")
-    print("|---|---|---|---|---|---|---|---|" + "---|" * len(CARDS))
+    print("| model | set-up | trainable | gradients | float32 masters | optimizer | reference / frozen base | kv cache "
+          "| total | " + " | ".join(CARDS) + " |")
+    print("|---|---|---|---|---|---|---|---|---|" + "---|" * len(CARDS))
     for name, setup, items, total in rows:
         held = items.get("reference", items.get("frozen base", 0))
-        cells = [items["params"], items["gradients"], items["optimizer state"], held, items["kv cache"], total]
+        cells = [items["params"], items["gradients"], items.get("master weights", 0), items["optimizer state"], held,
+                 items["kv cache"], total]
         words = [fit_word(total, card) for card in CARDS.values()]
         print(f"| {name} | {setup} | " + " | ".join(f"{c / GIB:.2f}" for c in cells) + " | " + " | ".join(words) + " |")
     print(json.dumps(out))

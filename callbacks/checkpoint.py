@@ -191,7 +191,10 @@ class ModelCheckpoint(Callback):
             self.io.close()
             return
         if self.save_on_exception and trainer.last_state is not None:
-            if jax.process_count() == 1:
+            if _donated(trainer.last_state):  # the exception came inside an update that took them
+                log.warning("not saving on %s: the state of step %d was donated to the update that failed; the "
+                            "newest checkpoint is step %s", type(exc).__name__, trainer.last_state.step, self.saved_step)
+            elif jax.process_count() == 1:
                 self.save(trainer, trainer.last_state)
             else:  # a save is a collective, and an exception may have stopped this process alone
                 log.warning("not saving on %s: with %d processes the others may not reach this save",
@@ -303,3 +306,8 @@ class ModelCheckpoint(Callback):
         if best and best.get("metric") == self.best_metric and best.get("mode") == self.best_mode:
             return best
         return None
+
+
+def _donated(state: TrainState) -> bool:
+    """Whether any array of `state` was deleted (donated to an update that has since run)."""
+    return any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves((state.params, state.opt_state)))

@@ -2,9 +2,13 @@
 or skip the updates whose gradients are non-finite.
 
 "stop" checks the watched metrics after every step. On a non-finite value at step k it saves
-step k - 1's state (`StepInfo.previous_state`: updates do not donate their inputs, so it is
-still intact) through the ModelCheckpoint in the callback list, or through its own synchronous
-one in `<run_dir>/checkpoints` when there is none, then raises `NonFiniteError`. NaNGuard runs
+step k - 1's state through the ModelCheckpoint in the callback list, or through its own
+synchronous one in `<run_dir>/checkpoints` when there is none, then raises `NonFiniteError`.
+The update donates the arrays it replaces (`Trainer.donated`: they are deleted by the update,
+and `StepInfo.previous_state` holds None for them), so before each step's updates "stop" copies
+the donated fields to host memory (`pinned_host` where the backend has it, else NumPy; the
+copy is dispatched before the update, which runs after it) and saves that copy; the rest of
+step k - 1's state comes from `StepInfo.previous_state`. NaNGuard runs
 before ModelCheckpoint (`order = -30`), so a non-finite step is never checkpointed.
 
 "skip" wraps the module's optimizer in `optax.apply_if_finite`: an update whose gradients hold
@@ -26,6 +30,7 @@ import optax
 
 from rlbolt.callback import Callback
 from rlbolt.callbacks.checkpoint import ModelCheckpoint
+from rlbolt.callbacks.offload import Offloaded, host_memory_kind
 from rlbolt.distributed.agree import any_process
 from rlbolt.distributed.sharding import host_value
 from rlbolt.state import StepInfo
@@ -63,6 +68,7 @@ class NaNGuard(Callback):
         self._consecutive = 0
         self._skipped_now = 0  # skipped updates of the step in progress (step_metrics -> on_step_end)
         self.saved_step: int | None = None
+        self._before: dict[str, Offloaded] = {}  # "stop": host copies of the fields the update donates
 
     def wrap_optimizer(self, trainer, tx: optax.GradientTransformation) -> optax.GradientTransformation:
         """Called by the Trainer before the state is built: "skip" makes non-finite updates no-ops."""
@@ -70,6 +76,12 @@ class NaNGuard(Callback):
             return tx
         # NaNGuard counts the consecutive failures itself; optax must never apply a bad update.
         return optax.apply_if_finite(tx, max_consecutive_errors=np.iinfo(np.int32).max)
+
+    def on_update_start(self, trainer, state) -> None:
+        """"stop": copies the fields the step's update donates (`trainer.donated`) to host memory."""
+        if self.action == "stop":
+            kind = host_memory_kind()
+            self._before = {name: Offloaded(getattr(state, name), kind) for name in getattr(trainer, "donated", ())}
 
     def step_metrics(self, trainer, info: StepInfo) -> dict[str, float]:
         """skip mode: `nan_guard/skipped_updates`, the updates of this step that were skipped."""
@@ -88,7 +100,8 @@ class NaNGuard(Callback):
             return
         bad = {k: info.metrics[k] for k in self.metrics if k in info.metrics and not math.isfinite(info.metrics[k])}
         if any_process(bool(bad)):  # every process saves and stops together (the save is a collective)
-            self._stop(trainer, info.step, info.previous_state, bad or {"loss on another process": float("nan")})
+            good = info.previous_state.replace(**{name: copy.to_device() for name, copy in self._before.items()})
+            self._stop(trainer, info.step, good, bad or {"loss on another process": float("nan")})
 
     def state_dict(self) -> dict:
         return {"skipped_updates": self.skipped_updates, "consecutive": self._consecutive}

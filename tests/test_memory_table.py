@@ -39,8 +39,10 @@ def sharding():
 def test_full_plan_matches_a_hand_count(sharding):
     items = _table().plan_items(SHAPE, "full", rollout_rows=3, max_len=10, sharding=sharding)
     params = _hand_param_count(SHAPE) * 2  # bfloat16
-    assert items["params"] == params == items["gradients"] == items["reference"]
-    assert items["optimizer state"] == 2 * params + 4  # Adam's two moments in the params' dtype + an int32 count
+    assert items["params"] == params == items["reference"]
+    # model.master_weights auto: float32 masters, gradients summed in float32, float32 moments
+    assert items["master weights"] == 2 * params == items["gradients"]
+    assert items["optimizer state"] == 4 * params + 4  # Adam's two float32 moments + an int32 count
     rows = 4  # 3 rows padded to a power of two
     kv = SHAPE["num_layers"] * 2 * rows * SHAPE["num_kv_heads"] * SHAPE["head_dim"] * 10 * 2 + rows * 10  # + bool mask
     assert items["kv cache"] == kv

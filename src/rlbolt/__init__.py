@@ -18,6 +18,7 @@ Layout (a test keeps this list complete):
     the loop's own parts
       producer/        the stage threads around the ExperienceDock, the weight store
       update           the jitted update (gradient accumulation + optimizer step)
+      master_weights   float32 master weights behind bfloat16 params (model.master_weights)
       train_batch      one global batch's updates (iterations x mini batches, one host sync)
       validation       Trainer.validate's loop, and the Trainer's own validation as loop hooks
       fit_checks       what fit refuses before building anything

@@ -47,8 +47,9 @@ class StepInfo:
         callbacks see it (a callback adds metrics through `Callback.step_metrics`).
       epoch: epochs of the data source consumed so far (fractional).
       batch: the trained global batch (host/device columns), for callbacks that inspect samples.
-      previous_state: the TrainState before the step, still intact (updates do not donate their
-        inputs): what `NaNGuard` saves when the step went non-finite.
+      previous_state: the TrainState before the step, with None for the fields the update donated
+        (`Trainer.donated`: its arrays were deleted by the update): the counters and rng of what
+        `NaNGuard` saves when the step went non-finite (it keeps its own copy of the rest).
     """
 
     step: int

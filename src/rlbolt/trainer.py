@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from rlbolt import master_weights as masters
 from rlbolt.callback import Callback, CallbackList
 from rlbolt.data.source import PromptSource
 from rlbolt.distributed import any_process, host_value, layout
@@ -70,6 +71,16 @@ class Trainer:
         "rollout": {"devices": [4, 8], "mesh": {"tp": 2}}}`, `rlbolt.distributed.placement`): rollout
         (and the reference or the distillation teacher, given a range) on its own devices, weights
         resharded after each update.
+      master_weights: "auto" (default): when a trainable parameter is narrower than float32
+        (`model.param_dtype: bfloat16`), the optimizer keeps float32 master weights and runs on
+        them (float32 AdamW moments; the params are the masters' casts: `rlbolt.master_weights`);
+        "none": the optimizer runs on the parameters in their own dtype.
+
+    The update donates what it replaces (`rlbolt.update`): the optimizer state always, and the
+    parameters in sync mode (async mode's producer still reads published parameters while later
+    ones train). The trainer trains its own copy of what `module.init_params` returned (the
+    module may keep those arrays, e.g. as the frozen reference of a KL term), and
+    `StepInfo.previous_state` holds None for the fields the update donated.
 
     Attributes:
       timeline: every stage call and update as start/end events (`rlbolt.timeline.Timeline`);
@@ -81,7 +92,8 @@ class Trainer:
                  callbacks: Sequence[Callback] = (), mode: str = "sync", max_staleness: int | None = None,
                  val_every_n_steps: int | None = None, val_batch_size: int | None = None, val_at_start: bool = False,
                  run_dir: str | Path | None = None, prefetch_timeout_s: float | None = None,
-                 mesh: Any = None, device_memory_bytes: int | None = None, placement: Any = "colocated"):
+                 mesh: Any = None, device_memory_bytes: int | None = None, placement: Any = "colocated",
+                 master_weights: str = "auto"):
         if not isinstance(plan, BatchPlan):
             raise TypeError(f"plan must be a BatchPlan, got {type(plan).__name__}")
         for name, value in (("max_steps", max_steps), ("max_epochs", max_epochs), ("val_every_n_steps", val_every_n_steps)):
@@ -89,6 +101,11 @@ class Trainer:
                 raise ValueError(f"{name}={value!r} must be a positive integer or None")
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}; allowed: {MODES}")
+        if master_weights not in masters.MODES:
+            raise ValueError(f"master_weights={master_weights!r}; allowed: {masters.MODES} "
+                             "(auto: float32 master weights for bfloat16 params)")
+        self.master_weights = master_weights
+        self.donated: tuple[str, ...] = ()  # the TrainState fields each update donates (set in fit)
         self.plan, self.max_steps, self.seed = plan, max_steps, seed
         self.max_epochs = max_epochs if max_epochs is not None or max_steps is not None else 1
         self.data_seed, self.shuffle = (seed if data_seed is None else data_seed), shuffle
@@ -185,7 +202,7 @@ class Trainer:
         metrics = step_metrics(produced.batch, produced.metrics, update, staleness, data_wait_s=data_wait,
                                step_s=time.perf_counter() - began)
         info = StepInfo(state.step, state, metrics, self.source.epoch(state.data_position), produced.batch,
-                        previous_state=before)
+                        previous_state=before.replace(**{name: None for name in self.donated}))
         return state, self.callbacks.add_step_metrics(self, info)
 
     def _end_step(self, state: TrainState, info: StepInfo, validation: ScheduledValidation) -> bool:
@@ -224,14 +241,19 @@ class Trainer:
         module.setup(context)
         rng = jax.random.PRNGKey(self.seed)
         params = self.sharding.place(module.init_params(jax.random.fold_in(rng, 0)))
+        # Sync mode donates the params to each update; async mode's producer may still read them.
+        self.donated = ("params", "opt_state") if self.lag_steps == 0 else ("opt_state",)
+        if "params" in self.donated:  # the module may keep init_params' arrays (the KL reference does)
+            params = jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, params)
         self.optimizer = module.configure_optimizers()
         self.optimizer = self.callbacks.wrap_optimizer(self, self.optimizer)  # e.g. NaNGuard(action="skip")
+        self.optimizer = masters.wrap(self.optimizer, params, self.master_weights)  # float32 masters for bf16
         opt_state = layout.init_optimizer(self.optimizer, params, self.sharding)
         self.memory_plan = layout.memory_plan(module.memory_plan(self.sharding), params, opt_state, self.sharding,
                                                  device_bytes=self.device_memory_bytes)  # before anything compiles
         self._update = make_update_fn(module.training_step, self.optimizer, self.plan.grad_accum_steps,
                                       frozen=module.frozen_params(), with_frozen=module.with_frozen,
-                                      sharding=self.sharding, params=params, opt_state=opt_state)
+                                      sharding=self.sharding, params=params, opt_state=opt_state, donate=self.donated)
         state = TrainState(step=0, params=params, opt_state=opt_state, policy_version=0, data_position=0,
                            rng=self.sharding.place(jax.random.fold_in(rng, 1)))  # replicated: every process saves it
         self.last_state = state
@@ -247,6 +269,7 @@ class Trainer:
             self._update, batch, self.plan, self.sharding, state.params, state.opt_state, state.policy_version)
         state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                               policy_version=version, data_position=produced.data_position)
+        self.last_state = state  # the state before the update was donated to it: save this one on an exception
         state = self.callbacks.on_update_end(self, state)
         metrics["time/update"] = time.perf_counter() - t0
         self.timeline.record("update", produced.step, began, self.timeline.clock(), samples=produced.batch.num_samples,

@@ -11,6 +11,13 @@ With a ShardingPlan the update compiles with explicit shardings: parameters, opt
 frozen parameters arrive placed on their rule-given shardings and micro batches over data x
 fsdp (jit compiles for those committed shardings); parameters and optimizer state leave on the
 same shardings and the metrics replicated (`out_shardings`).
+
+The update donates what it replaces (`donate`): the parameters and the optimizer state it is
+given are deleted when it is called, and its outputs are written into their buffers (XLA's
+input/output aliasing), so one copy of each is resident instead of two. The caller must not read
+a donated input afterwards (the Trainer keeps published parameters alive in async mode by not
+donating them; see `Trainer`). With float32 master weights (`rlbolt.master_weights`) the
+gradients are accumulated in float32 and the new parameters are the masters' casts.
 """
 
 from __future__ import annotations
@@ -23,7 +30,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from rlbolt import master_weights
 from rlbolt.batch import Batch
+
+DONATABLE = ("params", "opt_state")
 
 
 def add_mini_batch_totals(mini: Batch) -> Batch:
@@ -44,7 +54,7 @@ def split_micro_batches(mini: Batch, grad_accum_steps: int) -> Batch:
 
 def make_update_fn(training_step: Callable, optimizer: optax.GradientTransformation, grad_accum_steps: int, *,
                    frozen: Any = None, with_frozen: Callable | None = None, sharding: Any = None,
-                   params: Any = None, opt_state: Any = None) -> Callable:
+                   params: Any = None, opt_state: Any = None, donate: tuple[str, ...] = DONATABLE) -> Callable:
     """Returns jitted `update(params, opt_state, micro_batches) -> (params, opt_state, metrics)`.
 
     Args:
@@ -58,6 +68,8 @@ def make_update_fn(training_step: Callable, optimizer: optax.GradientTransformat
       sharding: a `rlbolt.distributed.ShardingPlan`; None compiles without explicit shardings.
       params: the placed parameters (their shardings are the update's, in and out).
       opt_state: the placed optimizer state (likewise).
+      donate: which inputs the update donates (`DONATABLE`: "params", "opt_state"): a donated
+        input is deleted by the call and its buffers hold the matching output. () donates nothing.
 
     Returns:
       The jitted update. `metrics` holds `loss`, `grad_norm` and the training step's own
@@ -78,22 +90,29 @@ def make_update_fn(training_step: Callable, optimizer: optax.GradientTransformat
                                    mini_batch_num_samples=jnp.full((a, m), a * m, jnp.float32))
         first = jax.tree.map(lambda x: x[0], micro)
         out_shape = jax.eval_shape(grad_fn, params, first, frozen)
+        masters = master_weights.masters_of(opt_state)
+        if masters is not None:  # gradients summed in the masters' dtype (float32), not the params'
+            out_shape = (out_shape[0], jax.eval_shape(lambda m: m, masters))
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape)
 
         def accumulate(total, micro_batch):
-            return jax.tree.map(jnp.add, total, grad_fn(params, micro_batch, frozen)), None
+            step = grad_fn(params, micro_batch, frozen)
+            return jax.tree.map(lambda t, x: t + x.astype(t.dtype), total, step), None
 
         ((loss, metrics), grads), _ = jax.lax.scan(accumulate, zeros, micro)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        params = master_weights.apply(params, updates, opt_state)
         return params, opt_state, {**metrics, "loss": loss, "grad_norm": optax.global_norm(grads)}
 
-    # No donation: callbacks (checkpoints, offload) may still hold the previous state's arrays.
+    unknown = set(donate) - set(DONATABLE)
+    if unknown:
+        raise ValueError(f"make_update_fn(donate={donate!r}): {sorted(unknown)} cannot be donated; use a subset of {DONATABLE}")
+    donated = {"donate_argnums": tuple(DONATABLE.index(name) for name in donate)}
     if sharding is None:
-        jitted = jax.jit(update)
+        jitted = jax.jit(update, **donated)
     else:  # inputs arrive placed (their committed shardings are the compiled ones); outputs pinned
         p, o = _shardings_of(params), _shardings_of(opt_state)
-        jitted = jax.jit(update, out_shardings=(p, o, sharding.replicated))
+        jitted = jax.jit(update, out_shardings=(p, o, sharding.replicated), **donated)
     return functools.partial(jitted, frozen=frozen)
 
 
@@ -104,4 +123,4 @@ def _shardings_of(tree: Any) -> Any:
                         else None, tree)
 
 
-__all__ = ["add_mini_batch_totals", "make_update_fn", "split_micro_batches"]
+__all__ = ["DONATABLE", "add_mini_batch_totals", "make_update_fn", "split_micro_batches"]

@@ -4,6 +4,7 @@ import types
 from pathlib import Path
 
 import json
+import jax
 import numpy as np
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -161,7 +162,7 @@ def test_resumed_logging_appends_to_the_same_file(tmp_path):
 def test_val_at_start_validates_the_starting_weights_at_step_0(tmp_path):
     class Start(Record):
         def on_fit_start(self, trainer, state):
-            self.start_params = state.params
+            self.start_params = jax.device_get(state.params)  # the first update donates the device arrays
             return state
 
     rec = Start()

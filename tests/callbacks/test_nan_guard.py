@@ -3,6 +3,9 @@ restores to exactly the state an uninterrupted k - 1 step run ends with), or ski
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import numpy as np
 import pytest
 from toy_module import ToyModule, prompt_rows
@@ -37,7 +40,8 @@ class Record(Callback):
         self.infos = []
 
     def on_step_end(self, trainer, info):
-        self.infos.append(info)
+        # The params on the host: the next step's update donates (deletes) the device arrays.
+        self.infos.append(dataclasses.replace(info, state=info.state.replace(params=jax.device_get(info.state.params))))
 
 
 def fit(run_dir, max_steps, callbacks, nan_steps=()):

@@ -167,7 +167,7 @@ def build_trainer(cfg: RunConfig, callbacks: Sequence[Any] = ()) -> Trainer:
                    shuffle=cfg.data.shuffle, callbacks=[*build_callbacks(cfg, run_dir), *callbacks], mode=t.mode,
                    max_staleness=t.max_staleness, val_every_n_steps=t.val_every_n_steps,
                    val_batch_size=t.val_batch_size, val_at_start=t.val_at_start, run_dir=run_dir, prefetch_timeout_s=t.prefetch_timeout_s,
-                   mesh=dataclasses.asdict(cfg.mesh), placement=t.placement)
+                   mesh=dataclasses.asdict(cfg.mesh), placement=t.placement, master_weights=cfg.model.master_weights)
 
 
 def start_distributed(cfg: RunConfig) -> bool:

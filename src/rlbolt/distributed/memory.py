@@ -1,8 +1,10 @@
 """The memory plan: what one device will hold, computed before anything compiles.
 
     params            the trainable parameters, as sharded (read from the live arrays)
-    gradients         the same size as the params, alive during each update
-    optimizer state   as sharded (Adam: two params-sized moments)
+    gradients         the same size as the params, alive during each update (in the masters'
+                      dtype, float32, when there are master weights)
+    master weights    float32 copies of bfloat16 params (`rlbolt.master_weights`), if any
+    optimizer state   as sharded (Adam: two params-sized moments, float32 beside masters)
     + the module's own items (`RLModule.memory_plan`): a frozen reference model, the KV cache
 
 Activations and compiler temporaries come on top and are not estimated here; `rlbolt plan`
@@ -22,6 +24,7 @@ import jax
 
 from rlbolt.distributed.mesh import describe
 from rlbolt.distributed.sharding import ShardingPlan, per_device_bytes
+from rlbolt.master_weights import MasterWeightsState
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +78,12 @@ def plan_memory(sharding: ShardingPlan, params: Any, opt_state: Any, extra: dict
       device_bytes: the per-device budget; None asks the backend (`device_memory_bytes`).
     """
     param_bytes = per_device_bytes(params)
-    items = {"params": param_bytes, "gradients": param_bytes, "optimizer state": per_device_bytes(opt_state)}
+    if isinstance(opt_state, MasterWeightsState):  # gradients are accumulated in the masters' dtype
+        master_bytes = per_device_bytes(opt_state.masters)
+        items = {"params": param_bytes, "gradients": master_bytes, "master weights": master_bytes,
+                 "optimizer state": per_device_bytes(opt_state.inner)}
+    else:
+        items = {"params": param_bytes, "gradients": param_bytes, "optimizer state": per_device_bytes(opt_state)}
     items.update(extra or {})
     budget = device_bytes if device_bytes is not None else device_memory_bytes(sharding)
     return MemoryPlan(items, budget, describe(sharding.mesh), dict(sharding.mesh.shape))
@@ -116,7 +124,11 @@ def _suggest(plan: MemoryPlan) -> str:
     if plan.items.get("kv cache", 0) > plan.total // 4:
         hints.append("lower plan.rollout_micro_batch_size or rollout.max_new_tokens (KV cache)")
     hints.append("callbacks.offload=true keeps the optimizer state and the reference model in host memory")
-    hints.append("model.param_dtype=bfloat16 halves every parameter-sized item")
+    if "master weights" in plan.items:
+        hints.append("model.master_weights=none drops the float32 masters and keeps the moments in bfloat16 "
+                     "(updates below a bfloat16 ulp are then lost)")
+    else:
+        hints.append("model.param_dtype=bfloat16 halves every parameter-sized item")
     return "Try: " + "; ".join(hints) + "."
 
 
