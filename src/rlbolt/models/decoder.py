@@ -52,6 +52,7 @@ from rlbolt.models.layers import Dense, Embed, RMSNorm, _norm, _normal, _param  
 from rlbolt.models.moe import MoeMLP
 from rlbolt.models.remat import checkpoint_policy, check_remat
 from rlbolt.models.rope import apply_rope, layer_rope
+from rlbolt.models.scan_layers import scan_reason, scanned_layers
 
 _attend = attend  # the name tests and older callers import
 
@@ -242,6 +243,9 @@ class Decoder(nnx.Module):
         # Activation rematerialisation of each layer in the backward (`rlbolt.models.remat`): one of
         # REMAT_POLICIES, set from the run's model.remat. Static; "none" runs the layers as they are.
         self.remat = "none"
+        # Cache-free forwards run the layers as one scanned body (`rlbolt.models.scan_layers`, set
+        # from model.scan_layers); layers that cannot be scanned fall back to the loop. Static.
+        self.scan_layers = False
 
     def __call__(self, input_ids: jnp.ndarray, positions: jnp.ndarray, *,
                  attention_mask: jnp.ndarray | None = None, cache: KVCache | None = None,
@@ -300,6 +304,9 @@ class Decoder(nnx.Module):
 
         x = self.embed_ids(input_ids)
         new_keys, new_values = [], []
+        if self.scan_layers and cache is None and routing_out is None and scan_reason(self) is None:
+            hidden = self.final_norm(scanned_layers(self, x, ropes, visible, local_visible))
+            return (hidden if return_hidden else self.logits(hidden)), None
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else (cache.keys[i], cache.values[i], index)
             cos, sin = ropes[i]
