@@ -37,6 +37,7 @@ soft-capped attention scores and logits, and sliding-window layers with their ow
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -341,7 +342,7 @@ class Decoder(nnx.Module):
             routing_out.append(experts)
         return y, new_kv
 
-    def remat_layer(self, fn):
+    def remat_layer(self, fn: Callable) -> Callable:
         """`fn(layer, *arrays)` under `nnx.remat` with the model's remat policy; fn itself for "none".
 
         Every pass over the layers that training differentiates runs each layer through this

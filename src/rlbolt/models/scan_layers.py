@@ -28,8 +28,12 @@ from flax import nnx
 from rlbolt.models.moe import MoeMLP
 
 
-def scan_reason(model) -> str | None:
-    """Why `model`'s layers cannot run as one scanned body, or None when they can."""
+def scan_reason(model: nnx.Module) -> str | None:
+    """Why `model`'s layers cannot run as one scanned body, or None when they can.
+
+    Args:
+      model: the Decoder.
+    """
     layers = list(model.layers)
     if any(isinstance(layer.mlp, MoeMLP) for layer in layers):
         return "mixture-of-experts layers record their routing as module state"
@@ -39,7 +43,7 @@ def scan_reason(model) -> str | None:
     return None
 
 
-def scanned_layers(model, x: jnp.ndarray, ropes: list[tuple[jnp.ndarray, jnp.ndarray]], visible: jnp.ndarray,
+def scanned_layers(model: nnx.Module, x: jnp.ndarray, ropes: list[tuple[jnp.ndarray, jnp.ndarray]], visible: jnp.ndarray,
                    local_visible: jnp.ndarray) -> jnp.ndarray:
     """The residual stream after every layer, computed as one `jax.lax.scan` over the stacked layers.
 
