@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from rlbolt.models import Decoder, tiny_config
-from rlbolt.models.attention_chunks import DEFAULT_QUERY_CHUNK, causal_query_chunks
+from rlbolt.models.attention_chunks import CHUNK_GROUPS, DEFAULT_QUERY_CHUNK, causal_query_chunks
 from rlbolt.models.decoder import _attend
 from rlbolt.rollout import token_logps
 
@@ -59,6 +59,33 @@ def test_chunks_cover_the_queries_and_read_only_keys_up_to_their_last_row():
     assert seen == [(16, 16, 16, (16, 16)), (16, 32, 32, (16, 32)), (8, 40, 40, (8, 40))]
     np.testing.assert_allclose(got, whole, rtol=0, atol=2e-6)
     assert causal_query_chunks(attend, q, k_t, v, visible, None) is not None and seen[-1][0] == t  # one piece
+
+
+@pytest.mark.parametrize("t", [43, 163])
+def test_many_chunks_run_as_a_few_looped_runs(t):
+    """More than CHUNK_GROUPS chunks: CHUNK_GROUPS runs, each one traced body (lax.map) whose chunks
+    read the keys up to the run's end, plus the short last chunk; the number of bodies does not
+    grow with T (10 and 40 chunks of 4 rows both trace 4 + 1), and the result is attention in one
+    piece. Tolerance: as above (the later keys of a run are exactly masked, only the summation
+    order differs)."""
+    seen = []
+
+    def attend(q, keys_t, values, visible):
+        seen.append((q.shape[1], keys_t.shape[-1], visible.shape[1:]))
+        return _attend(q, keys_t, values, visible)
+
+    b, d, chunk = 2, 8, 4
+    keys = jax.random.split(jax.random.key(1), 3)
+    q = jax.random.normal(keys[0], (b, t, 4, d))
+    k_t = jax.random.normal(keys[1], (b, 2, d, t))
+    v = jax.random.normal(keys[2], (b, 2, t, d))
+    visible = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t)) & (jnp.arange(t) >= 2)[None, None]
+    got = causal_query_chunks(attend, q, k_t, v, visible, chunk)
+    n = t // chunk
+    ends = np.cumsum([n // CHUNK_GROUPS + (g < n % CHUNK_GROUPS) for g in range(CHUNK_GROUPS)]) * chunk
+    assert seen == [(chunk, int(e), (chunk, int(e))) for e in ends] + [(t % chunk, t, (t % chunk, t))]
+    # Rows 0 and 1 see no key (a left-pad row's uniform softmax, masked downstream): left out.
+    np.testing.assert_allclose(got[:, 2:], _attend(q, k_t, v, visible)[:, 2:], rtol=0, atol=2e-6)
 
 
 @pytest.mark.parametrize("group", [1, 4])

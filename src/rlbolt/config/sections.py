@@ -39,6 +39,8 @@ def default_reward_weights(has_env: bool) -> dict:
     return {"env": 1.0} if has_env else {"answer": 1.0, "format": 0.0}
 
 
+# Activation rematerialisation per decoder layer (rlbolt.models.remat maps each to its jax.checkpoint policy).
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "offload")
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
@@ -54,6 +56,8 @@ class ModelSection:
     share_prompt: bool = _f(True, "run each prompt once per group of num_generations samples (rollout prefill, logps, training) instead of once per sample; same results to float32 rounding; stages whose micro batches split groups, and meshes with more than one batch shard, run unshared")
     router_aux_loss_coef: float = _f(0.0, "mixture-of-experts models: add this times the Switch load-balancing loss (over the completion tokens the forward runs, per layer, as transformers' load_balancing_loss_func) to the training loss, logged as moe/aux_loss; 0: off (a Hugging Face config's own router_aux_loss_coef is not read: set it here)", at_least=0)
     lora: dict | None = _f(None, "train LoRA adapters on a frozen base: {rank: 8, alpha: 16, targets: [q, k, v, o, gate, up, down], quantize: null|int8|int4|nf4, rollout: merged|adapters} (omitted keys take these defaults; rollout defaults to adapters when quantized); None: train every parameter")
+    remat: str = _f("none", "activation rematerialisation of each decoder layer in every training forward (the backward recomputes what the policy does not keep; same losses and gradients): none (keep everything), full (keep only each layer's input), dots_saveable (keep the matmul outputs), dots_with_no_batch_dims_saveable (keep the weight products, recompute attention), offload (as the last, kept in host memory); docs/performance.md", REMAT_POLICIES)
+    scan_layers: bool = _f(False, "run the decoder's layers as one jax.lax.scan body in the unshared cache-free forwards (compile time stops growing with depth; parameters stay stored per layer and are stacked at each forward: one more copy of the layer weights); mixture-of-experts models and layers that differ in structure keep the loop; the prompt-shared forward and decoding always loop")
     logits_chunk_tokens: int | None = _f(1024, "tokens per chunk of the output projection + log-softmax in the logps and training forwards (all rows of a micro batch together; the backward recomputes each chunk's logits), so the [B, T, V] float32 logits never exist at once; same results to float32 rounding; 0 or null: unchunked", at_least=0)
 
 

@@ -37,6 +37,7 @@ soft-capped attention scores and logits, and sliding-window layers with their ow
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +51,9 @@ from rlbolt.models.config import ModelConfig
 # The building blocks, also imported from here (LoRA, quantisation, tests).
 from rlbolt.models.layers import Dense, Embed, RMSNorm, _norm, _normal, _param  # noqa: F401
 from rlbolt.models.moe import MoeMLP
+from rlbolt.models.remat import checkpoint_policy, check_remat
 from rlbolt.models.rope import apply_rope, layer_rope
+from rlbolt.models.scan_layers import scan_reason, scanned_layers
 
 _attend = attend  # the name tests and older callers import
 
@@ -238,6 +241,12 @@ class Decoder(nnx.Module):
         # query rows, each reading only the keys up to its last row (`rlbolt.models.attention_chunks`):
         # the masked half of the scores is never built. None: one piece. Static, like the above.
         self.attention_query_chunk = DEFAULT_QUERY_CHUNK
+        # Activation rematerialisation of each layer in the backward (`rlbolt.models.remat`): one of
+        # REMAT_POLICIES, set from the run's model.remat. Static; "none" runs the layers as they are.
+        self.remat = "none"
+        # Cache-free forwards run the layers as one scanned body (`rlbolt.models.scan_layers`, set
+        # from model.scan_layers); layers that cannot be scanned fall back to the loop. Static.
+        self.scan_layers = False
 
     def __call__(self, input_ids: jnp.ndarray, positions: jnp.ndarray, *,
                  attention_mask: jnp.ndarray | None = None, cache: KVCache | None = None,
@@ -296,11 +305,14 @@ class Decoder(nnx.Module):
 
         x = self.embed_ids(input_ids)
         new_keys, new_values = [], []
+        if self.scan_layers and cache is None and routing_out is None and scan_reason(self) is None:
+            hidden = self.final_norm(scanned_layers(self, x, ropes, visible, local_visible))
+            return (hidden if return_hidden else self.logits(hidden)), None
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else (cache.keys[i], cache.values[i], index)
             cos, sin = ropes[i]
-            x, new_kv = layer(x, cos, sin, local_visible if cfg.is_sliding(i) else visible, layer_cache,
-                              self.attention_query_chunk, routing_out)
+            x, new_kv = self._layer_step(layer, x, cos, sin, local_visible if cfg.is_sliding(i) else visible,
+                                         layer_cache, routing_out)
             x = self._constrain(x)
             if new_kv is not None:
                 new_keys.append(new_kv[0])
@@ -310,6 +322,43 @@ class Decoder(nnx.Module):
         if cache is not None:
             new_cache = KVCache(tuple(new_keys), tuple(new_values), cache_mask, index + t)
         return (hidden if return_hidden else self.logits(hidden)), new_cache
+
+    def _layer_step(self, layer, x, cos, sin, visible, layer_cache, routing_out):
+        """One decoder layer, under the model's remat policy (`remat_layer`)."""
+        chunk = self.attention_query_chunk
+        collect = routing_out is not None and isinstance(layer.mlp, MoeMLP)
+        if self.remat == "none":
+            return layer(x, cos, sin, visible, layer_cache, chunk, routing_out)
+
+        def body(layer, x, cos, sin, visible, layer_cache):
+            # The routing leaves the checkpointed function as an output: a list appended to inside
+            # it would receive the checkpoint's inner tracers.
+            routes = [] if collect else None
+            y, new_kv = layer(x, cos, sin, visible, layer_cache, chunk, routes)
+            return y, new_kv, (routes[0] if collect else None)
+
+        y, new_kv, experts = self.remat_layer(body)(layer, x, cos, sin, visible, layer_cache)
+        if collect:
+            routing_out.append(experts)
+        return y, new_kv
+
+    def remat_layer(self, fn: Callable) -> Callable:
+        """`fn(layer, *arrays)` under `nnx.remat` with the model's remat policy; fn itself for "none".
+
+        Every pass over the layers that training differentiates runs each layer through this
+        (`_forward`, the prompt-shared forward of `rlbolt.models.shared_prefix`). Outside a
+        gradient the checkpoint changes nothing.
+
+        Args:
+          fn: one layer's pass; the layer (an nnx.Module) is its first argument, so nnx.remat
+            sees its state.
+
+        Returns:
+          A function of the same arguments and outputs.
+        """
+        if check_remat(self.remat) == "none":
+            return fn
+        return nnx.remat(fn, policy=checkpoint_policy(self.remat))
 
     def embed_ids(self, input_ids: jnp.ndarray) -> jnp.ndarray:
         """The embeddings [B, T, H] of input_ids [B, T] (on a mesh: read from the gathered table,

@@ -194,12 +194,11 @@ def _grouped_completion_hidden(model, prompt_ids, prompt_mask, completion_ids, c
              and_window(c_visible, window_visible(c_slots, c_slots, window)),
              (window_visible(p + c_slots, p_slots, window)[None],) if window is not None else ())
     chunk = model.attention_query_chunk  # causal query chunks (rlbolt.models.attention_chunks)
-    for i, layer in enumerate(model.layers):
-        sliding = cfg.is_sliding(i)
-        p_vis, c_vis, band = local if sliding else (p_visible, c_visible, ())
-        q, k, v = layer.attn.project(layer.attn_norm(x), *ropes[i])  # [1, tokens, N, D]
-        pre = lambda a: a[0, :n_pre].reshape(u, p, *a.shape[2:])  # noqa: E731
-        own = lambda a: a[0, n_pre:].reshape(b, t, *a.shape[2:])  # noqa: E731
+    pre = lambda a: a[0, :n_pre].reshape(u, p, *a.shape[2:])  # noqa: E731
+    own = lambda a: a[0, n_pre:].reshape(b, t, *a.shape[2:])  # noqa: E731
+
+    def layer_pass(layer, x, cos, sin, p_vis, c_vis, band):
+        q, k, v = layer.attn.project(layer.attn_norm(x), cos, sin)  # [1, tokens, N, D]
         k_pre_t, v_pre = pre(k).transpose(0, 2, 3, 1), pre(v).transpose(0, 2, 1, 3)  # [U,nKV,D,P], [U,nKV,P,D]
         out_pre = causal_query_chunks(layer.attn.attend, pre(q), k_pre_t, v_pre, p_vis, chunk)  # [U, P, nH*D]
         if t:
@@ -209,7 +208,11 @@ def _grouped_completion_hidden(model, prompt_ids, prompt_mask, completion_ids, c
             attn = jnp.concatenate([out_pre.reshape(1, n_pre, -1), out_own.reshape(1, b * t, -1)], axis=1)
         else:
             attn = out_pre.reshape(1, n_pre, -1)
-        x = model._constrain(layer.add_mlp(layer.add_attention(x, layer.attn.o_proj(attn))))
+        return model._constrain(layer.add_mlp(layer.add_attention(x, layer.attn.o_proj(attn))))
+
+    for i, layer in enumerate(model.layers):  # each layer under the model's remat policy (Decoder.remat_layer)
+        p_vis, c_vis, band = local if cfg.is_sliding(i) else (p_visible, c_visible, ())
+        x = model.remat_layer(layer_pass)(layer, x, *ropes[i], p_vis, c_vis, band)
     hidden = model.final_norm(x)[0]  # [tokens, H]
     h = hidden.shape[-1]
     last_prompt = jnp.repeat(hidden[:n_pre].reshape(u, p, h)[:, -1], g, axis=0)[:, None]  # [B, 1, H]

@@ -54,6 +54,8 @@ class PolicySetup(LoraHooks):
         self.sharding = context.sharding_for("train")
         if self.model is None:
             self.model = lm_ops.build_model(cfg.model, self.tokenizer.vocab_size, context.seed, self.sharding)
+        self.model.remat = cfg.model.remat  # each layer of every training forward (rlbolt.models.remat; LoRA keeps it)
+        self.model.scan_layers = cfg.model.scan_layers  # rlbolt.models.scan_layers
         if self.sharding is not None:  # the weights move onto the mesh once (no copy if built there)
             nnx.update(self.model, self.sharding.place(nnx.state(self.model)))
             self.sharding.shard_activations(self.model)

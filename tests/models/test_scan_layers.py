@@ -1,0 +1,59 @@
+"""Scanned layers (`model.scan_layers`, rlbolt.models.scan_layers): the scanned forward gives the
+loop's logits and gradients, really runs as one scan, and falls back where it cannot.
+
+Tolerance: `network_tolerance` (tests/float_tolerance.py): the scan compiles the same ops into
+another fusion, so XLA may round differently (observed: up to 4e-7 on logits of ~5).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rlbolt.models import Decoder, tiny_config
+from rlbolt.models.scan_layers import scan_reason
+from float_tolerance import network_tolerance
+
+GEMMA3 = dict(architecture="Gemma3ForCausalLM", hidden_act="gelu_pytorch_tanh", norm_unit_offset=True,
+              sandwich_norms=True, scale_embeddings=True, qk_norm=True, sliding_window=5, rope_local_theta=1000.0,
+              layer_types=("sliding_attention", "full_attention", "sliding_attention"))
+
+
+def _run(model, scan: bool):
+    model.scan_layers = scan
+    graphdef, params = nnx.split(model, nnx.Param)
+    ids = jax.random.randint(jax.random.key(1), (2, 20), 0, model.config.vocab_size)
+    mask = jnp.arange(20)[None] >= jnp.asarray([0, 6])[:, None]  # one left-padded row
+    positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+
+    def loss(p):
+        logits = nnx.merge(graphdef, p)(ids, positions, attention_mask=mask)[0]
+        return jnp.sum(jnp.where(mask, jax.nn.log_softmax(logits)[..., 3], 0.0)), logits
+
+    scans = str(jax.make_jaxpr(loss)(params)).count(" scan[")
+    (value, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    return scans, np.where(mask[..., None], logits, 0.0), grads
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_the_scanned_forward_equals_the_loop(family):
+    """Gemma 3 carries its per-layer window and RoPE base through the scan as arrays."""
+    model = Decoder(tiny_config(num_layers=3, **(GEMMA3 if family == "gemma3" else {})), rngs=nnx.Rngs(0))
+    loop_scans, loop_logits, loop_grads = _run(model, False)
+    scans, logits, grads = _run(model, True)
+    assert (loop_scans, scans) == (0, 1)
+    np.testing.assert_allclose(logits, loop_logits, rtol=0, atol=network_tolerance(loop_logits))
+    for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(loop_grads)):
+        np.testing.assert_allclose(g, ref, rtol=0, atol=network_tolerance(ref) + 1e-30)
+    assert any(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(grads))
+
+
+def test_layers_that_differ_keep_the_loop():
+    moe = Decoder(tiny_config(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=(0,)),
+                  rngs=nnx.Rngs(0))
+    assert "mixture-of-experts" in scan_reason(moe)
+    assert _run(moe, True)[0] == 0
+    assert scan_reason(Decoder(tiny_config(), rngs=nnx.Rngs(0))) is None
