@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax import ShapeDtypeStruct as S
 
 from rlbolt.batch import Batch
+from rlbolt.distributed.sharding import ShardingPlan
 
 # column -> (per-sample shape: "P" prompt width, "C" completion width, dtype)
 TRAIN_COLUMNS: dict[str, tuple[tuple[str, ...], object]] = {
@@ -33,7 +34,8 @@ def _shape(dims: tuple[str, ...], prompt: int, completion: int) -> tuple[int, ..
     return tuple(prompt if d == "P" else completion for d in dims)
 
 
-def train_batch(accum: int, micro: int, prompt: int, completion: int, *, reference: bool, sharding=None) -> Batch:
+def train_batch(accum: int, micro: int, prompt: int, completion: int, *, reference: bool,
+                sharding: ShardingPlan | None = None) -> Batch:
     """The update's micro batches [A, M/A, ...] (sample axis 1 over the batch shards when `sharding`).
 
     Args:
@@ -50,14 +52,14 @@ def train_batch(accum: int, micro: int, prompt: int, completion: int, *, referen
                   for name, (dims, dtype) in columns.items()})
 
 
-def logps_inputs(rows: int, prompt: int, completion: int, sharding=None) -> tuple[S, S, S, S]:
+def logps_inputs(rows: int, prompt: int, completion: int, sharding: ShardingPlan | None = None) -> tuple[S, S, S, S]:
     """(prompt_ids, prompt_mask, completion_ids, completion_mask) of one logps micro batch."""
     place = None if sharding is None else sharding.batch_sharding()
     return (S((rows, prompt), jnp.int32, sharding=place), S((rows, prompt), jnp.bool_, sharding=place),
             S((rows, completion), jnp.int32, sharding=place), S((rows, completion), jnp.bool_, sharding=place))
 
 
-def rollout_inputs(rows: int, group: int, prompt: int, sharding=None) -> tuple[S, S, S]:
+def rollout_inputs(rows: int, group: int, prompt: int, sharding: ShardingPlan | None = None) -> tuple[S, S, S]:
     """(prompt_ids [U, P], prompt_mask [U, P], rng_keys [B, 2] uint32) of one sampler call of B rows
     in groups of `group` (U = B / group prefilled prompts)."""
     place = None if sharding is None else sharding.batch_sharding()
