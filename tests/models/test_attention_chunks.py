@@ -76,7 +76,7 @@ def test_chunked_logps_and_gradients_equal_attention_in_one_piece(group):
         (value, logps), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
         results[chunk] = (value, logps, grads)
     (v1, l1, g1), (v8, l8, g8) = results[None], results[8]
-    # the network's rounding bound on its logits (max |logits| < 8 for this tiny model: tanh-free, checked
+    # the network's rounding bound on its logits (max |logits| < 8 for this tiny model, checked
     # by the plain-forward test below), through log_softmax
     config, seq = nnx.merge(*_model(None)).config, batch[0].shape[1] + batch[2].shape[1]
     logit_error = decoder_tolerance(8.0, config, seq)
