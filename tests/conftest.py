@@ -7,6 +7,8 @@
 - One persistent compilation cache for the run: many tests jit the same programs in fresh
   closures, which JAX's in-memory cache (keyed by the Python function) would compile again.
 
+A user's own XLA_FLAGS (e.g. `--xla_cpu_max_isa=AVX2`, to try another CPU's kernel choices) are
+kept: the flags above are appended to them.
 Subprocesses (the demo, the resume-contract scripts) inherit both through the environment.
 RLBOLT_TEST_FULL_XLA=1 runs the tests with XLA's default optimisation and no shared cache.
 """

@@ -13,6 +13,11 @@ import pytest
 
 from rlbolt.algorithms import LossAggregation, aggregate_loss, clipped_surrogate, kl_penalty
 
+# Tolerances (tests/float_tolerance.py's rule): micro-batch sums against the full batch are two float32
+# orders of the same 8 rows x 6 tokens of a 5 x 7 softmax objective: each gradient entry sums <= 48
+# terms, so the two differ by <= 48 * eps * sum|terms| (sum_error_bound), ~6e-6 relative: rtol=1e-5.
+# The guard at the end uses rtol=1e-3 on purpose: the wrong totals differ by a whole factor.
+
 # A toy differentiable policy: logps = log_softmax(features @ W) gathered at the tokens.
 N, C, D, V = 8, 6, 5, 7
 _rng = np.random.default_rng(0)

@@ -12,6 +12,10 @@ from rlbolt.algorithms import (
     kl_in_reward,
     reinforcepp_advantages,
     truncated_importance_weights,
+
+# Tolerances (tests/float_tolerance.py's rule): jit against eager runs the same float32 element-wise
+# ops and reductions of <= 8 terms, fused or not; a fusion may reorder a sum (<= 8 * eps relative,
+# sum_error_bound) or an exp/log by an ulp or two: rtol=1e-5 (84 ulps), atol=1e-6 for zeros.
 )
 
 

@@ -27,6 +27,11 @@ from rlbolt.algorithms import (
 from rlbolt.batch import Batch
 from rlbolt.modules import DAPO, GRPO, GSPO, RLOO, DrGRPO
 
+# Tolerances (tests/float_tolerance.py's rule): the hypothesis case (groups of <= 6 rewards, |r| <= ~130)
+# leaves a centred value within 6 * eps * sum|r| ~ 6e-4 absolute of float64 (sum_error_bound): atol=1e-3
+# (GRPO divides by the group's std: 1e-4 there). Elsewhere rtol=1e-5 (84 ulps) on the means and stds that
+# moments.py computes to a few ulps (the point of this file), and bit equality for tied groups.
+
 # float32 cannot represent these, nor (for most group sizes) their average.
 TIED_VALUES = (0.1, 1.1, 1 / 3, 0.7)
 STEPS = 3  # completion width for the token-level estimators

@@ -7,6 +7,13 @@ import pytest
 
 from rlbolt.algorithms import clipped_surrogate, rollout_correction, truncated_importance_weights
 
+# Tolerances (tests/float_tolerance.py's rule: a derived bound or a reason). These compare float32
+# objectives on a few dozen hand-set values with float64 NumPy or hand arithmetic: every value goes
+# through fewer than ~20 float32 operations and sums of at most ~50 terms, so it lies within ~50 ulps
+# (6e-6 relative) of float64 on any CPU (sum_error_bound: n * eps). rtol=1e-5 is 84 ulps; rtol=1e-6
+# (8 ulps) only for single exp/log/divide chains; atol=1e-6 / 1e-7 for values that are 0 in float64.
+# atol=1e-37 makes a comparison purely relative: weights as small as exp(-80) must keep their digits.
+
 # rho = pi_old / mu per token. Row 0: padding at the end holds a garbage ratio; row 1 is ragged;
 # row 2 is all padding; row 3 is a single token whose ratio 1e30 is far beyond any cap; row 4
 # has a log-ratio of 200 (exp overflows float32) and an underflowing one.

@@ -55,6 +55,7 @@ def test_every_n_steps_and_end_with_logged_values(tmp_path):
     assert [s for s, _ in evaluation.history] == [2, 4]  # step 4 is periodic and last: validated once
     assert record.val == evaluation.history
     for step, metrics in evaluation.history:
+        # float64 means of scores on both sides: rel=1e-6 is ~1e10 float64 ulps (abs=1e-9 for a 0 score)
         assert metrics["val/score"] == pytest.approx(expected_score(record.tables[step]), rel=1e-6, abs=1e-9)
         assert metrics["val/k"] == 3.0  # num_samples reached the module as trainer.val_num_samples
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -82,6 +83,7 @@ def test_final_evaluation_when_a_later_callback_stops(tmp_path):
     stopper = EarlyStopping(monitor="toy/logged", mode="min", patience=1, min_delta=10.0)  # stops at step 2
     state = _fit(tmp_path, [record, evaluation, stopper], max_steps=6)
     assert state.step == 2 and [s for s, _ in evaluation.history] == [2]
+    # as above: float64 means of the same scores
     assert evaluation.history[0][1]["val/score"] == pytest.approx(expected_score(record.tables[2]), rel=1e-6, abs=1e-9)
 
 

@@ -48,6 +48,7 @@ def test_fit_metrics_match_the_formula(num_iterations, passes):
     # Toy: N = 8 x 8 = 64 params, no model config; 4 samples of 3 prompt + 6 completion tokens.
     forward = 4 * 9 * 2 * 64
     for m in record.metrics:
+        # Python float64 products and quotients of the same numbers: rel=1e-9 is ~1e7 float64 ulps
         assert m["throughput/flops_per_s"] == pytest.approx(passes * forward / m["time/step"], rel=1e-9)
         assert m["throughput/mfu"] == pytest.approx(passes * forward / m["time/step"] / 1e9, rel=1e-9)
         for stage in ("rollout", "logps", "reward", "update", "data_wait"):

@@ -144,6 +144,9 @@ def test_the_reference_on_its_own_devices_holds_its_copy_only_there():
     # and within float32 rounding on a mesh of another shape (fsdp=4, placed by device_put).
     assert apart["ref_logps"] == shared["ref_logps"]
     assert r["wide"]["ref_devices"] == [4, 5, 6, 7]
+    # another mesh shape, both sides in one process on one CPU: only how XLA splits the fsdp products
+    # (4 ways instead of 2) differs, a few ulps of |logps|; not derived (the subprocess returns no model to
+    # bound), kept from the measured gap: see the tolerance list of issue 33
     np.testing.assert_allclose(r["wide"]["ref_logps"], shared["ref_logps"], rtol=1e-6, atol=1e-6)
     assert len(r["errors"]) == 1 and "plan.logps_micro_batch_size=6 cannot be split over the reference mesh's 4" \
         in r["errors"][0] and "\n" not in r["errors"][0]

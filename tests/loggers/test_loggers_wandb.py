@@ -36,6 +36,7 @@ def test_offline_run_holds_the_logged_metrics_and_config(tmp_path, offline):
     assert [row["_step"] for row in rows] == [1, 2, 3]
     expected = read_jsonl(tmp_path / "metrics.jsonl")
     for row, record in zip(rows, expected):
+        # the same float64 value through wandb's JSON: rel=1e-12 allows only a decimal round trip
         assert row["loss"] == pytest.approx(record["loss"], rel=1e-12)
         assert row["reward/mean"] == pytest.approx(record["reward/mean"], rel=1e-12)
     assert rows[-1]["sample"] == "2 + 2 = 4"

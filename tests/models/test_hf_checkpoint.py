@@ -8,6 +8,7 @@ import pytest
 import safetensors.numpy
 import transformers
 from flax import nnx
+from float_tolerance import decoder_tolerance
 from models.test_hf_config import FAMILIES, MODEL_CLASSES, build_hf_model, hf_logits, rlbolt_logits
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import models as tokenizer_models
@@ -16,7 +17,6 @@ from rlbolt.data.tokenizers import HFTokenizer
 from rlbolt.models.decoder import Decoder
 from rlbolt.models.hf_io import config_from_hf, load_hf, save_hf
 
-TOLERANCE = 1e-4
 NAMES = sorted(FAMILIES)
 
 
@@ -29,10 +29,11 @@ def _ids_and_mask(vocab_size: int, seed: int = 0):
     return ids, mask
 
 
-def _assert_same_logits(ours, theirs, mask=None):
+def _assert_same_logits(ours, theirs, config, mask=None):
+    seq_len = ours.shape[-2]
     if mask is not None:  # padded positions are undefined in both implementations
         ours, theirs = ours[mask], theirs[mask]
-    np.testing.assert_allclose(ours, theirs, atol=TOLERANCE, rtol=0)
+    np.testing.assert_allclose(ours, theirs, atol=decoder_tolerance(theirs, config, seq_len), rtol=0)
 
 
 @pytest.fixture(scope="module", params=NAMES)
@@ -49,8 +50,8 @@ def test_load_hf_matches_transformers_logits(hf_folder):
     model, config = load_hf(folder)
     assert config.architecture == MODEL_CLASSES[FAMILIES[name][0]].__name__
     ids, mask = _ids_and_mask(config.vocab_size)
-    _assert_same_logits(rlbolt_logits(model, ids), hf_logits(hf_model, ids))
-    _assert_same_logits(rlbolt_logits(model, ids, mask), hf_logits(hf_model, ids, mask), mask)
+    _assert_same_logits(rlbolt_logits(model, ids), hf_logits(hf_model, ids), config)
+    _assert_same_logits(rlbolt_logits(model, ids, mask), hf_logits(hf_model, ids, mask), config, mask)
 
 
 def test_load_hf_casts_to_bfloat16(hf_folder):
@@ -110,8 +111,8 @@ def test_save_hf_loads_in_transformers(tmp_path, name, max_shard_bytes):
     problems = {key: value for key, value in info.items() if value and key != "error_msgs"}
     assert not problems and not info.get("error_msgs")
     ids, mask = _ids_and_mask(config.vocab_size, seed=1)
-    _assert_same_logits(hf_logits(hf_model, ids), rlbolt_logits(model, ids))
-    _assert_same_logits(hf_logits(hf_model, ids, mask), rlbolt_logits(model, ids, mask), mask)
+    _assert_same_logits(hf_logits(hf_model, ids), rlbolt_logits(model, ids), config)
+    _assert_same_logits(hf_logits(hf_model, ids, mask), rlbolt_logits(model, ids, mask), config, mask)
     reloaded, reloaded_config = load_hf(out)  # and our own loader reads the (sharded) folder back
     assert reloaded_config == config
     for ours, theirs in zip(jax.tree.leaves(nnx.state(reloaded)), jax.tree.leaves(nnx.state(model))):

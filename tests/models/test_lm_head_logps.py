@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from float_tolerance import EPS32, decoder_tolerance, dot_error_bound, log_softmax_tolerance
+
 from rlbolt.config import ConfigError, load_config
 from rlbolt.models import Decoder, tiny_config
 from rlbolt.models.lm_head_logps import DEFAULT_LOGITS_CHUNK_TOKENS, lm_head_logps
@@ -51,6 +53,15 @@ def _float64_reference(hidden, weight, targets, g_logps, g_entropy, temperature,
     return logps, entropy, grad_z @ w.T, np.einsum("bch,bcv->hv", h, grad_z)
 
 
+def _logps_tolerances(hidden, weight, temperature=1.0, against_exact=True):
+    """(log-prob, entropy) tolerances: the lm_head product's rounding (`dot_error_bound`, halved against
+    float64's exact product) through the temperature and log_softmax; the soft-cap is 1-Lipschitz; an
+    entropy moves by at most (1 + log V) times its log-probs' error."""
+    logit_error = dot_error_bound(hidden, weight).max() / (2 if against_exact else 1) / temperature
+    logps = log_softmax_tolerance(logit_error, weight.shape[-1])
+    return logps, logps * (1 + np.log(weight.shape[-1]))
+
+
 def _loss(chunk, targets, g_logps, g_entropy, temperature, softcap, with_entropy=True):
     def loss(hidden, weight):
         logps, entropy = lm_head_logps(hidden, weight, targets, temperature=temperature, softcap=softcap,
@@ -70,8 +81,11 @@ def test_logps_entropy_and_gradients_match_float64_by_hand(chunk, temperature, s
     want_logps, want_entropy, want_g_hidden, want_g_weight = _float64_reference(
         hidden, weight, targets, g_logps, g_entropy, temperature, softcap)
     assert logps.dtype == entropy.dtype == jnp.float32 and logps.shape == (B, C)
-    np.testing.assert_allclose(np.asarray(logps), want_logps, rtol=0, atol=2e-5)
-    np.testing.assert_allclose(np.asarray(entropy), want_entropy, rtol=0, atol=2e-5)
+    logps_tol, entropy_tol = _logps_tolerances(hidden, weight, temperature)
+    np.testing.assert_allclose(np.asarray(logps), want_logps, rtol=0, atol=logps_tol)
+    np.testing.assert_allclose(np.asarray(entropy), want_entropy, rtol=0, atol=entropy_tol)
+    # float32 against float64 by hand: the gradients are products of V = 37 (g_hidden) or B * C = 33
+    # (g_weight) terms of |values| <= ~10; 1e-4 relative is ~800 float32 ulps, K * eps = 4.4e-6 of margin 20
     np.testing.assert_allclose(np.asarray(g_hidden), want_g_hidden, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.asarray(g_weight), want_g_weight, rtol=1e-4, atol=1e-4)
 
@@ -81,8 +95,9 @@ def test_gradients_equal_autodiff_of_the_unchunked_expression(with_entropy):
     hidden, weight, targets, g_logps, g_entropy = _inputs(seed=1, scale=2.0)
     grads = {chunk: jax.grad(lambda h, w, c=chunk: _loss(c, targets, g_logps, g_entropy, 0.8, 3.0, with_entropy)(h, w)[0],
                              (0, 1))(hidden, weight) for chunk in (0, 5)}
-    for got, want in zip(grads[5], grads[0]):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads[5], grads[0]):  # two float32 programs: each entry sums <= V or B * C = 37 terms
+        want = np.asarray(want)  # of size <= ~|want|, so 37 * eps * max|want| (4.4e-6 relative) covers any order
+        np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=4 * 37 * EPS32 * np.abs(want).max())
     _, entropy = lm_head_logps(hidden, weight, targets, chunk_tokens=5, with_entropy=with_entropy)
     assert (np.asarray(entropy) == 0).all() != with_entropy
 
@@ -96,8 +111,10 @@ def test_bfloat16_parameters_give_the_unchunked_result_and_keep_their_dtype():
     (_, (want_logps, want_entropy)), (want_g_hidden, want_g_weight) = out[0]
     assert logps.dtype == jnp.float32 and g_hidden.dtype == g_weight.dtype == jnp.bfloat16
     # Same bfloat16 products upcast to float32: only the float32 reductions' order differs.
-    np.testing.assert_allclose(np.asarray(logps), np.asarray(want_logps), rtol=0, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(entropy), np.asarray(want_entropy), rtol=0, atol=1e-5)
+    logps_tol, entropy_tol = _logps_tolerances(np.asarray(hidden, np.float32), np.asarray(weight, np.float32),
+                                               against_exact=False)
+    np.testing.assert_allclose(np.asarray(logps), np.asarray(want_logps), rtol=0, atol=logps_tol)
+    np.testing.assert_allclose(np.asarray(entropy), np.asarray(want_entropy), rtol=0, atol=entropy_tol)
     # The weight's gradient is summed over chunks in float32 and rounded once: within bfloat16's 2^-8.
     for got, want in ((g_hidden, want_g_hidden), (g_weight, want_g_weight)):
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
@@ -111,7 +128,7 @@ def test_extreme_logits_stay_finite():
     assert all(np.isfinite(np.asarray(x)).all() for x in (logps, entropy, *grads))
     assert np.asarray(logps).min() < -100  # some target is far from the argmax: a large, finite log-prob
     want = _float64_reference(hidden, weight, targets, g_logps, g_entropy, 1.0, None)[0]
-    np.testing.assert_allclose(np.asarray(logps), want, rtol=1e-5, atol=1e-3)
+    np.testing.assert_allclose(np.asarray(logps), want, rtol=0, atol=_logps_tolerances(hidden, weight)[0])
 
 
 @pytest.mark.parametrize("bad", [-1, True, 2.5, "64"])
@@ -147,7 +164,8 @@ def _naive_model_logps(model, prompt_ids, prompt_mask, completion_ids, temperatu
     y = np.asarray(logits, np.float64)[:, p - 1:-1] / temperature
     y = y - y.max(-1, keepdims=True)
     logp_all = y - np.log(np.exp(y).sum(-1, keepdims=True))
-    return np.take_along_axis(logp_all, completion_ids[..., None], -1)[..., 0], -(np.exp(logp_all) * logp_all).sum(-1)
+    logps = np.take_along_axis(logp_all, completion_ids[..., None], -1)[..., 0]
+    return logps, -(np.exp(logp_all) * logp_all).sum(-1), np.abs(np.asarray(logits)).max() / temperature
 
 
 @pytest.mark.parametrize("tied, softcap", [(True, None), (False, 1.5), (True, 1.5)])
@@ -167,15 +185,18 @@ def test_a_decoder_through_token_logps_matches_its_own_logits(tied, softcap):
         return jnp.sum(logps * jnp.arange(7.0)) + jnp.sum(entropy), (logps, entropy)
 
     out = {chunk: jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)(params, chunk) for chunk in (0, 3)}
-    want_logps, want_entropy = _naive_model_logps(model, prompt_ids, prompt_mask, completion_ids, 0.9)
-    np.testing.assert_allclose(np.asarray(out[3][0][1][0]), want_logps, rtol=0, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(out[3][0][1][1]), want_entropy, rtol=0, atol=1e-5)
+    want_logps, want_entropy, scale = _naive_model_logps(model, prompt_ids, prompt_mask, completion_ids, 0.9)
+    # two float32 evaluations of the network (token_logps' fused graph against the plain forward)
+    logps_tol = log_softmax_tolerance(decoder_tolerance(scale, model.config, 12), 61)
+    np.testing.assert_allclose(np.asarray(out[3][0][1][0]), want_logps, rtol=0, atol=logps_tol)
+    np.testing.assert_allclose(np.asarray(out[3][0][1][1]), want_entropy, rtol=0, atol=logps_tol * (1 + np.log(61)))
     paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(out[0][1])]
     assert any("embed" in str(p) for p in paths) and any("lm_head" in str(p) for p in paths) != tied
     for path, got, want in zip(paths, jax.tree.leaves(out[3][1]), jax.tree.leaves(out[0][1])):
         want = np.asarray(want)
-        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4 * np.abs(want).max() + 1e-12,
-                                   err_msg=str(path))
+        # chunked against unchunked gradients of the same network: its rounding bound, relative to the gradient
+        np.testing.assert_allclose(np.asarray(got), want, rtol=0, err_msg=str(path),
+                                   atol=decoder_tolerance(want, model.config, 12) + 1e-12)
 
 
 def _largest_vocab_buffer(hlo: str, vocab: int) -> int:

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from float_tolerance import decoder_tolerance, log_softmax_tolerance
 from rlbolt.models import Decoder, tiny_config
 from rlbolt.models.lora import LoraConfig, apply_lora, merge_adapters
 from rlbolt.models.quantize import dequantize_model, quantize_base
@@ -66,10 +67,12 @@ def test_dequantized_model_computes_the_quantised_one(quantized):
     quantized = quantized["nf4"]
     plain = dequantize_model(quantized)
     assert type(plain) is Decoder and isinstance(_dense(plain, 1, "attn.o_proj").kernel, nnx.Param)
-    np.testing.assert_allclose(_logits(plain), _logits(quantized), atol=1e-5, rtol=0)
+    # the same math through qwix's interception against a plain Decoder: two float32 graphs
+    want = _logits(quantized)
+    np.testing.assert_allclose(_logits(plain), want, atol=decoder_tolerance(want, CONFIG, 7), rtol=0)
     # the dequantised kernel is what the 4-bit values and their block scales encode, so the merged
     # export of a QLoRA policy is that policy
-    np.testing.assert_allclose(_logits(merge_adapters(plain)), _logits(quantized), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(_logits(merge_adapters(plain)), want, atol=decoder_tolerance(want, CONFIG, 7), rtol=0)
 
 
 @pytest.mark.parametrize("qtype", ["int8", "nf4"])
@@ -87,8 +90,11 @@ def test_prompt_shared_passes_run_the_quantised_kernels(quantized, qtype):
     batch = (out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask)
     reference = token_logps(plain, None, *batch)
     shared = token_logps(*nnx.split(quantized), *batch, group_size=2)
-    np.testing.assert_allclose(shared, reference, atol=1e-4, rtol=0)
-    np.testing.assert_allclose(out.logps, reference, atol=1e-4, rtol=0)  # what the sampler computed while decoding
+    # log-probs of two float32 graphs of the network (logits of this tiny model stay below 8)
+    tolerance = log_softmax_tolerance(decoder_tolerance(8.0, CONFIG, batch[0].shape[1] + batch[2].shape[1]),
+                                      CONFIG.vocab_size)
+    np.testing.assert_allclose(shared, reference, atol=tolerance, rtol=0)
+    np.testing.assert_allclose(out.logps, reference, atol=tolerance, rtol=0)  # what the sampler computed while decoding
 
 
 def test_gradient_flows_to_the_adapters_through_the_quantised_base(quantized):

@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from float_tolerance import decoder_logps_tolerance, decoder_tolerance
 from module_helpers import G, TINY, module_config, prompt_batch, setup_context
 
 from rlbolt.models import Decoder, tiny_config
@@ -79,8 +80,14 @@ def test_chunked_logits_equal_the_unchunked_path(name, chunk, model, tokenizer, 
     a, b = chunked.compute_logps(params, rolled), reference.compute_logps(params, rolled)
     columns = [c for c in ("old_logps", "ref_logps", "teacher_logps", "old_values") if c in b]
     assert "old_logps" in columns and ("ref_logps" in columns or "beta" not in ALGORITHMS[name][1])
-    for column in columns:
-        np.testing.assert_allclose(a[column], b[column], rtol=0, atol=2e-5, err_msg=column)
+    seq = rolled["prompt_mask"].shape[1] + rolled["completion_mask"].shape[1]
+    relative = decoder_tolerance(1.0, model.config, seq)  # the network's rounding, relative to its outputs
+    backward = 3 * relative  # a gradient runs each product forward and twice backward
+    for column in columns:  # the teacher is another tiny Decoder of the same shape
+        tolerance = decoder_logps_tolerance(model if column != "teacher_logps" else teacher, seq)
+        if column == "old_values":
+            tolerance = relative * np.abs(b[column]).max()
+        np.testing.assert_allclose(a[column], b[column], rtol=0, atol=tolerance, err_msg=column)
     assert np.abs(b["old_logps"]).max() > 1  # real log-probabilities, not zeros
 
     batch = reference.on_advantage(b).numeric()
@@ -90,13 +97,14 @@ def test_chunked_logits_equal_the_unchunked_path(name, chunk, model, tokenizer, 
 
     (loss_c, metrics_c), grads_c = jax.jit(jax.value_and_grad(chunked.training_step, has_aux=True))(params, batch)
     (loss_r, metrics_r), grads_r = jax.jit(jax.value_and_grad(reference.training_step, has_aux=True))(params, batch)
-    assert abs(float(loss_c) - float(loss_r)) <= 1e-4 * max(1.0, abs(float(loss_r))), (float(loss_c), float(loss_r))
+    assert abs(float(loss_c) - float(loss_r)) <= backward * max(1.0, abs(float(loss_r))), (float(loss_c), float(loss_r))
     assert set(metrics_c) == set(metrics_r)
     for key in metrics_r:
-        np.testing.assert_allclose(float(metrics_c[key]), float(metrics_r[key]), rtol=1e-4, atol=1e-6, err_msg=key)
+        np.testing.assert_allclose(float(metrics_c[key]), float(metrics_r[key]), rtol=backward, atol=backward * 1e-2,
+                                   err_msg=key)
     assert float(metrics_r["entropy"]) > 0.1  # the entropy really is computed (the tiny model is near uniform)
     leaves = jax.tree_util.tree_leaves_with_path(grads_r)
     assert max(float(np.abs(np.asarray(g)).max()) for _, g in leaves) > 1e-4  # a gradient to compare
     for (path, want), got in zip(leaves, jax.tree.leaves(grads_c)):
         want, got = np.asarray(want), np.asarray(got)
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max() + 1e-12, err_msg=str(path))
+        np.testing.assert_allclose(got, want, rtol=0, atol=backward * np.abs(want).max() + 1e-12, err_msg=str(path))

@@ -53,6 +53,7 @@ def test_kl_cov_selected_share_is_its_top_k_count_over_the_tokens():
     # k = 0.25 of 12 valid tokens: floor(3.0) = 3 tokens; the share is 3 / 12.
     module = _GivenLogps({"algorithm": {"policy_loss": "kl_cov", "cov_select_ratio": 0.25}})
     _, metrics = module.training_step(None, _batch(OLD, OLD, ADV, MASK))
+    # fractions of 12 tokens: float32 k / 12 is within half an ulp (3e-8): abs=1e-7
     assert float(metrics["cov/selected_frac"]) == pytest.approx(3 / 12, abs=1e-7)
     assert float(metrics["clip_frac"]) == 0.0  # KL-Cov clips nothing
     # A ratio that selects fewer than one token still selects one (max(1, floor(k N))).
@@ -110,6 +111,7 @@ def test_entropy_metric_is_the_token_mean_of_the_policy_entropy():
                                          mini_batch_num_samples=np.full(batch.num_samples, batch.num_samples,
                                                                         np.float32))
     _, metrics = module.training_step(params, micro)
+    # a float32 mean of 12 values against float64: <= 12 * eps relative (sum_error_bound): rel=1e-5
     assert float(metrics["entropy"]) == pytest.approx(entropy[mask].mean(), rel=1e-5)
 
 
@@ -126,6 +128,7 @@ def test_distillation_logs_the_token_mean_reverse_kl_of_the_round():
         module.on_advantage(batch)
     mask = np.asarray(batch["completion_mask"], bool)
     want = (np.asarray(batch["old_logps"], np.float64) - np.asarray(batch["teacher_logps"], np.float64))[mask].mean()
+    # a float32 mean of a few differences against float64: < 20 ulps, rel=1e-5 is 84
     assert mean_logs(logged)["distill/reverse_kl"] == pytest.approx(want, rel=1e-5, abs=1e-6)
     assert abs(want) > 1e-3  # a different teacher: a zero metric would fail
 

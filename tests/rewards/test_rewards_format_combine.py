@@ -67,6 +67,7 @@ def test_weighted_reward_sums_by_hand():
     assert math.isclose(reward(completion, sample), 2.0 * 0.0 - 0.5 * 3.4 + 1.0 * 1.0)
     assert reward.names == ["exact", "length", "format"]
     assert reward.weights == {"exact": 2.0, "length": -0.5, "format": 1.0}
+    # Python float64 sums of a few constants: approx's 1e-6 relative is ~1e10 float64 ulps
     assert reward("7", {"answer": "7"}) == pytest.approx(2.0 - 0.05 + 0.0)
     # Picklable when its functions are, as the process executor needs.
     assert pickle.loads(pickle.dumps(reward))("7", {"answer": "7"}) == pytest.approx(1.95)

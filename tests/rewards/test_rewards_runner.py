@@ -63,6 +63,7 @@ def test_raise_and_hang_get_the_penalty_and_the_call_stays_bounded(executor, cap
         assert result.metrics["reward/failures"] == 1.0
         assert result.metrics["reward/timeouts"] == 1.0
         assert result.metrics["reward/failures"] + result.metrics["reward/timeouts"] == 2.0
+        # float64 means of a few floats on both sides: approx's 1e-6 relative is ~1e10 float64 ulps
         assert result.metrics["reward/mean"] == pytest.approx(np.mean([1, -1, 3, -1, 5]))
         assert result.metrics["reward/std"] == pytest.approx(np.std([1, -1, 3, -1, 5]))
         per_fn = result.per_fn["flaky"]
@@ -94,6 +95,7 @@ def test_weighted_reward_metrics_by_hand():
         result = runner.score(completions, samples)
     # id 1 raises inside "flaky", so the whole sample gets the penalty (0.0).
     expected = [2.0 * 1 + 0.5 * 2, 0.0, 2.0 * 1 + 0.5 * 4, 2.0 * 1 + 0.5 * 5]
+    # float64 rewards, the same arithmetic: allclose's default rtol 1e-7 is ~1e9 float64 ulps
     np.testing.assert_allclose(result.rewards, expected)
     assert result.metrics["reward/parity/mean"] == pytest.approx(1.0)  # over the 3 scored samples
     assert result.metrics["reward/flaky/mean"] == pytest.approx((2 + 4 + 5) / 3)

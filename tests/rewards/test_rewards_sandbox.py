@@ -84,6 +84,7 @@ def test_honest_programs_and_every_test_form():
     result = run_python_sandboxed(right, stdin="hello", tests=ADD_TESTS)
     assert result.ok and result.judged and result.tests_passed == result.tests_total == 3
     assert result.stdout.strip() == "HELLO" and _live_group_members(result.pid) == []
+    # a float64 ratio of test counts: approx's 1e-6 relative is ~1e10 float64 ulps
     assert _honest_score(ADD_TESTS) == pytest.approx(1 / 3)
     assert _honest_score(ADD_TESTS, partial_credit=False) == 0.0
     program = ("import math\ndef f(x):\n    return [x, x / 3, {'k': (x, None)}]\n"
@@ -283,6 +284,7 @@ def test_kitchen_sink_of_attacks_scores_no_more_than_an_honest_wrong_answer(back
     if backend == "none":  # no filesystem view: only file permissions keep the data from the fresh uid
         os.chmod(Path(world["dataset"]).parent, 0o700)
     honest = _honest_score(world["tests"], isolation=backend)
+    # a float64 ratio of test counts: exact (1/4), approx only for form
     assert honest == pytest.approx(1 / 4)
     for audit_hook in (False, True):
         result = run_python_sandboxed(_kitchen_sink(world), tests=world["tests"], isolation=backend,

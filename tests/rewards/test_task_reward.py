@@ -58,6 +58,7 @@ def test_text_tasks_use_the_tag_or_the_last_line_and_keep_task_partial_credit():
     assert reasoning_gym_reward("<answer>reyornac</answer>", SPELL) == 1.0
     assert reasoning_gym_reward("Reversed, the word reads:\nreyornac", SPELL) == 1.0
     for exploit in ("<answer>reyornac canroyer</answer>", "<answer>REYORNACXYZ</answer>"):
+        # Python float64 ratios of small integers: approx's 1e-6 relative is ~1e10 float64 ulps
         assert raw_score(SPELL, exploit.removeprefix("<answer>").removesuffix("</answer>")) == pytest.approx(0.8)  # a prefix earns 0.8
         assert reasoning_gym_reward(exploit, SPELL) == 0.0
     assert reasoning_gym_reward("<answer>Reyornac</answer>", SPELL) == 1.0  # the task ignores case

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from float_tolerance import decoder_logps_tolerance, decoder_tolerance
 from rlbolt.models import Decoder, tiny_config
 from rlbolt.rollout import left_pad_positions, token_logps, token_logps_and_entropy
 
@@ -51,10 +52,11 @@ def test_matches_naive_float64_reference(temperature, chunk_size, tied):
     logps, entropy = fn(params, *batch)
     ref_logps, ref_entropy = _naive_reference(model, *batch, temperature)
     assert logps.shape == (3, 13) and logps.dtype == jnp.float32
-    assert np.abs(np.asarray(logps) - ref_logps).max() <= 1e-5
-    assert np.abs(np.asarray(entropy) - ref_entropy).max() <= 1e-5
+    tolerance = decoder_logps_tolerance(model, batch[0].shape[1] + batch[2].shape[1], temperature=temperature)
+    assert np.abs(np.asarray(logps) - ref_logps).max() <= tolerance
+    assert np.abs(np.asarray(entropy) - ref_entropy).max() <= tolerance * (1 + np.log(model.config.vocab_size))
     only = token_logps(graphdef, params, *batch, temperature=temperature, chunk_size=chunk_size)
-    np.testing.assert_allclose(np.asarray(only), np.asarray(logps), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(only), np.asarray(logps), rtol=0, atol=tolerance)
     assert (np.asarray(logps)[~batch[3]] == 0).all()
 
 
@@ -77,8 +79,9 @@ def test_gradient_matches_unchunked_gradient():
 
     got = jax.grad(chunked_loss)(params)
     want = jax.grad(naive_loss)(params)
+    backward = 3 * decoder_tolerance(1.0, model.config, 13)  # relative; each product runs forward and twice back
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=1e-4)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=backward * np.abs(np.asarray(w)).max())
 
 
 def test_never_materializes_full_logits():
