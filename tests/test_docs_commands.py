@@ -319,15 +319,17 @@ def _readme_figures(task: str) -> tuple[float, float]:
 @pytest.mark.parametrize("task", ["tool", "guess"])
 def test_agent_demos_reach_the_readme_figures(task, tmp_path):
     """`rlbolt demo --task tool|guess` as typed prints the README's start -> end rewards: the start
-    within 0.05 (a random policy's first step), the end at least the README's less 0.15. The
-    trajectories follow float rounding: the same command under the test session's XLA flags ended
-    guess at 0.893 instead of 1.000, and tool's 5-step mean moves between 0.83 and 0.92 on its
-    plateau (benchmarks/RESULTS.md). The command line's fault of issue 33 (300 steps at the copy
-    demo's lr: tool 0.37, guess 0.75) stays far below either bound."""
+    within 0.05 (a random policy's first step), the end past the demo's 0.9 and within 0.1 of the
+    README's (0.99, 1.00). The trajectories follow float rounding (the first step past 0.9 moved
+    between 375 and 391 for tool across runs, benchmarks/RESULTS.md), so the end is not asserted to
+    the digit. Both faults of issue 33 stay below it: the copy demo's 300 steps at its lr (tool
+    0.37, guess 0.75), and the agent tasks drawing from 2,000 repeated rows (tool's plateau near
+    0.87)."""
     out = _rlbolt(_documented(f"rlbolt demo --task {task}").argv, tmp_path).stdout
     start, end = _summary(out)
     want_start, want_end = _readme_figures(task)
-    assert abs(start - want_start) <= 0.05 and end >= want_end - 0.15, (out, want_start, want_end)
+    assert abs(start - want_start) <= 0.05 and end >= max(0.9, want_end - 0.1), (out, want_start, want_end)
+    assert "first reached 0.9 at step" in out
     assert f"rlbolt demo: task={task}, 600 steps" in out
 
 
