@@ -16,7 +16,7 @@ def ev(stage, step, start, end, run=1.0):
 
 def test_busy_seconds_counts_overlapping_calls_once():
     events = [ev("r", 0, 0.0, 2.0), ev("r", 0, 1.0, 3.0), ev("r", 1, 5.0, 6.0), ev("r", 1, 5.5, 5.75)]
-    assert busy_seconds(events) == pytest.approx(4.0)  # [0, 3] and [5, 6]
+    assert busy_seconds(events) == pytest.approx(4.0)  # [0, 3] and [5, 6]; float64 sums of small integers
     assert busy_seconds([]) == 0.0
 
 

@@ -117,6 +117,9 @@ def test_rollout_correction_with_the_native_engine_changes_nothing_but_adds_its_
     TIS weights are 1 to float32 precision and the run trains as without correction."""
     plain, _ = _fit(GRPO(_config(algorithm={"rollout_correction": "none"})))
     corrected, seen = _fit(GRPO(_config(algorithm={"rollout_correction": "tis"})))
+    # The weights exp(logp_trainer - logp_engine) differ from 1 only by the two float32 forwards'
+    # rounding (~1e-6 here, well under decoder_logps_tolerance's worst case); a real correction
+    # (a weight of 0.8 or a masked token) moves them by 0.1 and the parameters by ~lr, 1e4x more.
     for a, b in zip(jax.tree.leaves(plain.params), jax.tree.leaves(corrected.params)):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-5)
     for m in seen:
