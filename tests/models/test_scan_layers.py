@@ -1,8 +1,9 @@
 """Scanned layers (`model.scan_layers`, rlbolt.models.scan_layers): the scanned forward gives the
 loop's logits and gradients, really runs as one scan, and falls back where it cannot.
 
-Tolerance: `network_tolerance` (tests/float_tolerance.py): the scan compiles the same ops into
-another fusion, so XLA may round differently (observed: up to 4e-7 on logits of ~5).
+Tolerance: `decoder_tolerance` (tests/float_tolerance.py): the scan compiles the same ops into
+another fusion, so XLA may round differently (observed: up to 4e-7 on logits of ~5); gradients
+take 3x that relative bound of their own magnitude (the backward's reductions mirror the forward's).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from flax import nnx
 
 from rlbolt.models import Decoder, tiny_config
 from rlbolt.models.scan_layers import scan_reason
-from float_tolerance import network_tolerance
+from float_tolerance import decoder_tolerance
 
 GEMMA3 = dict(architecture="Gemma3ForCausalLM", hidden_act="gelu_pytorch_tanh", norm_unit_offset=True,
               sandwich_norms=True, scale_embeddings=True, qk_norm=True, sliding_window=5, rope_local_theta=1000.0,
@@ -45,9 +46,10 @@ def test_the_scanned_forward_equals_the_loop(family):
     loop_scans, loop_logits, loop_grads = _run(model, False)
     scans, logits, grads = _run(model, True)
     assert (loop_scans, scans) == (0, 1)
-    np.testing.assert_allclose(logits, loop_logits, rtol=0, atol=network_tolerance(loop_logits))
+    config = model.config
+    np.testing.assert_allclose(logits, loop_logits, rtol=0, atol=decoder_tolerance(loop_logits, config, 20))
     for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(loop_grads)):
-        np.testing.assert_allclose(g, ref, rtol=0, atol=network_tolerance(ref) + 1e-30)
+        np.testing.assert_allclose(g, ref, rtol=0, atol=3 * decoder_tolerance(np.asarray(ref), config, 20) + 1e-30)
     assert any(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(grads))
 
 
