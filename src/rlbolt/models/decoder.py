@@ -45,14 +45,15 @@ from flax import nnx
 
 from rlbolt.models.attention import MASK_VALUE as _MASK_VALUE  # noqa: F401  (re-exported)
 from rlbolt.models.attention import and_window, attend, softcap, window_visible
-from rlbolt.models.attention_chunks import DEFAULT_QUERY_CHUNK, causal_query_chunks
+from rlbolt.models.attention_chunks import DEFAULT_QUERY_CHUNK
 from rlbolt.models.cache import KVCache
 from rlbolt.models.config import ModelConfig
+from rlbolt.models.decoder_layer import MLP, Attention, DecoderLayer, _swiglu  # noqa: F401  (also imported from here)
 # The building blocks, also imported from here (LoRA, quantisation, tests).
 from rlbolt.models.layers import Dense, Embed, RMSNorm, _norm, _normal, _param  # noqa: F401
 from rlbolt.models.moe import MoeMLP
 from rlbolt.models.remat import checkpoint_policy, check_remat
-from rlbolt.models.rope import apply_rope, layer_rope
+from rlbolt.models.rope import layer_rope
 from rlbolt.models.scan_layers import scan_reason, scanned_layers
 
 _attend = attend  # the name tests and older callers import
@@ -63,144 +64,6 @@ def _row_shards(sharding) -> int:
     axes = sharding.spec[0] if len(sharding.spec) else None
     axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
     return math.prod(sharding.mesh.shape[a] for a in axes)
-
-
-class Attention(nnx.Module):
-    """Causal grouped-query self-attention with fused q|k|v, optional bias, q/k RMSNorm and soft-capping."""
-
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        c = config
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.qkv_proj = Dense(c.hidden_size, c.q_size + 2 * c.kv_size, ("embed", "qkv"),
-                              use_bias=c.attention_bias, dtype=c.dtype, rngs=rngs)
-        self.qk_norm = c.qk_norm
-        if c.qk_norm:
-            self.q_norm = _norm(c, c.head_dim, "head_dim")
-            self.k_norm = _norm(c, c.head_dim, "head_dim")
-        self.o_proj = Dense(c.q_size, c.hidden_size, ("heads", "embed"), dtype=c.dtype, rngs=rngs)
-        self.scale, self.cap = c.attention_scale, c.attn_logit_softcapping
-
-    def attend(self, q, keys_t, values, visible):
-        """`rlbolt.models.attention.attend` with this layer's score scale and soft-capping."""
-        return attend(q, keys_t, values, visible, scale=self.scale, cap=self.cap)
-
-    def project(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The rotated queries, keys and values of x [B, T, H] (cos/sin [B, T, D]).
-
-        Returns:
-          (q [B, T, nH, D], k [B, T, nKV, D], v [B, T, nKV, D]); q and k rotated (and
-            RMS-normed first when qk_norm).
-        """
-        b, t, _ = x.shape
-        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)
-        q = qkv[..., : nh * d].reshape(b, t, nh, d)
-        k = qkv[..., nh * d: (nh + nkv) * d].reshape(b, t, nkv, d)
-        v = qkv[..., (nh + nkv) * d:].reshape(b, t, nkv, d)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def __call__(self, x, cos, sin, visible, cache_kv, query_chunk=None):
-        """x [B,T,H]; cos/sin [B,T,D]; visible [B,T,S]; cache_kv None or (keys_t, values, index).
-
-        query_chunk: without a cache, the query rows per chunk of causal attention
-        (`rlbolt.models.attention_chunks`); None: one piece.
-        """
-        q, k, v = self.project(x, cos, sin)
-        k_t = k.transpose(0, 2, 3, 1)  # [B, nKV, D, T]
-        v = v.transpose(0, 2, 1, 3)  # [B, nKV, T, D]
-        if cache_kv is None:
-            return self.o_proj(causal_query_chunks(self.attend, q, k_t, v, visible, query_chunk)), None
-        keys_t, values, index = cache_kv
-        zero = jnp.zeros((), jnp.int32)
-        k_t = jax.lax.dynamic_update_slice(keys_t, k_t.astype(keys_t.dtype), (zero, zero, zero, index))
-        v = jax.lax.dynamic_update_slice(values, v.astype(values.dtype), (zero, zero, index, zero))
-        return self.o_proj(self.attend(q, k_t, v, visible)), (k_t, v)
-
-
-class MLP(nnx.Module):
-    """Gated feed-forward `down(act(gate(x)) * up(x))` (Shazeer 2020, eq. 6) with fused gate|up:
-    SwiGLU (silu), or GeGLU with tanh-approximated gelu (Gemma's gelu_pytorch_tanh)."""
-
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        self.intermediate_size = config.intermediate_size
-        self.hidden_act = config.hidden_act
-        self.gate_up_proj = Dense(config.hidden_size, 2 * config.intermediate_size, ("embed", "mlp"),
-                                  dtype=config.dtype, rngs=rngs)
-        self.down_proj = Dense(config.intermediate_size, config.hidden_size, ("mlp", "embed"),
-                               dtype=config.dtype, rngs=rngs)
-
-    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        gate_up = self.gate_up_proj(x)
-        if self.hidden_act == "gelu_pytorch_tanh":
-            gate, up = jnp.split(gate_up, 2, axis=-1)
-            return self.down_proj(jax.nn.gelu(gate, approximate=True) * up)
-        return self.down_proj(_swiglu(gate_up))
-
-
-@jax.custom_vjp
-def _swiglu(gate_up: jnp.ndarray) -> jnp.ndarray:
-    """`silu(gate) * up` of a fused [..., 2I] gate|up projection -> [..., I] (Shazeer 2020, eq. 6).
-
-    The custom backward keeps only `gate_up` as its residual and recomputes the element-wise
-    terms, and writes d(gate|up) as one concatenation: autodiff stored silu(gate), sigmoid and
-    the product per layer and built the gradient as pad + pad + add (RESULTS.md: update temp
-    memory and time).
-    """
-    gate, up = jnp.split(gate_up, 2, axis=-1)
-    return jax.nn.silu(gate) * up
-
-
-def _swiglu_fwd(gate_up):
-    return _swiglu(gate_up), gate_up
-
-
-def _swiglu_bwd(gate_up, d_out):
-    gate, up = jnp.split(gate_up, 2, axis=-1)
-    sig = jax.nn.sigmoid(gate)
-    # d silu(g)/dg = sig(g) * (1 + g * (1 - sig(g)))
-    d_gate = d_out * up * sig * (1 + gate * (1 - sig))
-    return (jnp.concatenate([d_gate, d_out * gate * sig], axis=-1),)
-
-
-_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
-
-
-class DecoderLayer(nnx.Module):
-    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`; with sandwich norms (Gemma)
-    each branch's output is RMS-normed again before its residual add."""
-
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, moe: bool = False):
-        h = config.hidden_size
-        self.attn_norm = _norm(config, h, "embed")
-        self.attn = Attention(config, rngs=rngs)
-        self.mlp_norm = _norm(config, h, "embed")
-        self.mlp = MoeMLP(config, rngs=rngs, param=_param, normal=_normal) if moe else MLP(config, rngs=rngs)
-        self.sandwich_norms = config.sandwich_norms
-        if config.sandwich_norms:
-            self.post_attn_norm = _norm(config, h, "embed")
-            self.post_mlp_norm = _norm(config, h, "embed")
-
-    def __call__(self, x, cos, sin, visible, cache_kv, query_chunk=None, routing_out=None):
-        attn_out, new_kv = self.attn(self.attn_norm(x), cos, sin, visible, cache_kv, query_chunk)
-        return self.add_mlp(self.add_attention(x, attn_out), routing_out), new_kv
-
-    def add_attention(self, x: jnp.ndarray, attn_out: jnp.ndarray) -> jnp.ndarray:
-        """The residual stream after attention: `x + attn_out` (attn_out post-normed with sandwich norms)."""
-        return x + (self.post_attn_norm(attn_out) if self.sandwich_norms else attn_out)
-
-    def add_mlp(self, x: jnp.ndarray, routing_out: list | None = None) -> jnp.ndarray:
-        """The residual stream after the MLP block: `x + mlp(norm(x))` (post-normed with sandwich norms).
-
-        routing_out: a list that an MoE block appends its experts [N, k] to (None: not collected).
-        """
-        if routing_out is not None and isinstance(self.mlp, MoeMLP):
-            out, experts = self.mlp.routed(self.mlp_norm(x))
-            routing_out.append(experts)
-        else:
-            out = self.mlp(self.mlp_norm(x))
-        return x + (self.post_mlp_norm(out) if self.sandwich_norms else out)
 
 
 class Decoder(nnx.Module):
