@@ -144,7 +144,7 @@ def test_tool_time_is_a_mean_over_episodes_like_every_other_metric():
 
     _, out = _run([Timed(0.25), Timed(0.5), Timed(0.0), Timed(1.25)])
     m = out.metrics()
-    assert m["agents/tool_time_s"] == pytest.approx((0.25 + 0.5 + 0.0 + 1.25) / 4, rel=1e-7)  # float32 sums: rel 1e-7
+    assert m["agents/tool_time_s"] == pytest.approx((0.25 + 0.5 + 0.0 + 1.25) / 4, rel=1e-7)  # dyadic times: float32 sums and /4 exact; 1e-7 < 1 ulp is slack
     assert m["agents/tool_calls"] == 2.0
     np.testing.assert_allclose(out.tool_time_s, [0.25, 0.5, 0.0, 1.25])
 
