@@ -28,6 +28,7 @@ def _last_json(script: str, *args: str) -> tuple[str, dict]:
     return out, json.loads(lines[-1])
 
 
+@pytest.mark.slow  # ~20 s: the whole quick benchmark run; its schema rots only with the benchmark
 def test_grpo_step_benchmark_quick_mode():
     out, result = _last_json("grpo_step.py")
     assert "overhead ratio" in out  # the table came before the JSON line
