@@ -75,3 +75,33 @@ def test_the_config_package_imports_no_registry_home():
     code = "import sys, rlbolt.config; print(sorted(m for m in ('jax', 'rlbolt.algorithms.objectives') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+# The framework's columns as `modules/policy_rollout.py` listed them before each registered itself.
+FRAMEWORK_COLUMNS_BEFORE = {
+    "group_ids", "policy_version", "sample_keys", "prompt_ids", "prompt_mask", "completion_ids",
+    "completion_mask", "sampler_logps", "old_logps", "ref_logps", "rewards", "advantages", "completion_text",
+    "old_values", "returns", "importance_weights", "keep_mask", "mini_batch_num_tokens", "mini_batch_num_samples",
+    "dock_index", "teacher_logps", "sequence_mask", "prompt_routing", "completion_routing",
+}
+
+
+def test_the_columns_rewards_do_not_see_are_the_registered_ones():
+    import numpy as np
+
+    import rlbolt.modules  # noqa: F401 - the writers of the optional columns register on import
+    import rlbolt.producer.handoff  # noqa: F401
+    from rlbolt.batch import COLUMNS, Batch, register_column, row_fields
+
+    assert set(COLUMNS.names()) == FRAMEWORK_COLUMNS_BEFORE
+    n = 2
+    batch = Batch({**{c: np.zeros(n) for c in sorted(FRAMEWORK_COLUMNS_BEFORE)}, "question": np.array(["a", "b"]),
+                   "env_reward": np.zeros(n), "prompt_index": np.arange(n), "my_values": np.zeros(n)})
+    assert row_fields(batch) == ["question", "env_reward", "prompt_index", "my_values"]
+    register_column("my_values", "[N]", "float32", "a user module's column", by="user_module")
+    try:
+        assert row_fields(batch) == ["question", "env_reward", "prompt_index"]  # no longer shown to rewards
+        with pytest.raises(ValueError, match="batch column 'my_values' is already user_module"):
+            register_column("my_values", "[N]", "float32", "taken", by="another_module")
+    finally:
+        COLUMNS.unregister("my_values")
