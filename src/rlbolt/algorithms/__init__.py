@@ -40,11 +40,15 @@ from rlbolt.algorithms.policy_loss import (
     clipped_surrogate,
     clipped_value_loss,
     gspo_surrogate,
-    truncated_importance_weights,
 )
 from rlbolt.algorithms.policy_objectives import cispo_surrogate, gmpo_surrogate, sapo_surrogate
 from rlbolt.algorithms.objectives import OBJECTIVES, Objective, objective_inputs, register_objective
-from rlbolt.algorithms.rollout_correction import CORRECTION_LEVELS, CORRECTION_MODES, rollout_correction
+from rlbolt.algorithms.rollout_correction import (
+    CORRECTION_LEVELS,
+    CORRECTION_MODES,
+    rollout_correction,
+    truncated_importance_weights,
+)
 from rlbolt.algorithms.shaping import overlong_penalty
 
 __all__ = [
