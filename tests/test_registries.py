@@ -105,3 +105,33 @@ def test_the_columns_rewards_do_not_see_are_the_registered_ones():
             register_column("my_values", "[N]", "float32", "taken", by="another_module")
     finally:
         COLUMNS.unregister("my_values")
+
+
+def test_an_objective_in_the_objects_module_file_is_registered_before_the_field_is_checked(tmp_path, monkeypatch):
+    """The how-to's command-line route: the file `objects.module` names registers the objective."""
+    import sys
+    import textwrap
+
+    from rlbolt.algorithms import OBJECTIVES
+    from rlbolt.config import algorithms
+
+    (tmp_path / "user_objective.py").write_text(textwrap.dedent('''
+        from rlbolt.algorithms import clipped_surrogate, objective_inputs, register_objective
+        from rlbolt.modules import GRPO
+
+        @register_objective("narrow-clip", defaults={"clip_high": 0.1}, aggregation="token-mean")
+        def narrow_clip(logps, batch, algo):
+            return clipped_surrogate(logps, *objective_inputs(batch), clip_low=algo.clip_low, clip_high=algo.clip_high)
+
+        class NarrowGRPO(GRPO):
+            algorithm_name = "narrow-grpo"
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        algo = load_config({"algorithm": {"policy_loss": "narrow-clip"},
+                            "objects": {"module": "user_objective:NarrowGRPO"}}).algorithm
+        assert (algo.name, algo.clip_high, algo.loss_aggregation) == ("narrow-grpo", 0.1, "token-mean")
+    finally:
+        sys.modules.pop("user_objective", None)
+        OBJECTIVES.unregister("narrow-clip")
+        algorithms._REGISTRY.pop("narrow-grpo", None)
