@@ -72,7 +72,8 @@ def test_the_config_package_imports_no_registry_home():
     import subprocess
     import sys
 
-    code = "import sys, rlbolt.config; print(sorted(m for m in ('jax', 'rlbolt.algorithms.objectives') if m in sys.modules))"
+    code = ("import sys, rlbolt.config; "
+            "print(sorted(m for m in ('jax', 'rlbolt.algorithms.objectives') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

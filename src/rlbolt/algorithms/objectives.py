@@ -120,7 +120,7 @@ def _micro_batch_key(batch: Mapping[str, Any]) -> jax.Array:
 
 
 @register_objective("ppo")
-def ppo(logps, batch, a):
+def ppo(logps: jax.Array, batch: Mapping[str, Any], a: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
     """PPO-clip with clip-higher and dual-clip (`clipped_surrogate`)."""
     return clipped_surrogate(logps, *objective_inputs(batch), clip_low=a.clip_low, clip_high=a.clip_high,
                              dual_clip=a.dual_clip, importance_weights=batch.get("importance_weights"))
@@ -129,7 +129,7 @@ def ppo(logps, batch, a):
 # GSPO (arXiv 2507.18071), SAPO (arXiv 2511.20347), GMPO (arXiv 2507.20673): a mean over each
 # sequence's tokens, then over sequences (exactly the sequence objective in GSPO's and GMPO's token forms).
 @register_objective("gspo", aggregation="seq-mean-token-mean")
-def gspo(logps, batch, a):
+def gspo(logps: jax.Array, batch: Mapping[str, Any], a: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
     """GSPO's sequence-level ratio (`gspo_surrogate`)."""
     return importance_weighted(gspo_surrogate(logps, *objective_inputs(batch), clip_low=a.clip_low,
                                               clip_high=a.clip_high), batch)
@@ -137,21 +137,21 @@ def gspo(logps, batch, a):
 
 # MiniMax-M1 (arXiv 2506.13585): no lower bound, an upper cap of 5; normalised by the batch's token count.
 @register_objective("cispo", defaults={"clip_low": 1.0, "clip_high": 4.0}, aggregation="token-mean")
-def cispo(logps, batch, a):
+def cispo(logps: jax.Array, batch: Mapping[str, Any], a: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
     """CISPO's clipped importance weight, every token keeps its gradient (`cispo_surrogate`)."""
     return importance_weighted(cispo_surrogate(logps, *objective_inputs(batch), clip_low=a.clip_low,
                                                clip_high=a.clip_high), batch)
 
 
 @register_objective("sapo", aggregation="seq-mean-token-mean")
-def sapo(logps, batch, a):
+def sapo(logps: jax.Array, batch: Mapping[str, Any], a: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
     """SAPO's soft sigmoid gate (`sapo_surrogate`)."""
     return importance_weighted(sapo_surrogate(logps, *objective_inputs(batch), tau_pos=a.sapo_tau_pos,
                                               tau_neg=a.sapo_tau_neg), batch)
 
 
 @register_objective("gmpo", defaults={"clip_low": 0.4, "clip_high": 0.4}, aggregation="seq-mean-token-mean")
-def gmpo(logps, batch, a):
+def gmpo(logps: jax.Array, batch: Mapping[str, Any], a: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
     """GMPO's geometric mean of token ratios, clipped in log space (`gmpo_surrogate`)."""
     return gmpo_surrogate(logps, *objective_inputs(batch), clip_low=a.clip_low, clip_high=a.clip_high,
                           importance_weights=batch.get("importance_weights"))
@@ -159,7 +159,7 @@ def gmpo(logps, batch, a):
 
 # Clip-Cov and KL-Cov (arXiv 2505.22617): the share of tokens of highest log-prob/advantage covariance.
 @register_objective("clip_cov", defaults={"cov_select_ratio": 2e-4}, selections=("cov_detached",))
-def clip_cov(logps, batch, a):
+def clip_cov(logps: jax.Array, batch: Mapping[str, Any], a: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
     """PPO-clip with the highest-covariance tokens detached (`clip_cov_surrogate`)."""
     return importance_weighted(clip_cov_surrogate(
         logps, *objective_inputs(batch), _micro_batch_key(batch), clip_low=a.clip_low, clip_high=a.clip_high,
@@ -167,7 +167,7 @@ def clip_cov(logps, batch, a):
 
 
 @register_objective("kl_cov", defaults={"cov_select_ratio": 2e-3}, selections=("kl_penalised",))
-def kl_cov(logps, batch, a):
+def kl_cov(logps: jax.Array, batch: Mapping[str, Any], a: Any) -> tuple[jax.Array, dict[str, jax.Array]]:
     """PPO's surrogate with a KL penalty on the highest-covariance tokens (`kl_cov_surrogate`)."""
     return importance_weighted(kl_cov_surrogate(logps, *objective_inputs(batch), select_ratio=a.cov_select_ratio,
                                                 kl_coef=a.kl_cov_coef), batch)

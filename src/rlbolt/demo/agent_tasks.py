@@ -1,4 +1,5 @@
-"""Two multi-turn tasks (registered in `rlbolt.demo.tasks`) a tiny random-init model learns from scratch on a CPU, with their environments.
+"""Two multi-turn tasks a tiny random-init model learns from scratch on a CPU, with their
+environments (registered in `rlbolt.demo.tasks`).
 
 Both use `demo_tokenizer()`, a character tokenizer over `DEMO_ALPHABET` (digits, `?`, `!`, `<`,
 `>`, newline); the built-in "chat template" joins message contents with newlines, so a turn's
