@@ -31,7 +31,7 @@ from doc_commands import ROOT, DocCommand, documented_commands
 
 import rlbolt.app.cli_run
 from rlbolt.app.cli import build_parser, main, split_overrides
-from rlbolt.config.demo import DemoConfig
+from rlbolt.demo.config import DemoConfig
 
 COMMANDS = documented_commands()
 
@@ -146,14 +146,14 @@ _FLAG_FIELDS = {"--max-steps": ("max_steps", int), "--checkpoint-every": ("check
 
 def _expected_demo_config(argv: tuple[str, ...]) -> tuple[dict, str | None]:
     """The settings a demo command line asks for, from the pages' promises: the task's own
-    declared steps and learning rate (rlbolt.agents.tasks.DEMO_TASKS for the agent tasks; 300 steps
+    declared steps and learning rate (rlbolt.demo.tasks.DEMO_TASKS for the agent tasks; 300 steps
     at 5e-4 for the digit tasks, docs/cli.md), each flag's value, and the class default otherwise."""
-    from rlbolt.agents.tasks import DEMO_TASKS
+    from rlbolt.demo.tasks import DEMO_TASKS, episode_tasks
 
     expected = {f.name: f.default for f in dataclasses.fields(DemoConfig)}
     flags = dict(zip(argv[1::2], argv[2::2]))
     task = flags.get("--task", "copy")
-    spec = DEMO_TASKS.get(task)
+    spec = DEMO_TASKS[task] if task in episode_tasks() else None
     expected.update(max_steps=spec.steps if spec else 300, learning_rate=spec.learning_rate if spec else 5e-4)
     for flag, text in flags.items():
         if flag in _FLAG_FIELDS:
@@ -182,7 +182,7 @@ def test_demo_commands_resolve_to_the_tasks_defaults(key, monkeypatch, capsys, t
 
 def test_a_replaced_task_takes_that_tasks_defaults_and_an_explicit_value_wins():
     """The fault of issue 33: a copy of the digit demo's config made for "tool" kept 300 steps at 5e-4."""
-    from rlbolt.agents.tasks import DEMO_TASKS
+    from rlbolt.demo.tasks import DEMO_TASKS
 
     tool = DEMO_TASKS["tool"]
     moved = dataclasses.replace(DemoConfig(), task="tool").resolved()

@@ -17,7 +17,7 @@ import optax
 import pytest
 
 from rlbolt.config import SECTIONS, config_to_dict, load_config
-from rlbolt.app.demo import DemoConfig
+from rlbolt.demo import DemoConfig
 from rlbolt.callback import CallbackList
 from rlbolt.checkpointing import config_guard
 from rlbolt.callbacks.checkpoint import ModelCheckpoint

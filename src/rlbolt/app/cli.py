@@ -30,8 +30,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rlbolt.demo.tasks import DEMO_TASKS
+
 if TYPE_CHECKING:
-    from rlbolt.config.demo import DemoConfig
+    from rlbolt.demo.config import DemoConfig
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -63,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--checkpoint-every", type=_positive_int,
                       help="checkpoint every K steps (default: only the last step)")
     demo.add_argument("--seed", type=int, help="seed of the model, the prompts and sampling (default: 0)")
-    demo.add_argument("--task", choices=("copy", "reverse", "increment", "tool", "guess"),
+    demo.add_argument("--task", choices=DEMO_TASKS.names(),
                       help="copy (default), reverse or increment the digits; tool: answer with a value only a lookup "
                            "tool knows; guess: find a number from higher/lower replies (both multi-turn episodes)")
     demo.add_argument("--lora-rank", type=_positive_int,
@@ -154,7 +156,7 @@ def demo_config(args: argparse.Namespace) -> DemoConfig:
       The config: each flag given sets its field, every other field is the chosen task's default
       (`DemoConfig.resolved`).
     """
-    from rlbolt.config.demo import DemoConfig
+    from rlbolt.demo.config import DemoConfig
 
     given = {k: v for k, v in (("max_steps", args.max_steps), ("checkpoint_every", args.checkpoint_every),
                                ("seed", args.seed), ("task", args.task), ("lora_rank", args.lora_rank),
@@ -193,7 +195,7 @@ def _cmd_fit(args: argparse.Namespace, extra: Sequence[str]) -> int:
 
 def _cmd_resume(args: argparse.Namespace) -> int:
     from rlbolt.app import rundir
-    from rlbolt.config.demo import is_demo_config
+    from rlbolt.demo.config import is_demo_config
     from rlbolt.utils import runlock
 
     run_dir = Path(args.run_dir)
@@ -205,7 +207,7 @@ def _cmd_resume(args: argparse.Namespace) -> int:
     with runlock.hold(run_dir):  # before JAX is imported: a second writer is refused at once
         if is_demo_config(data):
             from rlbolt.app.cli_run import run_demo
-            from rlbolt.config.demo import DemoConfig
+            from rlbolt.demo.config import DemoConfig
 
             config = DemoConfig.from_dict(data)
             if args.max_steps is not None:
@@ -258,7 +260,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 _USER_ERRORS = (  # (module, class): bad input or a refusal, reported in one line with exit status 2
-    ("rlbolt.app.rundir", "RunDirError"), ("rlbolt.plan", "PlanError"), ("rlbolt.config.demo", "DemoConfigError"),
+    ("rlbolt.app.rundir", "RunDirError"), ("rlbolt.plan", "PlanError"), ("rlbolt.demo.config", "DemoConfigError"),
     ("rlbolt.config.fields", "ConfigError"), ("rlbolt.utils.runlock", "RunDirBusy"),
     ("rlbolt.checkpointing.io", "NoUsableCheckpoint"), ("rlbolt.checkpointing.config_guard", "ConfigChanged"),
     ("rlbolt.checkpointing.meta", "FrozenParamsMismatch"),  # a LoRA resume or export on another base

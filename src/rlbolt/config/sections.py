@@ -12,25 +12,11 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from rlbolt.config.fields import option as _f
+from rlbolt.config.registries import objective_names
 
 METRIC_WRITERS = ("console", "jsonl", "tensorboard", "wandb")
-REWARD_TERMS = ("answer", "format", "digits", "task", "env")  # rlbolt.modules.rewarding builds them
-POLICY_LOSSES = ("ppo", "gspo", "cispo", "sapo", "gmpo", "clip_cov", "kl_cov")  # modules/policy_losses.py implements them
-# The fields each policy objective fills when the config left them None (the papers' settings); they
-# win over the algorithm's own defaults (`algorithm_defaults`), and a value the config sets wins over
-# both. `loss_aggregation` is the paper's: an objective that declares none (ppo, clip_cov, kl_cov:
-# PPO's per-token surrogate) trains with the algorithm's.
-POLICY_LOSS_DEFAULTS = {
-    # MiniMax-M1 (arXiv 2506.13585): no lower bound, an upper cap of 5; normalised by the batch's token count
-    "cispo": {"clip_low": 1.0, "clip_high": 4.0, "loss_aggregation": "token-mean"},
-    # GSPO (arXiv 2507.18071), SAPO (arXiv 2511.20347), GMPO (arXiv 2507.20673): a mean over each
-    # sequence's tokens, then over sequences (exactly the sequence objective in GSPO's and GMPO's token forms)
-    "gspo": {"loss_aggregation": "seq-mean-token-mean"},
-    "sapo": {"loss_aggregation": "seq-mean-token-mean"},
-    "gmpo": {"clip_low": 0.4, "clip_high": 0.4, "loss_aggregation": "seq-mean-token-mean"},  # log-space token clip
-    "clip_cov": {"cov_select_ratio": 2e-4},  # arXiv 2505.22617
-    "kl_cov": {"cov_select_ratio": 2e-3},
-}
+# The policy objectives (algorithm.policy_loss) and reward terms (reward.weights) are registries
+# beside their code: rlbolt.config.registries reads their names.
 
 
 def default_reward_weights(has_env: bool) -> dict:
@@ -137,7 +123,7 @@ class AlgorithmSection:
     loss_aggregation: str | None = _f(None, "how per-token losses become one scalar; None: the policy objective's paper aggregation (policy_loss gspo, sapo, gmpo: seq-mean-token-mean; cispo: token-mean), else the algorithm's (grpo, gspo: seq-mean-token-mean; drgrpo: seq-mean-token-sum-norm; rloo: seq-mean-token-sum; dapo, ppo, reinforcepp: token-mean)", LOSS_AGGREGATIONS)
     dynamic_sampling: bool | None = _f(None, "drop groups whose rewards are all equal and refill (DAPO); None: on for dapo only")
     overlong_cache_length: int | None = _f(None, "DAPO soft overlong ramp width L_cache in tokens (0 = off); None: max_new_tokens // 4 for dapo, else 0", at_least=0)
-    policy_loss: str | None = _f(None, "the per-token policy objective: ppo (PPO-clip with clip-higher / dual-clip), gspo (sequence ratio), cispo (clipped IS weight, every token keeps its gradient; MiniMax-M1), sapo (soft sigmoid gate), gmpo (geometric mean of token ratios), clip_cov / kl_cov (clip or KL-penalise the tokens of highest log-prob/advantage covariance); None: the algorithm's own (gspo for GSPO, else ppo)", POLICY_LOSSES)
+    policy_loss: str | None = _f(None, "the per-token policy objective: ppo (PPO-clip with clip-higher / dual-clip), gspo (sequence ratio), cispo (clipped IS weight, every token keeps its gradient; MiniMax-M1), sapo (soft sigmoid gate), gmpo (geometric mean of token ratios), clip_cov / kl_cov (clip or KL-penalise the tokens of highest log-prob/advantage covariance), or one registered with rlbolt.algorithms.register_objective; None: the algorithm's own (gspo for GSPO, else ppo)", objective_names)
     sapo_tau_pos: float = _f(1.0, "sapo: the gate's temperature for positive advantages", above=0)
     sapo_tau_neg: float = _f(1.05, "sapo: the gate's temperature for negative advantages", above=0)
     cov_select_ratio: float | None = _f(None, "clip_cov / kl_cov: the share of tokens the covariance rule selects; None: 2e-4 for clip_cov, 2e-3 for kl_cov", above=0, at_most=1)
