@@ -48,6 +48,16 @@ def _reference(q, k, v, segments, scale, cap, window):
     return attend(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), visible, scale=scale, cap=cap)
 
 
+def test_model_attention_config_field_takes_one_of_three():
+    from rlbolt.config import ConfigError, load_config
+
+    assert load_config(None, []).model.attention == "auto"
+    assert load_config(None, ["model.attention=flash"]).model.attention == "flash"
+    with pytest.raises(ConfigError, match=r"^model.attention='splash' is not allowed; choose one of \['auto', 'xla', "
+                                          r"'flash'\] \(did you mean 'flash'\?\)$"):
+        load_config(None, ["model.attention=splash"])
+
+
 def test_resolve_attention_per_platform_and_bad_values():
     assert [resolve_attention("auto", p) for p in ("cpu", "tpu", "gpu")] == ["xla", "splash", "cudnn"]
     assert [resolve_attention("flash", p) for p in ("tpu", "gpu")] == ["splash", "cudnn"]
@@ -70,7 +80,7 @@ def test_splash_equals_xla_attention_on_left_padded_and_packed_rows(cap, window)
     segments[1, :30], segments[1, 30:31], segments[1, 31:90] = 1, 2, 3
     segments = jnp.asarray(segments)
     scale = 8 ** -0.5
-    got = splash_attention(q, k, v, segments, scale=scale, cap=cap, window=window).reshape(b, t, -1)
+    got = splash_attention(q, k, v, segments, scale=scale, cap=cap, window=window, interpret=True).reshape(b, t, -1)
     want = _reference(q, k, v, segments, scale, cap, window)
     real = np.asarray(segments > 0)
     np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], rtol=0,
@@ -127,7 +137,7 @@ def test_splash_logps_and_gradients_equal_xla(overrides):
                             "layer_types": None, **overrides})
     batch = _batch()
     seq = batch[0].shape[1] + batch[2].shape[1]
-    (l_x, g_x), (l_s, g_s) = (_logps_and_grads(config, k, batch) for k in ("xla", "splash"))
+    (l_x, g_x), (l_s, g_s) = (_logps_and_grads(config, k, batch) for k in ("xla", "splash-interpret"))
     logits_bound = 8.0  # |logits| of this tiny model (tests/models/test_attention_chunks.py checks it)
     np.testing.assert_allclose(l_s, l_x, rtol=0,
                                atol=log_softmax_tolerance(decoder_tolerance(logits_bound, config, seq),
@@ -144,12 +154,12 @@ def test_splash_bfloat16_logits_within_two_bf16_bounds_of_xla():
     ids, mask = jnp.concatenate([p_ids, c_ids], 1), jnp.concatenate([p_mask, c_mask], 1)
     positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
     out = {}
-    for kernel in ("xla", "splash"):
+    for kernel in ("xla", "splash-interpret"):
         model = Decoder(config, rngs=nnx.Rngs(3))
         model.attention_kernel = kernel
         out[kernel] = np.asarray(model(ids, positions, attention_mask=mask)[0])
     real = np.asarray(mask)
-    np.testing.assert_allclose(out["splash"][real], out["xla"][real], rtol=0,
+    np.testing.assert_allclose(out["splash-interpret"][real], out["xla"][real], rtol=0,
                                atol=2 * bf16_tolerance(out["xla"][real], config))
 
 
@@ -161,21 +171,22 @@ def test_prefill_into_a_fresh_cache_runs_the_kernel_and_fills_the_same_cache():
     p_ids, p_mask, _, _ = _batch()
     positions = jnp.maximum(jnp.cumsum(p_mask, axis=1) - 1, 0)
     out = {}
-    for kernel in ("xla", "splash"):
+    for kernel in ("xla", "splash-interpret"):
         model = Decoder(config, rngs=nnx.Rngs(3))
         model.attention_kernel = kernel
         hidden, cache = model(p_ids, positions, attention_mask=p_mask, cache=init_cache(config, 4, 12),
                               return_hidden=True)
         out[kernel] = (np.asarray(hidden)[np.asarray(p_mask)], cache)
     atol = decoder_tolerance(8.0, config, 12)
-    np.testing.assert_allclose(out["splash"][0], out["xla"][0], rtol=0, atol=atol)
+    np.testing.assert_allclose(out["splash-interpret"][0], out["xla"][0], rtol=0, atol=atol)
     real = np.asarray(p_mask)
     slots_second = {"keys": (0, 3, 1, 2), "values": (0, 2, 1, 3)}  # [B, nKV, D, S] / [B, nKV, S, D] -> [B, S, ...]
     for name, axes in slots_second.items():
-        for a, b in zip(getattr(out["splash"][1], name), getattr(out["xla"][1], name)):
+        for a, b in zip(getattr(out["splash-interpret"][1], name), getattr(out["xla"][1], name)):
             a, b = np.asarray(a).transpose(axes), np.asarray(b).transpose(axes)
             np.testing.assert_allclose(a[real], b[real], rtol=0, atol=atol)
-    assert int(out["splash"][1].index) == 12 and np.array_equal(out["splash"][1].mask, out["xla"][1].mask)
+    cache = out["splash-interpret"][1]
+    assert int(cache.index) == 12 and np.array_equal(cache.mask, out["xla"][1].mask)
 
 
 @pytest.mark.slow
@@ -183,7 +194,7 @@ def test_scanned_layers_run_the_kernel_too():
     config = tiny_config(**{**GEMMA_LIKE, "attn_logit_softcapping": None, "sliding_window": None, "layer_types": None})
     batch = _batch(rows=2)
     seq = batch[0].shape[1] + batch[2].shape[1]
-    (l_x, _), (l_s, _) = (_logps_and_grads(config, k, batch, scan=True) for k in ("xla", "splash"))
+    (l_x, _), (l_s, _) = (_logps_and_grads(config, k, batch, scan=True) for k in ("xla", "splash-interpret"))
     np.testing.assert_allclose(l_s, l_x, rtol=0,
                                atol=log_softmax_tolerance(decoder_tolerance(8.0, config, seq), config.vocab_size))
 
@@ -203,3 +214,33 @@ def test_cudnn_falls_back_per_reason_and_logs_once(caplog):
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 3 and "computes in float32" in messages[0] and "soft-capping" in messages[1]
     assert "packed" in messages[2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a CUDA GPU (cuDNN)")
+def test_cudnn_decoder_logits_and_gradients_equal_xla_in_bfloat16():
+    """On a GPU: a bfloat16 Llama-like decoder (GQA, a sliding layer, left-padded rows) through cuDNN
+    against XLA: logits at real tokens within two `bf16_tolerance`s, and the gradient of their sum."""
+    config = tiny_config(**{**GEMMA_LIKE, "attn_logit_softcapping": None, "param_dtype": "bfloat16",
+                            "num_heads": 8, "head_dim": 64, "hidden_size": 256})
+    p_ids, p_mask, c_ids, c_mask = _batch(rows=4, prompt=60, completion=68)
+    ids, mask = jnp.concatenate([p_ids, c_ids], 1), jnp.concatenate([p_mask, c_mask], 1)
+    positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+    out = {}
+    for kernel in ("xla", "cudnn"):
+        model = Decoder(config, rngs=nnx.Rngs(3))
+        model.attention_kernel = kernel
+        graphdef, params = nnx.split(model)
+
+        def loss(p):
+            logits = nnx.merge(graphdef, p)(ids, positions, attention_mask=mask)[0]
+            return jnp.sum(jnp.where(mask[..., None], logits, 0.0)), logits
+
+        (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+        out[kernel] = (np.asarray(logits)[np.asarray(mask)], grads)
+    np.testing.assert_allclose(out["cudnn"][0], out["xla"][0], rtol=0,
+                               atol=2 * bf16_tolerance(out["xla"][0], config))
+    for a, b in zip(jax.tree.leaves(out["cudnn"][1]), jax.tree.leaves(out["xla"][1])):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        # the backward rounds to bfloat16 at about as many stages again as the forward: twice the forward's bound
+        np.testing.assert_allclose(a, b, rtol=0, atol=2 * 2 * bf16_tolerance(b, config))

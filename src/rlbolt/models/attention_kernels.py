@@ -18,7 +18,9 @@ What each kernel covers, and where a layer falls back to XLA (`fallback_reason`,
 - splash (`jax.experimental.pallas.ops.tpu.splash_attention`): causal, GQA/MQA, sliding windows
   (`LocalMask`), logit soft-capping, segment ids. Every layer runs it. The scale is folded into
   q. Lengths are padded up to a multiple of the block (padding keys are segment 0, after every
-  real key). Off TPU it runs through Pallas' interpret mode (tests; slow).
+  real key). The kernel "splash-interpret" runs the same kernel through Pallas' interpret mode on
+  any platform (the CPU tests); "splash" always lowers to Mosaic, also when a CPU host compiles for
+  a described TPU slice (`rlbolt plan --topology`).
 - cudnn (`jax.nn.dot_product_attention(implementation="cudnn")`): causal, GQA/MQA, sliding
   windows, in bfloat16/float16 with head_dim <= 256 and a multiple of 8. No soft-capping and no
   segment ids: the row's one run of real tokens is rotated to the row's start and given as a
@@ -32,11 +34,16 @@ import dataclasses
 import functools
 import logging
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-ATTENTION_CHOICES = ("auto", "xla", "flash")
-KERNELS = ("xla", "splash", "cudnn")
+from rlbolt.config.sections import ATTENTION_CHOICES  # the choices of model.attention
+
+# "splash-interpret": the splash kernel through Pallas' interpret mode on any platform (CPU tests); never resolved.
+KERNELS = ("xla", "splash", "splash-interpret", "cudnn")
 _PLATFORM_KERNEL = {"tpu": "splash", "gpu": "cudnn", "cuda": "cudnn"}
 
 _log = logging.getLogger("rlbolt.models")
@@ -70,16 +77,19 @@ class KernelCall:
     """What a fused layer needs beyond q, k and v (built by the decoder for each forward).
 
     Attributes:
-      kernel: "splash" or "cudnn".
+      kernel: "splash", "splash-interpret" or "cudnn".
       segment_ids: [B, T] int32, 0 = padding, 1..k the sample a token belongs to.
       window: the layer's sliding window W (keys with `q - k < W`), or None.
       packed: the segment ids came from the caller (several samples per row), not from the mask.
+      rows: on a mesh, the NamedSharding of the residual stream (rows over the batch axes): a
+        Mosaic kernel cannot be partitioned by XLA, so splash runs under `jax.shard_map` over it.
     """
 
     kernel: str
     segment_ids: jax.Array
     window: int | None = None
     packed: bool = False
+    rows: Any = None
 
 
 def fallback_reason(kernel: str, *, dtype, head_dim: int, cap: float | None, packed: bool) -> str | None:
@@ -130,8 +140,11 @@ def fused_attention(call: KernelCall, q: jax.Array, k: jax.Array, v: jax.Array, 
     Returns:
       [B, T, nH * D] in q's dtype.
     """
-    if call.kernel == "splash":
-        out = splash_attention(q, k, v, call.segment_ids, scale=scale, cap=cap, window=call.window)
+    if call.kernel in ("splash", "splash-interpret"):
+        def splash(q, k, v, segment_ids):
+            return splash_attention(q, k, v, segment_ids, scale=scale, cap=cap, window=call.window,
+                                    interpret=call.kernel == "splash-interpret")
+        out = _per_row_shard(splash, call.rows, q, k, v, call.segment_ids)
     elif call.kernel == "cudnn":
         out = cudnn_attention(q, k, v, call.segment_ids > 0, scale=scale, window=call.window,
                               implementation=implementation)
@@ -140,6 +153,21 @@ def fused_attention(call: KernelCall, q: jax.Array, k: jax.Array, v: jax.Array, 
                          f"{KERNELS[1:]}.")
     b, t, n_heads, d = q.shape
     return out.reshape(b, t, n_heads * d).astype(q.dtype)
+
+
+def _per_row_shard(fn, rows, *arrays):
+    """`fn(*arrays)`, under `jax.shard_map` over the mesh of `rows` (each device its rows; every row on
+    every device when the rows do not split evenly) when there is one; arrays are [B, ...]."""
+    if rows is None:
+        return fn(*arrays)
+    axes = rows.spec[0] if len(rows.spec) else None
+    names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    shards = 1
+    for name in names:
+        shards *= rows.mesh.shape[name]
+    row_axes = axes if arrays[0].shape[0] % shards == 0 else None
+    specs = tuple(P(row_axes, *([None] * (a.ndim - 1))) for a in arrays)
+    return jax.shard_map(fn, mesh=rows.mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(*arrays)
 
 
 def _block(t: int) -> int:
@@ -165,7 +193,7 @@ def _splash_kernel(length: int, n_heads: int, window: int | None, cap: float | N
 
 
 def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, scale: float,
-                     cap: float | None = None, window: int | None = None) -> jax.Array:
+                     cap: float | None = None, window: int | None = None, interpret: bool = False) -> jax.Array:
     """Pallas splash attention (causal AND same segment AND window), rows through `jax.vmap`.
 
     Args:
@@ -176,6 +204,7 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
       scale: factor on q . k (folded into q, before the soft-capping as in `scaled_scores`).
       cap: logit soft-capping or None.
       window: sliding window W or None.
+      interpret: run through Pallas' interpret mode (any platform) instead of Mosaic (TPU).
 
     Returns:
       [B, T, nH, D] in q's dtype.
@@ -192,8 +221,7 @@ def splash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
 
     qs = heads_first((q.astype(jnp.float32) * scale).astype(q.dtype))
     segments = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, pad)))
-    kernel = _splash_kernel(length, q.shape[2], window, None if cap is None else float(cap),
-                            jax.default_backend() != "tpu")
+    kernel = _splash_kernel(length, q.shape[2], window, None if cap is None else float(cap), interpret)
     out = jax.vmap(lambda a, b, c, s: kernel(a, b, c, segment_ids=SegmentIds(s, s)))(
         qs, heads_first(k), heads_first(v), segments)
     return out.transpose(0, 2, 1, 3)[:, :t]
@@ -236,14 +264,15 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, real: jax.Array, *
 
 
 
-def layer_kernel_calls(config, kernel: str, segment_ids: jax.Array, *, packed: bool = False) -> list:
+def layer_kernel_calls(config, kernel: str, segment_ids: jax.Array, *, packed: bool = False, rows: Any = None) -> list:
     """Per decoder layer: the KernelCall it runs, or None where it falls back to XLA (logged once).
 
     Args:
       config: the ModelConfig (`rlbolt.models.config`): dtype, head_dim, soft-capping, windows.
-      kernel: "splash" or "cudnn".
+      kernel: "splash", "splash-interpret" or "cudnn".
       segment_ids: [B, T] int32 (0 = padding).
       packed: the segment ids came from the caller (several samples per row).
+      rows: on a mesh, the residual stream's NamedSharding (`KernelCall.rows`); None off a mesh.
 
     Returns:
       num_layers entries; layers of one kind share one KernelCall object.
@@ -253,6 +282,6 @@ def layer_kernel_calls(config, kernel: str, segment_ids: jax.Array, *, packed: b
     if reason is not None:
         log_fallback_once(kernel, reason, "every layer")
         return [None] * config.num_layers
-    full = KernelCall(kernel, segment_ids, None, packed)
-    local = KernelCall(kernel, segment_ids, config.sliding_window, packed)
+    full = KernelCall(kernel, segment_ids, None, packed, rows)
+    local = KernelCall(kernel, segment_ids, config.sliding_window, packed, rows)
     return [local if config.is_sliding(i) else full for i in range(config.num_layers)]

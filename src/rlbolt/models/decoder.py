@@ -112,8 +112,8 @@ class Decoder(nnx.Module):
         # from model.scan_layers); layers that cannot be scanned fall back to the loop. Static.
         self.scan_layers = False
         # The attention kernel of the forwards over new tokens only (training, logps, prefill):
-        # "xla", "splash" or "cudnn" (`rlbolt.models.attention_kernels.resolve_attention` of
-        # model.attention). Decode steps (one query row over the cache) always run XLA. Static.
+        # one of `rlbolt.models.attention_kernels.KERNELS` (`resolve_attention` of model.attention).
+        # Decode steps (one query row over the cache) always run XLA. Static.
         self.attention_kernel = "xla"
 
     def __call__(self, input_ids: jnp.ndarray, positions: jnp.ndarray, *,
@@ -159,7 +159,8 @@ class Decoder(nnx.Module):
         calls = [None] * cfg.num_layers
         if self.attention_kernel != "xla" and t > 1 and (cache is None or cache.max_len == t):
             # A fused kernel attends the T new tokens to each other: no cache, or a prefill filling a fresh one.
-            calls = layer_kernel_calls(cfg, self.attention_kernel, attention_mask.astype(jnp.int32))
+            calls = layer_kernel_calls(cfg, self.attention_kernel, attention_mask.astype(jnp.int32),
+                                       rows=self.activation_sharding)
         if all(c is not None for c in calls):
             visible = local_visible = None  # no [B, T, S] mask is built
             cache_mask, index = (None, None) if cache is None else (attention_mask, cache.index)
