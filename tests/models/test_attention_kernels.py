@@ -116,13 +116,13 @@ def _batch(rows=4, prompt=12, completion=29, seed=0):
     return tuple(jnp.asarray(a) for a in (p_ids, p_mask, c_ids, c_mask))
 
 
-def _logps_and_grads(config, kernel, batch, scan=False):
+def _logps_and_grads(config, kernel, batch, scan=False, group=1):
     model = Decoder(config, rngs=nnx.Rngs(3))
     model.attention_kernel, model.scan_layers = kernel, scan
     graphdef, params = nnx.split(model)
 
     def loss(p):
-        logps = token_logps(graphdef, p, *batch)
+        logps = token_logps(graphdef, p, *batch, group_size=group)
         return jnp.sum(jnp.where(batch[3], logps, 0.0)), logps
 
     (_, logps), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
@@ -145,6 +145,22 @@ def test_splash_logps_and_gradients_equal_xla(overrides):
     for a, b in zip(jax.tree.leaves(g_s), jax.tree.leaves(g_x)):
         np.testing.assert_allclose(a, b, rtol=0, atol=decoder_tolerance(b, config, seq) + 1e-12)
     assert float(jnp.abs(jax.tree.leaves(g_x)[0]).max()) > 0
+
+
+@pytest.mark.slow  # ~12 s of CPU
+def test_prompt_shared_forward_runs_the_kernel_and_equals_xla():
+    """The prompt once per group of 2 (shared_prefix.py, the default training and logps path): its
+    fused variant against the XLA shared forward, Gemma-2-like layers, logps and gradients."""
+    config = tiny_config(**GEMMA_LIKE)
+    p_ids, p_mask, c_ids, c_mask = _batch(rows=2, completion=13)
+    batch = (jnp.repeat(p_ids, 2, axis=0), jnp.repeat(p_mask, 2, axis=0), jnp.concatenate([c_ids, c_ids[::-1]]),
+             jnp.concatenate([c_mask, c_mask[::-1]]))
+    seq = batch[0].shape[1] + batch[2].shape[1]
+    (l_x, g_x), (l_s, g_s) = (_logps_and_grads(config, k, batch, group=2) for k in ("xla", "splash-interpret"))
+    np.testing.assert_allclose(l_s, l_x, rtol=0,
+                               atol=log_softmax_tolerance(decoder_tolerance(8.0, config, seq), config.vocab_size))
+    for a, b in zip(jax.tree.leaves(g_s), jax.tree.leaves(g_x)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=decoder_tolerance(b, config, seq) + 1e-12)
 
 
 @pytest.mark.slow

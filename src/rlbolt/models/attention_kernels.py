@@ -92,7 +92,7 @@ class KernelCall:
     rows: Any = None
 
 
-def fallback_reason(kernel: str, *, dtype, head_dim: int, cap: float | None, packed: bool) -> str | None:
+def fallback_reason(kernel: str, *, dtype: Any, head_dim: int, cap: float | None, packed: bool) -> str | None:
     """Why a layer cannot run `kernel` (it then runs XLA), or None when it can.
 
     Args:
@@ -264,7 +264,8 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array, real: jax.Array, *
 
 
 
-def layer_kernel_calls(config, kernel: str, segment_ids: jax.Array, *, packed: bool = False, rows: Any = None) -> list:
+def layer_kernel_calls(config: Any, kernel: str, segment_ids: jax.Array, *, packed: bool = False,
+                       rows: Any = None) -> list:
     """Per decoder layer: the KernelCall it runs, or None where it falls back to XLA (logged once).
 
     Args:

@@ -21,6 +21,8 @@ forward collects routing.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -44,7 +46,7 @@ def scan_reason(model: nnx.Module) -> str | None:
 
 
 def scanned_layers(model: nnx.Module, x: jnp.ndarray, ropes: list[tuple[jnp.ndarray, jnp.ndarray]], visible: jnp.ndarray,
-                   local_visible: jnp.ndarray | None, kernel=None) -> jnp.ndarray:
+                   local_visible: jnp.ndarray | None, kernel: Any = None) -> jnp.ndarray:
     """The residual stream after every layer, computed as one `jax.lax.scan` over the stacked layers.
 
     Args:
