@@ -260,3 +260,18 @@ def test_cudnn_decoder_logits_and_gradients_equal_xla_in_bfloat16():
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         # the backward rounds to bfloat16 at about as many stages again as the forward: twice the forward's bound
         np.testing.assert_allclose(a, b, rtol=0, atol=2 * 2 * bf16_tolerance(b, config))
+
+
+def test_setup_resolves_model_attention_for_the_training_platform():
+    """`LMPolicyModule.setup`: auto on this CPU host runs XLA; flash is refused in one line."""
+    from rlbolt.app.build import build_module, build_plan
+    from rlbolt.config import ConfigError, load_config
+    from rlbolt.setup_context import SetupContext
+
+    cfg = load_config(None, ["model.attention=auto"])
+    module = build_module(cfg)
+    module.setup(SetupContext(plan=build_plan(cfg)))
+    assert module.model.attention_kernel == "xla"
+    cfg = load_config(None, ["model.attention=flash"])
+    with pytest.raises(ConfigError, match=r"^model.attention='flash' has no fused kernel on cpu .* use 'auto' or 'xla'\.$"):
+        build_module(cfg).setup(SetupContext(plan=build_plan(cfg)))
