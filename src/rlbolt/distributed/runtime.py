@@ -24,10 +24,11 @@ import os
 
 import jax
 
+from rlbolt.utils.jax_env import ENV_ADDRESS, ENV_COUNT, ENV_ID
+
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "on", "off")
-ENV_ADDRESS, ENV_COUNT, ENV_ID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
 DEFAULT_HEARTBEAT_TIMEOUT_S = 30
 
 
