@@ -2,7 +2,8 @@
 
 Starts N copies of the command on loopback, each with the environment `jax.distributed` reads
 (`rlbolt.distributed.runtime.initialize`: `JAX_COORDINATOR_ADDRESS=127.0.0.1:PORT`, `JAX_NUM_PROCESSES=N`,
-`JAX_PROCESS_ID=i`), so the copies meet as one multi-process run, as they would on N hosts. Each
+`JAX_PROCESS_ID=i`; `RLBOLT_TRANSFER_ADDRESS`, a free port each, for the weight push between
+process groups), so the copies meet as one multi-process run, as they would on N hosts. Each
 output line is prefixed with its process index (`[1] ...`; stderr stays stderr). The first
 process that fails stops the others (SIGTERM, then SIGKILL after `--grace-s`) and the launcher
 ends with one line naming that process, its exit status and its last line on stderr, and with
@@ -24,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
-from rlbolt.utils.jax_env import ENV_ADDRESS, ENV_COUNT, ENV_ID
+from rlbolt.utils.jax_env import ENV_ADDRESS, ENV_COUNT, ENV_ID, ENV_TRANSFER
 
 # rlbolt subcommands that join a multi-process run (they call `jax.distributed.initialize`); the
 # others would run N independent copies.
@@ -116,6 +117,7 @@ def process_env(base: Mapping[str, str], *, index: int, count: int, port: int,
     """
     env = {k: v for k, v in base.items() if not k.startswith(_FOREIGN_PREFIXES)}
     env.update({ENV_ADDRESS: f"127.0.0.1:{port}", ENV_COUNT: str(count), ENV_ID: str(index)})
+    env[ENV_TRANSFER] = f"127.0.0.1:{free_port()}"  # this process's socket for the weight push between groups
     if devices_per_process is not None:
         flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
         env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices_per_process}"])
