@@ -82,11 +82,18 @@ def test_a_signal_to_the_launcher_reaches_every_process_once(tmp_path):
                "signal.signal(signal.SIGTERM, on); print('ready', flush=True); time.sleep(60)")
     launcher = subprocess.Popen([sys.executable, "-m", "rlbolt", "launch", "--local", "2", "--", sys.executable, "-c",
                                  program, str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    ready = 0
-    while ready < 2:
-        ready += launcher.stdout.readline().endswith("ready\n")
-    launcher.send_signal(signal.SIGTERM)
-    assert launcher.wait(timeout=30) == 143
+    try:
+        ready = 0
+        while ready < 2:
+            ready += launcher.stdout.readline().endswith("ready\n")
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=30) == 143
+    finally:
+        if launcher.poll() is None:  # a failed check leaves nothing running: a second signal kills the processes
+            launcher.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+            launcher.send_signal(signal.SIGTERM)
+            launcher.wait(timeout=30)
     assert sorted((p.name, p.read_text()) for p in tmp_path.iterdir()) == [("got0", "x"), ("got1", "x")]
     assert "rlbolt launch: process" not in launcher.stderr.read()  # stopping on request is not a failure
 
