@@ -22,7 +22,8 @@ from rlbolt.app.cli_launch import child_command, run_local
 
 # Each process prints what it was given, one JSON line.
 SHOW_ENV = ("import json, os; print(json.dumps({k: os.environ.get(k) for k in ('JAX_COORDINATOR_ADDRESS', "
-            "'JAX_NUM_PROCESSES', 'JAX_PROCESS_ID', 'SLURM_NTASKS', 'XLA_FLAGS')}))")
+            "'JAX_NUM_PROCESSES', 'JAX_PROCESS_ID', 'SLURM_NTASKS', 'XLA_FLAGS', 'JAX_LOCAL_DEVICE_IDS', "
+            "'RLBOLT_TRANSFER_ADDRESS')}))")
 
 
 def launched(argv, count, **kwargs):
@@ -33,7 +34,8 @@ def launched(argv, count, **kwargs):
 
 def test_every_process_gets_its_own_index_one_address_and_no_outer_launcher_settings():
     base = {**os.environ, "SLURM_NTASKS": "8", "JAX_PROCESS_ID": "5", "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --foo"}
-    code, out, err = launched([sys.executable, "-c", SHOW_ENV], 3, port=23456, devices_per_process=2, env=base)
+    code, out, err = launched([sys.executable, "-c", SHOW_ENV], 3, port=23456, devices_per_process=2,
+                              gpus_per_process=2, env=base)
     assert code == 0 and err == []
     seen = {}
     for line in out:
@@ -47,6 +49,9 @@ def test_every_process_gets_its_own_index_one_address_and_no_outer_launcher_sett
         assert env["SLURM_NTASKS"] is None  # an outer Slurm job's settings would make the copies join it
         # the requested device count replaces the inherited one; other flags stay
         assert env["XLA_FLAGS"].split() == ["--foo", "--xla_force_host_platform_device_count=2"]
+    assert [seen[i]["JAX_LOCAL_DEVICE_IDS"] for i in range(3)] == ["0,1", "2,3", "4,5"]  # 2 GPUs each, in order
+    transfer = {seen[i]["RLBOLT_TRANSFER_ADDRESS"] for i in range(3)}  # a transfer socket of its own each
+    assert len(transfer) == 3 and all(a.startswith("127.0.0.1:") for a in transfer)
 
 
 def test_the_first_failure_stops_the_others_and_is_named_in_one_line(tmp_path):

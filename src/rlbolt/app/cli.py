@@ -7,7 +7,7 @@
     rlbolt resume D [--max-steps N] [--allow-config-change]
     rlbolt plot   D [--out DIR]
     rlbolt export D OUT [--overwrite] [--adapter]
-    rlbolt launch --local N [--devices-per-process D] [--port P] -- rlbolt fit CONFIG ...
+    rlbolt launch --local N [--devices-per-process D] [--gpus-per-process G] -- rlbolt fit CONFIG ...
 
 Exit status: 0 done; 2 bad input or a refusal (an unknown config key, a wrong type, a missing or
 non-empty run directory, a run directory another process is training in, no usable checkpoint,

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
-from rlbolt.utils.jax_env import ENV_ADDRESS, ENV_COUNT, ENV_ID, ENV_TRANSFER
+from rlbolt.utils.jax_env import ENV_ADDRESS, ENV_COUNT, ENV_ID, ENV_LOCAL_DEVICES, ENV_TRANSFER
 
 # rlbolt subcommands that join a multi-process run (they call `jax.distributed.initialize`); the
 # others would run N independent copies.
@@ -56,6 +56,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     launch.add_argument("--local", type=_count, required=True, metavar="N", help="how many processes (>= 1)")
     launch.add_argument("--devices-per-process", type=_count, metavar="D",
                         help="CPU devices each process sees (XLA's host platform device count; default: JAX's, 1)")
+    launch.add_argument("--gpus-per-process", type=_count, metavar="G",
+                        help="GPUs each process takes: process i gets GPUs i*G .. i*G+G-1 ($JAX_LOCAL_DEVICE_IDS); "
+                             "default: every process sees every GPU")
     launch.add_argument("--port", type=int, help="the coordinator's port on 127.0.0.1 (default: a free one)")
     launch.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S,
                         help=f"after a failure, seconds the others get to stop before SIGKILL (default {DEFAULT_GRACE_S:g})")
@@ -101,7 +104,7 @@ def child_command(cmd: Sequence[str]) -> list[str]:
 
 
 def process_env(base: Mapping[str, str], *, index: int, count: int, port: int,
-                devices_per_process: int | None) -> dict[str, str]:
+                devices_per_process: int | None, gpus_per_process: int | None = None) -> dict[str, str]:
     """The environment of process `index`: `base` without an outer launcher's settings, plus the
     three `jax.distributed` variables (and the CPU device count when given).
 
@@ -111,6 +114,7 @@ def process_env(base: Mapping[str, str], *, index: int, count: int, port: int,
       count: how many processes.
       port: the coordinator's port on 127.0.0.1.
       devices_per_process: CPU devices each process sees, or None for JAX's default.
+      gpus_per_process: GPUs each process takes (consecutive, by process index), or None for all.
 
     Returns:
       A new environment mapping.
@@ -121,6 +125,8 @@ def process_env(base: Mapping[str, str], *, index: int, count: int, port: int,
     if devices_per_process is not None:
         flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
         env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices_per_process}"])
+    if gpus_per_process is not None:
+        env[ENV_LOCAL_DEVICES] = ",".join(str(index * gpus_per_process + g) for g in range(gpus_per_process))
     env["PYTHONUNBUFFERED"] = "1"  # lines reach the launcher as they are printed
     return env
 
@@ -153,7 +159,7 @@ def _pump(child: _Child, stream: IO[bytes], out: IO[bytes], lock: threading.Lock
 
 
 def run_local(argv: Sequence[str], count: int, *, port: int | None = None, devices_per_process: int | None = None,
-              grace_s: float = DEFAULT_GRACE_S, env: Mapping[str, str] | None = None,
+              gpus_per_process: int | None = None, grace_s: float = DEFAULT_GRACE_S, env: Mapping[str, str] | None = None,
               stdout: IO[bytes] | None = None, stderr: IO[bytes] | None = None) -> int:
     """Runs `argv` as `count` processes of one `jax.distributed` run on loopback and waits.
 
@@ -162,6 +168,7 @@ def run_local(argv: Sequence[str], count: int, *, port: int | None = None, devic
       count: how many processes.
       port: the coordinator's port (default: a free one).
       devices_per_process: CPU devices per process (None: JAX's default).
+      gpus_per_process: GPUs per process, consecutive by process index (None: every process sees all).
       grace_s: after the first failure, how long the others get to stop before SIGKILL.
       env: the base environment (default `os.environ`).
       stdout: where the processes' prefixed stdout lines go (default this process's, as bytes).
@@ -193,7 +200,8 @@ def run_local(argv: Sequence[str], count: int, *, port: int | None = None, devic
         for index in range(count):
             proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                                     env=process_env(base, index=index, count=count, port=port,
-                                                    devices_per_process=devices_per_process))
+                                                    devices_per_process=devices_per_process,
+                                                    gpus_per_process=gpus_per_process))
             child = _Child(index, proc)
             child.pumps = [threading.Thread(target=_pump, args=(child, s, o, lock, e), daemon=True)
                            for s, o, e in ((proc.stdout, out, False), (proc.stderr, err, True))]
@@ -272,4 +280,4 @@ def run_launch(args: argparse.Namespace) -> int:
     if args.grace_s < 0:
         raise LaunchError(f"--grace-s {args.grace_s:g} must be >= 0")
     return run_local(argv, args.local, port=args.port, devices_per_process=args.devices_per_process,
-                     grace_s=args.grace_s)
+                     gpus_per_process=args.gpus_per_process, grace_s=args.grace_s)
