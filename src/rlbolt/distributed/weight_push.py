@@ -20,6 +20,11 @@ GPU), a transfer socket per process: `jax_cross_host_transfer_socket_address`, s
 The policy version travels with the weights as a replicated int32 scalar, so a rollout process
 knows which weights it holds without a second channel. Why this transport and not
 `jax.experimental.transfer` (measured): docs/howto/multi-host.md.
+
+Where every process runs the same program and so holds the training arrays (without local
+shards off the training group), `WeightSync` alone does the same move: a process outside a
+sub-mesh may call its jitted programs (nothing runs there). This class is for programs that
+differ by group, where the rollout processes have no training arrays to pass.
 """
 
 from __future__ import annotations
