@@ -10,7 +10,8 @@ receives each abstractly and sums the squares of what it got (a jit on the rollo
 Files: `OUT/sent_v<v>.npz` (process 2: the whole params of version v, gathered within the
 training group), `OUT/got_<process>_v<v>.npz` (each rollout process: its addressable shards,
 keyed `<leaf>|<start:stop,...>`), `OUT/rollout_<process>.json` (versions, sums of squares,
-the target specs).
+the target specs). Then every process runs one program: it builds the training params and
+calls the one-host `WeightSync` (`sent_sync.npz`, `got_<process>_sync.npz`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from rlbolt.distributed import MeshSpec, ShardingPlan  # noqa: E402
+from rlbolt.distributed.placement import WeightSync  # noqa: E402
 from rlbolt.distributed.weight_push import ProcessWeightPush  # noqa: E402
 from rlbolt.models import Decoder, tiny_config  # noqa: E402
 
@@ -61,16 +63,31 @@ def main(out: Path) -> None:
             got, got_version = push(abstract, None)
             report["versions"].append(got_version)
             report["sumsq"].append(float(np.asarray(sumsq(got).addressable_shards[0].data)))  # on the rollout mesh
-            shards = {}
             for path, leaf in nnx.to_flat_state(got):
-                value = leaf.get_value()
-                assert value.sharding.mesh.devices.tolist() == rollout.mesh.devices.tolist()
-                report["specs"][".".join(map(str, path))] = str(value.sharding.spec)
-                for shard in value.addressable_shards:
-                    key = ".".join(map(str, path)) + "|" + ",".join(f"{s.start or 0}:{s.stop}" for s in _slices(shard))
-                    shards[key] = np.asarray(shard.data)
-            np.savez(out / f"got_{jax.process_index()}_v{version}.npz", **shards)
+                assert leaf.get_value().sharding.mesh.devices.tolist() == rollout.mesh.devices.tolist()
+                report["specs"][".".join(map(str, path))] = str(leaf.get_value().sharding.spec)
+            np.savez(out / f"got_{jax.process_index()}_v{version}.npz", **_shards(got))
         (out / f"rollout_{jax.process_index()}.json").write_text(json.dumps(report))
+    # One program on every process: each builds the training params (nothing runs off the training group, whose
+    # arrays then have no local shards there) and calls the one-host WeightSync, unchanged.
+    model = train.build_module(lambda: Decoder(config, rngs=nnx.Rngs(0)))
+    params = nnx.state(model, nnx.Param)
+    whole = _whole(params)  # on the training mesh: a no-op off it
+    moved = WeightSync(train, rollout)(params)
+    if jax.process_index() == 2:
+        np.savez(out / "sent_sync.npz", **whole)
+    if push.role == "receive":
+        np.savez(out / f"got_{jax.process_index()}_sync.npz", **_shards(moved))
+
+
+def _shards(tree) -> dict[str, np.ndarray]:
+    """This process's shards of every leaf, keyed `<leaf>|<start:stop,...>`."""
+    shards = {}
+    for path, leaf in nnx.to_flat_state(tree):
+        for shard in leaf.get_value().addressable_shards:
+            key = ".".join(map(str, path)) + "|" + ",".join(f"{s.start}:{s.stop}" for s in _slices(shard))
+            shards[key] = np.asarray(shard.data)
+    return shards
 
 
 def _slices(shard) -> list[slice]:
@@ -78,10 +95,12 @@ def _slices(shard) -> list[slice]:
 
 
 def _whole(tree) -> dict[str, np.ndarray]:
-    """The training group's params gathered whole on its own processes (a jit on the training mesh)."""
+    """The training group's params gathered whole on its own processes (a jit on the training mesh; {} elsewhere)."""
     flat = nnx.to_flat_state(tree)
     replicated = jax.jit(lambda xs: xs, out_shardings=jax.sharding.NamedSharding(
         jax.tree.leaves(tree)[0].sharding.mesh, jax.sharding.PartitionSpec()))([v.get_value() for _, v in flat])
+    if not replicated[0].addressable_shards:  # a process outside the training group: the jit ran nowhere here
+        return {}
     return {".".join(map(str, path)): np.asarray(x.addressable_shards[0].data) for (path, _), x in zip(flat, replicated)}
 
 

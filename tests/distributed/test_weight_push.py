@@ -4,7 +4,9 @@ The slow test runs `push_checks.py` as 4 processes through `rlbolt launch` (2 tr
 rollout, one CPU device each): every shard a rollout process receives must equal, bitwise, the
 same slice of the training group's whole parameters of that version (a copy, no arithmetic), the
 version must arrive with them, and the rollout group's own jitted sum of squares on its mesh must
-match float64 NumPy within the summation-order bound (`sum_error_bound`).
+match float64 NumPy within the summation-order bound (`sum_error_bound`). The same 4 processes
+then run one program: each builds the training params (a no-op off the training group) and the
+one-host `WeightSync` moves them across processes, again bitwise.
 """
 
 from __future__ import annotations
@@ -63,3 +65,13 @@ def test_four_processes_push_three_versions_exactly_onto_another_layout(tmp_path
             # (eps each) and the summation order (sum_error_bound)
             bound = float(sum_error_bound(terms)) + float(np.finfo(np.float32).eps * terms.sum())
             assert abs(got_sumsq - terms.sum()) <= bound
+        # one program on every process: the one-host WeightSync moved the initial params across processes as well
+        _assert_shards_equal(dict(np.load(out / "sent_sync.npz")), dict(np.load(out / f"got_{process}_sync.npz")))
+
+
+def _assert_shards_equal(sent: dict, got: dict) -> None:
+    assert got and {key.partition("|")[0] for key in got} == set(sent)
+    for key, shard in got.items():
+        name, _, index = key.partition("|")
+        where = tuple(slice(*map(int, s.split(":"))) for s in index.split(",")) if index else ()
+        np.testing.assert_array_equal(shard, sent[name][where])
