@@ -78,7 +78,11 @@ SKIPPED = {
     "'--trainer.run_dir=/shared/runs/qwen-$SLURM_JOB_ID' --mesh.data=4 --mesh.fsdp=8 "
     "--callbacks.checkpoint_every_n_steps=50": "needs a Slurm cluster",
     "rlbolt fit my_config.yaml --trainer.run_dir=runs/two":
-        "the reader's own config; two processes on one CPU: tests/distributed (multi-process tests)",
+        "the reader's own config; two processes on one CPU: tests/distributed (multi-process tests) and, "
+        "through `rlbolt launch --local 2`, tests/cli/test_cli_launch.py (slow tier)",
+    "rlbolt fit my_config.yaml --trainer.run_dir=/shared/runs/two":
+        "one process of a run by hand on two machines; the same environment variables on one machine: "
+        "tests/cli/test_cli_launch.py",
     f"{_GSM8K} --model.path=/local/qwen --model.param_dtype=bfloat16 "
     "--data.train=/local/gsm8k.parquet --data.max_prompt_tokens=256 '--reward.weights={answer: 1.0}' "
     "--rollout.max_new_tokens=512 --plan.prompts_per_step=32 --plan.num_generations=8 --plan.mini_batch_size=64 "

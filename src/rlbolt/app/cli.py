@@ -7,6 +7,7 @@
     rlbolt resume D [--max-steps N] [--allow-config-change]
     rlbolt plot   D [--out DIR]
     rlbolt export D OUT [--overwrite] [--adapter]
+    rlbolt launch --local N [--devices-per-process D] [--gpus-per-process G] -- rlbolt fit CONFIG ...
 
 Exit status: 0 done; 2 bad input or a refusal (an unknown config key, a wrong type, a missing or
 non-empty run directory, a run directory another process is training in, no usable checkpoint,
@@ -84,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rlbolt.app.cli_plan import add_parser as add_plan_parser
 
     add_plan_parser(sub)
+    from rlbolt.app.cli_launch import add_parser as add_launch_parser
+
+    add_launch_parser(sub)
 
     resume = sub.add_parser("resume", help="continue a run from its latest checkpoint",
                             description="Continue the run in RUN_DIR from its newest usable checkpoint, using its "
@@ -266,6 +270,7 @@ _USER_ERRORS = (  # (module, class): bad input or a refusal, reported in one lin
     ("rlbolt.checkpointing.meta", "FrozenParamsMismatch"),  # a LoRA resume or export on another base
     ("rlbolt.data.loaders", "DataFileError"),
     ("rlbolt.distributed.topology", "TopologyError"), ("rlbolt.app.cli_plan", "PlanInputError"),
+    ("rlbolt.app.cli_launch", "LaunchError"),
 )
 
 
@@ -305,6 +310,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             if args.command == "fit":
                 return _cmd_fit(args, extra)
+            if args.command == "launch":
+                from rlbolt.app.cli_launch import run_launch
+
+                return run_launch(args)
             if args.command == "plan":
                 from rlbolt.app.cli_plan import run_plan
 
