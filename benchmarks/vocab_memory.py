@@ -79,7 +79,7 @@ def _previous_chunked_logps(hidden, weight, targets, temperature, chunk_size, wi
 
 def _traced(variant, fn, *args):
     """`fn(*args)`, traced with the previous projection in place when `variant` is "previous"."""
-    from rlbolt.rollout import logps
+    from rlbolt.models import logps
 
     current = logps.chunked_logps
     if variant == "previous":

@@ -20,7 +20,7 @@ from rlbolt.models import Decoder, tiny_config
 from rlbolt.modules import GRPO
 from rlbolt.plan import BatchPlan
 from rlbolt.setup_context import SetupContext
-from rlbolt.rollout.logps import sequence_logps
+from rlbolt.models.logps import sequence_logps
 from rlbolt.trainer import Trainer
 from rlbolt.update import add_mini_batch_totals
 

@@ -26,7 +26,7 @@ from rlbolt.modules import GRPO, PPO
 from rlbolt.modules import lm_ops
 from rlbolt.plan import BatchPlan
 from rlbolt.setup_context import SetupContext
-from rlbolt.rollout.logps import token_logps
+from rlbolt.models.logps import token_logps
 from rlbolt.trainer import Trainer
 from rlbolt.update import make_update_fn, split_micro_batches
 

@@ -46,7 +46,7 @@ from rlbolt.modules.policy_losses import COVARIANCE_SELECTIONS, POLICY_LOSSES
 from rlbolt.modules.rewarding import answer_score, score_shared
 from rlbolt.modules.moe_routing import ROUTING_COLUMNS, completion_load_balancing
 from rlbolt.distributed.sharding import host_value
-from rlbolt.rollout.logps import routed_token_logps, sequence_logps
+from rlbolt.models.logps import routed_token_logps, sequence_logps
 from rlbolt.rewards import RewardFn, WeightedReward
 from rlbolt.rollout.engine import RolloutEngine
 from rlbolt.rollout.engines import EngineHandle

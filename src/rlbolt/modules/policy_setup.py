@@ -35,7 +35,7 @@ from rlbolt.modules.moe_routing import check_router_settings, logps_and_mismatch
 from rlbolt.modules.prompts import PromptEncoder, builtin_tokenizer
 from rlbolt.models.decoder import Decoder
 from rlbolt.modules.rewarding import build_reward
-from rlbolt.rollout.logps import token_logps
+from rlbolt.models.logps import token_logps
 from rlbolt.setup_context import SetupContext
 
 
@@ -120,7 +120,7 @@ class PolicySetup(LoraHooks):
         # mesh has one batch shard (prompt_sharing.py).
         self.train_group_size = self._group_size(context.plan.train_micro_batch_size, context.plan)
         rows = {} if self.sharding is None else {"out_shardings": self.sharding.batch_sharding()}
-        # compute_logps -> this jitted forward -> rlbolt.rollout.logps
+        # compute_logps -> this jitted forward -> rlbolt.models.logps
         self._logps = jax.jit(functools.partial(token_logps, self.graphdef, **self._logps_options),
                               static_argnames="group_size", **rows)
         if self.rollout_cfg.record_routing:  # the logps forward that also measures the routing mismatch

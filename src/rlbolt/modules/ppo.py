@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from rlbolt.algorithms import clipped_value_loss, gae_advantages, kl_in_reward, masked_whiten, sequence_to_token_rewards
 from rlbolt.batch import Batch
 from rlbolt.modules.policy import LMPolicyModule
-from rlbolt.rollout.logps import chunked_logps, completion_hidden
+from rlbolt.models.logps import chunked_logps, completion_hidden
 
 
 class PPO(LMPolicyModule):

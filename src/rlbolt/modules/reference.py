@@ -31,7 +31,7 @@ from rlbolt.distributed.mesh import MeshError
 from rlbolt.distributed.placement import WeightSync
 from rlbolt.distributed.sharding import ShardingPlan
 from rlbolt.models.lm_head_logps import DEFAULT_LOGITS_CHUNK_TOKENS
-from rlbolt.rollout.logps import token_logps
+from rlbolt.models.logps import token_logps
 
 TOKEN_COLUMNS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
 
