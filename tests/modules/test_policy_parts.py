@@ -8,13 +8,24 @@ import numpy as np
 import pytest
 from flax import nnx
 from float_tolerance import decoder_logps_tolerance
-from module_helpers import module_config, prompt_batch, setup_context
+from module_helpers import module_config, setup_context
 
-from rlbolt.data import gsm8k_style_rows
+from rlbolt.batch import Batch
 from rlbolt.models.logps import token_logps
 from rlbolt.module import RLModule
 from rlbolt.modules import DAPO, GRPO, GSPO, PPO, RLOO, DrGRPO, LMPolicyModule, ReinforcePP
 from rlbolt.modules.scorers import ColocatedScorer
+
+
+def _token_batch(vocab: int, n: int = 4, p: int = 6, c: int = 5) -> Batch:
+    """A logps micro batch by hand (no sampler to compile): one group of `n` samples of a left-padded
+    prompt (the layout a shared-prompt forward checks), ragged completions."""
+    rng = np.random.default_rng(0)
+    prompt_mask = np.repeat((np.arange(p) >= 2)[None, :], n, axis=0)
+    completion_mask = np.arange(c)[None, :] < np.array([5, 3, 1, 4])[:, None]
+    prompt = np.where(prompt_mask[0], rng.integers(2, vocab, p), 0).astype(np.int32)
+    return Batch(prompt_ids=np.repeat(prompt[None, :], n, axis=0), prompt_mask=prompt_mask, completion_ids=rng.integers(2, vocab, (n, c)).astype(np.int32),
+                 completion_mask=completion_mask, sampler_logps=np.zeros((n, c), np.float32))
 
 
 @pytest.mark.parametrize("cls", [LMPolicyModule, GRPO, DAPO, DrGRPO, RLOO, GSPO, PPO, ReinforcePP])
@@ -28,7 +39,7 @@ def test_ref_params_set_by_an_offload_is_what_the_reference_scores_with(model, t
     module.setup(setup_context())
     assert list(module.scorers) == ["ref"] and isinstance(module.scorers["ref"], ColocatedScorer)
     assert module.scorers["ref"].forward is module.policy.logps  # one jitted forward: compiled once
-    batch = module.on_rollout(module.init_params(jax.random.key(0)), prompt_batch(gsm8k_style_rows(2)))
+    batch = _token_batch(tokenizer.vocab_size)
     before = module.scorers["ref"].logps(batch)
     # As CPUOffload does between stages: a replacement tree (here every weight halved) is what scores.
     module.ref_params = jax.tree.map(lambda x: x * 0.5, module.ref_params)
