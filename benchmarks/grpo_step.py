@@ -266,14 +266,10 @@ def _floor_step_s(module, trainer, state, produced, repeats: int) -> tuple[float
     rounds = []
     for i in range(repeats + 1):
         t0 = time.perf_counter()
-        out = module._generate(state.params, ids, keys, module.rollout_cfg.temperature)
+        out = module.rollout.generate(state.params, ids, keys, module.rollout_cfg.temperature).output
         t1 = time.perf_counter()
         rolled = batch.with_columns(completion_ids=out.completion_ids, completion_mask=out.completion_mask)
-        inputs = module._rows_on_mesh(rolled)
-        if module.lora is None:
-            jax.block_until_ready(module._logps(module.ref_params, *inputs))
-        else:  # the reference is the base with the adapters off
-            jax.block_until_ready(module._ref_logps(module.lora.base, *inputs))
+        module.scorers["ref"].logps(rolled)  # host rows: waits for the device (LoRA: the base, adapters off)
         t2 = time.perf_counter()
         # The update donates its inputs (their arrays are deleted): the next round runs on its outputs.
         params, opt_state, _ = jax.block_until_ready(trainer._update(state.params, state.opt_state, device_batch))

@@ -77,7 +77,7 @@ def main(argv=None) -> dict:
     for name, (module, params) in variants.items():  # compile, and measure what stays on the device
         gc.collect()
         before = {x.unsafe_buffer_pointer() for x in jax.live_arrays()}
-        module._generate(params, prompts, keys, 1.0)
+        module.rollout.generate(params, prompts, keys, 1.0)
         gc.collect()
         held[name] = sum(x.nbytes for x in jax.live_arrays() if x.unsafe_buffer_pointer() not in before) / 2 ** 20
     updates = {name: _update_call(variants[source][0], variants[source][1], prompts)
@@ -88,7 +88,7 @@ def main(argv=None) -> dict:
     for _ in range(rounds):
         for name, (module, params) in variants.items():
             t0 = time.perf_counter()
-            module._generate(params, prompts, keys, 1.0)  # returns host arrays: waits for the device
+            module.rollout.generate(params, prompts, keys, 1.0)  # returns host arrays: waits for the device
             times[name].append(time.perf_counter() - t0)
         for name, call in updates.items():
             t0 = time.perf_counter()

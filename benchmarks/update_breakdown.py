@@ -51,7 +51,7 @@ def main(argv=None) -> dict:
     from flax import nnx
 
     from rlbolt.models import Decoder
-    from rlbolt.rollout.logps import completion_hidden, token_logps
+    from rlbolt.models.logps import completion_hidden, token_logps
 
     load_start = os.getloadavg()
     config = smollm2_135m_config(num_layers=2 if args.quick else args.layers)

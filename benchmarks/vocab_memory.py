@@ -79,7 +79,7 @@ def _previous_chunked_logps(hidden, weight, targets, temperature, chunk_size, wi
 
 def _traced(variant, fn, *args):
     """`fn(*args)`, traced with the previous projection in place when `variant` is "previous"."""
-    from rlbolt.rollout import logps
+    from rlbolt.models import logps
 
     current = logps.chunked_logps
     if variant == "previous":
@@ -138,7 +138,7 @@ def _pass(module, kind: str):
 
     if kind == "logps":
         keys = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
-        fn = jax.jit(lambda p, cols: module._logps(p, *(cols[k] for k in keys), group_size=GROUP))
+        fn = jax.jit(lambda p, cols: module.policy.logps(p, *(cols[k] for k in keys), group_size=GROUP))
     else:
         fn = jax.jit(jax.grad(lambda p, cols: module.training_step(p, add_mini_batch_totals(Batch(cols)))[0]))
     return fn

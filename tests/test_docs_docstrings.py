@@ -111,7 +111,7 @@ def reference() -> list[griffe.Object]:
     objects = _rendered(package, bool(options.get("merge_init_into_class")))
     names = {obj.path for obj in objects}
     # The walk reaches the callbacks folder (attached by the griffe extension) and deep members.
-    assert {"rlbolt.callbacks.metrics", "rlbolt.trainer.Trainer.fit", "rlbolt.rollout.logps.token_logps"} <= names
+    assert {"rlbolt.callbacks.metrics", "rlbolt.trainer.Trainer.fit", "rlbolt.models.logps.token_logps"} <= names
     assert not any(part.startswith("_") and part != "__init__" for name in names for part in name.split("."))
     return objects
 

@@ -20,7 +20,7 @@ from rlbolt.models import Decoder, tiny_config
 from rlbolt.modules import GRPO
 from rlbolt.plan import BatchPlan
 from rlbolt.setup_context import SetupContext
-from rlbolt.rollout.logps import sequence_logps
+from rlbolt.models.logps import sequence_logps
 from rlbolt.trainer import Trainer
 from rlbolt.update import add_mini_batch_totals
 
@@ -47,18 +47,22 @@ def _rows(count: int, vocab: int, lengths: tuple[int, ...], seed: int = 0) -> li
 
 
 class CountingGRPO(GRPO):
-    """GRPO that records each call of its jitted logps forward: True for the reference params."""
+    """GRPO that records each call of its jitted logps forwards: False for the policy's, True for
+    the reference scorer's (the same jitted function, called with the reference params)."""
 
     def setup(self, context):
         super().setup(context)
         self.logps_calls: list[bool] = []
-        forward = self._logps
+        self.policy.logps = self._counted(self.policy.logps, False)
+        if "ref" in self.scorers:
+            self.scorers["ref"].forward = self._counted(self.scorers["ref"].forward, True)
 
+    def _counted(self, forward, is_reference: bool):
         def counted(params, *inputs, **options):  # options: group_size (the prompt once per group)
-            self.logps_calls.append(params is self.ref_params)
+            self.logps_calls.append(is_reference and params is self.ref_params)
             return forward(params, *inputs, **options)
 
-        self._logps = counted
+        return counted
 
 
 class RecordSteps(Callback):

@@ -207,7 +207,7 @@ def reference() -> dict:
             wide = ShardingPlan(MeshSpec(fsdp=4).build(jax.devices()[4:8]))
             placed = PlacedReference(module.model, module.sharding, wide, temperature=1.0)
             out["wide"] = {"ref_devices": sorted({d.id for x in jax.tree.leaves(placed.params) for d in x.sharding.device_set}),
-                           "ref_logps": placed.logps(placed.params, _token_batch()).tolist()}
+                           "ref_logps": placed.logps(_token_batch()).tolist()}
             del placed
         del trainer, module, leaves, logps
     out["errors"] = _reference_errors()

@@ -73,7 +73,7 @@ def test_trainer_logs_the_plan_and_refuses_one_that_cannot_fit_before_compiling(
     with pytest.raises(MemoryPlanError, match="cannot fit") as info:
         trainer.fit(module, gsm8k_style_rows(4))
     # Refused in set-up: no sampler was built or compiled, no step ran.
-    assert module._engine is None and NativeSampler.compiled_count() == compiled_before
+    assert module.rollout.handle is None and NativeSampler.compiled_count() == compiled_before
     assert getattr(trainer, "last_state", None) is None
     for name in want:
         assert name in str(info.value), name

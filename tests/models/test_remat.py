@@ -22,7 +22,7 @@ from rlbolt.config.sections import REMAT_POLICIES
 from rlbolt.models import Decoder, tiny_config
 from rlbolt.models.remat import check_remat, checkpoint_policy
 from rlbolt.modules.moe_routing import completion_load_balancing
-from rlbolt.rollout.logps import token_logps, token_logps_and_routing
+from rlbolt.models.logps import token_logps, token_logps_and_routing
 
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=(0,), num_layers=3)
 P, C, G = 6, 10, 2  # prompt and completion tokens; rows per prompt group for the shared-prompt forward

@@ -16,7 +16,7 @@ from float_tolerance import attention_tolerance, decoder_tolerance
 from rlbolt.models import Decoder, tiny_config
 from rlbolt.models.decoder import _attend
 from rlbolt.models.shared_prefix import attend_with_prefix, grouped_completion_hidden
-from rlbolt.rollout.logps import completion_hidden
+from rlbolt.models.logps import completion_hidden
 
 CONFIGS = {
     "llama_gqa": tiny_config(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,

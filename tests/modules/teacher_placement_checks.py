@@ -86,7 +86,7 @@ def setup_case(teacher: Path, placement) -> dict:
     trainer._setup(module, ROWS, None)
     gc.collect()
     after = _device_bytes()
-    leaves = jax.tree.leaves(module.teacher_params)
+    leaves = jax.tree.leaves(module.scorers["teacher"].params)
     shard_bytes: dict[str, int] = {}
     for leaf in leaves:
         for shard in leaf.addressable_shards:

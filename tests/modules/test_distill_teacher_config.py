@@ -17,7 +17,7 @@ from rlbolt.data.char_tokenizer_files import save_char_tokenizer
 from rlbolt.models import Decoder, tiny_config
 from rlbolt.models.hf_io import save_hf
 from rlbolt.modules import GRPO
-from rlbolt.rollout.logps import token_logps
+from rlbolt.models.logps import token_logps
 
 ALPHABET = "0123456789="
 # The teacher is larger than the student (TINY: width 32, one layer): nothing may assume one shape.

@@ -16,7 +16,7 @@ from rlbolt.data import gsm8k_style_rows
 from rlbolt.models import Decoder, tiny_config
 from rlbolt.modules import GRPO
 from rlbolt.modules.prompts import builtin_tokenizer
-from rlbolt.rollout.logps import token_logps
+from rlbolt.models.logps import token_logps
 
 
 def _module(teacher, **algorithm):

@@ -26,7 +26,7 @@ from rlbolt.modules import GRPO, PPO
 from rlbolt.modules import lm_ops
 from rlbolt.plan import BatchPlan
 from rlbolt.setup_context import SetupContext
-from rlbolt.rollout.logps import token_logps
+from rlbolt.models.logps import token_logps
 from rlbolt.trainer import Trainer
 from rlbolt.update import make_update_fn, split_micro_batches
 
@@ -163,7 +163,7 @@ def test_rollout_runs_the_current_adapters(run, mode):
     module, _, state, _, _, _ = run
     if module.lora.config.rollout != mode:  # the fixture trained with the default (merged); rebuild the sampler
         module.lora.config = dataclasses.replace(module.lora.config, rollout=mode)
-        module._engine = None
+        module.rollout.handle = None
     batch = module.on_rollout(state.params, prompt_batch(gsm8k_style_rows(2, seed=5)))
     if mode == "merged":  # the merged kernels were a transient copy: the sampler let go of them
         assert len(_live_buffers((48, 80))) == TINY["num_layers"]

@@ -17,7 +17,7 @@ from rlbolt.module import collect_log_values
 from rlbolt.modules import GRPO, PPO
 from rlbolt.modules.moe_routing import routed_token_masks, routing_columns, slot_mismatch
 from rlbolt.rollout import left_pad_positions
-from rlbolt.rollout.logps import forward_routing
+from rlbolt.models.logps import forward_routing
 from rlbolt.update import add_mini_batch_totals
 
 E, K = 4, 2

@@ -45,4 +45,4 @@ def test_lora_with_a_reference_on_its_own_devices_is_refused_in_one_line():
 def test_lora_without_a_kl_term_needs_no_reference_and_sets_up():
     module = _lora_module(beta=0.0)
     module.setup(_trainer_with_reference_apart())
-    assert module.ref_params is None and module.reference is None
+    assert module.ref_params is None and module.scorers == {}

@@ -14,7 +14,7 @@ from rlbolt.models import Decoder, tiny_config
 from rlbolt.models.moe import pop_routing, record_routing, replay_routing, routing_mismatch
 from rlbolt.models.shared_prefix import grouped_completion_hidden
 from rlbolt.rollout import NativeSampler, left_pad_positions, token_logps
-from rlbolt.rollout.logps import forward_routing
+from rlbolt.models.logps import forward_routing
 
 
 def _model():
@@ -103,7 +103,7 @@ def test_record_routing_needs_experts():
 
 def test_token_logps_and_routing_feed_the_aux_loss_and_the_mismatch_metric():
     from rlbolt.models.moe import load_balancing_loss
-    from rlbolt.rollout.logps import token_logps_and_routing
+    from rlbolt.models.logps import token_logps_and_routing
 
     model = _model()
     keys = jax.random.key_data(jax.random.split(jax.random.key(0), 2))

@@ -150,7 +150,7 @@ def grouped_completion_hidden(model: Decoder, prompt_ids: jnp.ndarray, prompt_ma
     """The final-normed hidden states that predict each completion token, prompts run once per group.
 
     Equal (to float32 rounding) to the unshared forward over `prompt | completion` sliced at
-    positions P - 1 .. P + C - 2 (`rlbolt.rollout.logps.completion_hidden`). The last completion
+    positions P - 1 .. P + C - 2 (`rlbolt.models.logps.completion_hidden`). The last completion
     token predicts nothing, so it is never run.
 
     Args:

@@ -79,11 +79,30 @@ class LoraPolicy:
             adapted = dequantize_model(adapted)
         return merge_adapters(adapted)
 
+    # -- the parameter views a PolicyModel asks for (modules/policy_model.py; `PlainWeights` answers
+    # the same for a plain model) ---------------------------------------------------------------------
+    def init_params(self) -> nnx.State:
+        """The trainable pytree: the adapters only."""
+        return self.adapters
+
+    def frozen(self) -> nnx.State:
+        """The base: trained never, differentiated never."""
+        return self.base
+
+    def hf_model(self, adapters: nnx.State) -> Decoder:
+        """The policy as a plain Decoder (`merged_model`)."""
+        return self.merged_model(adapters)
+
     # -- rollout: merged weights vs adapters on the fly (benchmarks/RESULTS.md) ------------------------
     @property
     def merge_for_rollout(self) -> bool:
         """Whether the sampler runs merged kernels (a transient copy) rather than the adapters."""
         return self.config.rollout == "merged"
+
+    @property
+    def keeps_rollout_arrays(self) -> bool:
+        """Whether the engine may keep the arrays it is given (not LoRA's transient merged copy)."""
+        return not self.merge_for_rollout
 
     def rollout_model(self) -> Decoder:
         """The Decoder the sampler is built from."""
@@ -104,7 +123,7 @@ class LoraPolicy:
 
 class LoraHooks:
     """The RLModule parameter hooks of a module whose `self.lora` is a `LoraPolicy` (or None:
-    nothing frozen). Shared by the LM modules (`PolicySetup`) and the demo's module."""
+    nothing frozen): the demo's module. `LMPolicyModule` asks its `PolicyModel` instead."""
 
     lora: LoraPolicy | None = None
 

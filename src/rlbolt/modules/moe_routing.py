@@ -2,7 +2,7 @@
 load-balancing loss over completion tokens, router replay and the routing-mismatch metric.
 
 Token order. A forward over `prompt | completion` runs, per MoE layer, N tokens in the order of
-`rlbolt.rollout.logps.forward_routing`: rows x (P + C) unshared; with the prompt once per group of
+`rlbolt.models.logps.forward_routing`: rows x (P + C) unshared; with the prompt once per group of
 G rows, the U = B / G prompts (U x P) then each row's completion without its last token
 (B x (C - 1)). The tokens whose routing the rollout chose are the real prompt tokens and the
 *fed* completion tokens: a real completion token followed by another (a row's last token, its
@@ -23,7 +23,7 @@ from rlbolt.batch import register_column
 from rlbolt.config import ConfigError
 from rlbolt.models.moe import load_balancing_loss
 from rlbolt.models.lm_head_logps import DEFAULT_LOGITS_CHUNK_TOKENS
-from rlbolt.rollout.logps import forward_routing, routed_token_logps
+from rlbolt.models.logps import forward_routing, routed_token_logps
 
 ROUTING_COLUMNS = (
     register_column("prompt_routing", "[N, P, L, k]", "int32", "the experts the rollout chose per prompt token", by=__name__),

@@ -1,10 +1,17 @@
 """LMPolicyModule: the shared base of the ready LM algorithms (GRPO and friends).
 
-It owns everything that is the same across algorithms: building the model, tokenizer, sampler,
-frozen reference and reward runner in `setup` (policy_setup.py, with LoRA's parameter hooks);
-prompts -> completions in `on_rollout` (policy_rollout.py: the engine, episodes); reference (and, when needed, old) logps in
-`compute_logps`; rewards in `on_advantage`; the loss skeleton in `training_step` (policy loss +
-KL + entropy, aggregated with mini-batch totals); and greedy accuracy / pass@k in
+It is built from three objects, which `setup` makes (policy_setup.py) and the hooks call:
+
+    self.policy    PolicyModel (policy_model.py): the graph and the views of its parameters, plain or
+                   LoRA: init/frozen/join, the logps and training forwards, rollout params, HF export
+    self.scorers   {"ref": ..., "teacher": ...}: frozen models behind one `.logps(batch)`, on the
+                   training devices or their own (scorers.py, reference.py); each fills `<name>_logps`
+    self.rollout   PolicyRollout (policy_rollout.py): prompts -> completions or episodes over one
+                   engine handle
+
+and owns what is the same across algorithms: old logps (a forward when needed) and the scorers'
+columns in `compute_logps`; rewards in `on_advantage`; the loss skeleton in `training_step`
+(policy loss + KL + entropy, aggregated with mini-batch totals); and greedy accuracy / pass@k in
 `validation_step`. An algorithm subclass overrides the small pieces that differ, each one method:
 
     compute_rewards(batch) -> [N]          rewards (+ shaping)          host, on_advantage
@@ -20,7 +27,6 @@ Metrics from `training_step` are normalised by the mini-batch totals (`mini_batc
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -38,22 +44,25 @@ from rlbolt.data.tokenizers import Tokenizer
 from rlbolt.models.decoder import Decoder
 from rlbolt.module import RLModule
 from rlbolt.plan import PlanError
+from rlbolt.modules import lm_ops
+from rlbolt.modules.moe_routing import ROUTING_COLUMNS, check_router_settings, completion_load_balancing
+from rlbolt.modules.policy_model import PolicyModel, local_rows, rows_on_mesh, token_inputs
 from rlbolt.modules.policy_rollout import PolicyRollout, row_fields as _row_fields
-from rlbolt.modules.policy_setup import PolicySetup, _config_for, replace_section  # noqa: F401 (re-export)
+from rlbolt.modules.policy_setup import _config_for, build_policy, build_reward_runner, build_scorers
+from rlbolt.modules.policy_setup import replace_section  # noqa: F401 (re-export)
 from rlbolt.modules.prompt_sharing import require_shared_layout, stage_group_size
-from rlbolt.modules.prompts import rows_of
-from rlbolt.modules.policy_losses import COVARIANCE_SELECTIONS, POLICY_LOSSES
+from rlbolt.modules.prompts import PromptEncoder, builtin_tokenizer, rows_of
+from rlbolt.algorithms.objectives import OBJECTIVES, objective_selections
 from rlbolt.modules.rewarding import answer_score, score_shared
-from rlbolt.modules.moe_routing import ROUTING_COLUMNS, completion_load_balancing
-from rlbolt.distributed.sharding import host_value
-from rlbolt.rollout.logps import routed_token_logps, sequence_logps
+from rlbolt.modules.scorers import LogpsScorer
+from rlbolt.distributed.sharding import ShardingPlan, host_value
 from rlbolt.rewards import RewardFn, WeightedReward
 from rlbolt.rollout.engine import RolloutEngine
-from rlbolt.rollout.engines import EngineHandle
+from rlbolt.setup_context import SetupContext
 
 
 
-class LMPolicyModule(PolicyRollout, PolicySetup, RLModule):
+class LMPolicyModule(RLModule):
     """A language-model policy trained with a group-based policy-gradient algorithm.
 
     Args:
@@ -82,22 +91,106 @@ class LMPolicyModule(PolicyRollout, PolicySetup, RLModule):
         self.config = _config_for(type(self), config, has_env=env is not None)
         self.algo, self.rollout_cfg = self.config.algorithm, self.config.rollout
         self.hparams = {k: v for k, v in config_to_dict(self.config).items() if k in ("algorithm", "rollout", "reward")}
-        self.model, self.tokenizer, self.reward = model, tokenizer, reward
-        self.ref_params = None
-        self.reference = None  # a PlacedReference when placement gives the reference devices of its own
-        self.sharding = None  # the trainer's ShardingPlan, from setup
-        self.lora = None  # a LoraPolicy when config.model.lora is set
+        self.tokenizer, self.reward = tokenizer, reward
+        self._given = {"model": model, "teacher": teacher}  # what setup builds from, beside the config
+        self._engine_choice = engine if engine is not None else self.config.rollout.engine
+        self._env_choice = env if env is not None else self.rollout_cfg.env
+        self.policy: PolicyModel | None = None  # the three parts (setup)
+        self.scorers: dict[str, LogpsScorer] = {}
+        self.rollout: PolicyRollout | None = None
         self.train_group_size = 1  # G when the training forward runs each group's prompt once (setup)
         self.routes_in_training = False  # the training forward returns its MoE routing (setup)
-        self._engine_lock = threading.Lock()  # validation (main thread) and rollout (producer) share it
-        self._engine_choice = engine if engine is not None else self.config.rollout.engine
-        self._engine: EngineHandle | None = None  # built on first use (rollout_engine)
-        self._env_choice = env if env is not None else self.rollout_cfg.env
-        self.teacher = teacher  # a Decoder (setup loads algorithm.distill_teacher)
-        self.teacher_params = None
-        self.teacher_forward = None  # a PlacedReference when placement gives the teacher devices of its own
-        self.env_factory = None  # the environment factory (setup), when samples are episodes
-        self.env_errors = None  # its EnvErrorMonitor (setup): every error logged, a broken environment stops the run
+
+    # -- set-up ---------------------------------------------------------------------------------------
+    def setup(self, context: SetupContext) -> None:
+        """Builds the tokenizer, the policy (placed on the training mesh; LoRA with model.lora), the
+        prompt encoder, the reward runner, the scorers (reference, teacher) and the rollout. Called
+        once by `fit`; called directly (a test, `rlbolt export`), it records `context` as `self.context`."""
+        self.context = context
+        cfg = self.config
+        if self.tokenizer is None:
+            folder = cfg.model.tokenizer or cfg.model.path
+            self.tokenizer = lm_ops.load_tokenizer(folder) if folder else builtin_tokenizer()
+        model = self.policy.model if self.policy is not None else self._given["model"]  # a second setup keeps it
+        self.policy = build_policy(cfg, model, self.tokenizer, context, self._train_temperature, lora=self.lora)
+        check_router_settings(self.model.config.num_experts, cfg.model.router_aux_loss_coef,
+                              self.rollout_cfg.record_routing, self.algo.router_replay, self._own_forward())
+        # The training forward returns its routing when a router term needs it (`forward`).
+        self.routes_in_training = self.model.config.num_experts > 0 and (
+            cfg.model.router_aux_loss_coef > 0 or self.algo.router_replay)
+        self.encoder = PromptEncoder(
+            self.tokenizer, prompt_field=cfg.data.prompt_field, max_prompt_tokens=cfg.data.max_prompt_tokens,
+            system_prompt=cfg.data.system_prompt, use_chat_template=cfg.data.use_chat_template,
+            template_kwargs=cfg.data.chat_template_kwargs)
+        self.reward, self.reward_runner = build_reward_runner(cfg, self.reward, self._env_choice is not None)
+        env_factory = None
+        if self._env_choice is not None:  # samples are multi-turn episodes (rlbolt.agents)
+            from rlbolt.agents.environment import load_env_factory
+
+            env_factory = load_env_factory(self._env_choice)  # ConfigError naming rollout.env
+        self.scorers, self._given["teacher"] = build_scorers(cfg, self.policy, self._given["teacher"], self.tokenizer,
+                                                             context)
+        # Each group's prompt runs once where a stage's micro batches hold whole groups and the
+        # mesh has one batch shard (prompt_sharing.py).
+        self.train_group_size = self._group_size(context.plan.train_micro_batch_size, context.plan)
+        self.rollout = PolicyRollout(
+            cfg, self.tokenizer, self.encoder, self.policy, prepare=lambda p: self.policy_params(self.full_params(p)),
+            engine=self._engine_choice, rollout_sharding=context.sharding_for("rollout"),
+            completion_width=self.completion_width, env_factory=env_factory, log=self.log)
+
+    def _own_forward(self) -> str | None:
+        """The class's name when it replaces the shared policy forward (PPO's trunk), else None."""
+        return None if type(self).forward.__qualname__ == "LMPolicyModule.forward" else type(self).__name__
+
+    # -- what users and callbacks read (delegating to the parts) ------------------------------------
+    @property
+    def model(self) -> Decoder | None:
+        """The policy Decoder (LoRA: the adapted one over the frozen base); before `setup`, the one given."""
+        return self.policy.model if self.policy is not None else self._given["model"]
+
+    @property
+    def lora(self):
+        """The LoraPolicy of a `model.lora` run, else None."""
+        return self.policy.lora if self.policy is not None else None
+
+    @property
+    def graphdef(self):
+        """The policy model's GraphDef."""
+        return self.policy.graphdef
+
+    @property
+    def sharding(self) -> ShardingPlan | None:
+        """The training role's ShardingPlan (None: one device, or before `setup`)."""
+        return self.policy.sharding if self.policy is not None else None
+
+    @property
+    def teacher(self) -> Decoder | None:
+        """The distillation teacher (`teacher=`, or after `setup` the one `algorithm.distill_teacher` names)."""
+        return self._given["teacher"]
+
+    @property
+    def ref_params(self) -> Any:
+        """The frozen reference copy (None without one: beta = 0, or LoRA's base with the adapters off).
+        Settable: `CPUOffload` keeps it in host memory between logps stages."""
+        ref = self.scorers.get("ref")
+        return None if ref is None else ref.params
+
+    @ref_params.setter
+    def ref_params(self, value: Any) -> None:
+        if self.ref_params is None:
+            raise AttributeError(f"{type(self).__name__}.ref_params: this module holds no reference copy to "
+                                 "replace (algorithm.beta = 0, before setup, or model.lora, whose reference is the "
+                                 "frozen base)")
+        self.scorers["ref"].params = value
+
+    @property
+    def completion_width(self) -> int:
+        """C of the completion columns: `rollout.max_new_tokens`, or with episodes the ids after the
+        prompt of a whole episode (`rollout.max_total_tokens`, default max_turns * max_new_tokens)."""
+        r = self.rollout_cfg
+        if self._env_choice is None:
+            return r.max_new_tokens
+        return r.max_total_tokens or r.max_turns * r.max_new_tokens
 
     # -- plan and optimizer -----------------------------------------------------------------------
     def check_plan(self, plan) -> None:
@@ -142,6 +235,59 @@ class LMPolicyModule(PolicyRollout, PolicySetup, RLModule):
         """The language model's parameters inside the trainable pytree (PPO nests them)."""
         return params
 
+    # -- the parameter hooks: where LoRA's split shows (the PolicyModel answers) ----------------------
+    def init_params(self, rng: jax.Array) -> Any:
+        """The trainable pytree: the model's parameters, or only the LoRA adapters (model.lora)."""
+        return self.policy.init_params()
+
+    def frozen_params(self) -> Any:
+        """With LoRA, the base (trained never, differentiated never); else None."""
+        return self.policy.frozen()
+
+    def with_frozen(self, params: Any, frozen: Any) -> Any:
+        """With LoRA, the adapters joined with the base into the adapted model's State."""
+        return self.policy.join(params, frozen)
+
+    def frozen_identity(self) -> dict | None:
+        """With LoRA: the base's folder, a fingerprint of its weights and its quantisation."""
+        return self.policy.identity()
+
+    def full_params(self, params: Any) -> Any:
+        """`params` as the producer-side hooks get them (the trainable pytree) joined with the
+        frozen base: what the forward passes run on. Identity without LoRA."""
+        return self.with_frozen(params, self.frozen_params())
+
+    def hf_model(self, params: Any) -> Decoder:
+        """The policy as a plain Decoder holding `params` (LoRA adapters merged into the base),
+        ready for `rlbolt.models.hf_io.save_hf`."""
+        return self.policy.hf_model(self.policy_params(params))
+
+    def memory_plan(self, sharding: ShardingPlan) -> dict[str, int]:
+        """The frozen reference model (when beta > 0) or LoRA's frozen base, the teacher, and the
+        sampler's KV cache for one rollout micro batch (longest prompt + max_new_tokens slots), per
+        device; a scorer on devices of its own is not on the training devices this plan describes."""
+        from rlbolt.distributed import kv_cache_bytes, per_device_bytes
+
+        held = {name: s for name, s in self.scorers.items() if s.on_train_devices and s.params is not None}
+        out = {"reference": per_device_bytes(held["ref"].params)} if "ref" in held else {}
+        if self.lora is not None:
+            out["frozen base"] = per_device_bytes(self.lora.base)
+        if "teacher" in held:
+            out["teacher"] = per_device_bytes(held["teacher"].params)
+        rows = self.context.plan.rollout_micro_batch_size
+        rows = 1 << max(0, (rows - 1).bit_length())  # the sampler pads a call to a power of two
+        # An upper bound: with the prompt shared the prompt slots are held once per group.
+        out["kv cache"] = kv_cache_bytes(self.model.config, rows, self.encoder.width + self.completion_width - 1,
+                                         sharding)
+        return out
+
+    # -- rollout ----------------------------------------------------------------------------------------
+    def on_rollout(self, params: Any, batch: Batch) -> Batch:
+        """Tokenises the prompt rows, samples one completion per sample with its `sample_keys`
+        (or runs one episode per sample with an environment), and adds prompt/completion ids and
+        masks ([N, P], [N, C]), `sampler_logps` [N, C] and `completion_text` (object [N])."""
+        return batch.with_columns(self.rollout.sample(params, batch))
+
     # -- logps --------------------------------------------------------------------------------------
     def logps_group_size(self, batch: Batch) -> int:
         """The group size a logps forward over `batch` shares prompts over (1: unshared); the
@@ -160,77 +306,61 @@ class LMPolicyModule(PolicyRollout, PolicySetup, RLModule):
         t = self.rollout_cfg.temperature
         return t if t > 0 else 1.0
 
-    @staticmethod
-    def _forward_keys(batch: Batch) -> tuple[str, ...]:
-        """The forward's inputs. An episode's forward attends over every real id (`sequence_mask`:
-        sampled and environment ids), while the loss, KL and metrics use `completion_mask` (sampled
-        ids only), so environment ids are context but never trained."""
-        return ("prompt_ids", "prompt_mask", "completion_ids", "sequence_mask" if "sequence_mask" in batch else
-                "completion_mask")
-
-    def _token_inputs(self, batch: Batch) -> tuple:
-        return tuple(jnp.asarray(batch[k]) for k in self._forward_keys(batch))
-
-    def _rows_on_mesh(self, batch: Batch, keys: tuple[str, ...] | None = None) -> tuple:
-        """This process's token inputs (or the columns `keys`) as arrays split over the mesh's batch shards."""
-        host = tuple(np.asarray(batch[k]) for k in (keys or self._forward_keys(batch)))
-        return host if self.sharding is None else self.sharding.put_local(host)
-
-    def _local(self, x: Any) -> np.ndarray:
-        return np.asarray(x if self.sharding is None else self.sharding.local_rows(x), np.float32)
-
     def compute_logps(self, params: Any, batch: Batch) -> Batch:
-        """Adds `old_logps` (a forward pass when num_iterations > 1 or a rollout correction is on;
-        else the sampler's), `ref_logps` when beta > 0, and `importance_weights` [N, C] float32 and
-        `keep_mask` [N, C] bool when `algorithm.rollout_correction` corrects the engine's logps toward
-        the trainer's (`rlbolt.algorithms.rollout_correction`: weights 0 and keep False on dropped
-        tokens; its metrics are logged)."""
-        inputs = self._rows_on_mesh(batch)
-        cols: dict[str, Any] = {}
-        correcting = self.algo.rollout_correction != "none"
-        # A teacher's logps come from the trainer's forward: the student's must too, so that the
-        # reverse KL compares like with like (a teacher equal to the student gives exactly 0).
-        forward_old = self.context.plan.num_iterations > 1 or correcting or self.teacher is not None
-        lm_params = self.policy_params(self.full_params(params))
-        # Recorded routing without replay: the logps forward recomputes it (moe/routing_mismatch).
-        mismatch = self.rollout_cfg.record_routing and not self.algo.router_replay
-        forward_old = forward_old or mismatch
-        group = self.logps_group_size(batch) if forward_old or self.algo.beta > 0 else 1
-        if mismatch:
-            routing = self._rows_on_mesh(batch, ROUTING_COLUMNS)
-            logps, mismatched, total = self._logps_and_mismatch(lm_params, *inputs, *routing, group_size=group)
-            old = self._local(logps)
-            self.log("moe/routing_mismatch", float(host_value(mismatched)) / max(float(host_value(total)), 1.0))
-        elif forward_old:
-            routing = self._rows_on_mesh(batch, ROUTING_COLUMNS) if self.algo.router_replay else None
-            old = self._local(self._logps(lm_params, *inputs, group_size=group, routing=routing))
-        else:
-            old = batch["sampler_logps"]
-        cols["old_logps"] = np.asarray(old, np.float32)
-        if correcting:
-            a = self.algo
-            weights, keep, metrics = rollout_correction(
-                jnp.asarray(old), jnp.asarray(batch["sampler_logps"]), jnp.asarray(batch["completion_mask"]),
-                mode=a.rollout_correction, level=a.rollout_correction_level, cap=a.rollout_correction_cap)
-            # The objectives see the keep-mask (a dropped token is out of every sequence ratio and
-            # covariance they pool: policy_losses.py); the aggregation keeps the completion mask, so a
-            # dropped token keeps its place in the normaliser with weight 0 and the loss's scale does
-            # not depend on how many tokens were dropped (verl instead removes them from the mask).
-            cols["importance_weights"] = np.asarray(jnp.where(keep, weights, 0.0), np.float32)
-            cols["keep_mask"] = np.asarray(keep, bool)
-            for name, value in metrics.items():
-                self.log(name, float(value))
-        if self.reference is not None:  # on the reference's own devices (its forward runs unshared)
-            cols["ref_logps"] = self.reference.logps(self.ref_params, batch)
-        elif self.ref_params is not None:
-            cols["ref_logps"] = self._local(self._logps(self.ref_params, *inputs, group_size=group))
-        elif self.lora is not None and self.algo.beta > 0:
-            cols["ref_logps"] = self._local(self._ref_logps(self.lora.base, *inputs, group_size=group))
-        if self.teacher_forward is not None:  # on the teacher's own devices (its forward runs unshared)
-            cols["teacher_logps"] = self.teacher_forward.logps(self.teacher_params, batch)
-        elif self.teacher is not None:
-            cols["teacher_logps"] = self._local(self._teacher_logps(self.teacher_params, *inputs, group_size=group))
+        """Adds `old_logps` (a forward pass when `_forward_old` says so; else the sampler's), each
+        scorer's `<name>_logps` (`ref_logps` when beta > 0, `teacher_logps` when distilling), and
+        `importance_weights` [N, C] float32 and `keep_mask` [N, C] bool when `algorithm.rollout_correction`
+        corrects the engine's logps toward the trainer's (`rlbolt.algorithms.rollout_correction`:
+        weights 0 and keep False on dropped tokens; its metrics are logged)."""
+        forward_old = self._forward_old()
+        group = self.logps_group_size(batch) if forward_old or self.scorers else 1
+        old = self._old_logps(params, batch, group) if forward_old else batch["sampler_logps"]
+        cols: dict[str, Any] = {"old_logps": np.asarray(old, np.float32)}
+        if self.algo.rollout_correction != "none":
+            cols.update(self._rollout_correction(cols["old_logps"], batch))
+        for name, scorer in self.scorers.items():  # a placed scorer's forward runs unshared on its own mesh
+            cols[f"{name}_logps"] = scorer.logps(batch, group)
         return batch.with_columns(cols)
+
+    def _forward_old(self) -> bool:
+        """Whether old logps need the trainer's forward: several updates per batch, a rollout
+        correction, a teacher (its logps come from the trainer's forward, so the student's must too:
+        a teacher equal to the student gives a reverse KL of exactly 0), or recorded routing without
+        replay (the forward recomputes it and logs moe/routing_mismatch)."""
+        return (self.context.plan.num_iterations > 1 or self.algo.rollout_correction != "none"
+                or "teacher" in self.scorers or self._measures_routing)
+
+    @property
+    def _measures_routing(self) -> bool:
+        return self.rollout_cfg.record_routing and not self.algo.router_replay
+
+    def _old_logps(self, params: Any, batch: Batch, group: int) -> np.ndarray:
+        """The policy's logps of `batch` ([N, C] float32 host rows), replaying recorded routing with
+        `algorithm.router_replay`, or measuring its mismatch when it is only recorded."""
+        lm_params, sharding = self.policy_params(self.full_params(params)), self.sharding
+        inputs = rows_on_mesh(sharding, batch)
+        recorded = self._measures_routing or self.algo.router_replay
+        routing = rows_on_mesh(sharding, batch, ROUTING_COLUMNS) if recorded else None
+        if self._measures_routing:
+            logps, mismatched, total = self.policy.logps_and_mismatch(lm_params, *inputs, *routing, group_size=group)
+            self.log("moe/routing_mismatch", float(host_value(mismatched)) / max(float(host_value(total)), 1.0))
+            return local_rows(sharding, logps)
+        return local_rows(sharding, self.policy.logps(lm_params, *inputs, group_size=group, routing=routing))
+
+    def _rollout_correction(self, old: np.ndarray, batch: Batch) -> dict[str, np.ndarray]:
+        """`importance_weights` and `keep_mask` of the engine's logps against `old` (metrics logged)."""
+        a = self.algo
+        weights, keep, metrics = rollout_correction(
+            jnp.asarray(old), jnp.asarray(batch["sampler_logps"]), jnp.asarray(batch["completion_mask"]),
+            mode=a.rollout_correction, level=a.rollout_correction_level, cap=a.rollout_correction_cap)
+        for name, value in metrics.items():
+            self.log(name, float(value))
+        # The objectives see the keep-mask (a dropped token is out of every sequence ratio and
+        # covariance they pool: algorithms/objectives.py); the aggregation keeps the completion mask, so a
+        # dropped token keeps its place in the normaliser with weight 0 and the loss's scale does
+        # not depend on how many tokens were dropped (verl instead removes them from the mask).
+        return {"importance_weights": np.asarray(jnp.where(keep, weights, 0.0), np.float32),
+                "keep_mask": np.asarray(keep, bool)}
 
     # -- rewards and advantages ------------------------------------------------------------------------
     def on_reward(self, batch: Batch) -> Batch:
@@ -250,7 +380,7 @@ class LMPolicyModule(PolicyRollout, PolicySetup, RLModule):
         require_shared_layout(batch["prompt_ids"], batch["prompt_mask"], self.train_group_size, "on_advantage")
         out = self.compute_advantages(batch)
         cols = dict(out) if isinstance(out, Mapping) else {"advantages": out}
-        if self.teacher is not None:  # on-policy distillation: the teacher's per-token reverse KL
+        if "teacher" in self.scorers:  # on-policy distillation: the teacher's per-token reverse KL
             a, mask = self.algo, np.asarray(batch["completion_mask"], bool)
             task = cols["advantages"] if a.distill_task_coef > 0 else None
             advantages, reverse_kl = reverse_kl_advantages(
@@ -290,9 +420,9 @@ class LMPolicyModule(PolicyRollout, PolicySetup, RLModule):
 
     # -- training (jitted) -------------------------------------------------------------------------------
     def policy_loss(self, logps: jax.Array, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """The per-token policy loss [N, C] that `algorithm.policy_loss` names (`modules/policy_losses.py`:
+        """The per-token policy loss [N, C] that `algorithm.policy_loss` names (`rlbolt.algorithms.objectives`:
         PPO-clip with clip-higher and dual-clip by default; GSPO, CISPO, SAPO, GMPO, Clip-Cov, KL-Cov)."""
-        return POLICY_LOSSES[self.algo.policy_loss](logps, batch, self.algo)
+        return OBJECTIVES[self.algo.policy_loss](logps, batch, self.algo)
 
     def aggregate(self, per_token: jax.Array, batch: Batch) -> jax.Array:
         """`aggregate_loss` in the configured mode with the mini-batch totals."""
@@ -308,16 +438,10 @@ class LMPolicyModule(PolicyRollout, PolicySetup, RLModule):
 
     def forward(self, params: Any, batch: Batch) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
         """One policy forward: (logps [N, C], entropy [N, C], aux) where aux feeds `extra_loss`."""
-        if not self.routes_in_training:
-            logps, entropy = sequence_logps(self.graphdef, self.policy_params(params), *self._token_inputs(batch),
-                                            with_entropy=True, group_size=self.train_group_size, **self._logps_options)
-            return logps, entropy, {}
         # Mixture of experts with a router term: the forward also returns its routing (moe_routing.py).
-        routing = tuple(batch[k] for k in ROUTING_COLUMNS) if self.algo.router_replay else None
-        logps, entropy, experts, probs = routed_token_logps(
-            self.graphdef, self.policy_params(params), *self._token_inputs(batch), with_entropy=True,
-            group_size=self.train_group_size, routing=routing, **self._logps_options)
-        return logps, entropy, {"router": (experts, probs)}
+        routing = tuple(batch[k] for k in ROUTING_COLUMNS) if self.routes_in_training and self.algo.router_replay else None
+        return self.policy.forward(self.policy_params(params), token_inputs(batch), group_size=self.train_group_size,
+                                   routed=self.routes_in_training, routing=routing)
 
     def training_step(self, params: Any, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
         """policy loss + beta * KL (when in the loss) - entropy_coef * entropy + extra_loss."""
@@ -327,7 +451,7 @@ class LMPolicyModule(PolicyRollout, PolicySetup, RLModule):
         loss = self.aggregate(per_token, batch)
         metrics = {"loss/policy": loss, "entropy": self.token_mean(entropy, batch),
                    "clip_frac": self.token_mean(info["clipped"], batch), "ratio/mean": self.token_mean(info["ratio"], batch)}
-        for rule in COVARIANCE_SELECTIONS:  # Clip-Cov / KL-Cov: the share of tokens the covariance rule picked
+        for rule in objective_selections():  # Clip-Cov / KL-Cov: the share of tokens the covariance rule picked
             if rule in info:
                 metrics["cov/selected_frac"] = self.token_mean(info[rule], batch)
         if a.beta > 0 and "ref_logps" in batch:
@@ -361,20 +485,20 @@ class LMPolicyModule(PolicyRollout, PolicySetup, RLModule):
         `Evaluation(num_samples=k)` passes; None: `rollout.val_num_samples`)."""
         rows = rows_of(batch, [k for k in _row_fields(batch) if k != "prompt_index"])
         keys = np.asarray(batch["sample_keys"], np.uint32)
-        if self.env_factory is not None:  # greedy episodes: the mean environment reward
-            episodes = self._episodes(params, rows, self._episode_prompts(rows), keys, None, 0.0, log=False)
+        if self.rollout.env_factory is not None:  # greedy episodes: the mean environment reward
+            episodes = self.rollout.episodes(params, rows, keys, None, 0.0, log=False)
             return {"env_reward": float(np.mean(episodes["env_reward"]))}
         ids = self.encoder.encode_rows(rows)
         answer_field = self.config.data.answer_field
-        greedy = self._generate(params, ids, keys, 0.0)
-        texts = self._decode(greedy.completion_ids, greedy.completion_mask)
+        greedy = self.rollout.generate(params, ids, keys, 0.0).output
+        texts = self.rollout.decode(greedy.completion_ids, greedy.completion_mask)
         metrics = {"accuracy": float(np.mean([answer_score(t, r, answer_field) for t, r in zip(texts, rows)]))}
         k = num_samples or self.rollout_cfg.val_num_samples
         if k > 1:
             many_keys = np.asarray(jax.vmap(lambda key: jax.random.split(key, k))(jnp.asarray(keys)), np.uint32)
-            out = self._generate(params, [i for i in ids for _ in range(k)], many_keys.reshape(-1, 2),
-                                 self.rollout_cfg.val_temperature)
-            texts = self._decode(out.completion_ids, out.completion_mask)
+            out = self.rollout.generate(params, [i for i in ids for _ in range(k)], many_keys.reshape(-1, 2),
+                                        self.rollout_cfg.val_temperature).output
+            texts = self.rollout.decode(out.completion_ids, out.completion_mask)
             scores = np.array([answer_score(t, rows[j // k], answer_field) for j, t in enumerate(texts)])
             metrics[f"pass@{k}"] = float(scores.reshape(-1, k).max(axis=1).mean())
         return metrics

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 from rlbolt.algorithms import clipped_value_loss, gae_advantages, kl_in_reward, masked_whiten, sequence_to_token_rewards
 from rlbolt.batch import Batch, register_column
 from rlbolt.modules.policy import LMPolicyModule
-from rlbolt.rollout.logps import chunked_logps, completion_hidden
+from rlbolt.modules.policy_model import local_rows, rows_on_mesh, token_inputs
+from rlbolt.models.logps import chunked_logps, completion_hidden
 
 register_column("old_values", "[N, C]", "float32", "the value head's values at the rollout (PPO)", by=__name__)
 register_column("returns", "[N, C]", "float32", "GAE's value targets (PPO)", by=__name__)
@@ -69,9 +70,9 @@ class PPO(LMPolicyModule):
     def compute_logps(self, params: Any, batch: Batch) -> Batch:
         """Adds old_logps / ref_logps (see the base) and `old_values` [N, C] from the value head."""
         batch = super().compute_logps(params, batch)
-        values = self._values(self.full_params(params), *self._rows_on_mesh(batch),
+        values = self._values(self.full_params(params), *rows_on_mesh(self.sharding, batch),
                               group_size=self.logps_group_size(batch))
-        return batch.with_columns(old_values=self._local(values))
+        return batch.with_columns(old_values=local_rows(self.sharding, values))
 
     def compute_advantages(self, batch: Batch):
         """PPO: GAE (gamma, lam) over token rewards (the sequence reward on the last token, minus
@@ -90,7 +91,7 @@ class PPO(LMPolicyModule):
 
     def forward(self, params: Any, batch: Batch):
         """One trunk forward: (logps [N, C], entropy [N, C], {"values": [N, C]})."""
-        logps, entropy, values = self._hidden_outputs(params, *self._token_inputs(batch), with_entropy=True,
+        logps, entropy, values = self._hidden_outputs(params, *token_inputs(batch), with_entropy=True,
                                                       group_size=self.train_group_size)
         return logps, entropy, {"values": values}
 

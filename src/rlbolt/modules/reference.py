@@ -3,7 +3,9 @@ on-policy distillation's teacher (`placement.teacher`).
 
     ref = PlacedReference(model, train_plan, reference_plan, temperature=t)
     ref.params                       the frozen copy, only on the reference devices (placed once)
-    ref.logps(ref.params, batch)     [N, C] float32 host rows: the forward runs on the reference mesh
+    ref.logps(batch)                 [N, C] float32 host rows: the forward runs on the reference mesh
+
+It is one of `LMPolicyModule.scorers` (modules/scorers.py: the same `.logps(batch)` as a colocated one).
 
 The copy is made once, at set-up, from the model's initial parameters: each leaf is cut on the
 training devices as the reference mesh wants it and every shard copied to the device that holds
@@ -31,13 +33,14 @@ from rlbolt.distributed.mesh import MeshError
 from rlbolt.distributed.placement import WeightSync
 from rlbolt.distributed.sharding import ShardingPlan
 from rlbolt.models.lm_head_logps import DEFAULT_LOGITS_CHUNK_TOKENS
-from rlbolt.rollout.logps import token_logps
+from rlbolt.models.logps import token_logps
 
 TOKEN_COLUMNS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
 
 
 class PlacedReference:
-    """A frozen copy of `model`'s parameters and its logps forward, both on `plan`'s devices.
+    """A frozen copy of `model`'s parameters and its logps forward, both on `plan`'s devices (a
+    `rlbolt.modules.scorers.LogpsScorer`).
 
     Args:
       model: the policy model (an `rlbolt.models.Decoder`) holding the initial parameters.
@@ -47,6 +50,8 @@ class PlacedReference:
       temperature: the temperature the logps are taken at (the sampler's).
       chunk_size: tokens per output-projection chunk (`model.logits_chunk_tokens`); 0 or None: unchunked.
     """
+
+    on_train_devices = False  # the copy is on the role's own devices: not in the training memory plan
 
     def __init__(self, model: nnx.Module, train_plan: ShardingPlan | None, plan: ShardingPlan, *, temperature: float,
                  chunk_size: int | None = DEFAULT_LOGITS_CHUNK_TOKENS):
@@ -60,16 +65,16 @@ class PlacedReference:
                                                   chunk_size=chunk_size),
                                 out_shardings=plan.batch_sharding())
 
-    def logps(self, params: Any, batch: Batch) -> np.ndarray:
-        """The reference logps [N, C] (float32 host rows, this process's share) of `batch`.
+    def logps(self, batch: Batch, group_size: int = 1) -> np.ndarray:
+        """The reference logps [N, C] (float32 host rows, this process's share) of `batch`, with
+        `self.params` (which `CPUOffload` may have swapped for a device copy of its host copy).
 
         Args:
-          params: the reference parameters (`self.params`, or the same tree brought back from
-            host memory by `CPUOffload`).
           batch: a logps micro batch holding the token columns.
+          group_size: ignored: the forward on the role's own mesh runs every row's prompt (unshared).
         """
         inputs = self.plan.put_local(tuple(np.asarray(batch[k]) for k in TOKEN_COLUMNS))
-        return np.asarray(self.plan.local_rows(self._forward(params, *inputs)), np.float32)
+        return np.asarray(self.plan.local_rows(self._forward(self.params, *inputs)), np.float32)
 
 
 def _move(params: Any, source: ShardingPlan | None, target: ShardingPlan) -> Any:

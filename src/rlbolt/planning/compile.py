@@ -213,7 +213,7 @@ def _lower_logps(run: Any) -> Any:
     rows = plan.logps_micro_batch_size
     inputs = schema.logps_inputs(rows, prompt_width(run), module.completion_width, run.sharding)
     lm_params = module.policy_params(module.full_params(run.params))
-    return module._logps.lower(lm_params, *inputs, group_size=module._group_size(rows, plan))
+    return module.policy.logps.lower(lm_params, *inputs, group_size=module._group_size(rows, plan))
 
 
 def _lower_rollout(run: Any) -> tuple[Any, int]:
@@ -224,7 +224,7 @@ def _lower_rollout(run: Any) -> tuple[Any, int]:
     module, plan, r = run.module, run.plan, run.config.rollout
     target = run.shardings["rollout"]
     eos = module.tokenizer.eos_id
-    sampler = NativeSampler(module._rollout_model(), max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
+    sampler = NativeSampler(module.policy.rollout_model(target), max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
                             top_p=r.top_p, stop_token_ids=(eos,) if r.stop_at_eos else (), pad_id=module.tokenizer.pad_id,
                             share_prompts=run.config.model.share_prompt, sharding=target)
     width = prompt_width(run)

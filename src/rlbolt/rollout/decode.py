@@ -17,7 +17,7 @@ from flax import nnx
 from rlbolt.models.cache import KVCache, init_cache
 from rlbolt.models.shared_prefix import decode_with_prefix
 from rlbolt.rollout.compaction import compaction_sizes, run_compacted, take_rows
-from rlbolt.rollout.logps import left_pad_positions
+from rlbolt.models.logps import left_pad_positions
 from rlbolt.rollout.sampling import SamplingParams, is_stop_token, sample_tokens, step_uniforms
 from rlbolt.utils.xla_flags import DecodeJit
 

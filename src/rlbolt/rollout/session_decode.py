@@ -42,7 +42,7 @@ from rlbolt.models.rope import layer_rope
 from rlbolt.models.shared_prefix import attend_with_prefix
 from rlbolt.rollout.compaction import take_rows
 from rlbolt.rollout.decode import grow_cache
-from rlbolt.rollout.logps import left_pad_positions
+from rlbolt.models.logps import left_pad_positions
 from rlbolt.rollout.sampling import SamplingParams, is_stop_token, sample_tokens, step_uniforms
 from rlbolt.utils.xla_flags import DecodeJit
 
