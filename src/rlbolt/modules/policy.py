@@ -36,7 +36,7 @@ from rlbolt.batch import Batch
 from rlbolt.config import RunConfig, config_to_dict
 from rlbolt.data.tokenizers import Tokenizer
 from rlbolt.models.decoder import Decoder
-from rlbolt.module import RLModule
+from rlbolt.module import ModuleCard, RLModule
 from rlbolt.plan import PlanError
 from rlbolt.modules.policy_rollout import PolicyRollout, row_fields as _row_fields
 from rlbolt.modules.policy_setup import PolicySetup, _config_for, replace_section  # noqa: F401 (re-export)
@@ -141,6 +141,15 @@ class LMPolicyModule(PolicyRollout, PolicySetup, RLModule):
     def policy_params(self, params: Any) -> Any:
         """The language model's parameters inside the trainable pytree (PPO nests them)."""
         return params
+
+    def card(self) -> ModuleCard:
+        """The policy's description (`rlbolt.module.ModuleCard`), read from the module's public attributes."""
+        from rlbolt.models.hf_io import tokenizer_source
+
+        return ModuleCard(model=self.model, model_config=self.model.config, policy_params=self.policy_params,
+                          hf_model=self.hf_model, tokenizer=self.tokenizer, lr_schedule=self.lr_schedule,
+                          tokenizer_folder=tokenizer_source(self.config.model.tokenizer, self.config.model.path),
+                          hparams=self.hparams)
 
     # -- logps --------------------------------------------------------------------------------------
     def logps_group_size(self, batch: Batch) -> int:
