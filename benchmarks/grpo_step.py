@@ -136,10 +136,10 @@ def main(argv=None) -> dict:
         def __init__(self):
             self.metrics, self.compiles_at, self.last = [], [], None
 
-        def on_rollout_end(self, trainer, rollout):
+        def on_rollout_end(self, run, rollout):
             self.last = rollout
 
-        def on_step_end(self, trainer, info):
+        def on_step_end(self, run, info):
             self.metrics.append(info.metrics)
             self.compiles_at.append(len(compiles))
 

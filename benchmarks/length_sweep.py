@@ -81,10 +81,10 @@ def run_point(point: dict, quick: bool) -> dict:
         def __init__(self):
             self.metrics, self.last = [], None
 
-        def on_rollout_end(self, trainer, rollout):
+        def on_rollout_end(self, run, rollout):
             self.last = rollout
 
-        def on_step_end(self, trainer, info):
+        def on_step_end(self, run, info):
             self.metrics.append(info.metrics)
 
     rec = Record()

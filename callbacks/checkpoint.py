@@ -24,8 +24,9 @@ has none left is refused rather than restarted from step 0.
 
 Order: `order = 10` runs ModelCheckpoint after the metric writers and NaNGuard (order <= 0),
 whatever the list order, so step s's checkpoint only exists once step s has been logged and
-checked. Restoring happens in the `on_restore` hook, before any callback's `on_fit_start`; it
-loads every callback's state there, so callbacks must not reset their state in `on_fit_start`.
+checked. Restoring happens in the `on_restore` hook, before any callback's `on_fit_start`: it returns
+a `Restore` (the state, every callback's state, the retained weights) that the Trainer applies, so
+callbacks must not reset their state in `on_fit_start`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from typing import Any
 import jax
 
 from rlbolt.callback import Callback, Periodic
+from rlbolt.run_info import Restore, RunInfo
 from rlbolt.checkpointing import config_guard, meta as checkpoint_meta
 from rlbolt.checkpointing.meta import FrozenParamsMismatch, check_frozen_identity  # noqa: F401 - re-exported
 from rlbolt.checkpointing.io import CheckpointIO, NoUsableCheckpoint, read_json, write_json_atomic
@@ -49,16 +51,11 @@ FORMAT_VERSION = checkpoint_meta.FORMAT_VERSION
 BEST_FILE = "best.json"
 
 
-def _frozen_identity(trainer) -> dict | None:
-    module = getattr(trainer, "module", None)
-    return module.frozen_identity() if hasattr(module, "frozen_identity") else None
-
-
 class ModelCheckpoint(Callback):
     """Saves checkpoints with Orbax and restores the latest (or a named) one when fit starts.
 
     Args:
-      directory: where checkpoints go (default `<trainer.run_dir>/checkpoints`).
+      directory: where checkpoints go (default `<run.run_dir>/checkpoints`).
       every_n_steps: save when `steps completed % every_n_steps == 0`.
       every_secs: save when this many seconds passed since the last save.
       keep: how many of the newest checkpoints to keep (None: all). The best one (by
@@ -131,19 +128,18 @@ class ModelCheckpoint(Callback):
         return saved
 
     # -- hooks -------------------------------------------------------------------------------------
-    def open(self, trainer) -> None:
+    def open(self, run: RunInfo) -> None:
         """Opens the checkpoint directory (on_restore does it; call it to save without fitting)."""
-        self.io = CheckpointIO(self._directory or Path(trainer.run_dir) / "checkpoints", async_save=self.async_save)
+        self.io = CheckpointIO(self._directory or Path(run.run_dir) / "checkpoints", async_save=self.async_save)
         self._periodic = Periodic(self.every_n_steps, self.every_secs, self.clock)
         self._best = self._read_best()
 
-    def on_restore(self, trainer, state: TrainState) -> TrainState | None:
-        """Opens the directory and, when it holds checkpoints, restores the newest usable one."""
-        self.open(trainer)
+    def on_restore(self, run: RunInfo, state: TrainState) -> Restore | None:
+        """Opens the directory and, when it holds checkpoints, returns the newest usable one to restore."""
+        self.open(run)
         self._last_state, self.restored_step, self.saved_step = state, None, None
-        self._run_config = config_guard.config_record(trainer, self.config)
-        module = getattr(trainer, "module", None)
-        self._model = checkpoint_meta.model_record(module, state.params) if module is not None else None
+        self._run_config = config_guard.config_record(run, self.config)
+        self._model = checkpoint_meta.model_record(run.card, state.params)
         steps = self.io.steps()
         first = self.io.first_saved()
         if not steps and first is not None and self.resume is not None:
@@ -157,17 +153,20 @@ class ModelCheckpoint(Callback):
         if self.resume is None:
             raise ValueError(f"{self.io.directory} already holds checkpoints (steps {steps}) and "
                              "ModelCheckpoint(resume=None); pass resume='latest' (or a step) or a fresh directory")
-        restored = self._restore(trainer, state, steps)
-        self._last_state = restored
-        return restored
+        restore = self._restore(run, state, steps)
+        self._last_state = restore.state
+        return restore
 
-    def on_step_end(self, trainer, info: StepInfo) -> None:
+    def on_update_end(self, run: RunInfo, state: TrainState) -> None:
+        self._last_state = state  # the state to save on an exception (the one before it was donated)
+
+    def on_step_end(self, run: RunInfo, info: StepInfo) -> None:
         self._last_state = info.state
         self.io.note_finished()
         if self._periodic.should_fire(info.step):
-            self.save(trainer, info.state)
+            self.save(run, info.state)
 
-    def on_validation_end(self, trainer, step: int, metrics: dict[str, float]) -> None:
+    def on_validation_end(self, run: RunInfo, step: int, metrics: dict[str, float]) -> None:
         if self.best_metric is None or self.best_metric not in metrics:
             return
         value = float(metrics[self.best_metric])
@@ -176,33 +175,34 @@ class ModelCheckpoint(Callback):
             return
         self._best = {"metric": self.best_metric, "mode": self.best_mode, "step": step, "value": value}
         if self._last_state is not None and self._last_state.step == step:
-            self.save(trainer, self._last_state)  # a no-op when the periodic save already wrote it
-        if trainer.is_main_process:
+            self.save(run, self._last_state)  # a no-op when the periodic save already wrote it
+        if run.is_main_process:
             write_json_atomic(self.io.directory / BEST_FILE, self._best)
 
-    def on_fit_end(self, trainer, state: TrainState) -> None:
-        self.save(trainer, state)  # the last step is always saved
+    def on_fit_end(self, run: RunInfo, state: TrainState) -> None:
+        self.save(run, state)  # the last step is always saved
         self.finish()
 
-    def on_exception(self, trainer, exc: BaseException) -> None:
+    def on_exception(self, run: RunInfo, exc: BaseException) -> None:
         if self.io is None:
             return
         if self.io.failed is not None:  # a write already failed (disk full): nothing more to try
             self.io.close()
             return
-        if self.save_on_exception and trainer.last_state is not None:
-            if _donated(trainer.last_state):  # the exception came inside an update that took them
+        last = self._last_state
+        if self.save_on_exception and last is not None:
+            if _donated(last):  # the exception came inside an update that took them
                 log.warning("not saving on %s: the state of step %d was donated to the update that failed; the "
-                            "newest checkpoint is step %s", type(exc).__name__, trainer.last_state.step, self.saved_step)
+                            "newest checkpoint is step %s", type(exc).__name__, last.step, self.saved_step)
             elif jax.process_count() == 1:
-                self.save(trainer, trainer.last_state)
+                self.save(run, last)
             else:  # a save is a collective, and an exception may have stopped this process alone
                 log.warning("not saving on %s: with %d processes the others may not reach this save",
                             type(exc).__name__, jax.process_count())
         self.finish()
 
     # -- actions -----------------------------------------------------------------------------------
-    def save(self, trainer, state: TrainState) -> bool:
+    def save(self, run: RunInfo, state: TrainState) -> bool:
         """Saves `state` (asynchronously when `async_save`) unless that step is already on disk.
 
         Returns:
@@ -210,12 +210,13 @@ class ModelCheckpoint(Callback):
         """
         if state.step in self.io.manager.all_steps():
             return False
-        lag = trainer.weights.lag_steps
+        lag = run.lag_steps
         needed = range(max(0, state.step - lag), state.step)  # weights the resumed producer will ask for
-        held = trainer.weights.retained()
+        held = run.retained_weights()
         retained = {k: held[k] for k in needed if k in held}
         versions = [[k, int(version)] for k, (_, version) in sorted(retained.items())]
-        meta = checkpoint_meta.build(trainer, state, versions, self._run_config, self._model, _frozen_identity(trainer))
+        frozen = run.module.frozen_identity() if run.module is not None else None
+        meta = checkpoint_meta.build(run, state, versions, self._run_config, self._model, frozen)
         arrays = {"params": self.params_to_save(state.params), "opt_state": state.opt_state, "rng": state.rng}
         saved = {str(k): self.params_to_save(params) for k, (params, _) in retained.items()}
         self.io.save(state.step, arrays, meta, saved or None)
@@ -242,7 +243,7 @@ class ModelCheckpoint(Callback):
         return {}  # the best-step record lives in best.json: it may change after a step's save
 
     # -- helpers -----------------------------------------------------------------------------------
-    def _restore(self, trainer, state: TrainState, steps: list[int]) -> TrainState:
+    def _restore(self, run: RunInfo, state: TrainState, steps: list[int]) -> Restore:
         if self.resume == "latest":
             candidates = steps
         elif self.resume in steps:
@@ -256,14 +257,15 @@ class ModelCheckpoint(Callback):
         def check_meta(step: int, meta: dict) -> None:  # before any array of the step is read
             checkpoint_meta.check(step, meta)  # a bad field: this step is skipped
             # A LoRA/full or other-base mismatch is named rather than failing to restore: refused.
-            check_frozen_identity(meta["frozen"], _frozen_identity(trainer), self.io.directory)
+            check_frozen_identity(meta["frozen"], run.module.frozen_identity() if run.module is not None else None,
+                                  self.io.directory)
             accepted[:] = config_guard.check(meta["config"], self._run_config, step=step, directory=self.io.directory,
                                              allow=self.allow_config_change)  # a changed config: refused
-            self._check_producer(trainer, meta)
+            self._check_producer(run, meta)
 
         step, arrays, meta, retained = self.io.restore_usable(candidates, template, template["params"], check_meta)
-        if accepted and trainer.is_main_process:
-            path = config_guard.record_changes(trainer.run_dir, step, accepted)
+        if accepted and run.is_main_process:
+            path = config_guard.record_changes(run.run_dir, step, accepted)
             log.warning("resuming from step %d with a changed config (allowed): %s (recorded in %s)", step,
                         config_guard.describe(accepted), path)
         for later in [s for s in self.io.steps() if s > step]:  # the resumed run writes these steps anew
@@ -273,19 +275,17 @@ class ModelCheckpoint(Callback):
         restored = state.replace(step=progress["step"], policy_version=progress["policy_version"],
                                  data_position=progress["data_position"], opt_state=arrays["opt_state"],
                                  rng=arrays["rng"], params=self.params_from_checkpoint(state.params, arrays["params"]))
-        trainer.callbacks.load_state_dict(meta.get("callbacks", {}))
         versions = dict(meta.get("retained_weights", []))
-        for k in sorted(retained):  # oldest first: publishing prunes keys older than k - lag
-            trainer.weights.publish(k, self.params_from_checkpoint(state.params, retained[k]), versions[k])
+        weights = {k: (self.params_from_checkpoint(state.params, retained[k]), versions[k]) for k in retained}
         if self._best is not None and self._best["step"] > step:
             self._best = None  # it belonged to the discarded future
         self.restored_step = self.saved_step = step
         log.info("resumed from step %d of %s (data position %d)", step, self.io.directory, restored.data_position)
-        return restored
+        return Restore(restored, callback_states=meta.get("callbacks", {}), weights=weights)
 
-    def _check_producer(self, trainer, meta: dict) -> None:
+    def _check_producer(self, run: RunInfo, meta: dict) -> None:
         saved = meta.get("producer", {})
-        for name, now in (("mode", trainer.mode), ("lag_steps", trainer.weights.lag_steps)):
+        for name, now in (("mode", run.mode), ("lag_steps", run.lag_steps)):
             if name in saved and saved[name] != now:
                 raise ValueError(f"checkpoint in {self.io.directory} was written with Trainer {name}={saved[name]!r} but "
                                  f"this run has {name}={now!r}; an exact resume needs the same mode and max_staleness")

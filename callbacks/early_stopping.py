@@ -1,8 +1,8 @@
 """EarlyStopping: stop fit when a monitored metric has not improved for `patience` checks.
 
-A `val/...` metric is checked at each validation (`on_validation_end`: the Trainer's own
-`val_every_n_steps` or the Evaluation callback); any other name is checked after every step
-against `StepInfo.metrics` (e.g. "reward/mean"). Stopping sets `trainer.should_stop`, so the
+A `val/...` metric is checked at each validation (`on_validation_end`: the Evaluation that
+`fit(val_data=...)` installs, or a user's); any other name is checked after every step
+against `StepInfo.metrics` (e.g. "reward/mean"). Stopping calls `run.control.request_stop()`, so the
 Trainer ends after the current step with the usual fit-end hooks (final checkpoint, logs).
 
 `state_dict` holds the best value, its step and the checks since, so a resumed run stops at
@@ -15,13 +15,14 @@ import logging
 import math
 
 from rlbolt.callback import Callback
+from rlbolt.run_info import RunInfo
 from rlbolt.state import StepInfo
 
 log = logging.getLogger(__name__)
 
 
 class EarlyStopping(Callback):
-    """Sets `trainer.should_stop` when `monitor` stops improving.
+    """Asks the run to stop (`run.control.request_stop()`) when `monitor` stops improving.
 
     A check improves when `value > best + min_delta` (mode "max") or `value < best - min_delta`
     (mode "min"); the first finite value always improves. A non-finite value never improves.
@@ -63,15 +64,15 @@ class EarlyStopping(Callback):
         `rlbolt.fit_checks.check_fit` refuses a fit that would never give it a value."""
         return f"EarlyStopping(monitor={self.monitor!r}) is checked at each validation" if self._on_validation else None
 
-    def on_step_end(self, trainer, info: StepInfo) -> None:
+    def on_step_end(self, run: RunInfo, info: StepInfo) -> None:
         if not self._on_validation:
-            self.check(trainer, info.step, _pick(self.monitor, info.metrics, "step"))
+            self.check(run, info.step, _pick(self.monitor, info.metrics, "step"))
 
-    def on_validation_end(self, trainer, step: int, metrics: dict[str, float]) -> None:
+    def on_validation_end(self, run: RunInfo, step: int, metrics: dict[str, float]) -> None:
         if self._on_validation:
-            self.check(trainer, step, _pick(self.monitor, metrics, "validation"))
+            self.check(run, step, _pick(self.monitor, metrics, "validation"))
 
-    def check(self, trainer, step: int, value: float) -> bool:
+    def check(self, run: RunInfo, step: int, value: float) -> bool:
         """Records one value of the monitored metric; returns True when it asked the trainer to stop."""
         if self.improves(value):
             self.best, self.best_step, self.wait = value, step, 0
@@ -79,7 +80,7 @@ class EarlyStopping(Callback):
         self.wait += 1
         if self.wait < self.patience:
             return False
-        trainer.should_stop = True
+        run.control.request_stop()
         self.stopped_step = step
         log.info("EarlyStopping: %s did not improve for %d check(s) (best %s at step %s); stopping after step %d",
                  self.monitor, self.wait, self.best, self.best_step, step)

@@ -1,8 +1,11 @@
-"""Evaluation: run the module's `validation_step` over an eval set every n steps / seconds and at the end.
+"""Evaluation: the one validator. Runs the module's `validation_step` over an eval set every n steps /
+seconds, after the last step and (optionally) before the first.
 
-The work is `Trainer.validate(params, eval_data, step)`: it batches the rows, calls
-`validation_step`, averages the metrics (sample-weighted), prefixes them `val/` and fires
-`on_validation_end` on every callback, so MetricsLogger writes them, ModelCheckpoint's
+`Trainer.fit(val_data=...)` installs one (`Evaluation.of_fit`: the Trainer's `val_every_n_steps`
+and `val_at_start`, ordered after every other callback); a user adds more for other eval sets.
+The work is `run.control.validate(params, eval_data, step)` (`Trainer.validate`): it batches the
+rows, calls `validation_step`, averages the metrics (sample-weighted), prefixes them `val/` and
+fires `on_validation_end` on every callback, so MetricsLogger writes them, ModelCheckpoint's
 `best_metric="val/..."` keeps the best step and EarlyStopping can watch them.
 
 pass@k: the number of samples per prompt is the module's business (LMPolicyModule reads
@@ -23,8 +26,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rlbolt.callback import Callback, Periodic
+from rlbolt.run_info import RunInfo
 from rlbolt.state import StepInfo
 from rlbolt.validation import accepts_keyword
+
+AFTER_ALL = 1_000_000  # the order of the Evaluation `fit(val_data=...)` installs: after every other callback
+FIT_VALIDATION = "Evaluation/fit"  # its state_key
 
 
 class Evaluation(Callback):
@@ -37,6 +44,8 @@ class Evaluation(Callback):
       num_samples: k of pass@k, passed as `validation_step(..., num_samples=k)` (None: the
         module's own setting).
       at_end: also validate the final params (once, even when a periodic validation fell on that step).
+      at_start: also validate the starting params before the first step (logged at step 0; not on
+        a resume): the "before" of a before/after comparison.
       clock: seconds source for `every_secs` (injectable for tests).
 
     Attributes:
@@ -46,42 +55,59 @@ class Evaluation(Callback):
     order = 20  # after ModelCheckpoint recorded the step it may keep as best
 
     def __init__(self, eval_data: Sequence[dict], every_n_steps: int | None = None, every_secs: float | None = None,
-                 num_samples: int | None = None, at_end: bool = True, clock: Callable[[], float] = time.monotonic):
+                 num_samples: int | None = None, at_end: bool = True, at_start: bool = False,
+                 clock: Callable[[], float] = time.monotonic):
         if isinstance(eval_data, (str, bytes)) or not hasattr(eval_data, "__len__") or len(eval_data) == 0:
             raise ValueError(f"Evaluation(eval_data=...) needs a non-empty sequence of row dicts, got {type(eval_data).__name__}")
         if num_samples is not None and (not isinstance(num_samples, int) or num_samples < 1):
             raise ValueError(f"Evaluation(num_samples={num_samples!r}) must be a positive integer (k of pass@k) or None")
-        self.eval_data, self.num_samples, self.at_end = eval_data, num_samples, at_end
+        self.eval_data, self.num_samples, self.at_end, self.at_start = eval_data, num_samples, at_end, bool(at_start)
         self.every_n_steps, self.every_secs, self.clock = every_n_steps, every_secs, clock
         self.periodic = Periodic(every_n_steps, every_secs, clock)  # validates both
         self.history: list[tuple[int, dict[str, float]]] = []
         self._last_step: int | None = None
+        self._key = type(self).__name__
+
+    @classmethod
+    def of_fit(cls, val_data: Sequence[dict], every_n_steps: int | None, at_start: bool) -> Evaluation:
+        """The validation `Trainer.fit(val_data=...)` installs: run after every other callback's hooks,
+        checkpointed under its own key ("Evaluation/fit") beside a user's Evaluation."""
+        evaluation = cls(val_data, every_n_steps=every_n_steps, at_start=at_start)
+        evaluation.order, evaluation._key = AFTER_ALL, FIT_VALIDATION
+        return evaluation
+
+    @property
+    def state_key(self) -> str:
+        """The name its state is checkpointed under ("Evaluation"; "Evaluation/fit" for fit's own)."""
+        return self._key
 
     @property
     def validates_periodically(self) -> bool:
         """True when it validates during the run (so EarlyStopping on a `val/` metric can fire)."""
         return self.every_n_steps is not None or self.every_secs is not None
 
-    def on_fit_start(self, trainer, state) -> None:
-        step = trainer.module.validation_step
+    def on_fit_start(self, run: RunInfo, state) -> None:
+        step = run.module.validation_step
         if self.num_samples is not None and not accepts_keyword(step, "num_samples"):
-            raise TypeError(f"Evaluation(num_samples={self.num_samples}): {type(trainer.module).__name__}.validation_step "
+            raise TypeError(f"Evaluation(num_samples={self.num_samples}): {type(run.module).__name__}.validation_step "
                             "takes no num_samples keyword; add `*, num_samples=None` to it or leave num_samples out")
         self.periodic = Periodic(self.every_n_steps, self.every_secs, self.clock)
+        if self.at_start and state.step == 0:
+            self.evaluate(run, state.params, 0)
 
-    def on_step_end(self, trainer, info: StepInfo) -> None:
+    def on_step_end(self, run: RunInfo, info: StepInfo) -> None:
         periodic = self.periodic.should_fire(info.step)
-        if periodic or (self.at_end and _is_last_step(trainer, info)):
-            self.evaluate(trainer, info.state.params, info.step)
+        if periodic or (self.at_end and _ends_here(run, info)):
+            self.evaluate(run, info.state.params, info.step)
 
-    def on_fit_end(self, trainer, state) -> None:
-        # Reached only when a callback after this one stopped the run (should_stop).
-        if self.at_end and self._last_step != state.step and state.step > 0 and not trainer.interrupted:
-            self.evaluate(trainer, state.params, state.step)
+    def on_fit_end(self, run: RunInfo, state) -> None:
+        # Reached only when a callback after this one stopped the run (request_stop).
+        if self.at_end and self._last_step != state.step and state.step > 0 and not run.control.interrupted:
+            self.evaluate(run, state.params, state.step)
 
-    def evaluate(self, trainer, params: Any, step: int) -> dict[str, float]:
+    def evaluate(self, run: RunInfo, params: Any, step: int) -> dict[str, float]:
         """Runs one validation pass now; returns its `val/*` metrics."""
-        metrics = trainer.validate(params, self.eval_data, step, num_samples=self.num_samples)
+        metrics = run.control.validate(params, self.eval_data, step, num_samples=self.num_samples)
         self.periodic.fired(step)
         self._last_step = step
         self.history.append((step, dict(metrics)))
@@ -94,18 +120,10 @@ class Evaluation(Callback):
         self._last_step = state.get("last_step")
 
 
-def _is_last_step(trainer, info: StepInfo) -> bool:
-    """Whether fit ends after this step: max_steps reached, prompts for max_epochs used up (the
-    producer's own rule), or an earlier callback asked to stop. A signal is not an end of run:
-    an interrupted fit skips the end-of-run evaluation."""
-    if trainer.stop_signal is not None:
+def _ends_here(run: RunInfo, info: StepInfo) -> bool:
+    """Whether fit ends after this step: the plan's last step (`info.is_last`) or an earlier
+    callback asked to stop. A signal is not an end of run: an interrupted fit skips the
+    end-of-run evaluation."""
+    if run.control.stop_signal is not None:
         return False
-    if trainer.should_stop:
-        return True
-    max_steps = trainer.max_steps
-    if max_steps is not None and info.step >= max_steps:
-        return True
-    max_epochs, source, plan = trainer.max_epochs, trainer.source, trainer.plan
-    if max_epochs is not None and source is not None and plan is not None:
-        return info.state.data_position + plan.prompts_per_step > max_epochs * len(source)
-    return False
+    return info.is_last or run.control.stop_requested

@@ -10,11 +10,10 @@ tokenizer came from a folder), written by `rlbolt.models.hf_io.save_hf`: built u
 name and renamed into place, so a crash never leaves a half-written folder, and
 `transformers.AutoModelForCausalLM.from_pretrained(folder)` loads it.
 
-The module must hold its network as `module.model` (an `rlbolt.models.Decoder`); the trained
-params are put into a view of that model (no copy of the module's own model is changed). A module
-whose trainable pytree nests the policy (PPO's value head) exposes `policy_params(params)`; one
-with `hf_model(params)` (the LM modules) builds the exported Decoder itself (a LoRA run's
-adapters merged into its base).
+The module declares its language model in its card (`RLModule.card()`): `card.hf_model(params)`
+builds the exported Decoder from the trainable pytree (the policy's part of it; a LoRA run's
+adapters merged into its base), and `card.tokenizer_folder` names the tokenizer files to copy.
+A module whose card is None is refused when the fit starts (it has no model to export).
 Only process 0 writes.
 """
 
@@ -27,6 +26,7 @@ from typing import Any
 from flax import nnx
 
 from rlbolt.callback import Callback, Periodic
+from rlbolt.run_info import RunInfo
 from rlbolt.state import StepInfo, TrainState
 
 log = logging.getLogger(__name__)
@@ -39,8 +39,8 @@ class HFExport(Callback):
       directory: where the exports go (`step_<n>/`, `final/`).
       every_n_steps: export when `steps completed % every_n_steps == 0` (None: only at the end).
       at_end: export the final params to `final/` when fit ends.
-      tokenizer_folder: copy the tokenizer files from here; None uses the module's config
-        (`model.tokenizer` or `model.path`) when it names a folder with a tokenizer.json.
+      tokenizer_folder: copy the tokenizer files from here; None uses the module card's
+        `tokenizer_folder` (the config's `model.tokenizer` or `model.path`) when there is one.
       max_shard_bytes: split the weights into shards of at most this many bytes (None: one file).
 
     Attributes:
@@ -54,52 +54,42 @@ class HFExport(Callback):
         self.tokenizer_folder, self.max_shard_bytes = tokenizer_folder, max_shard_bytes
         self.exported: list[tuple[int, Path]] = []
 
-    def on_fit_start(self, trainer, state: TrainState) -> None:
-        model = getattr(trainer.module, "model", None)
-        if not isinstance(model, nnx.Module) or not hasattr(model, "config"):
-            raise ValueError(f"HFExport needs the module's network as `module.model` (an rlbolt.models.Decoder) after "
-                             f"setup; {type(trainer.module).__name__}.model is {type(model).__name__}. Set self.model in "
-                             "setup() or drop HFExport")
+    def on_fit_start(self, run: RunInfo, state: TrainState) -> None:
+        if run.card is None:
+            raise ValueError(f"HFExport needs the module's language model, but {type(run.module).__name__}.card() "
+                             "returned None; return a rlbolt.module.ModuleCard from card() or drop HFExport")
 
-    def on_step_end(self, trainer, info: StepInfo) -> None:
+    def on_step_end(self, run: RunInfo, info: StepInfo) -> None:
         if self.periodic.should_fire(info.step):
-            self.export(trainer, info.state.params, self.directory / f"step_{info.step}", info.step)
+            self.export(run, info.state.params, self.directory / f"step_{info.step}", info.step)
 
-    def on_fit_end(self, trainer, state: TrainState) -> None:
-        if getattr(trainer, "interrupted", False):
+    def on_fit_end(self, run: RunInfo, state: TrainState) -> None:
+        if run.control.interrupted:
             log.info("HFExport: fit was interrupted at step %d; no final export (the checkpoint holds the step)", state.step)
         elif self.at_end:
-            self.export(trainer, state.params, self.directory / "final", state.step)
+            self.export(run, state.params, self.directory / "final", state.step)
 
-    def export(self, trainer, params: Any, folder: Path, step: int) -> Path | None:
+    def export(self, run: RunInfo, params: Any, folder: Path, step: int) -> Path | None:
         """Writes `params` (the trainable pytree) as a HF folder at `folder` (process 0 only; every
         process calls it, since params sharded over several processes are gathered first)."""
         from rlbolt.data.gguf_tokenizer import hf_tokenizer_folder
         from rlbolt.distributed import gather_to_host
         from rlbolt.models.hf_io import save_hf
 
-        module = trainer.module
-        if hasattr(module, "hf_model"):  # LMPolicyModule: LoRA adapters come merged into the base
-            model = module.hf_model(params)
-        else:
-            model = with_params(module.model, module.policy_params(params) if hasattr(module, "policy_params") else params)
+        model = run.card.hf_model(params)  # a LoRA run's adapters come merged into the base
         model = with_params(model, gather_to_host(nnx.state(model, nnx.Param)))  # whole, on every process
-        if not trainer.is_main_process:
+        if not run.is_main_process:
             return None
-        with hf_tokenizer_folder(self._tokenizer_folder(module)) as tokenizer_folder:
+        with hf_tokenizer_folder(self._tokenizer_folder(run.card)) as tokenizer_folder:
             save_hf(model, model.config, folder, max_shard_bytes=self.max_shard_bytes, tokenizer_folder=tokenizer_folder)
         self.exported.append((step, folder))
         log.info("HFExport: step %d written to %s", step, folder)
         return folder
 
-    def _tokenizer_folder(self, module) -> Path | None:
+    def _tokenizer_folder(self, card) -> Path | None:
         if self.tokenizer_folder is not None:
             return Path(self.tokenizer_folder)
-        from rlbolt.models.hf_io import tokenizer_source
-
-        model_cfg = getattr(getattr(module, "config", None), "model", None)
-        source = tokenizer_source(getattr(model_cfg, "tokenizer", None), getattr(model_cfg, "path", None))
-        return None if source is None else Path(source)
+        return None if card.tokenizer_folder is None else Path(card.tokenizer_folder)
 
 
 def with_params(model: nnx.Module, params: Any) -> nnx.Module:

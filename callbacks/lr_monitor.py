@@ -5,7 +5,7 @@ Where the value comes from, first match wins:
 1. an `optax.inject_hyperparams(...)` state anywhere in the optimizer state (also inside
    NaNGuard's `apply_if_finite` or an `optax.chain`): its `hyperparams["learning_rate"]`, which
    optax sets to the value the last update used;
-2. a schedule the module exposes as `module.lr_schedule(count) -> lr`, evaluated at the count of
+2. a schedule the module's card declares (`RLModule.card().lr_schedule(count) -> lr`), evaluated at the count of
    the last update: `count - 1`, with `count` the first `ScaleByScheduleState.count` in the
    optimizer state (the counter optax feeds the schedule), else `TrainState.policy_version`.
 
@@ -23,6 +23,7 @@ import numpy as np
 import optax
 
 from rlbolt.callback import Callback
+from rlbolt.run_info import RunInfo
 from rlbolt.state import StepInfo, TrainState
 
 _INJECTED = (optax.InjectStatefulHyperparamsState, optax.InjectHyperparamsState)
@@ -51,7 +52,7 @@ class LearningRateMonitor(Callback):
       name: the metric name.
 
     Attributes:
-      source: "inject_hyperparams" or "module.lr_schedule", chosen at fit start.
+      source: "inject_hyperparams" or "card.lr_schedule", chosen at fit start.
     """
 
     order = -20  # adds `lr` before the writers run
@@ -59,24 +60,26 @@ class LearningRateMonitor(Callback):
     def __init__(self, name: str = "lr"):
         self.name = name
         self.source: str | None = None
+        self._schedule: Any = None
 
-    def on_fit_start(self, trainer, state: TrainState) -> None:
+    def on_fit_start(self, run: RunInfo, state: TrainState) -> None:
         if injected_learning_rate(state.opt_state) is not None:
             self.source = "inject_hyperparams"
-        elif callable(getattr(trainer.module, "lr_schedule", None)):
-            self.source = "module.lr_schedule"
+        elif run.card is not None and run.card.lr_schedule is not None:
+            self.source, self._schedule = "card.lr_schedule", run.card.lr_schedule
         else:
             raise ValueError(
-                f"LearningRateMonitor: {type(trainer.module).__name__}'s optimizer has no injected learning_rate and "
-                "the module has no lr_schedule(count); build the optimizer with "
-                "optax.inject_hyperparams(optax.adamw)(learning_rate=...) or define module.lr_schedule(count) -> lr"
+                f"LearningRateMonitor: {type(run.module).__name__}'s optimizer has no injected learning_rate and "
+                "its card() declares no lr_schedule; build the optimizer with "
+                "optax.inject_hyperparams(optax.adamw)(learning_rate=...) or return a ModuleCard with lr_schedule "
+                "from the module's card()"
             )
 
-    def step_metrics(self, trainer, info: StepInfo) -> dict[str, float]:
-        return {self.name: self.learning_rate(trainer, info.state)}
+    def step_metrics(self, run: RunInfo, info: StepInfo) -> dict[str, float]:
+        return {self.name: self.learning_rate(info.state)}
 
-    def learning_rate(self, trainer, state: TrainState) -> float:
+    def learning_rate(self, state: TrainState) -> float:
         """The learning rate of the last update that produced `state`."""
         if self.source == "inject_hyperparams":
             return injected_learning_rate(state.opt_state)
-        return float(np.asarray(trainer.module.lr_schedule(max(schedule_count(state) - 1, 0))))
+        return float(np.asarray(self._schedule(max(schedule_count(state) - 1, 0))))

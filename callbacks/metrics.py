@@ -9,6 +9,7 @@ from typing import Any
 
 from rlbolt.callback import Callback, Periodic
 from rlbolt.loggers import MultiWriter, NullWriter, create_default_writer, namespaced
+from rlbolt.run_info import RunInfo
 
 __all__ = ["MetricsLogger", "WRITER_NAMES"]
 
@@ -19,7 +20,7 @@ class MetricsLogger(Callback):
     """Writes ``StepInfo.metrics`` (and ``val/*`` metrics) through metric writers, on process 0.
 
     Named writers are built at ``on_fit_start`` by ``create_default_writer`` under
-    ``trainer.run_dir``: ``metrics.jsonl``, ``tensorboard/``, ``wandb/``. They are closed at ``on_fit_end`` and on an exception, so what
+    ``run.run_dir``: ``metrics.jsonl``, ``tensorboard/``, ``wandb/``. They are closed at ``on_fit_end`` and on an exception, so what
     was logged before a crash is on disk. Names go through ``rlbolt.loggers.namespaced``
     (lowercase, ``/``-separated); a bad name fails at the first step that logs it.
 
@@ -30,10 +31,10 @@ class MetricsLogger(Callback):
         writer: ``None`` (``["console", "jsonl"]``), a list whose items are writer names from
             ``WRITER_NAMES`` or writer objects, or one writer object (rlbolt's or CLU's).
         every_n_steps: log train metrics when ``step % every_n_steps == 0``; the last step
-            (``trainer.max_steps``) is always logged. Validation metrics are always logged.
+            (``StepInfo.is_last``: ``max_steps`` reached or the epochs' prompts used up) is always logged. Validation metrics are always logged.
         every_secs: also log when this many seconds passed since the last logged step.
-        hparams: what ``write_hparams`` records at fit start; ``None`` collects the trainer's
-            settings, the BatchPlan and the module's ``hparams`` attribute if it has one.
+        hparams: what ``write_hparams`` records at fit start; ``None`` collects the run's
+            settings, the BatchPlan and the module card's ``hparams`` (``RLModule.card()``).
         wandb_project: the W&B project, when ``"wandb"`` is among the writer names.
         clock: seconds source for ``every_secs`` (injectable for tests).
     """
@@ -62,33 +63,32 @@ class MetricsLogger(Callback):
         return isinstance(self._spec, (list, tuple)) and any(isinstance(i, str) and i != "console" for i in self._spec)
 
     # -- hooks ------------------------------------------------------------------------------------
-    def on_fit_start(self, trainer, state) -> None:
-        if not trainer.is_main_process:
+    def on_fit_start(self, run: RunInfo, state) -> None:
+        if not run.is_main_process:
             self.writer = NullWriter()
             return
-        self.writer = self._build(trainer)
-        hparams = self.hparams if self.hparams is not None else collect_hparams(trainer)
+        self.writer = self._build(run)
+        hparams = self.hparams if self.hparams is not None else collect_hparams(run)
         self.writer.write_hparams(dict(hparams))
 
-    def on_step_end(self, trainer, info) -> None:
-        last = info.step == getattr(trainer, "max_steps", None)
-        if self.periodic.should_fire(info.step) or last:
-            if last:
+    def on_step_end(self, run: RunInfo, info) -> None:
+        if self.periodic.should_fire(info.step) or info.is_last:
+            if info.is_last:
                 self.periodic.fired(info.step)
             self.writer.write_scalars(info.step, namespaced(info.metrics))
 
-    def on_validation_end(self, trainer, step: int, metrics: dict[str, float]) -> None:
+    def on_validation_end(self, run: RunInfo, step: int, metrics: dict[str, float]) -> None:
         self.writer.write_scalars(step, namespaced({k if k.startswith("val/") else f"val/{k}": v
                                                     for k, v in metrics.items()}))
 
-    def on_fit_end(self, trainer, state) -> None:
+    def on_fit_end(self, run: RunInfo, state) -> None:
         self._close()
 
-    def on_exception(self, trainer, exc: BaseException) -> None:
+    def on_exception(self, run: RunInfo, exc: BaseException) -> None:
         self._close()
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _build(self, trainer) -> Any:
+    def _build(self, run: RunInfo) -> Any:
         if not isinstance(self._spec, (list, tuple)):
             return self._spec
         names = {item for item in self._spec if isinstance(item, str)}
@@ -96,7 +96,7 @@ class MetricsLogger(Callback):
         if not names:
             return MultiWriter(objects)
         # One place (create_default_writer) owns the run-folder layout; this is process 0.
-        built = create_default_writer(trainer.run_dir, console="console" in names, jsonl="jsonl" in names,
+        built = create_default_writer(run.run_dir, console="console" in names, jsonl="jsonl" in names,
                                       tensorboard="tensorboard" in names, wandb="wandb" in names,
                                       wandb_project=self.wandb_project, process_index=0)
         return MultiWriter([built, *objects])
@@ -107,24 +107,21 @@ class MetricsLogger(Callback):
             writer.close()
 
 
-def collect_hparams(trainer: Any) -> dict[str, Any]:
-    """The run settings a dashboard should show: trainer fields, the BatchPlan, module hparams.
+def collect_hparams(run: RunInfo) -> dict[str, Any]:
+    """The run settings a dashboard should show: trainer settings, the BatchPlan, the card's hparams.
 
     Args:
-        trainer: the Trainer (read with ``getattr``, so a partial stand-in works).
+        run: the run's description.
 
     Returns:
         A nested dict: ``{"trainer": {...}, "plan": {...}, "module": name, "module_hparams": {...}}``.
     """
     fields = ("max_steps", "max_epochs", "seed", "data_seed", "mode", "max_staleness", "val_every_n_steps")
-    out: dict[str, Any] = {"trainer": {f: getattr(trainer, f) for f in fields if hasattr(trainer, f)}}
-    plan = getattr(trainer, "plan", None)
-    if dataclasses.is_dataclass(plan):
-        out["plan"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(plan).items()}
-    module = getattr(trainer, "module", None)
-    if module is not None:
-        out["module"] = type(module).__name__
-        module_hparams = getattr(module, "hparams", None)
-        if isinstance(module_hparams, Mapping):
-            out["module_hparams"] = dict(module_hparams)
+    out: dict[str, Any] = {"trainer": {f: run.settings[f] for f in fields if f in run.settings}}
+    if dataclasses.is_dataclass(run.plan):
+        out["plan"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(run.plan).items()}
+    if run.module is not None:
+        out["module"] = type(run.module).__name__
+        if run.card is not None and isinstance(run.card.hparams, Mapping):
+            out["module_hparams"] = dict(run.card.hparams)
     return out

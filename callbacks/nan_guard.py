@@ -29,6 +29,7 @@ import numpy as np
 import optax
 
 from rlbolt.callback import Callback
+from rlbolt.run_info import RunInfo
 from rlbolt.callbacks.checkpoint import ModelCheckpoint
 from rlbolt.callbacks.offload import Offloaded, host_memory_kind
 from rlbolt.distributed.agree import any_process
@@ -70,20 +71,20 @@ class NaNGuard(Callback):
         self.saved_step: int | None = None
         self._before: dict[str, Offloaded] = {}  # "stop": host copies of the fields the update donates
 
-    def wrap_optimizer(self, trainer, tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    def wrap_optimizer(self, run: RunInfo, tx: optax.GradientTransformation) -> optax.GradientTransformation:
         """Called by the Trainer before the state is built: "skip" makes non-finite updates no-ops."""
         if self.action != "skip":
             return tx
         # NaNGuard counts the consecutive failures itself; optax must never apply a bad update.
         return optax.apply_if_finite(tx, max_consecutive_errors=np.iinfo(np.int32).max)
 
-    def on_update_start(self, trainer, state) -> None:
-        """"stop": copies the fields the step's update donates (`trainer.donated`) to host memory."""
+    def on_update_start(self, run: RunInfo, state) -> None:
+        """"stop": copies the fields the step's update donates (`run.donated`) to host memory."""
         if self.action == "stop":
             kind = host_memory_kind()
-            self._before = {name: Offloaded(getattr(state, name), kind) for name in getattr(trainer, "donated", ())}
+            self._before = {name: Offloaded(getattr(state, name), kind) for name in run.donated}
 
-    def step_metrics(self, trainer, info: StepInfo) -> dict[str, float]:
+    def step_metrics(self, run: RunInfo, info: StepInfo) -> dict[str, float]:
         """skip mode: `nan_guard/skipped_updates`, the updates of this step that were skipped."""
         if self.action != "skip":
             return {}
@@ -94,14 +95,14 @@ class NaNGuard(Callback):
         self._skipped_now, self.skipped_updates = total - self.skipped_updates, total
         return {"nan_guard/skipped_updates": float(self._skipped_now)}
 
-    def on_step_end(self, trainer, info: StepInfo) -> None:
+    def on_step_end(self, run: RunInfo, info: StepInfo) -> None:
         if self.action == "skip":
             self._count_skips(info.step)
             return
         bad = {k: info.metrics[k] for k in self.metrics if k in info.metrics and not math.isfinite(info.metrics[k])}
         if any_process(bool(bad)):  # every process saves and stops together (the save is a collective)
             good = info.previous_state.replace(**{name: copy.to_device() for name, copy in self._before.items()})
-            self._stop(trainer, info.step, good, bad or {"loss on another process": float("nan")})
+            self._stop(run, info.step, good, bad or {"loss on another process": float("nan")})
 
     def state_dict(self) -> dict:
         return {"skipped_updates": self.skipped_updates, "consecutive": self._consecutive}
@@ -111,17 +112,17 @@ class NaNGuard(Callback):
         self._consecutive = int(state.get("consecutive", 0))
 
     # -- helpers -----------------------------------------------------------------------------------
-    def _stop(self, trainer, step: int, good, bad: dict[str, float]) -> None:
+    def _stop(self, run: RunInfo, step: int, good, bad: dict[str, float]) -> None:
         """Saves `good` (the state before step `step`) and raises NonFiniteError."""
-        checkpoints = trainer.callbacks.find(ModelCheckpoint)
+        checkpoints = [cb for cb in run.callbacks if isinstance(cb, ModelCheckpoint)]
         if checkpoints:
             saver = checkpoints[0]
-            saver.save(trainer, good)
+            saver.save(run, good)
             saver.wait()
         else:
-            saver = ModelCheckpoint(Path(trainer.run_dir) / "checkpoints", async_save=False, keep=None)
-            saver.open(trainer)
-            saver.save(trainer, good)
+            saver = ModelCheckpoint(Path(run.run_dir) / "checkpoints", async_save=False, keep=None)
+            saver.open(run)
+            saver.save(run, good)
             saver.finish()
         self.saved_step = good.step
         names = ", ".join(f"{k}={v}" for k, v in bad.items())

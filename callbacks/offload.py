@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from rlbolt.callback import Callback
+from rlbolt.run_info import RunInfo
 from rlbolt.state import TrainState
 
 log = logging.getLogger(__name__)
@@ -139,7 +140,7 @@ class CPUOffload(Callback):
         self._module = None
 
     # -- hooks ------------------------------------------------------------------------------------
-    def on_fit_start(self, trainer, state: TrainState) -> TrainState | None:
+    def on_fit_start(self, run: RunInfo, state: TrainState) -> TrainState | None:
         kind = self._requested_kind or host_memory_kind() or "numpy"
         if kind != "numpy" and kind not in {m.kind for m in jax.devices()[0].addressable_memories()}:
             raise ValueError(f"CPUOffload(host_kind={kind!r}): device {jax.devices()[0]} has no such memory; "
@@ -147,10 +148,10 @@ class CPUOffload(Callback):
         self.host_kind = kind
         log.info("CPUOffload: host placement %s on %s", kind, jax.devices()[0].platform)
         if self.reference:
-            self._offload_module(trainer.module)
-        return self.on_update_end(trainer, state)
+            self._offload_module(run.module)
+        return self.on_update_end(run, state)
 
-    def on_update_start(self, trainer, state: TrainState) -> TrainState | None:
+    def on_update_start(self, run: RunInfo, state: TrainState) -> TrainState | None:
         """Brings the optimizer state to the device for the step's updates."""
         if not self.optimizer_state:
             return None
@@ -159,17 +160,17 @@ class CPUOffload(Callback):
         # Replaced since it was offloaded (a checkpoint restored after this callback's on_fit_start).
         return state.replace(opt_state=jax.tree.map(_leaf_to_device, state.opt_state))
 
-    def on_update_end(self, trainer, state: TrainState) -> TrainState | None:
+    def on_update_end(self, run: RunInfo, state: TrainState) -> TrainState | None:
         """Moves the updated optimizer state back to host memory."""
         if not self.optimizer_state:
             return None
         self._opt = Offloaded(state.opt_state, self._jax_kind)
         return state.replace(opt_state=self._opt.host)
 
-    def on_fit_end(self, trainer, state: TrainState) -> None:
+    def on_fit_end(self, run: RunInfo, state: TrainState) -> None:
         self._restore_module()
 
-    def on_exception(self, trainer, exc: BaseException) -> None:
+    def on_exception(self, run: RunInfo, exc: BaseException) -> None:
         self._restore_module()
 
     # -- the reference copies -----------------------------------------------------------------------

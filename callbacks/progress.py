@@ -9,6 +9,7 @@ from typing import Any, TextIO
 
 from rlbolt.callback import Callback, Periodic
 from rlbolt.loggers.console import format_value
+from rlbolt.run_info import RunInfo
 
 __all__ = ["ProgressBar"]
 
@@ -23,16 +24,6 @@ def _hms(seconds: float) -> str:
 
 def _summary(metrics: Mapping[str, float]) -> str:
     return " | ".join(f"{label} {format_value(float(metrics[key]))}" for key, label in _SHOWN if key in metrics)
-
-
-def total_steps(trainer) -> int | None:
-    """Steps the run will take: ``max_steps``, else an estimate from epochs; None if unknown."""
-    if getattr(trainer, "max_steps", None):
-        return trainer.max_steps
-    epochs, source, plan = (getattr(trainer, n, None) for n in ("max_epochs", "source", "plan"))
-    if epochs and source is not None and plan is not None:
-        return max(1, epochs * len(source) // plan.prompts_per_step)
-    return None
 
 
 class ProgressBar(Callback):
@@ -68,12 +59,12 @@ class ProgressBar(Callback):
         self._bar: Any = None
         self._plain: Periodic | None = None
 
-    def on_fit_start(self, trainer, state) -> None:
+    def on_fit_start(self, run: RunInfo, state) -> None:
         self._bar, self._plain = None, None
-        if not trainer.is_main_process:
+        if not run.is_main_process:
             return
         self._out = self.file or sys.stderr
-        self._total = total_steps(trainer)
+        self._total = run.total_steps
         self._first_step, self._started = state.step, self.clock()
         if _isatty(self._out):
             from tqdm import tqdm
@@ -83,10 +74,10 @@ class ProgressBar(Callback):
             every = self.plain_every_n_steps or (max(1, self._total // 20) if self._total else 10)
             self._plain = Periodic(every_n_steps=every, every_secs=self.plain_every_secs, clock=self.clock)
 
-    def on_step_end(self, trainer, info) -> None:
+    def on_step_end(self, run: RunInfo, info) -> None:
         if self._bar is None and self._plain is None:  # not process 0, or fit not started
             return
-        last = info.step == self._total
+        last = info.is_last
         if self._bar is not None:
             if info.step % self.refresh_every_n_steps == 0 or last:
                 self._bar.set_postfix_str(_summary(info.metrics), refresh=False)
@@ -95,10 +86,10 @@ class ProgressBar(Callback):
             self._out.write(self._line(info) + "\n")
             self._out.flush()
 
-    def on_fit_end(self, trainer, state) -> None:
+    def on_fit_end(self, run: RunInfo, state) -> None:
         self._close()
 
-    def on_exception(self, trainer, exc: BaseException) -> None:
+    def on_exception(self, run: RunInfo, exc: BaseException) -> None:
         self._close()
 
     def _line(self, info) -> str:

@@ -35,6 +35,7 @@ import jax
 import numpy as np
 
 from rlbolt.callback import Callback
+from rlbolt.run_info import RunInfo
 from rlbolt.state import StepInfo
 
 # Dense bf16 tensor-core peaks in FLOP/s per device (vendor data sheets, without sparsity).
@@ -121,14 +122,14 @@ class Throughput(Callback):
         self.last_flops: dict[str, float] = {}
         self._shape: tuple[int, int] = (0, 0)
 
-    def on_fit_start(self, trainer, state) -> None:
+    def on_fit_start(self, run: RunInfo, state) -> None:
         per_device = self.peak_flops or peak_flops_for(jax.devices()[0].device_kind)
         self.peak = per_device * jax.device_count() if per_device else None
         if self.num_params is None:
             self.num_params = int(sum(np.size(x) for x in jax.tree.leaves(state.params)))
-        self._shape = attention_shape(getattr(trainer.module, "model", None))
+        self._shape = attention_shape(run.card.model_config if run.card is not None else None)
 
-    def step_metrics(self, trainer, info: StepInfo) -> dict[str, float]:
+    def step_metrics(self, run: RunInfo, info: StepInfo) -> dict[str, float]:
         m, batch, out = info.metrics, info.batch, {}
         step_s = m.get("time/step", 0.0)
         for stage in STAGES:
@@ -136,7 +137,7 @@ class Throughput(Callback):
                 out[f"time/share/{stage}"] = m[f"time/{stage}"] / step_s
         if batch is None or step_s <= 0:
             return out
-        iterations = trainer.plan.num_iterations
+        iterations = run.plan.num_iterations
         forwards = self.logps_forwards
         if forwards is None:
             forwards = int("ref_logps" in batch) + int(iterations > 1)
@@ -158,9 +159,8 @@ def sequence_lengths(batch: Any) -> np.ndarray:
     return count("prompt_mask", "prompt_ids") + count("completion_mask", "completion_ids")
 
 
-def attention_shape(model: Any) -> tuple[int, int]:
-    """(L, H x Q) from `model.config` (num_layers, num_heads, head_dim); (0, 0) when unknown."""
-    config = getattr(model, "config", None)
+def attention_shape(config: Any) -> tuple[int, int]:
+    """(L, H x Q) from a `ModelConfig` (num_layers, num_heads, head_dim); (0, 0) when unknown (None)."""
     try:
         return int(config.num_layers), int(config.num_heads) * int(config.head_dim)
     except (AttributeError, TypeError):

@@ -11,16 +11,17 @@ import time
 from pathlib import Path
 
 from rlbolt.callback import Callback
+from rlbolt.run_info import RunInfo
 from rlbolt.timeline import append_events
 
 __all__ = ["TimelineLogger"]
 
 
 class TimelineLogger(Callback):
-    """Writes `trainer.timeline` events after every step, at the end and on an exception.
+    """Writes `run.timeline` events after every step, at the end and on an exception.
 
     Args:
-      filename: the file under `trainer.run_dir`.
+      filename: the file under `run.run_dir`.
     """
 
     order = 0
@@ -30,25 +31,25 @@ class TimelineLogger(Callback):
         self.path: Path | None = None
         self.run = 0.0
 
-    def on_fit_start(self, trainer, state) -> None:
+    def on_fit_start(self, run: RunInfo, state) -> None:
         self.run = time.time()  # stamps this fit's events: a resumed run appends its own
-        if trainer.is_main_process:
-            self.path = Path(trainer.run_dir) / self.filename
+        if run.is_main_process:
+            self.path = Path(run.run_dir) / self.filename
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
-    def on_step_end(self, trainer, info) -> None:
-        self._flush(trainer)
+    def on_step_end(self, run: RunInfo, info) -> None:
+        self._flush(run)
 
-    def on_validation_end(self, trainer, step, metrics) -> None:
-        self._flush(trainer)
+    def on_validation_end(self, run: RunInfo, step, metrics) -> None:
+        self._flush(run)
 
-    def on_fit_end(self, trainer, state) -> None:
-        self._flush(trainer)
+    def on_fit_end(self, run: RunInfo, state) -> None:
+        self._flush(run)
 
-    def on_exception(self, trainer, exc) -> None:
-        self._flush(trainer)
+    def on_exception(self, run: RunInfo, exc) -> None:
+        self._flush(run)
 
-    def _flush(self, trainer) -> None:
-        events = trainer.timeline.drain()
+    def _flush(self, run: RunInfo) -> None:
+        events = run.timeline.drain()
         if self.path is not None and events:
             append_events(self.path, [{**e, "run": self.run} for e in events])

@@ -115,6 +115,25 @@ def test_howto_override_example_is_a_ready_module():
     assert issubclass(namespace["LengthPenalisedGRPO"], GRPO)
 
 
+def test_howto_callback_stops_the_fit_where_its_rule_says(tmp_path):
+    """The how-to's StopAtReward, as written, in a real fit: every reward is >= -1, so the streak
+    reaches patience 3 at step 3 and the run stops there (of 10); a target above any reward never stops."""
+    from toy_module import ToyModule, prompt_rows
+
+    from rlbolt.plan import BatchPlan
+    from rlbolt.trainer import Trainer
+
+    namespace: dict = {}
+    exec(_blocks("write-a-callback.md")[0], namespace)  # noqa: S102 - our own docs
+    stop = namespace["StopAtReward"]
+    plan = BatchPlan(prompts_per_step=2, num_generations=2)
+    state = Trainer(plan, max_steps=10, run_dir=tmp_path, callbacks=[stop(-1.0)]).fit(ToyModule(), prompt_rows(20))
+    assert state.step == 3
+    never = stop(2.0, patience=1)
+    assert Trainer(plan, max_steps=2, run_dir=tmp_path, callbacks=[never]).fit(ToyModule(), prompt_rows(4)).step == 2
+    assert never.state_dict() == {"streak": 0}
+
+
 def test_objective_howto_registers_one_the_config_and_the_module_use():
     """The how-to's objective, registered by its one file, is what `algorithm.policy_loss` names:
     its aggregation fills in, the module's loss is REINFORCE's -A * logp (float64 by hand), a

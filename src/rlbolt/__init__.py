@@ -9,8 +9,9 @@ Layout (a test keeps this list complete):
 
     the user-facing core
       trainer          Trainer: the fit loop
-      module           RLModule: the hooks an algorithm overrides
+      module           RLModule: the hooks an algorithm overrides; ModuleCard: its declared language model
       callback         Callback, CallbackList, Periodic
+      run_info         RunInfo, Control, Restore: what a callback sees of a fit and may ask of it
       setup_context    SetupContext: what a module's setup is told about the run
       state            TrainState, StepInfo
       batch            Batch: named columns with a leading sample axis
@@ -20,7 +21,7 @@ Layout (a test keeps this list complete):
       update           the jitted update (gradient accumulation + optimizer step)
       master_weights   float32 master weights behind bfloat16 params (model.master_weights)
       train_batch      one global batch's updates (iterations x mini batches, one host sync)
-      validation       Trainer.validate's loop, and the Trainer's own validation as loop hooks
+      validation       Trainer.validate's loop (the Evaluation callback decides when it runs)
       fit_checks       what fit refuses before building anything
       step_metrics     a step's metrics, assembled in one place
       signals          SIGINT / SIGTERM as a stop at the next step boundary

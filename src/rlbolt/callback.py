@@ -1,5 +1,10 @@
 """Callback: no-op hooks a user overrides, a list that dispatches them, and periodic firing.
 
+Every hook receives the run's frozen description first (`rlbolt.run_info.RunInfo`), never the
+Trainer: a callback reads what it needs from it and acts through `run.control` (stop, validate).
+A callback written against the old signature (first hook argument named `trainer`) still gets
+the Trainer for one release, with a DeprecationWarning.
+
 When a callback acts (`Periodic`) is kept apart from what it does (the hook body), so the same
 schedule logic serves checkpoints, evaluation and logging and is tested once with a fake clock.
 """
@@ -7,10 +12,14 @@ schedule logic serves checkpoints, evaluation and logging and is tested once wit
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import time
 import types
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from rlbolt.run_info import Restore, RunInfo
 
 HOOKS = (
     "wrap_optimizer",
@@ -38,10 +47,8 @@ class Callback:
         LearningRateMonitor, Throughput -20), writers and most others at 0, ModelCheckpoint at 10
         (after a step's metrics are on disk), Evaluation at 20 (after the checkpoint recorded the
         step it may keep as best).
-      writes_run_dir: True for a callback that writes into `trainer.run_dir`; `Trainer.fit`
+      writes_run_dir: True for a callback that writes into `run.run_dir`; `Trainer.fit`
         then locks the directory for the fit (one writer per run directory).
-      validates_periodically: True for a callback that runs validation during the fit (Evaluation
-        with a period), so a check that needs mid-run validation is satisfied.
       needs_periodic_validation: why this callback needs mid-run validation (e.g. EarlyStopping on
         a `val/` metric), or None; `fit` refuses a run that never validates mid-run.
       saved_step: the newest step whose checkpoint this callback wrote or restored (None: it keeps
@@ -52,38 +59,38 @@ class Callback:
 
     order: int = 0
     writes_run_dir: bool = False
-    validates_periodically: bool = False
     needs_periodic_validation: str | None = None
     saved_step: int | None = None
 
-    def wrap_optimizer(self, trainer, tx):
+    def wrap_optimizer(self, run: RunInfo, tx):
         """Once, before the state is built: may wrap the module's optax transformation (e.g.
         NaNGuard's `optax.apply_if_finite`). Returns the transformation to use."""
         return tx
 
-    def on_restore(self, trainer, state) -> Any:
-        """Once, before `on_fit_start`: may return a restored TrainState (ModelCheckpoint resumes
-        here, and loads every callback's `state_dict`), so every `on_fit_start` sees the state
-        the run really starts from."""
+    def on_restore(self, run: RunInfo, state) -> Any:
+        """Once, before `on_fit_start`: may return what to restore, a `rlbolt.run_info.Restore`
+        (the state, every callback's `state_dict`, the producer's retained weights) or a bare
+        TrainState, which the Trainer applies (ModelCheckpoint resumes here), so every
+        `on_fit_start` sees the state the run really starts from."""
 
-    def on_fit_start(self, trainer, state) -> Any:
+    def on_fit_start(self, run: RunInfo, state) -> Any:
         """Once, before the first step (after `on_restore`). May return a replacement TrainState."""
 
-    def on_step_start(self, trainer, step: int) -> None:
+    def on_step_start(self, run: RunInfo, step: int) -> None:
         """Before step `step` (0-based index of the step about to run) consumes its batch."""
 
-    def on_rollout_end(self, trainer, rollout) -> None:
+    def on_rollout_end(self, run: RunInfo, rollout) -> None:
         """When the step's `ProducedStep` (batch + producer metrics) reaches the main thread."""
 
-    def on_update_start(self, trainer, state) -> Any:
+    def on_update_start(self, run: RunInfo, state) -> Any:
         """Before the step's optimizer updates. May return a replacement TrainState (CPUOffload
         moves the optimizer state to the device here)."""
 
-    def on_update_end(self, trainer, state) -> Any:
+    def on_update_end(self, run: RunInfo, state) -> Any:
         """After the step's optimizer updates, before `on_step_end`. May return a replacement
         TrainState (CPUOffload moves the optimizer state back to host memory here)."""
 
-    def step_metrics(self, trainer, info) -> Mapping[str, float]:
+    def step_metrics(self, run: RunInfo, info) -> Mapping[str, float]:
         """Metrics this callback adds to the step (e.g. the learning rate, FLOP/s), before any
         `on_step_end` runs: `info.metrics` holds the step's metrics and what callbacks of a lower
         order added. Return new names only (a name already present is refused). Default: none.
@@ -92,16 +99,18 @@ class Callback:
         completed, read-only `StepInfo` is what every `on_step_end` receives."""
         return {}
 
-    def on_step_end(self, trainer, info) -> None:
-        """After the step's updates, with a `StepInfo` whose metrics are complete and read-only."""
+    def on_step_end(self, run: RunInfo, info) -> None:
+        """After the step's updates, with a `StepInfo` whose metrics are complete and read-only
+        (`info.is_last`: the run's plan ends after this step)."""
 
-    def on_validation_end(self, trainer, step: int, metrics: dict[str, float]) -> None:
+    def on_validation_end(self, run: RunInfo, step: int, metrics: dict[str, float]) -> None:
         """After a validation pass, with its `val/*` metrics."""
 
-    def on_fit_end(self, trainer, state) -> None:
-        """Once, after the last step (not after an exception)."""
+    def on_fit_end(self, run: RunInfo, state) -> None:
+        """Once, after the last step (not after an exception); also after a step that SIGINT/SIGTERM
+        stopped, with `run.control.interrupted` True."""
 
-    def on_exception(self, trainer, exc: BaseException) -> None:
+    def on_exception(self, run: RunInfo, exc: BaseException) -> None:
         """When fit stops on an exception (KeyboardInterrupt included)."""
 
     def state_dict(self) -> dict:
@@ -118,22 +127,47 @@ class Callback:
 
 
 class CallbackList(Callback):
-    """Dispatches each hook to the callbacks that override it, in order (itself a Callback)."""
+    """Dispatches each hook to the callbacks that override it, in order (itself a Callback).
 
-    def __init__(self, callbacks: Sequence[Callback] = ()):
+    Args:
+      callbacks: the callbacks, sorted by `order` (stable: list order within one order).
+      legacy: what an old-signature hook (first argument named `trainer`) receives instead of
+        the RunInfo: the Trainer (deprecated; see `Callback`).
+    """
+
+    def __init__(self, callbacks: Sequence[Callback] = (), legacy: Any = None):
         self.callbacks = sorted(callbacks, key=lambda cb: cb.order)  # stable: list order within an order
         keys = [cb.state_key for cb in self.callbacks]
         dupes = {k for k in keys if keys.count(k) > 1}
         if dupes:
             raise ValueError(f"callbacks {sorted(dupes)} appear twice; give each a distinct `state_key`")
+        self.legacy = legacy
+        for cb in self.callbacks:
+            old = [hook for hook in (*HOOKS, "step_metrics") if _overrides(cb, hook) and takes_trainer(getattr(cb, hook))]
+            if old:
+                warnings.warn(f"{type(cb).__name__}.{old[0]} takes `trainer`: callback hooks now receive the run's "
+                              "RunInfo (`run`) instead of the Trainer; rename the argument and read `run.run_dir`, "
+                              "`run.control.request_stop()`... The old signature stops working in the next release",
+                              DeprecationWarning, stacklevel=3)
         for hook in HOOKS:
-            overriding = [getattr(cb, hook) for cb in self.callbacks if _overrides(cb, hook)]
+            overriding = [self._adapt(getattr(cb, hook)) for cb in self.callbacks if _overrides(cb, hook)]
             setattr(self, hook, _dispatcher(hook, overriding))
 
     def __iter__(self):
         return iter(self.callbacks)
 
-    def add_step_metrics(self, trainer, info):
+    def _adapt(self, method: Callable) -> Callable:
+        """`method` itself, or for an old-signature hook a function that passes `self.legacy` first."""
+        if not takes_trainer(method):
+            return method
+
+        def legacy(run, *args, **kwargs):
+            return method(self.legacy if self.legacy is not None else run, *args, **kwargs)
+
+        legacy.__qualname__ = method.__qualname__
+        return legacy
+
+    def add_step_metrics(self, run: RunInfo, info):
         """`info` with every callback's `step_metrics` added, in order, as a read-only mapping.
 
         Raises:
@@ -143,7 +177,7 @@ class CallbackList(Callback):
         for cb in self.callbacks:
             if type(cb).step_metrics is Callback.step_metrics:
                 continue
-            added = cb.step_metrics(trainer, dataclasses.replace(info, metrics=types.MappingProxyType(metrics)))
+            added = self._adapt(cb.step_metrics)(run, dataclasses.replace(info, metrics=types.MappingProxyType(metrics)))
             clash = sorted(set(added or {}) & set(metrics))
             if clash:
                 raise ValueError(f"{type(cb).__name__}.step_metrics returned {clash}, which the step already has; "
@@ -163,36 +197,58 @@ class CallbackList(Callback):
                 cb.load_state_dict(state[cb.state_key])
 
 
+def takes_trainer(method: Callable) -> bool:
+    """Whether a hook has the old signature: its first argument (after self) is named `trainer`."""
+    try:
+        parameters = list(inspect.signature(method).parameters)
+    except (TypeError, ValueError):
+        return False
+    return bool(parameters) and parameters[0] == "trainer"
+
+
 def _overrides(cb: Callback, hook: str) -> bool:
     return getattr(type(cb), hook) is not getattr(Callback, hook)
 
 
 def _dispatcher(hook: str, methods: list[Callable]) -> Callable:
-    if hook in ("wrap_optimizer", "on_restore", "on_fit_start", "on_update_start", "on_update_end"):
+    if hook == "on_restore":
 
-        def run(trainer, value):
+        def restore(run, state, apply: Callable[[Restore], Any] | None = None):
+            """Each callback may return a `Restore` (applied by `apply`: the Trainer's) or a state."""
+            for m in methods:
+                result = m(run, state)
+                if isinstance(result, Restore):
+                    state = apply(result) if apply is not None else result.state
+                elif result is not None:
+                    state = result
+            return state
+
+        return restore
+    if hook in ("wrap_optimizer", "on_fit_start", "on_update_start", "on_update_end"):
+
+        def run_chain(run, value):
             for m in methods:  # each may replace the state / optimizer; later callbacks see it
-                result = m(trainer, value)
+                result = m(run, value)
                 value = value if result is None else result
             return value
 
-        return run
+        return run_chain
     if hook == "on_exception":
 
-        def run_all(trainer, exc):
+        def run_all(run, exc):
             for m in methods:  # every callback gets its chance to clean up
                 try:
-                    m(trainer, exc)
+                    m(run, exc)
                 except Exception as inner:  # noqa: BLE001 - never mask the original exception
                     exc.add_note(f"callback {m.__qualname__} failed in on_exception: {inner!r}")
 
         return run_all
 
-    def run(*args):
+    def run_each(*args):
         for m in methods:
             m(*args)
 
-    return run
+    return run_each
 
 
 class Periodic:

@@ -27,8 +27,8 @@ def check_fit(plan: BatchPlan, module: Any, train_data: Any, val_data: Sequence 
       val_data: the validation rows, or None.
       val_every_n_steps: the Trainer's validation period, or None.
       val_at_start: the Trainer validates the starting weights (needs val_data).
-      callbacks: the Trainer's callbacks; one whose `needs_periodic_validation` gives a reason
-        (EarlyStopping on a `val/` metric) needs val_data and val_every_n_steps.
+      callbacks: the fit's callbacks; one whose `needs_periodic_validation` gives a reason
+        (EarlyStopping on a `val/` metric) needs val_data with val_every_n_steps, or a periodic Evaluation.
 
     Returns:
       `plan.require_whole_groups(*module.whole_groups)`.
@@ -55,8 +55,10 @@ def check_fit(plan: BatchPlan, module: Any, train_data: Any, val_data: Sequence 
     if val_at_start and val_data is None:
         raise ValueError("val_at_start=True but fit got no val_data, so nothing would be validated; pass "
                          "val_data=... or val_at_start=False")
-    periodic = (val_data is not None and bool(val_every_n_steps)) or any(
-        callback.validates_periodically for callback in callbacks)  # e.g. Evaluation
+    from rlbolt.callbacks.evaluation import Evaluation  # the one validator (fit's own for val_data, or a user's)
+
+    periodic = (val_data is not None and bool(val_every_n_steps)) or any(  # fit's own Evaluation, or a user's
+        isinstance(cb, Evaluation) and cb.validates_periodically for cb in callbacks)
     for callback in callbacks:
         reason = callback.needs_periodic_validation
         if reason and not periodic:

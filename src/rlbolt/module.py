@@ -12,9 +12,10 @@ thread and the training thread never race on weights.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -24,6 +25,35 @@ from rlbolt.batch import Batch
 from rlbolt.config.algorithms import register_algorithm
 from rlbolt.distributed.sharding import ShardingPlan
 from rlbolt.setup_context import SetupContext
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleCard:
+    """What a module declares about its language model, for whoever needs it without knowing the
+    module's class: export (`HFExport`, `rlbolt export`), checkpoint metadata, the config guard,
+    LearningRateMonitor, Throughput and MetricsLogger read this, never the module's attributes.
+
+    Attributes:
+      model: the policy network (an `rlbolt.models.Decoder`, the module's own object; `hf_model`
+        builds an export from it).
+      model_config: its `ModelConfig` (layers, heads, head size...).
+      policy_params: `params -> the policy's parameters` inside the trainable pytree (PPO nests them
+        beside its value head; the identity for most modules).
+      hf_model: `params -> Decoder` to export (a LoRA run's adapters merged into its base).
+      tokenizer: the tokenizer object (None: none).
+      tokenizer_folder: a folder holding the tokenizer's files to copy beside an export (None: none).
+      lr_schedule: `count -> learning rate` of optimizer update `count` (None: the optimizer has its own).
+      hparams: the settings a dashboard and a checkpoint record (None: none).
+    """
+
+    model: Any
+    model_config: Any
+    policy_params: Callable[[Any], Any]
+    hf_model: Callable[[Any], Any]
+    tokenizer: Any = None
+    tokenizer_folder: str | None = None
+    lr_schedule: Callable[[int], float] | None = None
+    hparams: Mapping[str, Any] | None = None
 
 
 class RLModule:
@@ -98,6 +128,11 @@ class RLModule:
     def frozen_identity(self) -> dict | None:
         """What identifies `frozen_params()`, as JSON data (e.g. its folder and a fingerprint of its
         weights). ModelCheckpoint records it and refuses to resume against a different one."""
+        return None
+
+    def card(self) -> ModuleCard | None:
+        """The module's language model as a `ModuleCard` (export, checkpoint metadata, LR and FLOP
+        monitors read it), valid after `setup`. Default: None (no language model: those skip)."""
         return None
 
     def configure_optimizers(self) -> optax.GradientTransformation:

@@ -50,6 +50,9 @@ class StepInfo:
       previous_state: the TrainState before the step, with None for the fields the update donated
         (`Trainer.donated`: its arrays were deleted by the update): the counters and rng of what
         `NaNGuard` saves when the step went non-finite (it keeps its own copy of the rest).
+      is_last: the run's plan ends after this step (`max_steps` reached or the epochs' prompts used
+        up: `RunInfo.is_last_step`), the one "last step" rule every callback reads. A stop asked
+        by a callback or a signal is not in it (`RunInfo.control.stop_requested`).
     """
 
     step: int
@@ -58,3 +61,4 @@ class StepInfo:
     epoch: float
     batch: Any = None
     previous_state: TrainState | None = None
+    is_last: bool = False

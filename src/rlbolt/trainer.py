@@ -19,6 +19,7 @@ import numpy as np
 
 from rlbolt import master_weights as masters
 from rlbolt.callback import Callback, CallbackList
+from rlbolt.callbacks.evaluation import FIT_VALIDATION, Evaluation
 from rlbolt.data.source import PromptSource
 from rlbolt.distributed import any_process, host_value, layout
 from rlbolt.distributed.placement import Placement, WeightSync
@@ -35,8 +36,9 @@ from rlbolt.timeline import Timeline
 from rlbolt.train_batch import run_updates
 from rlbolt.update import make_update_fn
 from rlbolt.utils.runlock import hold_run_dir
-from rlbolt.validation import ScheduledValidation, ValidationSchedule, run_validation
+from rlbolt.validation import run_validation
 from rlbolt.producer.weights import WeightStore
+from rlbolt.run_info import Control, Restore, RunInfo, total_steps
 
 MODES = ("sync", "async")
 
@@ -57,7 +59,8 @@ class Trainer:
       max_staleness: async only: the most policy versions a trained sample may lag the policy.
         The producer then runs `(max_staleness + 1) // updates_per_step - 1` steps ahead.
       val_every_n_steps: validate every n steps (and always after the last step when val_data is
-        given); `fit` refuses it without val_data (see `rlbolt.fit_checks`).
+        given); `fit` refuses it without val_data (see `rlbolt.fit_checks`). `fit(val_data=...)`
+        installs an `Evaluation` callback with these settings, run after every other callback.
       val_batch_size: prompts per validation batch (default prompts_per_step).
       val_at_start: also validate the starting parameters before the first step (logged at step 0;
         not on a resume): the "before" of a before/after comparison.
@@ -109,7 +112,7 @@ class Trainer:
         self.plan, self.max_steps, self.seed = plan, max_steps, seed
         self.max_epochs = max_epochs if max_epochs is not None or max_steps is not None else 1
         self.data_seed, self.shuffle = (seed if data_seed is None else data_seed), shuffle
-        self.callbacks = CallbackList(callbacks)
+        self.callbacks = CallbackList(callbacks, legacy=self)
         self.mode, self.lag_steps = mode, lag_steps(mode, max_staleness, plan)
         self.max_staleness = max_staleness if mode == "async" else plan.updates_per_step - 1
         self.val_every_n_steps, self.val_batch_size = val_every_n_steps, val_batch_size or plan.prompts_per_step
@@ -121,15 +124,44 @@ class Trainer:
         self.sharding: ShardingPlan | None = None  # the train role's plan (of self.plans: role -> plan), set in fit
         self.weights = WeightStore(self.lag_steps)
         self.timeline = Timeline()  # stage start/end events; TimelineLogger writes them to the run dir
-        self.should_stop = False  # set by a callback or a signal: fit ends after the current step
-        self.interrupted = False  # the last fit was stopped by SIGINT/SIGTERM or a KeyboardInterrupt
-        self.stop_signal: int | None = None  # the signal that stopped it
+        self.control = Control(self.validate)  # stop requests, the interrupted flag (new for each fit)
+        self.run: RunInfo | None = None  # what the callbacks receive (built in fit, after the module's setup)
         self.module: RLModule | None = None
         self.source: PromptSource | None = None
 
     @property
     def is_main_process(self) -> bool:
         return jax.process_index() == 0
+
+    @property
+    def should_stop(self) -> bool:
+        """THE stop flag (`Control.stop_requested`): a callback (`run.control.request_stop()`) or a
+        signal set it; fit ends after the current step."""
+        return self.control.stop_requested
+
+    @should_stop.setter
+    def should_stop(self, value: bool) -> None:  # a signal, or a callback of the old signature
+        if not value:
+            raise ValueError("a stop cannot be taken back; fit starts each run with a fresh Control")
+        self.control.request_stop()
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether the last fit was stopped by SIGINT/SIGTERM or a KeyboardInterrupt."""
+        return self.control.interrupted
+
+    @interrupted.setter
+    def interrupted(self, value: bool) -> None:
+        self.control.interrupted = value
+
+    @property
+    def stop_signal(self) -> int | None:
+        """The signal that stopped the last fit (None: none)."""
+        return self.control.stop_signal
+
+    @stop_signal.setter
+    def stop_signal(self, value: int | None) -> None:
+        self.control.stop_signal = value
 
     def sharding_for(self, role: str) -> ShardingPlan:
         """The ShardingPlan of a role ("train", "rollout", "reference", "teacher"): the trainer's mesh for
@@ -144,45 +176,59 @@ class Trainer:
         SIGINT/SIGTERM end the loop after the current step (`rlbolt.signals`): `interrupted` and
         `stop_signal` are set, `on_fit_end` saves and flushes, and the step's state is returned.
         """
-        self.should_stop, self.interrupted, self.stop_signal = False, False, None
+        self.control = Control(self.validate)
+        self.callbacks = self._callbacks_for(val_data)
         with hold_run_dir(self), StopOnSignal(self) as signals:
             return self._fit(module, train_data, val_data, signals)
 
     def _fit(self, module: RLModule, train_data: Any, val_data: Sequence[dict] | None, signals) -> TrainState:
         state = self._start(module, train_data, val_data)
-        validation = ScheduledValidation(ValidationSchedule(val_data is not None, self.val_every_n_steps,
-                                                            self.val_at_start, state.step), val_data, self.validate)
         producer = self._producer(module, state)
         signals.defer()  # from here a signal ends the run at the next step boundary
         try:
-            validation.on_train_start(state)  # before the producer's threads start
             with producer.start(state.step, state.data_position, timeout_s=self.prefetch_timeout_s,
                                 should_stop=self._stop_while_waiting) as produced_steps:
                 waited = time.perf_counter()
                 for produced in produced_steps:
                     state, info = self._step(state, produced, waited)
-                    if not self._end_step(state, info, validation):
+                    if not self._end_step(state, info):
                         break
                     waited = time.perf_counter()
                 if any_process(self.stop_signal is not None):
                     return self._end_on_signal(produced_steps, state)
-            validation.on_train_end(state)
         except KeyboardInterrupt as exc:  # raised by a hook: callbacks may save, threads are joined
             self.interrupted = True
-            self.callbacks.on_exception(self, exc)
+            self.callbacks.on_exception(self.run, exc)
             return state
         except BaseException as exc:
-            self.callbacks.on_exception(self, exc)
+            self.callbacks.on_exception(self.run, exc)
             raise
-        self.callbacks.on_fit_end(self, state)
+        self.callbacks.on_fit_end(self.run, state)
         return state
+
+    def _callbacks_for(self, val_data: Sequence[dict] | None) -> CallbackList:
+        """The fit's callbacks: the Trainer's, plus (given `val_data`) the `Evaluation` that is the fit's
+        validation (`val_every_n_steps`, `val_at_start`, after the last step), run after every other callback."""
+        callbacks = [cb for cb in self.callbacks if cb.state_key != FIT_VALIDATION]  # not a former fit's
+        if val_data is not None and len(val_data) > 0:
+            callbacks.append(Evaluation.of_fit(val_data, every_n_steps=self.val_every_n_steps, at_start=self.val_at_start))
+        return CallbackList(callbacks, legacy=self)
 
     def _start(self, module: RLModule, train_data: Any, val_data: Sequence[dict] | None) -> TrainState:
         """Builds everything (`_setup`), then the callbacks' `on_restore` (a resume) and `on_fit_start`."""
         state = self._setup(module, train_data, val_data)
-        state = self.callbacks.on_restore(self, state)  # ModelCheckpoint resumes here
-        state = self.last_state = self.callbacks.on_fit_start(self, state)
+        state = self.callbacks.on_restore(self.run, state, apply=self._apply_restore)  # ModelCheckpoint resumes here
+        state = self.last_state = self.callbacks.on_fit_start(self.run, state)
         return state
+
+    def _apply_restore(self, restore: Restore) -> TrainState:
+        """What an `on_restore` returned: every callback's state loaded, the retained weights
+        published for the producer (oldest first: publishing prunes keys older than k - lag)."""
+        self.callbacks.load_state_dict(dict(restore.callback_states or {}))
+        for k in sorted(restore.weights):
+            params, version = restore.weights[k]
+            self.weights.publish(k, params, version)
+        return restore.state
 
     def _producer(self, module: RLModule, state: TrainState) -> Producer:
         """The producer of the steps after `state`, with `state`'s weights published for its first rollout."""
@@ -195,24 +241,24 @@ class Trainer:
         step's `StepInfo` (the callbacks' own metrics added, then read-only) for `on_step_end`.
         `began`: when the trainer started waiting for this batch."""
         data_wait = time.perf_counter() - began
-        self.callbacks.on_step_start(self, state.step)
-        self.callbacks.on_rollout_end(self, produced)
+        self.callbacks.on_step_start(self.run, state.step)
+        self.callbacks.on_rollout_end(self.run, produced)
         before = state
         state, update, staleness = self._train_on(state, produced)
         metrics = step_metrics(produced.batch, produced.metrics, update, staleness, data_wait_s=data_wait,
                                step_s=time.perf_counter() - began)
         info = StepInfo(state.step, state, metrics, self.source.epoch(state.data_position), produced.batch,
-                        previous_state=before.replace(**{name: None for name in self.donated}))
-        return state, self.callbacks.add_step_metrics(self, info)
+                        previous_state=before.replace(**{name: None for name in self.donated}),
+                        is_last=self.run.is_last_step(state.step, state.data_position))
+        return state, self.callbacks.add_step_metrics(self.run, info)
 
-    def _end_step(self, state: TrainState, info: StepInfo, validation: ScheduledValidation) -> bool:
-        """After a step's update: `on_step_end`, validation when it is due, then False when the run
+    def _end_step(self, state: TrainState, info: StepInfo) -> bool:
+        """After a step's update: `on_step_end` (validation when it is due: `Evaluation`), then False when the run
         stops here (a callback or a signal asked), else the step's weights published for the
         producer. Every process stops after the same step, agreed before publishing so the
         producer's next collectives cannot interleave with this one; publishing after the callbacks
         keeps the hook order deterministic in sync mode."""
-        self.callbacks.on_step_end(self, info)
-        validation.on_step_end(state)
+        self.callbacks.on_step_end(self.run, info)
         self.last_state = state
         if any_process(self.should_stop):
             return False
@@ -223,7 +269,7 @@ class Trainer:
         """SIGINT/SIGTERM: save first (`on_fit_end`), then join the producer, maybe mid-rollout."""
         self.interrupted = True
         produced_steps.request_stop()
-        self.callbacks.on_fit_end(self, state)
+        self.callbacks.on_fit_end(self.run, state)
         produced_steps.stop(strict=False)
         return state
 
@@ -243,10 +289,11 @@ class Trainer:
         params = self.sharding.place(module.init_params(jax.random.fold_in(rng, 0)))
         # Sync mode donates the params to each update; async mode's producer may still read them.
         self.donated = ("params", "opt_state") if self.lag_steps == 0 else ("opt_state",)
+        self.run = self._run_info(module)  # after init_params: a module may build its model there
         if "params" in self.donated:  # the module may keep init_params' arrays (the KL reference does)
             params = jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, params)
         self.optimizer = module.configure_optimizers()
-        self.optimizer = self.callbacks.wrap_optimizer(self, self.optimizer)  # e.g. NaNGuard(action="skip")
+        self.optimizer = self.callbacks.wrap_optimizer(self.run, self.optimizer)  # e.g. NaNGuard(action="skip")
         self.optimizer = masters.wrap(self.optimizer, params, self.master_weights)  # float32 masters for bf16
         opt_state = layout.init_optimizer(self.optimizer, params, self.sharding)
         self.memory_plan = layout.memory_plan(module.memory_plan(self.sharding), params, opt_state, self.sharding,
@@ -263,14 +310,14 @@ class Trainer:
         """num_iterations passes of mini-batch updates over one global batch; returns the new state,
         the update metrics (means over the updates, and time/update) and each trained sample's staleness."""
         t0, began = time.perf_counter(), self.timeline.clock()
-        state = self.callbacks.on_update_start(self, state)
+        state = self.callbacks.on_update_start(self.run, state)
         batch = produced.batch.numeric().to_host()  # every process holds the whole global batch
         params, opt_state, version, metrics, staleness = run_updates(
             self._update, batch, self.plan, self.sharding, state.params, state.opt_state, state.policy_version)
         state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                               policy_version=version, data_position=produced.data_position)
         self.last_state = state  # the state before the update was donated to it: save this one on an exception
-        state = self.callbacks.on_update_end(self, state)
+        state = self.callbacks.on_update_end(self.run, state)
         metrics["time/update"] = time.perf_counter() - t0
         self.timeline.record("update", produced.step, began, self.timeline.clock(), samples=produced.batch.num_samples,
                              role=STAGE_ROLES["update"])
@@ -291,8 +338,22 @@ class Trainer:
         metrics = run_validation(self.module.validation_step, params, val_data, batch_size=self.val_batch_size,
                                  seed=self.seed, share=self.sharding.share, timeline=self.timeline, step=step,
                                  options=options)
-        self.callbacks.on_validation_end(self, step, metrics)
+        self.callbacks.on_validation_end(self.run, step, metrics)
         return metrics
+
+    def _run_info(self, module: RLModule) -> RunInfo:
+        """The frozen description every callback hook receives (after the module's setup, so its card is built)."""
+        max_prompts = self._max_prompts()
+        settings = {"seed": self.seed, "data_seed": self.data_seed, "shuffle": self.shuffle, "mode": self.mode,
+                    "max_staleness": self.max_staleness, "max_steps": self.max_steps, "max_epochs": self.max_epochs,
+                    "val_every_n_steps": self.val_every_n_steps, "val_batch_size": self.val_batch_size}
+        return RunInfo(run_dir=self.run_dir, plan=self.plan, mode=self.mode, lag_steps=self.lag_steps,
+                       max_steps=self.max_steps, max_epochs=self.max_epochs,
+                       total_steps=total_steps(self.max_steps, max_prompts, self.plan.prompts_per_step),
+                       max_prompts=max_prompts, is_main_process=self.is_main_process, card=module.card(),
+                       module=module, settings=settings, donated=self.donated, control=self.control,
+                       timeline=self.timeline, callbacks=tuple(self.callbacks), retained_weights=self.weights.retained,
+                       callback_states=self.callbacks.state_dict)
 
     def _stop_while_waiting(self) -> bool:
         """A stop that ends the wait for the next step at once; with several processes a stop waits

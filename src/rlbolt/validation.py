@@ -1,8 +1,9 @@
-"""Validation over held-out prompts: `Trainer.validate`'s loop, each process on its share of the rows."""
+"""Validation over held-out prompts: `Trainer.validate`'s loop, each process on its share of the rows.
+
+When a fit validates is the `Evaluation` callback's business (`fit(val_data=...)` installs one)."""
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -59,62 +60,3 @@ def accepts_keyword(fn: Callable, name: str) -> bool:
     parameters = inspect.signature(fn).parameters.values()
     return any(p.name == name and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) or p.kind == p.VAR_KEYWORD
                for p in parameters)
-
-
-@dataclasses.dataclass(frozen=True)
-class ValidationSchedule:
-    """When a fit validates: before the first step (`at_start`, a fresh run only), after every
-    `every_n_steps`-th step, and after the last step unless that step was just validated; never
-    without validation rows.
-
-    Attributes:
-      has_rows: the fit was given validation rows.
-      every_n_steps: the period (None: only at the end).
-      at_start: also validate the starting weights (step 0).
-      first_step: the step the fit starts from (a resume starts past 0).
-    """
-
-    has_rows: bool
-    every_n_steps: int | None
-    at_start: bool
-    first_step: int
-
-    def before_first_step(self) -> bool:
-        return self.has_rows and self.at_start and self.first_step == 0
-
-    def after_step(self, step: int) -> bool:
-        return self.has_rows and bool(self.every_n_steps) and step % self.every_n_steps == 0
-
-    def after_last_step(self, step: int) -> bool:
-        return self.has_rows and step > self.first_step and not self.after_step(step)
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduledValidation:
-    """The Trainer's own validation (`val_data`, `val_every_n_steps`, `val_at_start`) as three hooks
-    of its fit loop, so the loop calls them without deciding anything: `on_train_start` (inside
-    fit's signal and error handling, before the producer's threads start), `on_step_end` (after
-    every callback's `on_step_end`) and `on_train_end` (after the last step, before `on_fit_end`;
-    not after a signal or an exception).
-
-    Attributes:
-      schedule: when to validate.
-      rows: the validation rows (None: never validates).
-      validate: `(params, rows, step) -> metrics` (`Trainer.validate`).
-    """
-
-    schedule: ValidationSchedule
-    rows: Sequence[dict] | None
-    validate: Callable[[Any, Sequence[dict], int], dict[str, float]]
-
-    def on_train_start(self, state) -> None:
-        if self.schedule.before_first_step():
-            self.validate(state.params, self.rows, state.step)
-
-    def on_step_end(self, state) -> None:
-        if self.schedule.after_step(state.step):
-            self.validate(state.params, self.rows, state.step)
-
-    def on_train_end(self, state) -> None:
-        if self.schedule.after_last_step(state.step):
-            self.validate(state.params, self.rows, state.step)

@@ -66,8 +66,10 @@ def test_every_builtin_callback_in_declared_order(tmp_path):
                 # Evaluation validates; every listener hears it, in order:
                 "EarlyStopping.on_validation_end", "LogFile.on_validation_end",
                 "MetricsLogger.on_validation_end", "ModelCheckpoint.on_validation_end"]
-    # NaNGuard("stop") copies what the update donates to host memory before the update.
-    step = ["NaNGuard.on_update_start", "CPUOffload.on_update_start", "CPUOffload.on_update_end", *step_end]
+    # NaNGuard("stop") copies what the update donates to host memory before the update; ModelCheckpoint
+    # notes the updated state (what it saves on an exception: it no longer reads the Trainer's).
+    step = ["NaNGuard.on_update_start", "CPUOffload.on_update_start", "CPUOffload.on_update_end",
+            "ModelCheckpoint.on_update_end", *step_end]
     assert trace == [
         "NaNGuard.wrap_optimizer",
         "ModelCheckpoint.on_restore",

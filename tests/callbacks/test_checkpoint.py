@@ -23,7 +23,7 @@ from rlbolt.checkpointing.io import CheckpointIO
 from rlbolt.plan import BatchPlan
 from rlbolt.state import StepInfo, TrainState
 from rlbolt.trainer import Trainer
-from rlbolt.producer.weights import WeightStore
+from fake_fit import FakeFit
 
 TX = optax.adam(0.1)
 
@@ -51,17 +51,16 @@ class Counter(Callback):
 
 def fake_trainer(tmp_path: Path, callbacks, lag: int = 0, mode: str = "sync"):
     """The few Trainer attributes ModelCheckpoint reads."""
-    return types.SimpleNamespace(run_dir=tmp_path, callbacks=CallbackList(callbacks), weights=WeightStore(lag),
-                                 mode=mode, is_main_process=True, last_state=None)
+    return FakeFit(tmp_path, callbacks, lag=lag, mode=mode)
 
 
 def run_steps(trainer, ckpt: ModelCheckpoint, steps, val=None) -> None:
     """Calls the hooks as fit would for `steps` (values are the params' fill value)."""
     for step in steps:
         state = make_state(step, float(step))
-        trainer.callbacks.on_step_end(trainer, StepInfo(step, state, {"loss": 0.0}, 0.0))
+        trainer.callbacks.on_step_end(trainer.run, StepInfo(step, state, {"loss": 0.0}, 0.0))
         if val is not None:
-            trainer.callbacks.on_validation_end(trainer, step, {"val/accuracy": val[step]})
+            trainer.callbacks.on_validation_end(trainer.run, step, {"val/accuracy": val[step]})
         trainer.weights.publish(step, state.params, state.policy_version)
         trainer.last_state = state
 
@@ -69,10 +68,10 @@ def run_steps(trainer, ckpt: ModelCheckpoint, steps, val=None) -> None:
 def test_keeps_newest_k_plus_best_by_metric(tmp_path):
     ckpt = ModelCheckpoint(every_n_steps=1, keep=2, best_metric="val/accuracy", async_save=True)
     trainer = fake_trainer(tmp_path, [ckpt])
-    ckpt.on_restore(trainer, make_state(0))
+    trainer.restore_with(ckpt, make_state(0))
     accuracy = {1: 0.1, 2: 0.9, 3: 0.3, 4: 0.2, 5: 0.5, 6: 0.4}
     run_steps(trainer, ckpt, range(1, 7), val=accuracy)
-    ckpt.on_fit_end(trainer, trainer.last_state)
+    ckpt.on_fit_end(trainer.run, trainer.last_state)
     assert CheckpointIO(tmp_path / "checkpoints").steps() == [2, 5, 6]
     assert (tmp_path / "checkpoints" / "best.json").exists()
     assert ckpt._best == {"metric": "val/accuracy", "mode": "max", "step": 2, "value": 0.9}
@@ -81,10 +80,10 @@ def test_keeps_newest_k_plus_best_by_metric(tmp_path):
 def test_best_step_is_saved_even_between_periodic_saves(tmp_path):
     ckpt = ModelCheckpoint(every_n_steps=3, keep=1, best_metric="val/loss", best_mode="min", async_save=False)
     trainer = fake_trainer(tmp_path, [ckpt])
-    ckpt.on_restore(trainer, make_state(0))
+    trainer.restore_with(ckpt, make_state(0))
     run_steps(trainer, ckpt, range(1, 5), val=None)
-    trainer.callbacks.on_validation_end(trainer, 4, {"val/loss": 0.5})  # step 4: not a periodic step
-    ckpt.on_fit_end(trainer, trainer.last_state)
+    trainer.callbacks.on_validation_end(trainer.run, 4, {"val/loss": 0.5})  # step 4: not a periodic step
+    ckpt.on_fit_end(trainer.run, trainer.last_state)
     assert CheckpointIO(tmp_path / "checkpoints").steps() == [4]  # newest is also the best; 3 pruned
 
 
@@ -92,7 +91,7 @@ def test_every_secs_with_injected_clock(tmp_path):
     now = [0.0]
     ckpt = ModelCheckpoint(every_secs=10.0, keep=None, async_save=False, clock=lambda: now[0])
     trainer = fake_trainer(tmp_path, [ckpt])
-    ckpt.on_restore(trainer, make_state(0))
+    trainer.restore_with(ckpt, make_state(0))
     for step, t in zip(range(1, 6), (4.0, 11.0, 15.0, 20.0, 32.0)):
         now[0] = t
         run_steps(trainer, ckpt, [step])
@@ -104,7 +103,7 @@ def test_restore_roundtrip_state_callbacks_and_retained_weights(tmp_path):
     counter = Counter()
     ckpt = ModelCheckpoint(every_n_steps=5, async_save=True)
     trainer = fake_trainer(tmp_path, [counter, ckpt], lag=2, mode="async")
-    ckpt.on_restore(trainer, make_state(0))
+    trainer.restore_with(ckpt, make_state(0))
     trainer.weights.publish(0, make_state(0).params, 0)
     run_steps(trainer, ckpt, range(1, 6))
     ckpt.finish()
@@ -113,7 +112,7 @@ def test_restore_roundtrip_state_callbacks_and_retained_weights(tmp_path):
     counter2 = Counter()
     ckpt2 = ModelCheckpoint()
     trainer2 = fake_trainer(tmp_path, [counter2, ckpt2], lag=2, mode="async")
-    restored = trainer2.callbacks.on_restore(trainer2, make_state(0))
+    restored = trainer2.restore_with(trainer2.callbacks, make_state(0))
     assert ckpt2.restored_step == 5 and counter2.count == 5
     assert (restored.step, restored.policy_version, restored.data_position) == (5, 10, 20)
     for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(saved)):
@@ -128,18 +127,18 @@ def test_restore_roundtrip_state_callbacks_and_retained_weights(tmp_path):
 def test_resume_errors_name_the_fix(tmp_path):
     ckpt = ModelCheckpoint(every_n_steps=1, async_save=False)
     trainer = fake_trainer(tmp_path, [ckpt], lag=1, mode="async")
-    ckpt.on_restore(trainer, make_state(0))
+    trainer.restore_with(ckpt, make_state(0))
     run_steps(trainer, ckpt, [1, 2])
     ckpt.finish()
     with pytest.raises(ValueError, match=r"resume=None.*resume='latest'"):
-        ModelCheckpoint(resume=None).on_restore(fake_trainer(tmp_path, []), make_state(0))
+        fake_trainer(tmp_path, []).restore_with(ModelCheckpoint(resume=None), make_state(0))
     with pytest.raises(ValueError, match=r"resume=7.*available steps: \[1, 2\]"):
-        ModelCheckpoint(resume=7).on_restore(fake_trainer(tmp_path, []), make_state(0))
+        fake_trainer(tmp_path, []).restore_with(ModelCheckpoint(resume=7), make_state(0))
     with pytest.raises(ValueError, match=r"trainer.mode: 'async' -> 'sync'; .*--allow-config-change"):
-        ModelCheckpoint().on_restore(fake_trainer(tmp_path, [], lag=0, mode="sync"), make_state(0))
+        fake_trainer(tmp_path, [], lag=0, mode="sync").restore_with(ModelCheckpoint(), make_state(0))
     # Even when config changes are allowed, the producer's lag must match for an exact resume.
     with pytest.raises(ValueError, match="mode='async'.*mode='sync'"):
-        ModelCheckpoint(allow_config_change=True).on_restore(fake_trainer(tmp_path, [], lag=0, mode="sync"), make_state(0))
+        fake_trainer(tmp_path, [], lag=0, mode="sync").restore_with(ModelCheckpoint(allow_config_change=True), make_state(0))
     with pytest.raises(ValueError, match="keep"):
         ModelCheckpoint(keep=0)
     with pytest.raises(ValueError, match="resume"):
@@ -149,11 +148,11 @@ def test_resume_errors_name_the_fix(tmp_path):
 def test_resume_from_named_step_sets_later_steps_aside(tmp_path):
     ckpt = ModelCheckpoint(every_n_steps=1, keep=None, async_save=False)
     trainer = fake_trainer(tmp_path, [ckpt])
-    ckpt.on_restore(trainer, make_state(0))
+    trainer.restore_with(ckpt, make_state(0))
     run_steps(trainer, ckpt, [1, 2, 3])
     ckpt.finish()
     ckpt2 = ModelCheckpoint(resume=1, every_n_steps=1)
-    restored = ckpt2.on_restore(fake_trainer(tmp_path, [ckpt2]), make_state(0))
+    restored = fake_trainer(tmp_path, [ckpt2]).restore_with(ckpt2, make_state(0))
     assert restored.step == 1 and float(restored.params["w"][0, 0]) == 1.0
     assert CheckpointIO(tmp_path / "checkpoints").steps() == [1]
     assert {p.name for p in (tmp_path / "checkpoints").iterdir()} >= {"2.discarded", "3.discarded"}
@@ -170,13 +169,13 @@ def corrupt(step_dir: Path) -> None:
 def test_every_step_unusable_raises_and_renames_nothing(tmp_path):
     ckpt = ModelCheckpoint(every_n_steps=1, async_save=False)
     trainer = fake_trainer(tmp_path, [ckpt])
-    ckpt.on_restore(trainer, make_state(0))
+    trainer.restore_with(ckpt, make_state(0))
     run_steps(trainer, ckpt, [1, 2])
     ckpt.finish()
     for step in (1, 2):
         corrupt(tmp_path / "checkpoints" / str(step))
     with pytest.raises(RuntimeError, match=r"no usable checkpoint in .* \(step 2: .*; step 1: .*\); restore them"):
-        ModelCheckpoint().on_restore(fake_trainer(tmp_path, []), make_state(0))
+        fake_trainer(tmp_path, []).restore_with(ModelCheckpoint(), make_state(0))
     assert CheckpointIO(tmp_path / "checkpoints").steps() == [1, 2]
 
 
@@ -214,10 +213,10 @@ def test_nnx_state_params_roundtrip(tmp_path):
                        policy_version=1, data_position=2)
     ckpt = ModelCheckpoint(async_save=False)
     trainer = fake_trainer(tmp_path, [ckpt])
-    ckpt.on_restore(trainer, state)
-    ckpt.on_fit_end(trainer, state)
+    trainer.restore_with(ckpt, state)
+    ckpt.on_fit_end(trainer.run, state)
     fresh = nnx.state(nnx.Linear(3, 2, rngs=nnx.Rngs(1)), nnx.Param)
     blank = state.replace(step=0, params=fresh, opt_state=TX.init(fresh))
-    restored = ModelCheckpoint().on_restore(fake_trainer(tmp_path, []), blank)
+    restored = fake_trainer(tmp_path, []).restore_with(ModelCheckpoint(), blank)
     assert isinstance(restored.params, nnx.State)
     assert np.array_equal(restored.params["kernel"][...], params["kernel"][...])

@@ -28,7 +28,7 @@ from rlbolt.callbacks.checkpoint import ModelCheckpoint
 from rlbolt.checkpointing.integrity import checksums, numpy_checksum
 from rlbolt.checkpointing.io import CheckpointIO, NoUsableCheckpoint
 from rlbolt.state import StepInfo, TrainState
-from rlbolt.producer.weights import WeightStore
+from fake_fit import FakeFit
 
 TX = optax.adam(0.1)
 
@@ -45,16 +45,15 @@ def make_state(step: int, w: np.ndarray | None = None) -> TrainState:
 
 
 def fake_trainer(run_dir: Path, callbacks):
-    return types.SimpleNamespace(run_dir=run_dir, callbacks=CallbackList(callbacks), weights=WeightStore(0),
-                                 mode="sync", is_main_process=True, last_state=None, seed=0, plan=None)
+    return FakeFit(run_dir, callbacks, settings={"seed": 0})
 
 
 def write_steps(run_dir: Path, states) -> None:
     ckpt = ModelCheckpoint(every_n_steps=1, keep=None, async_save=False)
     trainer = fake_trainer(run_dir, [ckpt])
-    ckpt.on_restore(trainer, make_state(0))
+    trainer.restore_with(ckpt, make_state(0))
     for state in states:
-        trainer.callbacks.on_step_end(trainer, StepInfo(state.step, state, {}, 0.0))
+        trainer.callbacks.on_step_end(trainer.run, StepInfo(state.step, state, {}, 0.0))
     ckpt.finish()
 
 
@@ -63,7 +62,7 @@ def restore(run_dir: Path):
     ckpt = ModelCheckpoint()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        state = ckpt.on_restore(fake_trainer(run_dir, [ckpt]), make_state(0))
+        state = fake_trainer(run_dir, [ckpt]).restore_with(ckpt, make_state(0))
     return state, [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)], ckpt
 
 
@@ -193,7 +192,7 @@ def test_a_run_whose_checkpoints_all_vanished_is_refused_not_restarted(tmp_path)
         restore(tmp_path)
     # Starting over is explicit.
     ckpt = ModelCheckpoint(resume=None)
-    assert ckpt.on_restore(fake_trainer(tmp_path, [ckpt]), make_state(0)) is None
+    assert fake_trainer(tmp_path, [ckpt]).restore_with(ckpt, make_state(0)) is None
 
 
 def test_a_model_change_is_refused_in_one_line_naming_the_array(tmp_path):
@@ -201,6 +200,6 @@ def test_a_model_change_is_refused_in_one_line_naming_the_array(tmp_path):
     ckpt = ModelCheckpoint(allow_config_change=True)
     bigger = make_state(0, np.zeros((32, 48), np.float32))
     with pytest.raises(NoUsableCheckpoint) as info:
-        ckpt.on_restore(fake_trainer(tmp_path, [ckpt]), bigger)
+        fake_trainer(tmp_path, [ckpt]).restore_with(ckpt, bigger)
     assert "params/w is float32(32, 32) in the checkpoint but float32(32, 48) in this run" in str(info.value)
     assert "\n" not in str(info.value)

@@ -22,7 +22,7 @@ from rlbolt.callback import CallbackList
 from rlbolt.callbacks.checkpoint import ModelCheckpoint
 from rlbolt.checkpointing.io import CheckpointIO, CheckpointWriteError
 from rlbolt.state import StepInfo, TrainState
-from rlbolt.producer.weights import WeightStore
+from fake_fit import FakeFit
 
 TX = optax.adam(0.1)
 
@@ -34,8 +34,7 @@ def make_state(step: int) -> TrainState:
 
 
 def fake_trainer(run_dir, callbacks):
-    return types.SimpleNamespace(run_dir=run_dir, callbacks=CallbackList(callbacks), weights=WeightStore(0),
-                                 mode="sync", is_main_process=True, last_state=None)
+    return FakeFit(run_dir, callbacks)
 
 
 @pytest.fixture
@@ -62,18 +61,18 @@ def test_a_full_disk_is_one_line_and_the_run_resumes_exactly_after(tmp_path, dis
     disk_full_at.add("3")
     ckpt = ModelCheckpoint(every_n_steps=1, keep=None, async_save=async_save)
     trainer = fake_trainer(tmp_path, [ckpt])
-    ckpt.on_restore(trainer, make_state(0))
+    trainer.restore_with(ckpt, make_state(0))
     with pytest.raises(CheckpointWriteError) as info:
         for step in (1, 2, 3, 4):  # async: step 3's failure surfaces when step 4 saves
             state = make_state(step)
-            trainer.callbacks.on_step_end(trainer, StepInfo(step, state, {}, 0.0))
+            trainer.callbacks.on_step_end(trainer.run, StepInfo(step, state, {}, 0.0))
             trainer.last_state = state
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith(f"could not write the checkpoint of step 3 to {tmp_path / 'checkpoints'}: "
                               "no space left on device (free ")
     assert f"this checkpoint needs about {NEEDED})" in message and "(finished checkpoints: [1, 2])" in message
-    ckpt.on_exception(trainer, info.value)  # what fit does next: closes quietly, tries nothing more
+    ckpt.on_exception(trainer.run, info.value)  # what fit does next: closes quietly, tries nothing more
 
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert CheckpointIO(tmp_path / "checkpoints", read_only=True).steps() == [1, 2]
@@ -83,10 +82,10 @@ def test_a_full_disk_is_one_line_and_the_run_resumes_exactly_after(tmp_path, dis
     disk_full_at.clear()
     resumed = ModelCheckpoint(every_n_steps=1, keep=None, async_save=async_save)
     trainer = fake_trainer(tmp_path, [resumed])
-    state = resumed.on_restore(trainer, make_state(0))
+    state = trainer.restore_with(resumed, make_state(0))
     assert resumed.restored_step == 2 and (state.step, state.policy_version, state.data_position) == (2, 2, 8)
     assert np.array_equal(np.asarray(state.params["w"]), np.asarray(make_state(2).params["w"]))
-    trainer.callbacks.on_step_end(trainer, StepInfo(3, make_state(3), {}, 0.0))
+    trainer.callbacks.on_step_end(trainer.run, StepInfo(3, make_state(3), {}, 0.0))
     resumed.finish()
     assert not any("tmp" in p.name for p in (tmp_path / "checkpoints").iterdir())  # the writer cleaned up
     assert CheckpointIO(tmp_path / "checkpoints", read_only=True).steps() == [1, 2, 3]

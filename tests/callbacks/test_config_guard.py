@@ -24,7 +24,8 @@ from rlbolt.callbacks.checkpoint import ModelCheckpoint
 from rlbolt.checkpointing.config_guard import ConfigChanged
 from rlbolt.plan import BatchPlan
 from rlbolt.state import StepInfo, TrainState
-from rlbolt.producer.weights import WeightStore
+from fake_fit import FakeFit
+from rlbolt.module import ModuleCard, RLModule
 
 FREE = {
     "trainer.max_steps", "trainer.max_epochs", "trainer.val_every_n_steps", "trainer.val_batch_size",
@@ -104,9 +105,13 @@ def test_diff_is_one_line_with_old_and_new_values():
 
 
 # -- a Python-API run: the recorded config comes from the Trainer, the plan and the module -----------
-class Module:
+class Module(RLModule):
     def __init__(self, lr):
         self.hparams = {"lr": lr, "reward": "digits"}
+
+    def card(self):
+        return ModuleCard(model=None, model_config=None, policy_params=lambda p: p, hf_model=lambda p: None,
+                          hparams=self.hparams)
 
 
 def make_state(step: int) -> TrainState:
@@ -116,18 +121,18 @@ def make_state(step: int) -> TrainState:
 
 
 def api_trainer(run_dir, callbacks, *, lr=0.1, seed=0, max_steps=10, prompts=4, shuffle=True):
-    return types.SimpleNamespace(
-        run_dir=run_dir, callbacks=CallbackList(callbacks), weights=WeightStore(0), mode="sync", is_main_process=True,
-        last_state=None, module=Module(lr), plan=BatchPlan(prompts_per_step=prompts, num_generations=2), seed=seed,
-        data_seed=seed, shuffle=shuffle, max_staleness=None, max_steps=max_steps, max_epochs=None,
-        val_every_n_steps=None, val_batch_size=4)
+    module = Module(lr)
+    return FakeFit(run_dir, callbacks, module=module, card=module.card(),
+                   plan=BatchPlan(prompts_per_step=prompts, num_generations=2),
+                   settings=dict(seed=seed, data_seed=seed, shuffle=shuffle, max_staleness=None, max_steps=max_steps,
+                                 max_epochs=None, val_every_n_steps=None, val_batch_size=4))
 
 
 def save_step_3(run_dir):
     ckpt = ModelCheckpoint(every_n_steps=1, async_save=False)
     trainer = api_trainer(run_dir, [ckpt])
-    ckpt.on_restore(trainer, make_state(0))
-    trainer.callbacks.on_step_end(trainer, StepInfo(3, make_state(3), {}, 0.0))
+    trainer.restore_with(ckpt, make_state(0))
+    trainer.callbacks.on_step_end(trainer.run, StepInfo(3, make_state(3), {}, 0.0))
     ckpt.finish()
 
 
@@ -140,11 +145,11 @@ def save_step_3(run_dir):
 def test_api_run_math_change_refused_then_allowed_and_recorded(tmp_path, change, diff):
     save_step_3(tmp_path)
     with pytest.raises(ConfigChanged, match=diff.replace(".", r"\.")):
-        ModelCheckpoint().on_restore(api_trainer(tmp_path, [], **change), make_state(0))
+        api_trainer(tmp_path, [], **change).restore_with(ModelCheckpoint(), make_state(0))
     assert not (tmp_path / config_guard.CHANGES_FILE).exists()
 
     ckpt = ModelCheckpoint(allow_config_change=True)
-    restored = ckpt.on_restore(api_trainer(tmp_path, [ckpt], **change), make_state(0))
+    restored = api_trainer(tmp_path, [ckpt], **change).restore_with(ckpt, make_state(0))
     assert restored.step == 3
     lines = (tmp_path / config_guard.CHANGES_FILE).read_text().splitlines()
     assert len(lines) == 1
@@ -157,5 +162,5 @@ def test_api_run_math_change_refused_then_allowed_and_recorded(tmp_path, change,
 
 def test_api_run_free_change_passes_silently(tmp_path):
     save_step_3(tmp_path)
-    restored = ModelCheckpoint().on_restore(api_trainer(tmp_path, [], max_steps=50), make_state(0))
+    restored = api_trainer(tmp_path, [], max_steps=50).restore_with(ModelCheckpoint(), make_state(0))
     assert restored.step == 3 and not (tmp_path / config_guard.CHANGES_FILE).exists()

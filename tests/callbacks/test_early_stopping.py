@@ -3,7 +3,6 @@ real fits that stop at the step a reference implementation of the rule predicts.
 
 import json
 import math
-from types import SimpleNamespace
 
 import pytest
 from toy_module import ToyModule, prompt_rows
@@ -11,14 +10,17 @@ from toy_module import ToyModule, prompt_rows
 from rlbolt.callback import Callback
 from rlbolt.callbacks import EarlyStopping, Evaluation
 from rlbolt.plan import BatchPlan
+from rlbolt.run_info import RunInfo
 from rlbolt.trainer import Trainer
 
 
 def _feed(stopper, values, first_step=1):
-    trainer = SimpleNamespace(should_stop=False)
+    run = RunInfo(run_dir=".")
     for step, value in enumerate(values, start=first_step):
-        if stopper.check(trainer, step, value):
+        if stopper.check(run, step, value):
+            assert run.control.stop_requested  # it asked the run to stop
             return step
+    assert not run.control.stop_requested
     return None
 
 

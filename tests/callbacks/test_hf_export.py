@@ -90,6 +90,6 @@ def test_steps_differ_and_module_model_untouched(exported):
 def test_needs_a_model(tmp_path):
     from toy_module import ToyModule, prompt_rows
 
-    with pytest.raises(ValueError, match="HFExport needs the module's network as `module.model`"):
+    with pytest.raises(ValueError, match=r"HFExport needs the module's language model, but ToyModule.card\(\) returned None"):
         Trainer(BatchPlan(prompts_per_step=2, num_generations=2), max_steps=1, callbacks=[HFExport(tmp_path)]).fit(
             ToyModule(), prompt_rows(4))

@@ -1,5 +1,5 @@
 """LearningRateMonitor: `lr` equals the hand-computed schedule value of each step's last update,
-from inject_hyperparams (also wrapped by NaNGuard) or from module.lr_schedule, and reaches
+from inject_hyperparams (also wrapped by NaNGuard) or from the module card's lr_schedule, and reaches
 MetricsLogger when listed before it."""
 
 import json
@@ -9,6 +9,7 @@ import pytest
 from toy_module import ToyModule, prompt_rows
 
 from rlbolt.callback import Callback
+from rlbolt.module import ModuleCard
 from rlbolt.callbacks import LearningRateMonitor, MetricsLogger, NaNGuard
 from rlbolt.plan import BatchPlan
 from rlbolt.trainer import Trainer
@@ -30,7 +31,11 @@ class Record(Callback):
 class ScheduledToy(ToyModule):
     def __init__(self, schedule, optimizer):
         super().__init__(optimizer=optimizer)
-        self.lr_schedule = schedule
+        self.schedule = schedule
+
+    def card(self):
+        return ModuleCard(model=None, model_config=None, policy_params=lambda p: p, hf_model=lambda p: None,
+                          lr_schedule=self.schedule)
 
 
 def _fit(module, callbacks, tmp_path=None, steps=3):
@@ -61,7 +66,7 @@ def test_module_schedule_with_optax_schedule_count():
     monitor = LearningRateMonitor()
     module = ScheduledToy(SCHEDULE, optax.chain(optax.clip_by_global_norm(1.0), optax.adam(SCHEDULE)))
     _fit(module, [monitor, record])
-    assert monitor.source == "module.lr_schedule"
+    assert monitor.source == "card.lr_schedule"
     assert record.lrs == pytest.approx(EXPECTED, rel=1e-6)
 
 

@@ -1,6 +1,6 @@
 """MetricsLogger driven by a real Trainer.fit on the toy bigram module."""
 
-import types
+import dataclasses
 from pathlib import Path
 
 import json
@@ -14,6 +14,7 @@ from rlbolt.callback import Callback
 from rlbolt.callbacks.metrics import MetricsLogger
 from rlbolt.loggers import read_jsonl
 from rlbolt.plan import BatchPlan
+from rlbolt.run_info import RunInfo
 from rlbolt.state import StepInfo
 from rlbolt.trainer import Trainer
 
@@ -85,7 +86,7 @@ class FakeWriter:
 
 
 def _trainer(is_main=True, max_steps=10, run_dir=Path("/nonexistent")):
-    return types.SimpleNamespace(is_main_process=is_main, max_steps=max_steps, run_dir=run_dir)
+    return RunInfo(run_dir=run_dir, is_main_process=is_main, max_steps=max_steps)
 
 
 def _info(step, **metrics):
@@ -124,16 +125,27 @@ def test_bad_writer_arguments_are_named():
         MetricsLogger([42])
 
 
-def _drive(logger, trainer, steps):
-    logger.on_fit_start(trainer, None)
+def _drive(logger, run, steps):
+    logger.on_fit_start(run, None)
     for step in steps:
-        logger.on_step_end(trainer, _info(step, loss=float(step)))
-    logger.on_fit_end(trainer, None)
+        info = _info(step, loss=float(step))
+        logger.on_step_end(run, dataclasses.replace(info, is_last=run.is_last_step(step, 0)))
+    logger.on_fit_end(run, None)
 
 
 def test_every_n_steps_still_logs_the_last_step(tmp_path):
     _drive(MetricsLogger(["jsonl"], every_n_steps=2), _trainer(max_steps=5, run_dir=tmp_path), range(1, 6))
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl", merge_steps=False)] == [2, 4, 5]
+
+
+def test_an_epoch_bounded_fit_logs_its_last_step(tmp_path):
+    """max_epochs=1 over 12 prompts at 4 a step is 3 steps (no max_steps): with every_n_steps=2 the
+    logger writes step 2 and, as the run's last, step 3 (the old rule, `step == max_steps`, never fired)."""
+    trainer = Trainer(BatchPlan(prompts_per_step=4, num_generations=2), max_epochs=1, shuffle=False,
+                      callbacks=[MetricsLogger(["jsonl"], every_n_steps=2)], run_dir=tmp_path)
+    state = trainer.fit(ToyModule(), prompt_rows(12))
+    assert state.step == 3
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl", merge_steps=False)] == [2, 3]
 
 
 def test_every_secs_uses_the_injected_clock(tmp_path):

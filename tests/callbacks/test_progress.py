@@ -6,8 +6,9 @@ import types
 import pytest
 from toy_module import ToyModule, prompt_rows
 
-from rlbolt.callbacks.progress import ProgressBar, total_steps
+from rlbolt.callbacks.progress import ProgressBar
 from rlbolt.plan import BatchPlan
+from rlbolt.run_info import RunInfo, total_steps
 from rlbolt.state import StepInfo
 from rlbolt.trainer import Trainer
 
@@ -18,7 +19,7 @@ class FakeTTY(io.StringIO):
 
 
 def _trainer(max_steps=10, is_main=True):
-    return types.SimpleNamespace(is_main_process=is_main, max_steps=max_steps)
+    return RunInfo(run_dir=".", is_main_process=is_main, max_steps=max_steps, total_steps=max_steps)
 
 
 def _drive(bar, trainer, steps, start_step=0, clock=None, seconds_per_step=2.0):
@@ -27,7 +28,8 @@ def _drive(bar, trainer, steps, start_step=0, clock=None, seconds_per_step=2.0):
         if clock is not None:
             clock[0] += seconds_per_step
         bar.on_step_end(trainer, StepInfo(step=step, state=None, epoch=0.0, metrics={
-            "reward/mean": step / 10, "loss": 0.25, "throughput/tokens_per_s": 100.0, "kl": 1.0}))
+            "reward/mean": step / 10, "loss": 0.25, "throughput/tokens_per_s": 100.0, "kl": 1.0},
+            is_last=trainer.is_last_step(step, 0)))
     bar.on_fit_end(trainer, None)
 
 
@@ -84,10 +86,9 @@ def test_other_processes_print_nothing():
 
 
 def test_total_is_estimated_from_epochs():
-    trainer = types.SimpleNamespace(max_steps=None, max_epochs=3, source=list(range(10)),
-                                    plan=types.SimpleNamespace(prompts_per_step=4))
-    assert total_steps(trainer) == 7
-    assert total_steps(types.SimpleNamespace(max_steps=None)) is None
+    assert total_steps(None, 3 * 10, 4) == 7  # 3 epochs of 10 prompts, 4 a step: 30 // 4
+    assert total_steps(None, 3, 4) == 1  # fewer prompts than a step still runs one
+    assert total_steps(None, None, 4) is None
     with pytest.raises(ValueError, match="refresh_every_n_steps=0"):
         ProgressBar(refresh_every_n_steps=0)
 

@@ -8,6 +8,7 @@ import pytest
 from toy_module import ToyModule, prompt_rows
 
 from rlbolt.callback import Callback
+from rlbolt.module import ModuleCard
 from rlbolt.callbacks import MetricsLogger, Throughput
 from rlbolt.callbacks.throughput import forward_flops, peak_flops_for, step_flops
 from rlbolt.plan import BatchPlan
@@ -57,8 +58,9 @@ def test_fit_metrics_match_the_formula(num_iterations, passes):
 
 def test_attention_term_from_model_config_and_no_mfu_on_cpu():
     record = Record()
+    config = SimpleNamespace(num_layers=2, num_heads=4, head_dim=16)
     module = ToyModule()
-    module.model = SimpleNamespace(config=SimpleNamespace(num_layers=2, num_heads=4, head_dim=16))
+    module.card = lambda: ModuleCard(model=None, model_config=config, policy_params=lambda p: p, hf_model=lambda p: None)
     throughput = Throughput()
     _fit(module, [throughput, record])
     assert throughput.peak is None and "throughput/mfu" not in record.metrics[-1]

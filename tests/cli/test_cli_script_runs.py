@@ -88,18 +88,18 @@ def test_a_policy_nested_in_the_trainable_pytree_exports(tmp_path):
     from rlbolt.models import Decoder, tiny_config
     from rlbolt.models.hf_io import save_hf
     from rlbolt.state import TrainState
-    from rlbolt.producer.weights import WeightStore
+    from fake_fit import FakeFit
+    from rlbolt.module import ModuleCard
 
     model = Decoder(tiny_config(vocab_size=32, hidden_size=32, intermediate_size=64, head_dim=8), rngs=nnx.Rngs(3))
     params = {"policy": nnx.state(model, nnx.Param), "value_head": {"kernel": jnp.ones((32, 1)), "bias": jnp.zeros(1)}}
-    module = types.SimpleNamespace(model=model, policy_params=lambda p: p["policy"])
+    card = ModuleCard(model=model, model_config=model.config, policy_params=lambda p: p["policy"], hf_model=lambda p: None)
     state = TrainState(step=1, params=params, opt_state={}, rng=jnp.zeros(2, jnp.uint32), policy_version=1,
                        data_position=4)
     ckpt = ModelCheckpoint(async_save=False)
-    trainer = types.SimpleNamespace(run_dir=tmp_path / "run", callbacks=CallbackList([ckpt]), weights=WeightStore(0),
-                                    mode="sync", is_main_process=True, last_state=None, module=module)
-    ckpt.on_restore(trainer, state)
-    ckpt.on_fit_end(trainer, state)
+    trainer = FakeFit(tmp_path / "run", [ckpt], card=card)
+    trainer.restore_with(ckpt, state)
+    ckpt.on_fit_end(trainer.run, state)
     export_run(tmp_path / "run", tmp_path / "exported")
     save_hf(model, model.config, tmp_path / "direct")
     assert (tmp_path / "exported" / "model.safetensors").read_bytes() == (tmp_path / "direct" / "model.safetensors").read_bytes()

@@ -199,15 +199,22 @@ def test_bad_trainer_arguments():
         Trainer(_plan(), max_epochs=1).fit(ToyModule(), prompt_rows(3))
 
 
-def test_validation_schedule_by_hand():
-    from rlbolt.validation import ValidationSchedule
+@pytest.mark.parametrize("kwargs, validated", [
+    ({"max_steps": 5, "val_every_n_steps": 2, "val_at_start": True}, [0, 2, 4, 5]),  # 5: the last step
+    ({"max_steps": 4, "val_every_n_steps": 2}, [2, 4]),  # 4 was just validated: not twice
+    ({"max_steps": 3}, [3]),  # val_data alone: after the last step only
+])
+def test_fit_validation_schedule_by_hand(kwargs, validated):
+    """fit(val_data=...)'s Evaluation validates at step 0 (val_at_start), every val_every_n_steps,
+    and after the last step unless that step was just validated."""
+    class Steps(Callback):
+        def __init__(self):
+            self.steps = []
 
-    s = ValidationSchedule(has_rows=True, every_n_steps=2, at_start=True, first_step=0)
-    assert s.before_first_step()
-    assert [step for step in range(1, 6) if s.after_step(step)] == [2, 4]
-    assert s.after_last_step(5) and not s.after_last_step(4)  # 4 was just validated
-    resumed = ValidationSchedule(has_rows=True, every_n_steps=None, at_start=True, first_step=3)
-    assert not resumed.before_first_step()  # a resume does not validate its start again
-    assert not resumed.after_step(4) and not resumed.after_last_step(3) and resumed.after_last_step(4)
-    none = ValidationSchedule(has_rows=False, every_n_steps=1, at_start=True, first_step=0)
-    assert not (none.before_first_step() or none.after_step(1) or none.after_last_step(1))
+        def on_validation_end(self, run, step, metrics):
+            self.steps.append(step)
+
+    seen = Steps()
+    Trainer(BatchPlan(prompts_per_step=2, num_generations=2), callbacks=[seen], **kwargs).fit(
+        ToyModule(), prompt_rows(12), val_data=prompt_rows(2, seed=1))
+    assert seen.steps == validated

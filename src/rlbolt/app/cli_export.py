@@ -221,8 +221,8 @@ def latest_params(run_dir: str | Path) -> tuple[Any, int, Any]:
     template = {"params": params, "opt_state": optimizer.init(params), "rng": jax.random.PRNGKey(0)}
     step, arrays, meta = read_latest(run_dir, template)
     check_frozen_identity(meta.get("frozen"), module.frozen_identity(), run_dir / rundir.CHECKPOINTS_DIR)
-    policy = module.policy_params(arrays["params"]) if hasattr(module, "policy_params") else arrays["params"]
-    nnx.update(module.model, policy)
+    card = module.card()
+    nnx.update(card.model, card.policy_params(arrays["params"]))
     return module, step, cfg
 
 
@@ -271,14 +271,14 @@ def export_run(run_dir: str | Path, out: str | Path, *, overwrite: bool = False,
             save_hf(model, model.config, out, tokenizer_folder=tokenizer_folder, overwrite=overwrite)
         return out, step
     module, step, cfg = latest_params(run_dir)
-    lora = getattr(module, "lora", None)
+    card = module.card()
     if adapter:
         from rlbolt.models.peft_io import save_peft_adapter
 
         base = cfg.model.path if cfg is not None else None
-        save_peft_adapter(module.model, lora.config, out, base_model=base, overwrite=overwrite)
+        save_peft_adapter(card.model, module.lora.config, out, base_model=base, overwrite=overwrite)
         return out, step
-    model = lora.merged_model(nnx.state(module.model, nnx.LoRAParam))
+    model = card.hf_model(nnx.state(card.model, nnx.LoRAParam))  # the adapters merged into the base
     folders = (cfg.model.tokenizer, cfg.model.path) if cfg is not None else ()
     with _demo_tokenizer_folder(data) as demo_folder, hf_tokenizer_folder(
             tokenizer_source(*folders, demo_folder)) as tokenizer_folder:

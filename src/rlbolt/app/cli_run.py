@@ -91,12 +91,12 @@ class ResumeNotice(Callback):
     def __init__(self, out: TextIO | None = None):
         self.out = out
 
-    def on_fit_start(self, trainer, state) -> None:
+    def on_fit_start(self, run, state) -> None:
         if state.step == 0:
             return
-        line = f"resumed from the checkpoint of step {state.step} in {Path(trainer.run_dir) / rundir.CHECKPOINTS_DIR}"
-        if trainer.max_steps is not None and state.step >= trainer.max_steps:
-            line += f"; the run already reached max_steps={trainer.max_steps}: nothing to train (raise it with --max-steps)"
+        line = f"resumed from the checkpoint of step {state.step} in {Path(run.run_dir) / rundir.CHECKPOINTS_DIR}"
+        if run.max_steps is not None and state.step >= run.max_steps:
+            line += f"; the run already reached max_steps={run.max_steps}: nothing to train (raise it with --max-steps)"
         print(line, file=self.out or sys.stdout, flush=True)
 
 

@@ -237,27 +237,27 @@ class LogFile(Callback):
         self.every_n_steps, self.keys = every_n_steps, keys
         self.log = logging.getLogger("rlbolt.run")
 
-    def on_fit_start(self, trainer, state) -> None:
-        self.log.info("fit starts at step %d: %s, max_steps=%s, run_dir=%s", state.step, trainer.plan,
-                      trainer.max_steps, trainer.run_dir)
+    def on_fit_start(self, run, state) -> None:
+        self.log.info("fit starts at step %d: %s, max_steps=%s, run_dir=%s", state.step, run.plan,
+                      run.max_steps, run.run_dir)
         self.log.info("trainable parameters:\n%s", parameter_table(state.params))
 
-    def on_step_end(self, trainer, info) -> None:
-        if info.step % self.every_n_steps == 0 or info.step == trainer.max_steps:
+    def on_step_end(self, run, info) -> None:
+        if info.step % self.every_n_steps == 0 or info.is_last:
             shown = " ".join(f"{k}={_fmt(info.metrics[k])}" for k in self.keys if k in info.metrics)
             self.log.info("step %d %s", info.step, shown)
 
-    def on_validation_end(self, trainer, step: int, metrics: dict[str, float]) -> None:
+    def on_validation_end(self, run, step: int, metrics: dict[str, float]) -> None:
         self.log.info("validation at step %d: %s", step, " ".join(f"{k}={_fmt(v)}" for k, v in sorted(metrics.items())))
 
-    def on_fit_end(self, trainer, state) -> None:
-        if trainer.interrupted:
-            name = signal.Signals(trainer.stop_signal).name if trainer.stop_signal else "an interrupt"
+    def on_fit_end(self, run, state) -> None:
+        if run.control.interrupted:
+            name = signal.Signals(run.control.stop_signal).name if run.control.stop_signal else "an interrupt"
             self.log.info("fit interrupted by %s after step %d (policy version %d)", name, state.step, state.policy_version)
         else:
             self.log.info("fit ended after step %d (policy version %d)", state.step, state.policy_version)
 
-    def on_exception(self, trainer, exc: BaseException) -> None:
+    def on_exception(self, run, exc: BaseException) -> None:
         # The command reports the error itself, in one line: this record goes to train.log only.
         self.log.error("fit stopped: %s: %s", type(exc).__name__, exc, extra={"console": False})
 

@@ -12,7 +12,7 @@ an unknown field is refused rather than ignored.
 
 What is recorded: a CLI run records its resolved config (`{section: {key: value}}`, the
 content of config.yaml); a Python-API run records the Trainer's settings, the BatchPlan, and the
-module's class and `hparams` attribute (`config_record`).
+module's class and its card's `hparams` (`config_record`).
 """
 
 from __future__ import annotations
@@ -46,18 +46,18 @@ class ConfigChanged(ValueError):
     """A resume would continue with different math-changing settings (one line with the diff)."""
 
 
-def config_record(trainer: Any, explicit: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def config_record(run: Any, explicit: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The config a checkpoint records: `explicit` (a CLI run's resolved config) or, for a
-    Python-API run, the Trainer's settings, the BatchPlan and the module's class and hparams."""
+    Python-API run, the Trainer's settings (`RunInfo.settings`), the BatchPlan and the module's
+    class and its card's hparams (None without a card)."""
     if explicit is not None:
         return to_plain(explicit)
-    out: dict[str, Any] = {"trainer": {f: getattr(trainer, f) for f in TRAINER_FIELDS if hasattr(trainer, f)}}
-    plan = getattr(trainer, "plan", None)
-    if dataclasses.is_dataclass(plan):
-        out["plan"] = dataclasses.asdict(plan)
-    module = getattr(trainer, "module", None)
+    out: dict[str, Any] = {"trainer": {f: run.settings[f] for f in TRAINER_FIELDS if f in run.settings}}
+    if dataclasses.is_dataclass(run.plan):
+        out["plan"] = dataclasses.asdict(run.plan)
+    module = run.module
     if module is not None:
-        hparams = getattr(module, "hparams", None)
+        hparams = run.card.hparams if run.card is not None else None
         out["module"] = {"class": f"{type(module).__module__}.{type(module).__qualname__}",
                          "hparams": dict(hparams) if isinstance(hparams, Mapping) else None}
     return json.loads(json.dumps(to_plain(out), default=repr))  # JSON-safe, as it will read back

@@ -30,16 +30,17 @@ FORMAT_VERSION = 2
 MODES = ("sync", "async")
 
 
-def build(trainer: Any, state: Any, retained_versions: list[list[int]], config: Mapping[str, Any] | None,
+def build(run: Any, state: Any, retained_versions: list[list[int]], config: Mapping[str, Any] | None,
           model: Mapping[str, Any] | None, frozen: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The metadata of a checkpoint of `state` (see the module docstring)."""
+    """The metadata of a checkpoint of `state` (see the module docstring); `run` is the fit's
+    `rlbolt.run_info.RunInfo` (mode, lag, every callback's state)."""
     return {
         "format_version": FORMAT_VERSION,
         "progress": state.progress(),
-        "producer": {"mode": trainer.mode, "lag_steps": trainer.weights.lag_steps, "next_step": state.step,
+        "producer": {"mode": run.mode, "lag_steps": run.lag_steps, "next_step": state.step,
                      "next_data_position": state.data_position},
         "retained_weights": retained_versions,
-        "callbacks": trainer.callbacks.state_dict(),
+        "callbacks": run.callback_states(),
         "config": config,
         "model": model,
         "frozen": frozen,
@@ -129,9 +130,10 @@ def check_frozen_identity(saved: dict | None, current: dict | None, directory: P
                                    "fresh run directory")
 
 
-def model_record(module: Any, params: Any) -> dict[str, Any] | None:
+def model_record(card: Any, params: Any) -> dict[str, Any] | None:
     """What `rlbolt export` needs to rebuild the network from a checkpoint alone, or None when
-    the module's `model` is not an rlbolt Decoder.
+    the module declares no language model (`card` is `RLModule.card()`: None) or its model
+    config is not an rlbolt `ModelConfig`.
 
     Returns:
       {"config": the ModelConfig fields, "params_key": the key of the policy's parameters inside
@@ -140,19 +142,15 @@ def model_record(module: Any, params: Any) -> dict[str, Any] | None:
     """
     from rlbolt.models.config import ModelConfig
 
-    config = getattr(getattr(module, "model", None), "config", None)
-    if not isinstance(config, ModelConfig):
+    if card is None or not isinstance(card.model_config, ModelConfig):
         return None
-    key: str | None = None
-    policy_params = getattr(module, "policy_params", None)
-    if policy_params is not None:
-        sub = policy_params(params)
-        if sub is not params:
-            keys = [k for k, v in params.items() if v is sub] if isinstance(params, Mapping) else []
-            if len(keys) != 1:
-                return None  # the policy is not one top-level entry: export cannot find it
-            key = str(keys[0])
-    run_model = getattr(getattr(module, "config", None), "model", None)
-    folder = getattr(run_model, "tokenizer", None) or getattr(run_model, "path", None)
+    config, key = card.model_config, None
+    sub = card.policy_params(params)
+    if sub is not params:
+        keys = [k for k, v in params.items() if v is sub] if isinstance(params, Mapping) else []
+        if len(keys) != 1:
+            return None  # the policy is not one top-level entry: export cannot find it
+        key = str(keys[0])
+    folder = card.tokenizer_folder
     return {"config": to_plain(dataclasses.asdict(config)), "params_key": key,
             "tokenizer_folder": str(folder) if folder else None}

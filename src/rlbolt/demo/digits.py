@@ -33,7 +33,7 @@ from rlbolt.demo.config import DemoConfig, DemoConfigError
 from rlbolt.demo.tasks import DEMO_TASKS
 from rlbolt.data.tokenizers import CharTokenizer
 from rlbolt.models import Decoder, tiny_config
-from rlbolt.module import RLModule
+from rlbolt.module import ModuleCard, RLModule
 from rlbolt.modules.lora_policy import LoraHooks
 from rlbolt.plan import PlanError
 from rlbolt.rollout.engines import EngineHandle, EngineSpec, build_engine
@@ -149,6 +149,11 @@ class DigitsGRPO(LoraHooks, RLModule):
                           prompt_width=prompt_len)
         self._engine = EngineHandle(build_engine("native", self._model, spec))
         return self.lora.adapters if self.lora is not None else params
+
+    def card(self) -> ModuleCard:
+        """The digit policy's description (valid after `init_params`, which builds the model)."""
+        return ModuleCard(model=self.model, model_config=self.model_config, policy_params=lambda params: params,
+                          hf_model=self.hf_model, tokenizer=self.tokenizer)
 
     def hf_model(self, params: nnx.State) -> Decoder:
         """The policy as a plain Decoder (LoRA adapters merged into the base), for HFExport."""

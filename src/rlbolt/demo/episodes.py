@@ -129,7 +129,7 @@ def train_demo(task: str = "tool", *, steps: int | None = None, prompts_per_step
     rewards: list[float] = []
 
     class _Record(Callback):
-        def on_step_end(self, trainer, info):
+        def on_step_end(self, run, info):
             value = float(info.metrics.get("reward/mean", np.nan))
             rewards.append(value)
             if on_step is not None:

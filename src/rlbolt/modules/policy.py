@@ -42,7 +42,7 @@ from rlbolt.batch import Batch
 from rlbolt.config import RunConfig, config_to_dict
 from rlbolt.data.tokenizers import Tokenizer
 from rlbolt.models.decoder import Decoder
-from rlbolt.module import RLModule
+from rlbolt.module import ModuleCard, RLModule
 from rlbolt.plan import PlanError
 from rlbolt.modules import lm_ops
 from rlbolt.modules.moe_routing import ROUTING_COLUMNS, check_router_settings, completion_load_balancing
@@ -287,6 +287,15 @@ class LMPolicyModule(RLModule):
         (or runs one episode per sample with an environment), and adds prompt/completion ids and
         masks ([N, P], [N, C]), `sampler_logps` [N, C] and `completion_text` (object [N])."""
         return batch.with_columns(self.rollout.sample(params, batch))
+
+    def card(self) -> ModuleCard:
+        """The policy's description (`rlbolt.module.ModuleCard`), read from the module's public attributes."""
+        from rlbolt.models.hf_io import tokenizer_source
+
+        return ModuleCard(model=self.model, model_config=self.model.config, policy_params=self.policy_params,
+                          hf_model=self.hf_model, tokenizer=self.tokenizer, lr_schedule=self.lr_schedule,
+                          tokenizer_folder=tokenizer_source(self.config.model.tokenizer, self.config.model.path),
+                          hparams=self.hparams)
 
     # -- logps --------------------------------------------------------------------------------------
     def logps_group_size(self, batch: Batch) -> int:
