@@ -46,6 +46,7 @@ from rlbolt.modules.policy_losses import COVARIANCE_SELECTIONS, POLICY_LOSSES
 from rlbolt.modules.rewarding import answer_score, score_shared
 from rlbolt.modules.moe_routing import ROUTING_COLUMNS, completion_load_balancing
 from rlbolt.distributed.sharding import host_value
+from rlbolt.packing import packed_sequence_logps
 from rlbolt.rollout.logps import routed_token_logps, sequence_logps
 from rlbolt.rewards import RewardFn, WeightedReward
 from rlbolt.rollout.engine import RolloutEngine
@@ -308,6 +309,12 @@ class LMPolicyModule(PolicyRollout, PolicySetup, RLModule):
 
     def forward(self, params: Any, batch: Batch) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
         """One policy forward: (logps [N, C], entropy [N, C], aux) where aux feeds `extra_loss`."""
+        if not self.routes_in_training and "pack_rows" in batch:  # plan.packing: the packed rows (rlbolt.packing)
+            logps, entropy = packed_sequence_logps(
+                self.graphdef, self.policy_params(params), *self._token_inputs(batch), batch["pack_rows"],
+                batch["pack_starts"], row_tokens=self.context.plan.packed_row_tokens, with_entropy=True,
+                blocks=1 if self.sharding is None else self.sharding.batch_shards, **self._logps_options)
+            return logps, entropy, {}
         if not self.routes_in_training:
             logps, entropy = sequence_logps(self.graphdef, self.policy_params(params), *self._token_inputs(batch),
                                             with_entropy=True, group_size=self.train_group_size, **self._logps_options)

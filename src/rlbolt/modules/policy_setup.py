@@ -35,6 +35,8 @@ from rlbolt.modules.moe_routing import check_router_settings, logps_and_mismatch
 from rlbolt.modules.prompts import PromptEncoder, builtin_tokenizer
 from rlbolt.models.decoder import Decoder
 from rlbolt.modules.rewarding import build_reward
+from rlbolt.packing import packing_spec
+from rlbolt.packing.logps import PackedLogps
 from rlbolt.rollout.logps import token_logps
 from rlbolt.setup_context import SetupContext
 
@@ -131,6 +133,20 @@ class PolicySetup(LoraHooks):
         if self.lora is not None:  # the reference is the base with the adapters off: no second copy
             self._ref_logps = jax.jit(functools.partial(token_logps, self.lora.base_graphdef, **self._logps_options),
                                       static_argnames="group_size", **rows)
+        self._pack_logps_forwards(context.plan)
+
+    def _pack_logps_forwards(self, plan) -> None:
+        """plan.packing: the jitted logps forwards on the training devices run over packed rows
+        (`rlbolt.packing.logps`; the policy's, LoRA's reference and the teacher's)."""
+        spec = packing_spec(plan, self.sharding)
+        if spec is None:
+            return
+        teacher = None if getattr(self, "_teacher_logps", None) is None else nnx.graphdef(self.teacher)
+        for name, graphdef in (("_logps", self.graphdef), ("_ref_logps", getattr(self.lora, "base_graphdef", None)),
+                               ("_teacher_logps", teacher)):
+            padded = getattr(self, name, None)
+            if padded is not None and graphdef is not None and not isinstance(padded, PackedLogps):
+                setattr(self, name, PackedLogps(graphdef, padded, spec, self.sharding, **self._logps_options))
 
     def _own_forward(self) -> str | None:
         """The class's name when it replaces the shared policy forward (PPO's trunk), else None."""

@@ -1,0 +1,75 @@
+"""The jitted log-prob forwards (old, reference, teacher logps) over packed rows.
+
+`PackedLogps` has the call signature of the padded forward it replaces (`jax.jit` of
+`rlbolt.rollout.logps.token_logps`), so the module swaps one for the other when `plan.packing`
+is on. It packs the whole batch it is given on the host (one block per batch shard of the mesh),
+then runs `packed_sequence_logps` jitted. Calls it cannot pack run the padded forward: router
+replay (the recorded experts are in the padded token order), and arrays another process holds
+part of (the host cannot read their masks).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from rlbolt.packing.forward import packed_sequence_logps
+from rlbolt.packing.layout import PackingSpec, pack_columns, sample_lengths
+
+log = logging.getLogger(__name__)
+
+
+class PackedLogps:
+    """`(params, prompt_ids, prompt_mask, completion_ids, completion_mask, *, group_size, routing) -> logps [N, C]`.
+
+    Args:
+      graphdef: the model's `nnx.GraphDef`.
+      padded: the padded jitted forward with the same signature (used where packing cannot apply).
+      spec: the PackingSpec (`plan.packed_row_tokens`).
+      sharding: the ShardingPlan the inputs are placed with, or None (host arrays).
+      options: the logps options (temperature, chunk_size).
+    """
+
+    def __init__(self, graphdef: nnx.GraphDef, padded: Callable, spec: PackingSpec, sharding: Any = None,
+                 **options: Any):
+        self.padded, self.spec, self.sharding = padded, spec, sharding
+        rows = {} if sharding is None else {"out_shardings": sharding.batch_sharding()}
+        self._packed = jax.jit(functools.partial(_logps_only, graphdef, **options),
+                               static_argnames=("row_tokens", "blocks"), **rows)
+
+    def __call__(self, params: Any, prompt_ids: Any, prompt_mask: Any, completion_ids: Any, completion_mask: Any, *,
+                 group_size: int = 1, routing: Any = None) -> jax.Array:
+        """The completion tokens' logps [N, C], packed where possible (`group_size` is moot when packed)."""
+        masks = (prompt_mask, completion_mask)
+        readable = all(not isinstance(m, jax.Array) or m.is_fully_addressable for m in masks)
+        if routing is not None or not readable:
+            return self.padded(params, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size=group_size,
+                               **({} if routing is None else {"routing": routing}))
+        pm, cm = (np.asarray(m) for m in masks)
+        n = pm.shape[0]
+        shards = 1 if self.sharding is None else self.sharding.batch_shards
+        blocks = shards if n % shards == 0 else 1
+        spec = PackingSpec(self.spec.row_tokens, blocks)
+        cols = pack_columns(sample_lengths(pm, cm), n, spec, pm.shape[1] + cm.shape[1])
+        placed = (cols["pack_rows"], cols["pack_starts"])
+        if self.sharding is not None:
+            placed = self.sharding.put_full(placed)
+        return self._packed(params, prompt_ids, prompt_mask, completion_ids, completion_mask, *placed,
+                            row_tokens=self.spec.row_tokens, blocks=blocks)
+
+
+def _logps_only(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, pack_rows, pack_starts, *,
+                row_tokens, blocks, temperature, chunk_size):
+    logps, _ = packed_sequence_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                     pack_rows, pack_starts, row_tokens=row_tokens, blocks=blocks,
+                                     temperature=temperature, chunk_size=chunk_size)
+    return logps
+
+
+__all__ = ["PackedLogps"]
