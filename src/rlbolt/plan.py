@@ -47,6 +47,7 @@ class BatchPlan:
       packing: "on" packs several samples per row in the update and the log-prob forwards
         (`rlbolt.packing`); "off" pads each sample to its own row.
       packed_row_tokens: tokens per packed row; None: the padded width (prompt + completion).
+      packed_rows: packed rows per train micro batch and batch shard; None: as each step needs.
     """
 
     prompts_per_step: int
@@ -61,6 +62,7 @@ class BatchPlan:
     max_refill_rounds: int = 0
     packing: str = "off"
     packed_row_tokens: int | None = None
+    packed_rows: int | None = None
 
     def __post_init__(self):
         _check_ints(self)

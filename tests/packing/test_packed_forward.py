@@ -74,12 +74,17 @@ def _batch(rng, n=8, p=6, c=7):
             cm)
 
 
-def test_packed_logps_entropy_and_gradient_equal_the_padded_path():
+# (prompt width, completion width, row tokens): the output projection over the packed tokens (fewer
+# than rows x completion slots), and over the gathered predicting states (long prompts).
+@pytest.mark.parametrize("p, c, row_tokens, over_packed", [(6, 7, 14, True), (12, 3, None, False)])
+def test_packed_logps_entropy_and_gradient_equal_the_padded_path(p, c, row_tokens, over_packed):
     model = Decoder(tiny_config(**SMALL), rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
-    pi, pm, ci, cm = _batch(np.random.default_rng(1))
-    cols = pack_columns(sample_lengths(pm, cm), 8, PackingSpec(row_tokens=14, blocks=2), pm.shape[1] + cm.shape[1])
-    assert cols["pack_rows"].shape[1] * 2 < 8  # fewer rows than samples
+    pi, pm, ci, cm = _batch(np.random.default_rng(1), p=p, c=c)
+    cols = pack_columns(sample_lengths(pm, cm), 8, PackingSpec(row_tokens=row_tokens, blocks=2), p + c)
+    rows = cols["pack_rows"].shape[1] * 2
+    assert rows < 8  # fewer rows than samples
+    assert (rows * (row_tokens or p + c) <= 8 * c) == over_packed
     weights = jnp.asarray(np.random.default_rng(2).normal(size=cm.shape), jnp.float32)
 
     def padded(params):
@@ -88,7 +93,7 @@ def test_packed_logps_entropy_and_gradient_equal_the_padded_path():
 
     def packed(params):
         logps, entropy = packed_sequence_logps(graphdef, params, pi, pm, ci, cm, cols["pack_rows"], cols["pack_starts"],
-                                               row_tokens=14, blocks=2, temperature=0.7, with_entropy=True)
+                                               row_tokens=row_tokens, blocks=2, temperature=0.7, with_entropy=True)
         return jnp.sum(logps * weights), (logps, entropy)
 
     (_, (lu, eu)), gu = jax.jit(jax.value_and_grad(padded, has_aux=True))(params)

@@ -65,6 +65,8 @@ def test_bad_packing_values_get_one_line():
         load_config({"plan": {"packed_row_tokens": 64}})
     with pytest.raises(ConfigError, match=r"plan.packed_row_tokens=16 is below .* = 288"):
         load_config({"plan": {"packing": "on", "packed_row_tokens": 16}})
+    with pytest.raises(ConfigError, match=r"plan.packed_rows=2 is read only with plan.packing=on"):
+        load_config({"plan": {"packed_rows": 2}})
     assert load_config({"plan": {"packing": "on", "packed_row_tokens": 288}}).plan.packed_row_tokens == 288
 
 
@@ -100,3 +102,31 @@ def test_run_updates_hands_each_micro_batch_its_packed_rows():
     seen.clear()
     run_updates(update, batch, off, sharding, None, None, 0)
     assert "pack_rows" not in seen[0]
+
+
+def test_the_planner_counts_packed_tokens(monkeypatch):
+    from types import SimpleNamespace
+
+    import rlbolt.planning.compile as compile_module
+    from rlbolt.planning.compile import packed_layout
+    from rlbolt.planning.schema import train_batch
+
+    def run(**plan):  # what packed_layout reads: the plan, the batch shards, the widths (prompt 32 + completion 96)
+        return SimpleNamespace(plan=SimpleNamespace(**plan), sharding=SimpleNamespace(batch_shards=2),
+                               module=SimpleNamespace(completion_width=96))
+
+    monkeypatch.setattr(compile_module, "prompt_width", lambda run: 32)
+    assert packed_layout(run(packing="off"), 8) is None
+    # At most one row per sample per shard (8 samples over 2 shards), rows of the padded width 32 + 96.
+    assert packed_layout(run(packing="on", packed_row_tokens=None, packed_rows=None), 8) == (4, 128)
+    assert packed_layout(run(packing="on", packed_row_tokens=256, packed_rows=1), 8) == (1, 256)
+    batch = train_batch(2, 4, 32, 96, reference=False, packed_rows=3)
+    assert batch["pack_rows"].shape == (2, 4, 3) and batch["pack_starts"].shape == (2, 4)
+    assert "pack_rows" not in train_batch(2, 4, 32, 96, reference=False)
+
+
+def test_fixed_packed_rows_refuse_a_micro_batch_that_needs_more():
+    cols = pack_columns(np.array([4, 4, 4]), 3, PackingSpec(row_tokens=8, rows=3), padded_width=8)
+    assert cols["pack_rows"].shape == (3, 3)  # fixed: 3 rows although 2 hold the samples
+    with pytest.raises(PackingError, match=r"plan.packed_rows=1 is fewer than the 2 rows a micro batch block needs"):
+        pack_columns(np.array([4, 4, 4]), 3, PackingSpec(row_tokens=8, rows=1), padded_width=8)

@@ -75,9 +75,10 @@ def check_rules(cfg: RunConfig) -> None:
 
 def _check_packing(cfg: RunConfig) -> None:
     p, budget = cfg.plan, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
-    if p.packed_row_tokens is not None and p.packing != "on":
-        raise ConfigError(f"plan.packed_row_tokens={p.packed_row_tokens} is read only with plan.packing=on; set "
-                          "plan.packing=on, or plan.packed_row_tokens=null")
+    for name in ("packed_row_tokens", "packed_rows"):
+        if getattr(p, name) is not None and p.packing != "on":
+            raise ConfigError(f"plan.{name}={getattr(p, name)} is read only with plan.packing=on; set "
+                              f"plan.packing=on, or plan.{name}=null")
     if p.packed_row_tokens is not None and cfg.rollout.env is None and p.packed_row_tokens < budget:
         raise ConfigError(f"plan.packed_row_tokens={p.packed_row_tokens} is below data.max_prompt_tokens + "
                           f"rollout.max_new_tokens = {budget}, so a sample may not fit a row; use at least {budget} "

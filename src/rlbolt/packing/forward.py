@@ -12,6 +12,8 @@ environment tokens are context, never trained) is unchanged; only float rounding
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -79,20 +81,22 @@ def packed_sequence_logps(graphdef: nnx.GraphDef, params: nnx.State, prompt_ids:
     flat = (blocks * r, length)
     packed_ids, positions, segments = (x.reshape(flat) for x in (packed_ids, positions, segments))
     hidden, _ = model(packed_ids, positions, attention_mask=segments > 0, segment_ids=segments, return_hidden=True)
-    # The token at column j predicts the token at j + 1 of the same segment.
-    targets = jnp.concatenate([packed_ids[:, 1:], jnp.zeros((flat[0], 1), jnp.int32)], axis=1)
-    logps, entropy = lm_head_logps(hidden, model.output_weight(), targets, temperature=temperature,
-                                   softcap=model.config.final_logit_softcapping, chunk_tokens=chunk_size,
-                                   with_entropy=with_entropy)
     # Completion token t of a sample sits at packed column col[:, P + t]; the column before predicts it.
     before = jnp.clip(col[:, :, p:] - 1, 0, length - 1)  # [blocks, m, C]
+    mask = completion_mask.astype(bool)
 
-    def gather(values):  # [blocks * R, L] -> [N, C]
-        per_block = values.reshape(blocks, r, length)
+    def gather(values):  # [blocks * R, L, ...] -> [N, C, ...]
+        per_block = values.reshape(blocks, r, length, *values.shape[2:])
         picked = jax.vmap(lambda v, rw, cl: v[rw[:, None], cl])(per_block, row, before)
-        return jnp.where(completion_mask.astype(bool), picked.reshape(n, c), 0.0)
+        return picked.reshape(n, c, *values.shape[2:])
 
-    return gather(logps), (gather(entropy) if with_entropy else None)
-
+    head = functools.partial(lm_head_logps, temperature=temperature, softcap=model.config.final_logit_softcapping,
+                             chunk_tokens=chunk_size, with_entropy=with_entropy)
+    if blocks * r * length <= n * c:  # the output projection over the packed tokens (each predicts its successor)
+        targets = jnp.concatenate([packed_ids[:, 1:], jnp.zeros((flat[0], 1), jnp.int32)], axis=1)
+        logps, entropy = (gather(x) for x in head(hidden, model.output_weight(), targets))
+    else:  # fewer rows x completion slots than packed tokens (long prompts): over the predicting states only
+        logps, entropy = head(gather(hidden), model.output_weight(), completion_ids.astype(jnp.int32))
+    return jnp.where(mask, logps, 0.0), (jnp.where(mask, entropy, 0.0) if with_entropy else None)
 
 __all__ = ["packed_sequence_logps"]

@@ -7,7 +7,8 @@ tokens, so the tokens set the cost. The layout travels with the batch as two col
     pack_rows    [N, R] bool   True at the packed row (0..R-1, within its block) sample i sits in
     pack_starts  [N]    int32  the column of the row where sample i's first real token lands
 
-R, the rows per block, is the width of `pack_rows`, so it is a static shape under jit. A micro
+R, the rows per block, is the width of `pack_rows`, so it is a static shape under jit; `plan.packed_rows`
+fixes it (one compiled shape), else it follows each step's need. A micro
 batch's samples are cut into `blocks` contiguous blocks (one per batch shard of the mesh) and each
 block is packed into rows of its own, so a shard's rows hold its own samples only.
 
@@ -39,10 +40,12 @@ class PackingSpec:
       row_tokens: tokens per packed row; None: the padded width (prompt + completion), so any
         sample fits.
       blocks: contiguous sample blocks per micro batch packed apart (the mesh's batch shards).
+      rows: packed rows per block, fixed (`plan.packed_rows`); None: as many as needed, bucketed.
     """
 
     row_tokens: int | None = None
     blocks: int = 1
+    rows: int | None = None
 
     def width(self, padded_width: int) -> int:
         """The packed row length L for batches whose padded rows are `padded_width` tokens."""
@@ -54,7 +57,8 @@ def packing_spec(plan: Any, sharding: Any = None) -> PackingSpec | None:
     shard of `sharding` (a ShardingPlan or None); None when packing is off."""
     if getattr(plan, "packing", "off") != "on":
         return None
-    return PackingSpec(plan.packed_row_tokens, 1 if sharding is None else sharding.batch_shards)
+    return PackingSpec(plan.packed_row_tokens, 1 if sharding is None else sharding.batch_shards,
+                       getattr(plan, "packed_rows", None))
 
 
 def sample_lengths(prompt_mask: np.ndarray, forward_mask: np.ndarray) -> np.ndarray:
@@ -131,7 +135,11 @@ def pack_columns(lengths: np.ndarray, micro_size: int, spec: PackingSpec, padded
                            "batch shard(s); make plan.train_micro_batch_size a multiple of the batch shards")
     block = micro_size // blocks
     placed = [first_fit_decreasing(lengths[s:s + block], spec.width(padded_width)) for s in range(0, n, block)]
-    rows = bucket_rows(max((used for _, _, used in placed), default=1))
+    needed = max((used for _, _, used in placed), default=1)
+    if spec.rows is not None and needed > spec.rows:
+        raise PackingError(f"plan.packed_rows={spec.rows} is fewer than the {needed} rows a micro batch block needs "
+                           f"at {spec.width(padded_width)} tokens a row; raise plan.packed_rows (or set it to null)")
+    rows = bucket_rows(needed) if spec.rows is None else spec.rows
     pack_rows = np.zeros((n, rows), bool)
     row = np.concatenate([r for r, _, _ in placed]) if placed else np.zeros(0, np.int32)
     pack_rows[np.arange(n), row] = True

@@ -55,13 +55,33 @@ class PackedLogps:
         n = pm.shape[0]
         shards = 1 if self.sharding is None else self.sharding.batch_shards
         blocks = shards if n % shards == 0 else 1
-        spec = PackingSpec(self.spec.row_tokens, blocks)
+        spec = PackingSpec(self.spec.row_tokens, blocks)  # rows as this batch needs (plan.packed_rows is the update's)
         cols = pack_columns(sample_lengths(pm, cm), n, spec, pm.shape[1] + cm.shape[1])
         placed = (cols["pack_rows"], cols["pack_starts"])
         if self.sharding is not None:
             placed = self.sharding.put_full(placed)
         return self._packed(params, prompt_ids, prompt_mask, completion_ids, completion_mask, *placed,
                             row_tokens=self.spec.row_tokens, blocks=blocks)
+
+    def lower_packed(self, params: Any, prompt_ids: Any, prompt_mask: Any, completion_ids: Any, completion_mask: Any, *,
+                     rows_per_block: int, blocks: int) -> Any:
+        """The packed forward lowered for abstract inputs (`rlbolt plan`), `rows_per_block` packed rows per block.
+
+        Args:
+          params: the parameters (arrays or ShapeDtypeStructs).
+          prompt_ids: [N, P] (a ShapeDtypeStruct).
+          prompt_mask: [N, P].
+          completion_ids: [N, C].
+          completion_mask: [N, C].
+          rows_per_block: R, packed rows per block.
+          blocks: blocks the N samples are packed in (the batch shards).
+        """
+        n = prompt_ids.shape[0]
+        place = {} if self.sharding is None else {"sharding": self.sharding.batch_sharding()}
+        rows = jax.ShapeDtypeStruct((n, rows_per_block), np.bool_, **place)
+        starts = jax.ShapeDtypeStruct((n,), np.int32, **place)
+        return self._packed.lower(params, prompt_ids, prompt_mask, completion_ids, completion_mask, rows, starts,
+                                  row_tokens=self.spec.row_tokens, blocks=blocks)
 
 
 def _logps_only(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, pack_rows, pack_starts, *,
