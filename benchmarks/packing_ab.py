@@ -1,7 +1,7 @@
 """Packed rows (plan.packing=on) against padded rows: the update's time on one batch whose sequence
 lengths spread 4x, the variants taking turns in one process (medians).
 
-The batch: N samples of a chat-shaped 64-token prompt and a completion, their lengths (prompt +
+The batch: N samples of a chat-shaped 64-token prompt (max_len / 4 when shorter) and a completion, their lengths (prompt +
 completion) evenly spread from max_len / 4 to max_len and shuffled; padded rows are max_len wide, packed
 rows hold max_len tokens each (`plan.packed_row_tokens` null: the padded width), first-fit decreasing.
 Both variants run the same tokens through `rlbolt.update.make_update_fn` (gradient of a token-mean
@@ -53,16 +53,18 @@ def alternate_timed(calls, rounds: int) -> list[tuple[float, float]]:
 
 
 def build_batch(n: int, max_len: int, vocab: int, seed: int = 0):
-    """(prompt_ids, prompt_mask, completion_ids, completion_mask) as NumPy, lengths spread 4x."""
+    """(prompt_ids, prompt_mask, completion_ids, completion_mask) as NumPy, lengths spread 4x (prompts of
+    64 tokens, or max_len / 4 when shorter)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
     totals = np.linspace(max_len // 4, max_len, n).round().astype(int)
     rng.shuffle(totals)
-    c = max_len - PROMPT
-    prompt_ids = np.asarray([chat_prompt_ids(rng, vocab, PROMPT) for _ in range(n)], np.int32)
-    prompt_mask = np.ones((n, PROMPT), bool)
-    completion_mask = np.arange(c)[None] < (totals - PROMPT)[:, None]
+    prompt = min(PROMPT, max_len // 4)  # every sample keeps a completion token or more
+    c = max_len - prompt
+    prompt_ids = np.asarray([chat_prompt_ids(rng, vocab, prompt) for _ in range(n)], np.int32)
+    prompt_mask = np.ones((n, prompt), bool)
+    completion_mask = np.arange(c)[None] < (totals - prompt)[:, None]
     completion_ids = np.where(completion_mask, rng.integers(3, vocab, (n, c)), 0).astype(np.int32)
     return prompt_ids, prompt_mask, completion_ids, completion_mask
 
@@ -84,8 +86,8 @@ def main(argv=None) -> dict:
     from rlbolt.rollout.logps import sequence_logps
     from rlbolt.update import make_update_fn, split_micro_batches
 
-    n, max_len = (8, 256) if args.quick else (args.samples, args.max_len)
-    layers = 2 if args.quick else args.layers
+    n, max_len = (8, 128) if args.quick else (args.samples, args.max_len)
+    layers = 1 if args.quick else args.layers
     config = smollm2_135m_config(num_layers=layers)
     graphdef, params = nnx.split(Decoder(config, rngs=nnx.Rngs(0)), nnx.Param)
     pi, pm, ci, cm = build_batch(n, max_len, config.vocab_size)
@@ -138,7 +140,7 @@ def _parse(argv):
     p.add_argument("--max-len", type=int, default=512, help="the longest sample (prompt + completion), the padded width")
     p.add_argument("--layers", type=int, default=8, help="of SmolLM2-135M's 30")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--quick", action="store_true", help="8 samples of 64..256 tokens, 2 layers, 2 rounds (a smoke run)")
+    p.add_argument("--quick", action="store_true", help="8 samples of 32..128 tokens (prompts cut to fit), 1 layer, 2 rounds (a smoke run)")
     return p.parse_args(argv)
 
 
