@@ -59,7 +59,7 @@ def main(argv=None) -> dict:
 
     from machine import cpu_model
     from rlbolt.agents import run_episodes
-    from rlbolt.agents.tasks import demo_tokenizer
+    from rlbolt.demo.agent_tasks import demo_tokenizer
     from rlbolt.models import Decoder, tiny_config
     from rlbolt.rollout.engines import EngineSpec, build_engine
 

@@ -121,7 +121,8 @@ def main(argv=None) -> dict:
     lora = None if args.lora is None else {"rank": args.lora, "alpha": 2.0 * args.lora, "quantize": args.lora_quantize,
                                            "rollout": args.lora_rollout}
     module = GRPO(
-        {"model": {"lora": lora, "share_prompt": not args.no_share_prompt},
+        {"model": {"lora": lora, "share_prompt": not args.no_share_prompt, "attention": args.attention,
+                   "remat": args.remat},
          "algorithm": {"beta": 0.04, "lr": 1e-6, "clip_low": 0.2, "clip_high": 0.2, "max_grad_norm": 0.0},
          "rollout": {"max_new_tokens": p["new_tokens"], "temperature": 1.0, "stop_at_eos": False},
          "data": {"prompt_field": "prompt", "max_prompt_tokens": p["prompt_len"], "use_chat_template": False}},
@@ -212,6 +213,9 @@ def main(argv=None) -> dict:
         "step_over_unshared_bound": unshared_bound and step_median / unshared_bound["bound_step_s"],
         "reward_first_last": [rec.metrics[0]["reward/mean"], rec.metrics[-1]["reward/mean"]],
         "lora": lora,
+        "attention": args.attention,
+        "attention_kernel": str(module.model.attention_kernel),
+        "remat": args.remat,
         "lora_rollout": module.lora.config.rollout if lora else None,
         "trainable_params": sum(x.size for x in jax.tree.leaves(state.params)),
         "completion": p["new_tokens"],
@@ -391,6 +395,9 @@ def _parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     ap.add_argument("--steps", type=int, default=None, help="global steps (default 12; smollm2: 3)")
+    ap.add_argument("--attention", choices=("auto", "xla", "flash"), default="auto",
+                    help="model.attention (auto: cuDNN on a GPU, splash on a TPU, XLA on a CPU)")
+    ap.add_argument("--remat", default="none", help="model.remat (none, full, dots_saveable, ...)")
     ap.add_argument("--quick", action="store_true",
                     help="2 steps: a smoke run, numbers not meaningful (smollm2: 2 layers, 32 new tokens only)")
     ap.add_argument("--completion", type=int, default=None,

@@ -63,17 +63,18 @@ TOPOLOGIES = ("v5e:4x4", "v5p:2x2x2", "v5p:4x4x4", "v6e:2x4")
 PROMPT_TOKENS = 512
 
 
-def run_config(folder: str, tokens: int, micro: int, moe: bool) -> dict:
+def run_config(folder: str, tokens: int, micro: int, moe: bool, remat: str = "none", scan: bool = False) -> dict:
     """The GRPO run of one row: beta 0.04, bf16 parameters, AdamW, one micro batch per update."""
     return {"algorithm": {"name": "grpo", "beta": 0.04, "lr": 1e-6},
-            "model": {"path": folder, "param_dtype": "bfloat16"},
+            "model": {"path": folder, "param_dtype": "bfloat16", "remat": remat, "scan_layers": scan},
             "plan": {"prompts_per_step": micro // 4, "num_generations": 4, "train_micro_batch_size": micro},
             "data": {"max_prompt_tokens": PROMPT_TOKENS},
             "rollout": {"max_new_tokens": tokens - PROMPT_TOKENS},
             "mesh": {"fsdp": -1, **({"expert": 1} if moe else {})}}
 
 
-def plan_row(model: str, tokens: int, topology: str, micro: int, only: tuple[str, ...]) -> dict:
+def plan_row(model: str, tokens: int, topology: str, micro: int, only: tuple[str, ...], remat: str = "none",
+             scan: bool = False) -> dict:
     """Builds and compiles one row; returns its JSON record."""
     from rlbolt.config import load_config
     from rlbolt.distributed.topology import target_devices
@@ -83,12 +84,12 @@ def plan_row(model: str, tokens: int, topology: str, micro: int, only: tuple[str
     micro = max(micro, len(devices))  # every batch shard gets at least one row
     with tempfile.TemporaryDirectory() as folder:
         (Path(folder) / "config.json").write_text(json.dumps(MODELS[model]))
-        cfg = load_config(run_config(folder, tokens, micro, "moe" in MODELS[model]["model_type"]))
+        cfg = load_config(run_config(folder, tokens, micro, "moe" in MODELS[model]["model_type"], remat, scan))
         started = time.perf_counter()
         run = build_abstract(cfg, devices)
         report = plan_run(run, topology, only)
     record = report.to_json()
-    record.update(model=model, tokens=tokens, topology=topology, micro_batch=micro, remat="none",
+    record.update(model=model, tokens=tokens, topology=topology, micro_batch=micro, remat=remat, scan_layers=scan,
                   wall_seconds=time.perf_counter() - started)
     return record
 
@@ -100,6 +101,8 @@ def main(argv=None) -> int:
     parser.add_argument("--all", action="store_true", help="the whole grid")
     parser.add_argument("--micro", type=int, default=8, help="train micro batch (raised to the device count)")
     parser.add_argument("--only", default="update,optimizer,logps,rollout")
+    parser.add_argument("--remat", default="none", help="model.remat for every row (none, full, dots_saveable, ...)")
+    parser.add_argument("--scan", action="store_true", help="model.scan_layers: true (compile time flat in depth)")
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     rows = [(m, t, p) for m in MODELS for t in LENGTHS for p in TOPOLOGIES] if args.all else [
@@ -111,7 +114,7 @@ def main(argv=None) -> int:
           f"{'ratio':>6}{'compile s':>10}{'step s (est.)':>14}{'MFU (est.)':>11}")
     records = []
     for model, tokens, topology in rows:
-        r = plan_row(model, tokens, topology, args.micro, tuple(args.only.split(",")))
+        r = plan_row(model, tokens, topology, args.micro, tuple(args.only.split(",")), args.remat, args.scan)
         records.append(r)
         step = f"{r['step_seconds_estimate']:.2f}" if r["step_seconds_estimate"] else "-"
         mfu = f"{r['mfu_estimate']:.1%}" if r["mfu_estimate"] else "-"

@@ -48,7 +48,7 @@ def train_teacher(out: Path, seed: int = 0) -> Path:
     """Trains the default demo into `out/teacher-run` and exports it to `out/teacher`."""
     from rlbolt.app.cli_export import export_run
     from rlbolt.app.cli_run import run_demo
-    from rlbolt.config.demo import DemoConfig
+    from rlbolt.demo.config import DemoConfig
 
     run_dir, folder = out / "teacher-run", out / "teacher"
     if not folder.is_dir():
@@ -59,8 +59,8 @@ def train_teacher(out: Path, seed: int = 0) -> Path:
 
 def write_rows(path: Path, num_prompts: int = 2000, seed: int = 0) -> Path:
     """The demo's copy prompts as `{"prompt": "3141=", "answer": "3141"}` jsonl rows."""
-    from rlbolt.config.demo import DemoConfig
-    from rlbolt.modules.digits import demo_rows
+    from rlbolt.demo.config import DemoConfig
+    from rlbolt.demo.digits import demo_rows
 
     rows = demo_rows(DemoConfig(num_prompts=num_prompts, seed=seed))
     path.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["target"]}) + "\n" for r in rows))

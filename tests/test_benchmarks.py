@@ -28,6 +28,7 @@ def _last_json(script: str, *args: str) -> tuple[str, dict]:
     return out, json.loads(lines[-1])
 
 
+@pytest.mark.slow  # ~20 s: the whole quick benchmark run; its schema rots only with the benchmark
 def test_grpo_step_benchmark_quick_mode():
     out, result = _last_json("grpo_step.py")
     assert "overhead ratio" in out  # the table came before the JSON line
@@ -231,6 +232,36 @@ def test_decode_products_benchmark_quick_mode():
     assert totals["xla"] == pytest.approx(sum(times[f"xla/{p}"] for p in ("qkv", "o_proj", "gate_up", "down"))
                                           + times["xla/lm_head [V, B]"], abs=0.02)
     assert (totals["vllm_onednn"] is None) == (not result["vllm_onednn"])
+
+
+def _gpu_attention():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_attention", BENCHMARKS / "gpu_attention.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_gpu_attention_benchmark_bound():
+    """benchmarks/gpu_attention.py's derived bf16 bound: hand values, and max|s| against float64 NumPy."""
+    import numpy as np
+
+    bench = _gpu_attention()
+    assert bench.bf16_bound(4.0, 2.0) == 2.0 * (4.0 / 128 + 2.0 / 128)  # exact: dyadic values
+    q, k, _, _, _ = bench._inputs(256)
+    q64, k64 = np.asarray(q, np.float64), np.repeat(np.asarray(k, np.float64), 7, axis=2)
+    want = 0.125 * np.abs(np.einsum("bqhd,bkhd->bhqk", q64, k64)).max()
+    # float32 products of bfloat16 inputs (exact) summed over 64 terms: 64 eps32 relative at most
+    assert abs(bench.max_abs_score(q, k, 0.125) - want) <= 64 * 2.0 ** -23 * want
+
+
+@pytest.mark.slow  # ~10 s of CPU: two attention gradients compiled
+def test_gpu_attention_benchmark_dry_run_on_cpu():
+    """`--dry-run`'s rows at T=128 (the cuDNN column through jax's XLA backend): fields and the check."""
+    xla, cudnn = _gpu_attention().measure(128, 1, "xla")
+    assert (xla["path"], cudnn["path"], cudnn["implementation"], cudnn["tokens"]) == ("xla", "cudnn", "xla", 128)
+    assert cudnn["within_bound"] and cudnn["max_abs_diff"] <= cudnn["bound"]
 
 
 @pytest.mark.slow  # two updates compiled at SmolLM2's 49k vocabulary (one layer), then two rounds of each

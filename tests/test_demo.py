@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import yaml
 
-from rlbolt.app.demo import DemoConfig, demo_rows, position_rewards
+from rlbolt.demo import DemoConfig, demo_rows, position_rewards
 from rlbolt.loggers import read_jsonl
 
 STEPS = 60  # the full demo passes 0.9 near step 200; by step 60 the reward has clearly left chance
@@ -67,7 +67,7 @@ def test_position_rewards_give_partial_credit():
 
 
 def test_demo_config_rejects_bad_values():
-    from rlbolt.app.demo import DemoConfigError
+    from rlbolt.demo import DemoConfigError
 
     with pytest.raises(DemoConfigError, match="demo.task='sort'"):
         DemoConfig(task="sort")

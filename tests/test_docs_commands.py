@@ -31,7 +31,7 @@ from doc_commands import ROOT, DocCommand, documented_commands
 
 import rlbolt.app.cli_run
 from rlbolt.app.cli import build_parser, main, split_overrides
-from rlbolt.config.demo import DemoConfig
+from rlbolt.demo.config import DemoConfig
 
 COMMANDS = documented_commands()
 
@@ -78,7 +78,11 @@ SKIPPED = {
     "'--trainer.run_dir=/shared/runs/qwen-$SLURM_JOB_ID' --mesh.data=4 --mesh.fsdp=8 "
     "--callbacks.checkpoint_every_n_steps=50": "needs a Slurm cluster",
     "rlbolt fit my_config.yaml --trainer.run_dir=runs/two":
-        "the reader's own config; two processes on one CPU: tests/distributed (multi-process tests)",
+        "the reader's own config; two processes on one CPU: tests/distributed (multi-process tests) and, "
+        "through `rlbolt launch --local 2`, tests/cli/test_cli_launch.py (slow tier)",
+    "rlbolt fit my_config.yaml --trainer.run_dir=/shared/runs/two":
+        "one process of a run by hand on two machines; the same environment variables on one machine: "
+        "tests/cli/test_cli_launch.py",
     f"{_GSM8K} --model.path=/local/qwen --model.param_dtype=bfloat16 "
     "--data.train=/local/gsm8k.parquet --data.max_prompt_tokens=256 '--reward.weights={answer: 1.0}' "
     "--rollout.max_new_tokens=512 --plan.prompts_per_step=32 --plan.num_generations=8 --plan.mini_batch_size=64 "
@@ -146,14 +150,14 @@ _FLAG_FIELDS = {"--max-steps": ("max_steps", int), "--checkpoint-every": ("check
 
 def _expected_demo_config(argv: tuple[str, ...]) -> tuple[dict, str | None]:
     """The settings a demo command line asks for, from the pages' promises: the task's own
-    declared steps and learning rate (rlbolt.agents.tasks.DEMO_TASKS for the agent tasks; 300 steps
+    declared steps and learning rate (rlbolt.demo.tasks.DEMO_TASKS for the agent tasks; 300 steps
     at 5e-4 for the digit tasks, docs/cli.md), each flag's value, and the class default otherwise."""
-    from rlbolt.agents.tasks import DEMO_TASKS
+    from rlbolt.demo.tasks import DEMO_TASKS, episode_tasks
 
     expected = {f.name: f.default for f in dataclasses.fields(DemoConfig)}
     flags = dict(zip(argv[1::2], argv[2::2]))
     task = flags.get("--task", "copy")
-    spec = DEMO_TASKS.get(task)
+    spec = DEMO_TASKS[task] if task in episode_tasks() else None
     expected.update(max_steps=spec.steps if spec else 300, learning_rate=spec.learning_rate if spec else 5e-4)
     for flag, text in flags.items():
         if flag in _FLAG_FIELDS:
@@ -182,7 +186,7 @@ def test_demo_commands_resolve_to_the_tasks_defaults(key, monkeypatch, capsys, t
 
 def test_a_replaced_task_takes_that_tasks_defaults_and_an_explicit_value_wins():
     """The fault of issue 33: a copy of the digit demo's config made for "tool" kept 300 steps at 5e-4."""
-    from rlbolt.agents.tasks import DEMO_TASKS
+    from rlbolt.demo.tasks import DEMO_TASKS
 
     tool = DEMO_TASKS["tool"]
     moved = dataclasses.replace(DemoConfig(), task="tool").resolved()

@@ -115,6 +115,39 @@ def test_howto_override_example_is_a_ready_module():
     assert issubclass(namespace["LengthPenalisedGRPO"], GRPO)
 
 
+def test_objective_howto_registers_one_the_config_and_the_module_use():
+    """The how-to's objective, registered by its one file, is what `algorithm.policy_loss` names:
+    its aggregation fills in, the module's loss is REINFORCE's -A * logp (float64 by hand), a
+    token the rollout correction dropped is out, and once unregistered the config refuses it."""
+    from float_tolerance import EPS32
+
+    from rlbolt.algorithms import OBJECTIVES
+    from rlbolt.config import ConfigError, load_config
+
+    namespace: dict = {}
+    try:
+        for block in _blocks("write-an-objective.md")[:2]:
+            exec(block, namespace)  # noqa: S102 - our own docs
+        assert namespace["cfg"].algorithm.loss_aggregation == "seq-mean-token-sum"  # not GRPO's seq-mean-token-mean
+        rng = np.random.default_rng(0)
+        logps = rng.normal(-1.0, 0.5, (3, 4)).astype(np.float32)
+        advantages = np.array([1.5, -0.75, 0.0], np.float32)
+        keep = np.ones((3, 4), bool)
+        keep[0, 2] = False  # dropped by the rollout correction
+        keep[1, 3:] = False
+        batch = {"old_logps": logps - 0.1, "advantages": advantages, "completion_mask": np.ones((3, 4), bool),
+                 "keep_mask": keep}
+        got, info = namespace["module"].policy_loss(logps, batch)
+        want = np.where(keep, -advantages.astype(np.float64)[:, None] * logps.astype(np.float64), 0.0)
+        # one float32 product per token: half an ulp of the result
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=EPS32, atol=0)
+        assert np.asarray(got)[0, 2] == 0.0 and {"ratio", "clipped"} <= set(info)
+    finally:
+        OBJECTIVES.unregister("reinforce")
+    with pytest.raises(ConfigError, match=r"algorithm.policy_loss='reinforce' is not a registered policy objective"):
+        load_config({"algorithm": {"policy_loss": "reinforce"}})
+
+
 @pytest.mark.slow
 def test_the_readme_example_runs_as_written(tmp_path):
     """The README's Python block, verbatim, in a fresh process: three steps, checkpoints at 2 and

@@ -90,7 +90,7 @@ def _header_commands(path: Path) -> list[list[str]]:
 @pytest.mark.parametrize("path", sorted((ROOT / "recipes" / "configs").glob("*_gsm8k.yaml")), ids=lambda p: p.name)
 def test_recipe_gpu_commands_survive_a_shell_and_load(path):
     from rlbolt.app.cli import build_parser, split_overrides
-    from rlbolt.app.config import load_config
+    from rlbolt.config import load_config
 
     (words,) = _header_commands(path)
     args, extra = build_parser().parse_known_args(words)

@@ -47,7 +47,7 @@ def _rows() -> list[dict]:
 
 
 def test_the_config_loads_and_its_plan_is_valid(tmp_path):
-    from rlbolt.app.config import load_config
+    from rlbolt.config import load_config
     from rlbolt.plan import BatchPlan
 
     cfg = load_config(_config_file(tmp_path))
@@ -62,7 +62,7 @@ def test_the_config_loads_and_its_plan_is_valid(tmp_path):
 
 def test_every_fit_command_parses_into_a_valid_config(tmp_path):
     from rlbolt.app.cli import build_parser, split_overrides
-    from rlbolt.app.config import load_config
+    from rlbolt.config import load_config
     from rlbolt.plan import BatchPlan
 
     config = _config_file(tmp_path)

@@ -14,8 +14,8 @@ import rlbolt
 
 ROOT = Path(rlbolt.__file__).resolve().parent
 CALLBACKS = ROOT.parents[1] / "callbacks"
-# Nothing below the application layer may import it.
-BELOW_APP = ("rlbolt.modules", "rlbolt.algorithms", "rlbolt.rollout", "rlbolt.models", "rlbolt.config",
+# Nothing below the application layer (app, planning, demo) may import app or demo.
+BELOW_APP = ("rlbolt.agents", "rlbolt.modules", "rlbolt.algorithms", "rlbolt.rollout", "rlbolt.models", "rlbolt.config",
              "rlbolt.checkpointing", "rlbolt.producer", "rlbolt.trainer", "rlbolt.module", "rlbolt.callback",
              "rlbolt.state", "rlbolt.batch", "rlbolt.plan", "rlbolt.update", "rlbolt.master_weights", "rlbolt.validation", "rlbolt.fit_checks",
              "rlbolt.step_metrics", "rlbolt.setup_context", "rlbolt.signals", "rlbolt.timeline", "rlbolt.data",
@@ -61,8 +61,49 @@ def _under(module: str, prefix: str) -> bool:
 
 def test_nothing_below_the_application_layer_imports_it():
     arrows = sorted(f"{a} -> {b}" for a, targets in GRAPH.items() for b in targets
-                    if _under(b, "rlbolt.app") and any(_under(a, p) for p in BELOW_APP))
+                    if (_under(b, "rlbolt.app") or _under(b, "rlbolt.demo")) and any(_under(a, p) for p in BELOW_APP))
     assert arrows == []
+
+
+# The package rules: what each package may not import (a lazy import counts). The layers run
+# bottom to top: utils, batch < algorithms, rewards < models < rollout < agents < modules <
+# producer, trainer < the application layer (app, planning, demo).
+#
+#   package             may not import                               because
+#   rlbolt.utils        any other rlbolt package                     everyone's helpers
+#   rlbolt.algorithms   any rlbolt package but utils                 pure math (and its registry)
+#   rlbolt.rewards      any rlbolt package but utils                 JAX-free: a reward worker imports it
+#   rlbolt.models       modules, rollout, agents, producer, trainer  the models know nothing of training
+#   rlbolt.rollout      modules, agents, producer, trainer           engines serve the modules
+#   rlbolt.agents       modules, producer, trainer                   the modules run episodes, not the reverse
+#   rlbolt.demo         app                                          the command runs the demo
+#   below the app layer app, demo                                    (test_nothing_below_the_application_layer_imports_it)
+_EVERYTHING = tuple(sorted({".".join(m.split(".")[:2]) for m in FILES} - {"rlbolt"}))
+PACKAGE_RULES = {
+    "rlbolt.utils": tuple(p for p in _EVERYTHING if p != "rlbolt.utils"),
+    "rlbolt.algorithms": tuple(p for p in _EVERYTHING if p not in ("rlbolt.algorithms", "rlbolt.utils")),
+    "rlbolt.rewards": tuple(p for p in _EVERYTHING if p not in ("rlbolt.rewards", "rlbolt.utils")),
+    "rlbolt.models": ("rlbolt.modules", "rlbolt.rollout", "rlbolt.agents", "rlbolt.producer", "rlbolt.trainer"),
+    "rlbolt.rollout": ("rlbolt.modules", "rlbolt.agents", "rlbolt.producer", "rlbolt.trainer"),
+    "rlbolt.agents": ("rlbolt.modules", "rlbolt.producer", "rlbolt.trainer"),
+    "rlbolt.demo": ("rlbolt.app",),
+}
+
+
+def test_each_package_keeps_its_rules():
+    arrows = sorted(f"{a} -> {b}" for a, targets in GRAPH.items() for b in targets
+                    for package, forbidden in PACKAGE_RULES.items()
+                    if _under(a, package) and any(_under(b, f) for f in forbidden))
+    assert arrows == []
+
+
+def test_the_package_rules_can_fail():
+    """The rules read the graph: an upward import, as agents -> modules was, is reported."""
+    graph = {"rlbolt.agents.demo_training": {"rlbolt.modules"}, "rlbolt.utils.files": {"rlbolt.config.fields"}}
+    arrows = sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
+                    for package, forbidden in PACKAGE_RULES.items()
+                    if _under(a, package) and any(_under(b, f) for f in forbidden))
+    assert arrows == ["rlbolt.agents.demo_training -> rlbolt.modules", "rlbolt.utils.files -> rlbolt.config.fields"]
 
 
 def test_no_import_cycles():

@@ -40,7 +40,8 @@ Layout (a test keeps this list complete):
       loggers/         metric writers
       utils/           small shared helpers
     the application
-      app/             the `rlbolt` command, run folders, the demo, plots
+      app/             the `rlbolt` command, run folders, plots
+      demo/            the built-in demo: its settings, tasks, modules and training
       planning/        `rlbolt plan`: a run built abstractly and compiled for a TPU slice or this host
       callbacks        (the top-level `callbacks/` folder, installed as rlbolt.callbacks)
 """

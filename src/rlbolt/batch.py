@@ -5,19 +5,11 @@ update). Every column is an array whose first axis counts samples (`N`). Columns
 arrays (host, producer side; object arrays hold strings such as answers) or JAX arrays (device).
 `Batch` is a registered pytree, so numeric batches pass straight into `jax.jit`.
 
-Standard columns (the vocabulary of docs/architecture.md):
-
-    prompt_ids        [N, P] int32   left-padded prompt tokens
-    prompt_mask       [N, P] bool    True on real prompt tokens
-    completion_ids    [N, C] int32   sampled tokens, padded after the stop token
-    completion_mask   [N, C] bool    True on generated tokens (through the stop token)
-    group_ids         [N]    int32   samples of one prompt share an id (any ids, any group sizes)
-    policy_version    [N]    int32   the policy version that generated the sample
-    sampler_logps     [N, C] float32 logps of the sampled tokens as the sampler computed them
-    old_logps         [N, C] float32 behaviour-policy logps used by the ratio
-    ref_logps         [N, C] float32 reference-policy logps (when a KL term is used)
-    rewards           [N]    float32
-    advantages        [N] or [N, C] float32
+The columns the framework writes (every other column of an arriving batch is a prompt-row field,
+which rewards see) are registered in `COLUMNS`, each with its shape and meaning: the standard
+ones below, an optional one where it is written (`register_column`: the MoE routing columns,
+PPO's value columns, the episodes' sequence mask, the dock's index), a user module's new column
+by that module.
 """
 
 from __future__ import annotations
@@ -28,7 +20,68 @@ from typing import Any
 import jax
 import numpy as np
 
+from rlbolt.utils.registry import Registry
+
 Array = Any  # np.ndarray | jax.Array
+
+
+class Column(tuple):
+    """A registered column: `(shape, dtype, meaning)`, e.g. `("[N, C]", "float32", "...")`."""
+
+    __slots__ = ()
+
+    def __new__(cls, shape: str, dtype: str, meaning: str) -> Column:
+        return super().__new__(cls, (shape, dtype, meaning))
+
+
+COLUMNS: Registry[Column] = Registry("batch column", "Batch column")
+
+
+def register_column(name: str, shape: str, dtype: str, meaning: str, *, by: str) -> str:
+    """Registers a column the framework (or a user's module) writes, so it is not taken for a
+    prompt-row field (`row_fields`: what rewards see).
+
+    Args:
+      name: the column name.
+      shape: its shape, e.g. "[N, C]".
+      dtype: its dtype, e.g. "float32".
+      meaning: one line.
+      by: the module that writes it (`__name__`); another module may not take the name.
+
+    Returns:
+      The name.
+    """
+    COLUMNS.register(name, Column(shape, dtype, meaning), owner=by)
+    return name
+
+
+for _name, _shape, _dtype, _meaning in (
+    ("prompt_ids", "[N, P]", "int32", "left-padded prompt tokens"),
+    ("prompt_mask", "[N, P]", "bool", "True on real prompt tokens"),
+    ("completion_ids", "[N, C]", "int32", "sampled tokens, padded after the stop token"),
+    ("completion_mask", "[N, C]", "bool", "True on generated tokens (through the stop token)"),
+    ("completion_text", "[N]", "object", "the decoded completion"),
+    ("group_ids", "[N]", "int32", "samples of one prompt share an id (any ids, any group sizes)"),
+    ("policy_version", "[N]", "int32", "the policy version that generated the sample"),
+    ("sample_keys", "[N, 2]", "uint32", "the sample's PRNG key data (sampling, Clip-Cov's draw)"),
+    ("sampler_logps", "[N, C]", "float32", "logps of the sampled tokens as the sampler computed them"),
+    ("old_logps", "[N, C]", "float32", "behaviour-policy logps used by the ratio"),
+    ("ref_logps", "[N, C]", "float32", "reference-policy logps (when a KL term is used)"),
+    ("teacher_logps", "[N, C]", "float32", "the distillation teacher's logps"),
+    ("rewards", "[N]", "float32", "the weighted reward"),
+    ("advantages", "[N] or [N, C]", "float32", "the policy-gradient weights"),
+    ("importance_weights", "[N, C]", "float32", "the rollout correction's weights"),
+    ("keep_mask", "[N, C]", "bool", "the rollout correction's kept tokens"),
+    ("mini_batch_num_tokens", "[N]", "float32", "completion tokens of the sample's mini batch (aggregation)"),
+    ("mini_batch_num_samples", "[N]", "float32", "samples of the sample's mini batch (aggregation)"),
+):
+    register_column(_name, _shape, _dtype, _meaning, by=__name__)
+
+
+def row_fields(batch: Mapping[str, Any]) -> list[str]:
+    """The prompt row's own fields (question, answer, ...) plus prompt_index: every column of
+    `batch` no one registered in `COLUMNS`; what rewards see."""
+    return [k for k in batch if k not in COLUMNS]
 
 
 def _xp(arrays: Iterable[Array]):

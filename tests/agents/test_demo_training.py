@@ -5,8 +5,9 @@ import numpy as np
 from flax import nnx
 
 from rlbolt import BatchPlan, Callback, Trainer
-from rlbolt.agents.demo_training import EpisodeGRPO, _demo_config
-from rlbolt.agents.tasks import DEMO_TASKS, demo_tokenizer
+from rlbolt.demo.episodes import EpisodeGRPO, _demo_config
+from rlbolt.demo.agent_tasks import demo_tokenizer
+from rlbolt.demo.tasks import DEMO_TASKS
 from rlbolt.models import Decoder, tiny_config
 from rlbolt.rollout.native_session import NativeSession
 
@@ -24,7 +25,7 @@ def test_episode_grpo_trains_on_multi_turn_batches(tmp_path, monkeypatch):
     real_turn = NativeSession.turn
     monkeypatch.setattr(NativeSession, "turn", lambda self, *args: turns.append(args[0]) or real_turn(self, *args))
     task = DEMO_TASKS["guess"]
-    rows, factory, limits = task.rows, task.env_factory, task.limits
+    rows, factory, limits = task.load("rows"), task.load("env"), task.limits
     tok = demo_tokenizer()
     config = tiny_config(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
                          num_kv_heads=1, head_dim=16, max_position_embeddings=32)

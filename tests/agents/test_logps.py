@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from rlbolt.agents import run_episodes
-from rlbolt.agents.tasks import demo_tokenizer, guess_env, guess_rows
+from rlbolt.demo.agent_tasks import demo_tokenizer, guess_env, guess_rows
 from rlbolt.algorithms import aggregate_loss, clipped_surrogate
 from rlbolt.models import Decoder, tiny_config
 from rlbolt.rollout import NativeSampler, token_logps

@@ -9,7 +9,7 @@ from agents_helpers import ChatTokenizer, ScriptedEngine
 from flax import nnx
 
 from rlbolt.agents import StepResult, run_episodes
-from rlbolt.agents.tasks import demo_tokenizer, guess_env, guess_rows
+from rlbolt.demo.agent_tasks import demo_tokenizer, guess_env, guess_rows
 from rlbolt.models import Decoder, tiny_config
 from rlbolt.rollout import NativeSampler
 from rlbolt.rollout.engine import SessionEngine

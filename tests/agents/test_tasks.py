@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from rlbolt.agents.tasks import GuessEnvironment, demo_tokenizer, guess_env, guess_rows, lookup_env, lookup_rows
+from rlbolt.demo.agent_tasks import GuessEnvironment, demo_tokenizer, guess_env, guess_rows, lookup_env, lookup_rows
 
 
 def _play(env, turns):
@@ -50,7 +50,7 @@ def test_rows_are_seeded_and_checked():
 @pytest.mark.slow
 @pytest.mark.parametrize("task", ["tool", "guess"])
 def test_a_tiny_model_learns_the_task_from_scratch(task, tmp_path):
-    from rlbolt.agents.demo_training import train_demo
+    from rlbolt.demo.episodes import train_demo
 
     rewards = train_demo(task, run_dir=str(tmp_path))  # the task's steps: 600 (tool and guess)
     assert np.mean(rewards[:5]) < 0.1

@@ -157,8 +157,6 @@ def test_weights_carry_no_gradient_and_jit_matches():
 def test_truncated_importance_weights_keeps_its_name_and_values():
     w = truncated_importance_weights(OLD, ROLLOUT, MASK, cap=2.0)
     np.testing.assert_allclose(w, _expected("tis", "token")[0], rtol=1e-5, atol=1e-37)
-    from rlbolt.algorithms.policy_loss import truncated_importance_weights as old_home
-    assert old_home is truncated_importance_weights
 
 
 def test_bad_arguments_name_the_field():

@@ -17,7 +17,7 @@ import optax
 import pytest
 
 from rlbolt.config import SECTIONS, config_to_dict, load_config
-from rlbolt.app.demo import DemoConfig
+from rlbolt.demo import DemoConfig
 from rlbolt.callback import CallbackList
 from rlbolt.checkpointing import config_guard
 from rlbolt.callbacks.checkpoint import ModelCheckpoint
@@ -30,7 +30,7 @@ FREE = {
     "trainer.max_steps", "trainer.max_epochs", "trainer.val_every_n_steps", "trainer.val_batch_size",
     "trainer.run_dir", "trainer.prefetch_timeout_s", "data.val", "data.builtin_val_rows",
     "rollout.val_temperature", "rollout.val_num_samples", "demo.max_steps", "demo.checkpoint_every",
-    "trainer.val_at_start", "model.logits_chunk_tokens", "model.remat", "model.scan_layers",
+    "trainer.val_at_start", "model.logits_chunk_tokens", "model.remat", "model.scan_layers", "model.attention",
 }
 FREE_SECTIONS = ("callbacks.",)
 

@@ -11,7 +11,7 @@ import pytest
 
 from rlbolt.app.cli import main
 from rlbolt.app.cli_run import run_demo
-from rlbolt.app.demo import DemoConfig, DigitsGRPO
+from rlbolt.demo import DemoConfig, DigitsGRPO
 from rlbolt.loggers import read_jsonl
 
 SMALL = DemoConfig(max_steps=2, prompts_per_step=4, num_generations=4, num_prompts=64, checkpoint_every=1)

@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 from rlbolt.app.cli import main
-from rlbolt.app.demo import DemoConfig, DigitsGRPO, demo_rows
+from rlbolt.demo import DemoConfig, DigitsGRPO, demo_rows
 from rlbolt.callback import CallbackList
 from rlbolt.callbacks import MetricsLogger, ModelCheckpoint
 from rlbolt.loggers import read_jsonl

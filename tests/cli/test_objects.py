@@ -12,7 +12,7 @@ import yaml
 from rlbolt.config import references as objects
 from rlbolt.app.build import build_run
 from rlbolt.app.cli import main
-from rlbolt.app.config import ConfigError, load_config
+from rlbolt.config import ConfigError, load_config
 from rlbolt.loggers import read_jsonl
 from rlbolt.rewards.format import digit_fraction_reward
 from rlbolt.rewards import WeightedReward

@@ -1,5 +1,5 @@
 """A fit through the producer pipeline equals a fit through the single-threaded reference
-(tests/sequential_producer.py: the producer rlbolt had before the ExperienceDock), bit for bit:
+(`rlbolt.producer.sequential`: the data flow's one-thread specification), bit for bit:
 every trained batch, every metric outside time/ and throughput/, and the final params. Settings:
 stage micro sizes that differ (so stages hand over at their own sizes), several iterations with
 a logps forward, async mode running ahead, and refill rounds after dropped groups."""

@@ -160,3 +160,30 @@ def test_a_fit_with_the_reference_on_its_own_devices_equals_colocated():
     assert apart["steps"] == col["steps"] and apart["completions"] == col["completions"]  # bitwise
     assert r["max_param_diff"] == 0.0
     assert col["steps"][-1]["kl"] > 1e-4  # the reference logps did enter the loss
+
+
+def _devices_of(*processes: int) -> list:
+    """Stand-ins for jax.devices() across processes: only `process_index` is read before a mesh is built."""
+    from types import SimpleNamespace
+
+    return [SimpleNamespace(id=i, process_index=p) for i, p in enumerate(processes)]
+
+
+def test_process_groups_across_processes_and_the_refusal_names_them():
+    devices = _devices_of(0, 0, 1, 1, 2, 2, 3, 3)
+    p = Placement.of({"train": {"devices": [4, 8]}, "rollout": {"devices": [0, 4], "mesh": {"tp": 2}}})
+    assert p.process_groups(devices) == {"train": (2, 3), "rollout": (0, 1), "reference": (2, 3), "teacher": (2, 3)}
+    with pytest.raises(MeshError, match=r"across processes \(train on \[2, 3\], rollout on \[0, 1\], reference on "
+                                        r"\[2, 3\], teacher on \[2, 3\]\) is not run by the Trainer yet"):
+        p.plans(devices=devices)
+
+
+@pytest.mark.parametrize("spans, message", [
+    ({"train": [3, 8], "rollout": [0, 3]}, r"placement.train.devices=\[3, 8\] takes part of process 1's devices \[2, 3\]"),
+    ({"train": [4, 8], "rollout": [0, 3]}, r"placement.rollout.devices=\[0, 3\] takes part of process 1's devices \[2, 3\]"),
+    ({"train": [4, 9], "rollout": [0, 4]}, r"placement.train.devices=\[4, 9\] but 8 devices are visible"),
+])
+def test_a_range_that_splits_a_process_is_refused_in_one_line(spans, message):
+    p = Placement.of({role: {"devices": span} for role, span in spans.items()})
+    with pytest.raises(MeshError, match=message):
+        p.process_groups(_devices_of(0, 0, 1, 1, 2, 2, 3, 3))

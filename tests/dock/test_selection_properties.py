@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlbolt.producer.dock import ExperienceDock, balanced_order
+from rlbolt.producer.dock import ExperienceDock, balanced, balanced_order
 
 SETTINGS = settings(max_examples=60, deadline=None)
 
@@ -84,7 +84,7 @@ def test_balanced_micro_batches_differ_by_at_most_the_longest_minus_the_shortest
     dock = ExperienceDock({"s": ("length",)})
     dock.add({"length": lengths, "group_ids": np.repeat(np.arange(units), group)})
     micro = micro_units * group
-    batch, got = dock.get("s", n=len(lengths), whole_groups=True, balance=micro, lengths="length")
+    batch, got = balanced(dock.get("s", n=len(lengths), whole_groups=True), micro, lengths="length", whole_groups=True)
     assert sorted(got.tolist()) == list(range(len(lengths)))  # a permutation: nothing lost or repeated
     np.testing.assert_array_equal(batch["length"], lengths[got])
     unit_totals = lengths.reshape(units, group).sum(axis=1)

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from rlbolt.producer.dock import DockClosed, DockError, ExperienceDock
+from rlbolt.producer.dock import DockClosed, DockError, ExperienceDock, balanced
 
 STAGES = {"score": ("text",), "train": ("text", "score")}
 
@@ -34,13 +34,6 @@ def test_a_stage_takes_only_ready_samples_once_and_in_order():
     assert dock.get("train", n=5, timeout=0)[1].tolist() == []  # taken samples never come back
     batch, got = dock.get("score", n=3)
     assert got.tolist() == [0, 1, 2] and sorted(batch) == ["group_ids", "text"]
-
-
-def test_explicit_columns_are_required_and_returned():
-    dock, _ = dock_with(4)
-    dock.put({"score": np.ones(2)}, [2, 3])
-    batch, got = dock.get("score", columns=["text", "score"], n=4, timeout=0)
-    assert got.tolist() == [2, 3] and sorted(batch) == ["score", "text"]
 
 
 def test_whole_groups_are_never_split():
@@ -136,8 +129,6 @@ def test_errors_name_the_problem():
     dock, _ = dock_with(4)
     with pytest.raises(DockError, match=r"unknown stage 'rollout'; stages: \['score', 'train'\]"):
         dock.get("rollout", n=1)
-    with pytest.raises(DockError, match=r"unknown column\(s\) \['scroe'\]"):
-        dock.get("train", columns=["scroe"], n=1)
     with pytest.raises(DockError, match=r"sample\(s\) \[4, 99\] do not exist"):
         dock.put({"score": np.ones(2)}, [4, 99])
     dock.put({"score": np.ones(2)}, [0, 1])
@@ -175,11 +166,15 @@ def test_balance_orders_micro_batches_by_length():
     dock = ExperienceDock({"train": ("length",)})
     lengths = np.array([9, 8, 1, 1, 2, 2, 1, 0])  # in this order the micro batches hold 19 and 5
     dock.add({"length": lengths})
-    batch, got = dock.get("train", n=8, balance=4, lengths="length")
+    batch, got = balanced(dock.get("train", n=8), 4, lengths="length")
     assert sorted(got.tolist()) == list(range(8))
     np.testing.assert_array_equal(batch["length"], lengths[got])  # rows moved with their indices
     totals = sorted(int(np.sum(batch["length"][k:k + 4])) for k in (0, 4))
     assert totals == [12, 12]  # the optimum, e.g. {9, 2, 1, 0} and {8, 2, 1, 1}
+    with pytest.raises(DockError, match=r"balanced: the lengths column 'completion_mask' is not among"):
+        balanced((batch, got), 4)
+    with pytest.raises(DockError, match=r"balanced: micro=0 must be a positive micro batch size"):
+        balanced((batch, got), 0, lengths="length")
 
 
 def test_writers_of_different_columns_never_wait_for_each_other():

@@ -47,7 +47,7 @@ def write_teacher(folder: Path) -> Path:
 
 def _trainer(teacher: Path, placement, steps=2, record=(), **sizes):
     from rlbolt.modules import GRPO
-    from rlbolt.modules.digits import target_match_reward
+    from rlbolt.demo.digits import target_match_reward
     from rlbolt.plan import BatchPlan
     from rlbolt.trainer import Trainer
 

@@ -10,7 +10,7 @@ from module_helpers import G, prompt_batch, rollout, setup_module_instance
 from rlbolt.batch import check_stage
 from rlbolt.modules import DAPO, GRPO, GSPO, PPO, RLOO, DrGRPO, ReinforcePP
 from rlbolt.rewards import gsm8k_reward
-from rlbolt.modules.rewarding import digit_fraction_reward
+from rlbolt.rewards import digit_fraction_reward
 from rlbolt.update import add_mini_batch_totals
 
 

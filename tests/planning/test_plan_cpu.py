@@ -96,3 +96,31 @@ def test_hosts_together_keeps_process_rows_consecutive():
     fixed = _hosts_together(mesh)
     assert [d.process_index for d in fixed.devices.flat] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert [d.id for d in fixed.devices.flat] == [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+@pytest.mark.parametrize("message, expected", [
+    ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (146.17G) "
+     "exceeds available HBM (95.74G).", int(146.17 * (1 << 30))),
+    ("... HLO temporaries (512.00M) exceeds available HBM (15.75G).", 512 << 20),
+    ("RESOURCE_EXHAUSTED: out of host memory", None),  # another failure is not read as a refusal
+])
+def test_a_tpu_refusal_is_read_for_the_bytes_it_asked(message, expected):
+    from rlbolt.planning.compile import refused_temporaries
+
+    assert refused_temporaries(message) == expected
+
+
+def test_a_compile_error_other_than_memory_is_raised():
+    import jax
+
+    from rlbolt.planning.compile import analyse
+
+    class Lowered:
+        def compile(self):
+            raise jax.errors.JaxRuntimeError("INVALID_ARGUMENT: something else")
+
+    with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
+        analyse("update", Lowered(), 1, 0, 0.0)
+    refused = analyse("update", type("L", (), {"compile": lambda self: (_ for _ in ()).throw(
+        jax.errors.JaxRuntimeError("HLO temporaries (2.50G) exceeds available HBM (1.00G)"))})(), 1, 0, 0.0)
+    assert refused.temp_bytes == int(2.5 * (1 << 30)) and refused.total_bytes == refused.temp_bytes and refused.refused

@@ -113,3 +113,36 @@ def test_batch_checks_count_the_slices_processes(tmp_path, capsys):
     code = main(["plan", str(config), "--topology", "v5p:2x2x2"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "plan.prompts_per_step=1 cannot be split over the 2 processes" in err[0], err
+
+
+def test_a_compile_refused_for_memory_is_does_not_fit_with_the_compilers_figure():
+    import copy
+
+    from rlbolt.distributed.topology import target_devices
+    from rlbolt.planning import build_abstract, plan_run
+
+    # 32k tokens per row: the tiny model's attention scores alone need ~70 GiB per v5e chip, and
+    # libtpu refuses to compile rather than return a buffer assignment.
+    config = copy.deepcopy(RUN)
+    config["rollout"]["max_new_tokens"] = 32768
+    report = plan_run(build_abstract(load_config(config), target_devices("v5e:2x2")), "v5e:2x2", names=("update",))
+    (update,) = report.executables
+    assert update.refused and "RESOURCE_EXHAUSTED" in update.refused
+    assert update.temp_bytes > 16 << 30 and report.fits is False and report.step_seconds is None
+    assert "DOES NOT FIT" in report.text() and "the compiler refused update" in report.text()
+    assert report.advice  # it still says what to turn
+
+
+def test_scanned_layers_give_no_time_estimate_but_the_same_arguments():
+    import copy
+
+    from rlbolt.distributed.topology import target_devices
+    from rlbolt.planning import build_abstract, plan_run
+
+    config = copy.deepcopy(RUN)
+    config["model"]["scan_layers"] = True
+    scanned = plan_run(build_abstract(load_config(config), target_devices("v5e:2x2")), "v5e:2x2", names=("update",))
+    looped = plan_run(_run("v5e:2x2"), "v5e:2x2", names=("update",))
+    # XLA's cost analysis counts a loop body once: a scanned stack's flops and time would be one layer's
+    assert looped.executables[0].seconds is not None and scanned.executables[0].seconds is None
+    assert scanned.executables[0].argument_bytes == looped.executables[0].argument_bytes

@@ -13,7 +13,7 @@ from rlbolt.data import CharTokenizer
 from rlbolt.data.char_tokenizer_files import save_char_tokenizer
 from rlbolt.models import Decoder, tiny_config
 from rlbolt.models.hf_io import save_hf
-from rlbolt.modules.digits import target_match_reward
+from rlbolt.demo.digits import target_match_reward
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "distill_demo.py"
 TINY = "model.tiny={hidden_size: 32, intermediate_size: 64, head_dim: 8, num_layers: 1, max_position_embeddings: 10}"

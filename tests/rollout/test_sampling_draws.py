@@ -66,27 +66,33 @@ def test_draws_follow_the_softmax(vocab):
     np.testing.assert_allclose(logps, np.log(_softmax64(logits))[tokens], rtol=0, atol=_draw_tolerance(logits, 1.0))
 
 
-def test_temperature_top_k_and_top_p_renormalise_the_kept_tokens():
+# The combined case (temperature, top-k and top-p at once) stays in the default tier; each filter
+# alone (40,000 draws apiece) is in the slow tier.
+@pytest.mark.parametrize("sp", [
+    pytest.param(SamplingParams(4, temperature=0.7), marks=pytest.mark.slow, id="temperature"),
+    pytest.param(SamplingParams(4, temperature=1.3, top_k=20), marks=pytest.mark.slow, id="top_k"),
+    pytest.param(SamplingParams(4, temperature=1.0, top_p=0.8), marks=pytest.mark.slow, id="top_p"),
+    pytest.param(SamplingParams(4, temperature=0.9, top_k=50, top_p=0.6), id="all"),
+])
+def test_temperature_top_k_and_top_p_renormalise_the_kept_tokens(sp):
     logits = _logits(600, seed=1)
-    for sp in (SamplingParams(4, temperature=0.7), SamplingParams(4, temperature=1.3, top_k=20),
-               SamplingParams(4, temperature=1.0, top_p=0.8), SamplingParams(4, temperature=0.9, top_k=50, top_p=0.6)):
-        scaled = logits.astype(np.float64) / sp.temperature
-        probs = _softmax64(scaled)
-        kept = np.ones(len(logits), bool)
-        if sp.top_k:
-            kept &= scaled >= np.sort(scaled)[-sp.top_k]
-        if sp.top_p < 1:
-            order = np.argsort(-np.where(kept, scaled, -np.inf))
-            renorm = np.where(kept, probs, 0) / np.where(kept, probs, 0).sum()
-            before = np.cumsum(renorm[order]) - renorm[order]
-            kept_p = np.zeros(len(logits), bool)
-            kept_p[order[before < sp.top_p]] = True
-            kept &= kept_p
-        target = np.where(kept, probs, 0)
-        tokens, logps = _draw(logits, 40_000, sp, seed=7)
-        _assert_frequencies(tokens, target / target.sum())
-        # logps stay those of the softmax of logits / temperature, before filtering
-        np.testing.assert_allclose(logps, np.log(probs)[tokens], rtol=0, atol=_draw_tolerance(logits, sp.temperature))
+    scaled = logits.astype(np.float64) / sp.temperature
+    probs = _softmax64(scaled)
+    kept = np.ones(len(logits), bool)
+    if sp.top_k:
+        kept &= scaled >= np.sort(scaled)[-sp.top_k]
+    if sp.top_p < 1:
+        order = np.argsort(-np.where(kept, scaled, -np.inf))
+        renorm = np.where(kept, probs, 0) / np.where(kept, probs, 0).sum()
+        before = np.cumsum(renorm[order]) - renorm[order]
+        kept_p = np.zeros(len(logits), bool)
+        kept_p[order[before < sp.top_p]] = True
+        kept &= kept_p
+    target = np.where(kept, probs, 0)
+    tokens, logps = _draw(logits, 40_000, sp, seed=7)
+    _assert_frequencies(tokens, target / target.sum())
+    # logps stay those of the softmax of logits / temperature, before filtering
+    np.testing.assert_allclose(logps, np.log(probs)[tokens], rtol=0, atol=_draw_tolerance(logits, sp.temperature))
 
 
 def test_given_uniforms_pick_the_token_by_hand():

@@ -34,11 +34,15 @@ from rlbolt.agents.environment import Environment, StepResult
 from rlbolt.agents.episode import EpisodeState, TurnRenderer
 from rlbolt.agents.failures import EnvFailureError
 from rlbolt.agents.parsers import THINK_TAGS, split_reasoning
+from rlbolt.batch import register_column
 from rlbolt.rollout.sessions import open_session
 
 __all__ = ["EpisodeBatch", "run_episodes", "END_REASONS"]
 
 END_REASONS = ("done", "max_turns", "budget", "env_error")
+
+# env_reward stays a prompt-row field: the env reward term reads it (rlbolt.rewards.environment).
+register_column("sequence_mask", "[N, T]", "bool", "an episode's real ids (sampled and environment)", by=__name__)
 
 
 @dataclasses.dataclass(frozen=True)

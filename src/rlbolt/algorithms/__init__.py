@@ -1,5 +1,6 @@
 """Pure, jittable RL math: advantages, policy/value losses, KL estimators, loss aggregation,
-rollout correction and distillation signals."""
+rollout correction and distillation signals; the policy objectives a config names
+(`objectives.py`: `register_objective`)."""
 
 from rlbolt.algorithms.advantages import (
     grpo_process_advantages,
@@ -39,13 +40,22 @@ from rlbolt.algorithms.policy_loss import (
     clipped_surrogate,
     clipped_value_loss,
     gspo_surrogate,
-    truncated_importance_weights,
 )
 from rlbolt.algorithms.policy_objectives import cispo_surrogate, gmpo_surrogate, sapo_surrogate
-from rlbolt.algorithms.rollout_correction import CORRECTION_LEVELS, CORRECTION_MODES, rollout_correction
+from rlbolt.algorithms.objectives import OBJECTIVES, Objective, objective_inputs, register_objective
+from rlbolt.algorithms.rollout_correction import (
+    CORRECTION_LEVELS,
+    CORRECTION_MODES,
+    rollout_correction,
+    truncated_importance_weights,
+)
 from rlbolt.algorithms.shaping import overlong_penalty
 
 __all__ = [
+    "OBJECTIVES",
+    "Objective",
+    "objective_inputs",
+    "register_objective",
     "grpo_process_advantages",
     "CORRECTION_LEVELS",
     "CORRECTION_MODES",

@@ -11,10 +11,9 @@ import jax
 import jax.numpy as jnp
 
 from rlbolt.algorithms.masked import check_token_shapes
-# truncated_importance_weights is re-exported: it lived here before rollout_correction subsumed it.
 # LOG_RATIO_BOUND: verl's bound on |log ratio| before exp (exp(20) ~ 4.9e8), for the losses that
 # need it: a ratio of 1e30 must give a finite loss and a zero, not NaN, gradient (inf * 0 = NaN).
-from rlbolt.algorithms.rollout_correction import LOG_RATIO_BOUND, truncated_importance_weights  # noqa: F401
+from rlbolt.algorithms.rollout_correction import LOG_RATIO_BOUND
 
 
 def _token_advantages(advantages: jax.Array, mask: jax.Array) -> jax.Array:

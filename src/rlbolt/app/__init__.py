@@ -1,3 +1,3 @@
-"""The application layer: the `rlbolt` command (cli, cli_run, cli_export), YAML configs (config,
-config_fields), config -> objects (build), run directories (rundir), the demo, and plots.
-Nothing in the core imports from here except the ready LM modules, which read a RunConfig."""
+"""The application layer: the `rlbolt` command (cli, cli_run, cli_export), config -> objects
+(build), run directories (rundir), and plots; the demo it runs is `rlbolt.demo`. Nothing below
+this layer imports from here (tests/test_layering.py)."""

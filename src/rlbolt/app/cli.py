@@ -7,6 +7,7 @@
     rlbolt resume D [--max-steps N] [--allow-config-change]
     rlbolt plot   D [--out DIR]
     rlbolt export D OUT [--overwrite] [--adapter]
+    rlbolt launch --local N [--devices-per-process D] [--gpus-per-process G] -- rlbolt fit CONFIG ...
 
 Exit status: 0 done; 2 bad input or a refusal (an unknown config key, a wrong type, a missing or
 non-empty run directory, a run directory another process is training in, no usable checkpoint,
@@ -30,8 +31,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rlbolt.demo.tasks import DEMO_TASKS
+
 if TYPE_CHECKING:
-    from rlbolt.config.demo import DemoConfig
+    from rlbolt.demo.config import DemoConfig
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -63,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--checkpoint-every", type=_positive_int,
                       help="checkpoint every K steps (default: only the last step)")
     demo.add_argument("--seed", type=int, help="seed of the model, the prompts and sampling (default: 0)")
-    demo.add_argument("--task", choices=("copy", "reverse", "increment", "tool", "guess"),
+    demo.add_argument("--task", choices=DEMO_TASKS.names(),
                       help="copy (default), reverse or increment the digits; tool: answer with a value only a lookup "
                            "tool knows; guess: find a number from higher/lower replies (both multi-turn episodes)")
     demo.add_argument("--lora-rank", type=_positive_int,
@@ -82,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rlbolt.app.cli_plan import add_parser as add_plan_parser
 
     add_plan_parser(sub)
+    from rlbolt.app.cli_launch import add_parser as add_launch_parser
+
+    add_launch_parser(sub)
 
     resume = sub.add_parser("resume", help="continue a run from its latest checkpoint",
                             description="Continue the run in RUN_DIR from its newest usable checkpoint, using its "
@@ -154,7 +160,7 @@ def demo_config(args: argparse.Namespace) -> DemoConfig:
       The config: each flag given sets its field, every other field is the chosen task's default
       (`DemoConfig.resolved`).
     """
-    from rlbolt.config.demo import DemoConfig
+    from rlbolt.demo.config import DemoConfig
 
     given = {k: v for k, v in (("max_steps", args.max_steps), ("checkpoint_every", args.checkpoint_every),
                                ("seed", args.seed), ("task", args.task), ("lora_rank", args.lora_rank),
@@ -193,7 +199,7 @@ def _cmd_fit(args: argparse.Namespace, extra: Sequence[str]) -> int:
 
 def _cmd_resume(args: argparse.Namespace) -> int:
     from rlbolt.app import rundir
-    from rlbolt.config.demo import is_demo_config
+    from rlbolt.demo.config import is_demo_config
     from rlbolt.utils import runlock
 
     run_dir = Path(args.run_dir)
@@ -205,7 +211,7 @@ def _cmd_resume(args: argparse.Namespace) -> int:
     with runlock.hold(run_dir):  # before JAX is imported: a second writer is refused at once
         if is_demo_config(data):
             from rlbolt.app.cli_run import run_demo
-            from rlbolt.config.demo import DemoConfig
+            from rlbolt.demo.config import DemoConfig
 
             config = DemoConfig.from_dict(data)
             if args.max_steps is not None:
@@ -258,12 +264,13 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 _USER_ERRORS = (  # (module, class): bad input or a refusal, reported in one line with exit status 2
-    ("rlbolt.app.rundir", "RunDirError"), ("rlbolt.plan", "PlanError"), ("rlbolt.config.demo", "DemoConfigError"),
+    ("rlbolt.app.rundir", "RunDirError"), ("rlbolt.plan", "PlanError"), ("rlbolt.demo.config", "DemoConfigError"),
     ("rlbolt.config.fields", "ConfigError"), ("rlbolt.utils.runlock", "RunDirBusy"),
     ("rlbolt.checkpointing.io", "NoUsableCheckpoint"), ("rlbolt.checkpointing.config_guard", "ConfigChanged"),
     ("rlbolt.checkpointing.meta", "FrozenParamsMismatch"),  # a LoRA resume or export on another base
     ("rlbolt.data.loaders", "DataFileError"),
     ("rlbolt.distributed.topology", "TopologyError"), ("rlbolt.app.cli_plan", "PlanInputError"),
+    ("rlbolt.app.cli_launch", "LaunchError"),
 )
 
 
@@ -303,6 +310,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             if args.command == "fit":
                 return _cmd_fit(args, extra)
+            if args.command == "launch":
+                from rlbolt.app.cli_launch import run_launch
+
+                return run_launch(args)
             if args.command == "plan":
                 from rlbolt.app.cli_plan import run_plan
 

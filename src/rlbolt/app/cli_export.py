@@ -36,7 +36,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rlbolt.app import rundir
-from rlbolt.config.demo import AGENT_TASKS, DemoConfig, DemoConfigError, is_demo_config
+from rlbolt.demo.config import DemoConfig, DemoConfigError, is_demo_config
+from rlbolt.demo.tasks import episode_tasks
 
 READ_ATTEMPTS = 5
 
@@ -141,7 +142,7 @@ def _module_for(run_dir: Path) -> tuple[Any, Any]:
     if is_demo_config(data):
         cfg = DemoConfig.from_dict(data)
         module = demo_module(cfg)
-        if cfg.task in AGENT_TASKS:
+        if cfg.task in episode_tasks():
             from rlbolt.plan import BatchPlan
             from rlbolt.setup_context import SetupContext
 
@@ -162,14 +163,14 @@ def _module_for(run_dir: Path) -> tuple[Any, Any]:
 
 def demo_module(config: DemoConfig):
     """The module a demo config trains: DigitsGRPO for the digit tasks (from `demo.base_run`'s model
-    when set), GRPO on episodes for the agent tasks (`rlbolt.agents.demo_training.demo_module`)."""
+    when set), GRPO on episodes for the agent tasks (`rlbolt.demo.episodes.demo_module`)."""
     config = config.resolved()
-    if config.task in AGENT_TASKS:
-        from rlbolt.agents.demo_training import demo_module as episode_module
+    if config.task in episode_tasks():
+        from rlbolt.demo.episodes import demo_module as episode_module
 
         return episode_module(config.task, learning_rate=config.learning_rate, hidden_size=config.hidden_size,
                               seed=config.seed)
-    from rlbolt.modules.digits import DigitsGRPO
+    from rlbolt.demo.digits import DigitsGRPO
 
     return DigitsGRPO(config, base_model=demo_base_model(config))
 
@@ -180,7 +181,7 @@ def demo_base_model(config: DemoConfig):
     if config.base_run is None:
         return None
     module, _, _ = latest_params(config.base_run)
-    from rlbolt.modules.digits import DigitsGRPO
+    from rlbolt.demo.digits import DigitsGRPO
 
     if not isinstance(module, DigitsGRPO):
         raise DemoConfigError(f"demo.base_run={config.base_run!r} is not a demo run (its config.yaml has no demo section)")
@@ -229,11 +230,11 @@ def latest_params(run_dir: str | Path) -> tuple[Any, int, Any]:
 def _demo_tokenizer_folder(data: dict[str, Any] | None) -> Iterator[str | None]:
     """For a digit-task demo run: a temporary folder holding its character tokenizer as Hugging
     Face files (the exported folder then serves as a teacher or a model.path); else None."""
-    if data is None or not is_demo_config(data) or DemoConfig.from_dict(data).task in AGENT_TASKS:
+    if data is None or not is_demo_config(data) or DemoConfig.from_dict(data).task in episode_tasks():
         yield None
         return
     from rlbolt.data.char_tokenizer_files import save_char_tokenizer
-    from rlbolt.modules.digits import demo_tokenizer
+    from rlbolt.demo.digits import demo_tokenizer
 
     with tempfile.TemporaryDirectory(prefix="rlbolt-demo-tokenizer-") as folder:
         yield str(save_char_tokenizer(demo_tokenizer(), folder))

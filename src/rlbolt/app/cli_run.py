@@ -22,7 +22,8 @@ from typing import Any, TextIO
 
 from rlbolt.app import rundir
 from rlbolt.app.cli_export import demo_module
-from rlbolt.app.demo import DemoConfig, demo_rows
+from rlbolt.demo.config import DemoConfig
+from rlbolt.demo.digits import demo_rows
 from rlbolt.callback import Callback
 from rlbolt.checkpointing import CheckpointWriteError
 from rlbolt.fit_checks import check_fit
@@ -157,7 +158,7 @@ def standard_callbacks(checkpoint_every: int | None, *, progress: bool = True, c
 
 def run_demo(config: DemoConfig, run_dir: str | Path, *, resume: bool = False, progress: bool = True,
              out: TextIO | None = None, allow_config_change: bool = False) -> RunSummary:
-    """Trains the built-in demo (see `rlbolt.app.demo`) into `run_dir`.
+    """Trains the built-in demo (see `rlbolt.demo`) into `run_dir`.
 
     Args:
       config: the demo settings; unset ones take the task's defaults (`DemoConfig.resolved`), and

@@ -36,7 +36,7 @@ FREE_FIELDS = (
     "callbacks.",                                            # checkpoint cadence, logging, progress bar
     "data.val", "data.builtin_val_rows", "rollout.val_temperature", "rollout.val_num_samples",  # validation only
     "demo.max_steps", "demo.checkpoint_every",
-    "model.logits_chunk_tokens", "model.remat", "model.scan_layers",  # memory/compile vs speed: same math to float32 rounding
+    "model.logits_chunk_tokens", "model.remat", "model.scan_layers", "model.attention",  # memory/compile vs speed: same math to float32 rounding
     "plan.packing", "plan.packed_row_tokens", "plan.packed_rows",  # padded or packed rows: same math to float32 rounding
 )
 TRAINER_FIELDS = ("seed", "data_seed", "shuffle", "mode", "max_staleness", "max_steps", "max_epochs",

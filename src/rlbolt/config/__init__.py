@@ -1,6 +1,6 @@
 """The run configuration: typed sections (`sections.py`), reading / resolving / writing
 (`load.py`), field helpers (`fields.py`), the rules across fields (`rules.py`), the algorithm
-registry (`algorithms.py`) and importable references to Python objects (`references.py`).
+registry (`algorithms.py`), the choices other registries hold (`registries.py`) and importable references to Python objects (`references.py`).
 
 It sits below the modules and the application layer: a ready module reads its sections from
 here, and the `rlbolt` command builds a run from them.
@@ -12,7 +12,6 @@ from rlbolt.config.load import config_to_dict, describe_fields, load_config, res
 from rlbolt.config.sections import (
     LOSS_AGGREGATIONS,
     METRIC_WRITERS,
-    REWARD_TERMS,
     SECTIONS,
     AlgorithmSection,
     CallbacksSection,
@@ -29,7 +28,7 @@ from rlbolt.config.sections import (
 )
 
 __all__ = [
-    "GENERIC_DEFAULTS", "LOSS_AGGREGATIONS", "METRIC_WRITERS", "REWARD_TERMS", "SECTIONS", "AlgorithmSection",
+    "GENERIC_DEFAULTS", "LOSS_AGGREGATIONS", "METRIC_WRITERS", "SECTIONS", "AlgorithmSection",
     "CallbacksSection", "ConfigError", "DataSection", "DistributedSection", "MeshSection", "ModelSection",
     "ObjectsSection", "PlanSection", "RewardSection", "RolloutSection", "RunConfig", "TrainerSection",
     "algorithm_class", "algorithm_names", "config_to_dict", "describe_fields", "load_config", "register_algorithm",

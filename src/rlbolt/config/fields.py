@@ -10,7 +10,7 @@ import math
 import re
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import field
 from typing import Any
 
@@ -19,27 +19,35 @@ class ConfigError(ValueError):
     """A config file or override is invalid; the message names the field and the fix."""
 
 
-def option(default: Any, help: str, choices: Sequence[Any] | None = None, *, at_least: float | None = None,
+def option(default: Any, help: str, choices: Sequence[Any] | Callable[[], Sequence[Any]] | None = None, *,
+           at_least: float | None = None,
            above: float | None = None, at_most: float | None = None):
     """A dataclass field with help text, and what values it allows.
 
     Args:
       default: the default value (a dict or list is copied per instance).
       help: one line for `rlbolt fit --list-fields`.
-      choices: the allowed values of an enum-like field.
+      choices: the allowed values of an enum-like field, or a function returning them (a registry's
+        names: `rlbolt.config.registries`; `resolve` checks those, after objects.module is imported).
       at_least: numbers must be >= this.
       above: numbers must be > this.
       at_most: numbers must be <= this.
     """
     meta: dict[str, Any] = {"help": help}
     if choices is not None:
-        meta["choices"] = tuple(choices)
+        meta["choices"] = choices if callable(choices) else tuple(choices)
     bounds = {k: v for k, v in (("at_least", at_least), ("above", above), ("at_most", at_most)) if v is not None}
     if bounds:
         meta["bounds"] = bounds
     if isinstance(default, (dict, list)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def field_choices(metadata: Mapping[str, Any]) -> tuple | None:
+    """A field's allowed values (a registry's names when its choices are a function), or None."""
+    choices = metadata.get("choices")
+    return tuple(choices()) if callable(choices) else choices
 
 
 def _allowed(tp: Any) -> tuple[list[Any], bool]:

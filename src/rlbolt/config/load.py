@@ -20,9 +20,10 @@ from typing import Any
 import yaml
 
 from rlbolt.config.algorithms import algorithm_defaults, algorithm_names, import_algorithm
-from rlbolt.config.fields import ConfigError, closest as _closest, coerce as _coerce, describe_bounds
+from rlbolt.config.fields import ConfigError, closest as _closest, coerce as _coerce, describe_bounds, field_choices
 from rlbolt.config.rules import check_rules
-from rlbolt.config.sections import POLICY_LOSS_DEFAULTS, SECTIONS, RunConfig, default_reward_weights
+from rlbolt.config.registries import objective_fills
+from rlbolt.config.sections import SECTIONS, RunConfig, default_reward_weights
 from rlbolt.utils.files import to_plain, write_text_atomic
 
 def _build_section(name: str, values: Mapping[str, Any]) -> Any:
@@ -36,7 +37,10 @@ def _build_section(name: str, values: Mapping[str, Any]) -> Any:
                 f"unknown key {name}.{key}{_closest(str(key), list(fields))}; allowed keys in [{name}]: {sorted(fields)}"
             )
         meta = fields[key].metadata
-        kwargs[key] = _coerce(f"{name}.{key}", value, hints[key], meta.get("choices"), meta.get("bounds"))
+        # A registry's choices (a function) are checked by `resolve`, after objects.module (which may
+        # register a user's entries) is imported.
+        choices = None if callable(meta.get("choices")) else meta.get("choices")
+        kwargs[key] = _coerce(f"{name}.{key}", value, hints[key], choices, meta.get("bounds"))
     return cls(**kwargs)
 
 
@@ -120,7 +124,7 @@ def resolve(cfg: RunConfig) -> RunConfig:
         algo = dataclasses.replace(algo, name=named)
     chosen = algorithm_defaults(algo.name, cfg)
     policy_loss = algo.policy_loss or chosen.get("policy_loss", "ppo")
-    chosen = {**chosen, **POLICY_LOSS_DEFAULTS.get(policy_loss, {}), "policy_loss": policy_loss}
+    chosen = {**chosen, **objective_fills(policy_loss), "policy_loss": policy_loss}
     fills = {k: v for k, v in chosen.items() if getattr(algo, k, None) is None}
     algo = dataclasses.replace(algo, **fills)
     if algo.importance_cap is not None and algo.rollout_correction not in (None, "tis"):
@@ -200,7 +204,7 @@ def describe_fields() -> str:
         lines.append(f"[{name}] {cls.__doc__.strip()}")
         for f in dataclasses.fields(cls):
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            choices = algorithm_names() if (name, f.name) == ("algorithm", "name") else f.metadata.get("choices")
+            choices = algorithm_names() if (name, f.name) == ("algorithm", "name") else field_choices(f.metadata)
             extra = (f" (one of {list(choices)})" if choices else "") + describe_bounds(f.metadata.get("bounds", {}))
             lines.append(f"  {name}.{f.name} = {default!r}: {f.metadata['help']}{extra}")
     return "\n".join(lines)

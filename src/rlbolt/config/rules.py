@@ -9,7 +9,8 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from rlbolt.config.fields import ConfigError
-from rlbolt.config.sections import METRIC_WRITERS, REWARD_TERMS
+from rlbolt.config.registries import reward_term_names
+from rlbolt.config.sections import METRIC_WRITERS
 
 if TYPE_CHECKING:
     from rlbolt.config.sections import RunConfig
@@ -37,9 +38,10 @@ def check_rules(cfg: RunConfig) -> None:
     if bad:
         raise ConfigError(f"callbacks.metrics has unknown writer(s) {bad}; choose from {list(METRIC_WRITERS)}")
     if cfg.objects.reward is None:
-        unknown_terms = [t for t in cfg.reward.weights if t not in REWARD_TERMS]
+        terms = reward_term_names()
+        unknown_terms = [t for t in cfg.reward.weights if t not in terms]
         if unknown_terms:
-            raise ConfigError(f"reward.weights has unknown term(s) {unknown_terms}; known terms: {list(REWARD_TERMS)}")
+            raise ConfigError(f"reward.weights has unknown term(s) {unknown_terms}; known terms: {list(terms)}")
         if r.env is not None and "env" not in cfg.reward.weights:
             raise ConfigError(f"rollout.env={r.env!r} but reward.weights={dict(cfg.reward.weights)} has no env term, so "
                               "the environment's rewards would not count; add reward.weights.env (e.g. env: 1.0), or "

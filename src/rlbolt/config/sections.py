@@ -12,25 +12,11 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from rlbolt.config.fields import option as _f
+from rlbolt.config.registries import objective_names
 
 METRIC_WRITERS = ("console", "jsonl", "tensorboard", "wandb")
-REWARD_TERMS = ("answer", "format", "digits", "task", "env")  # rlbolt.modules.rewarding builds them
-POLICY_LOSSES = ("ppo", "gspo", "cispo", "sapo", "gmpo", "clip_cov", "kl_cov")  # modules/policy_losses.py implements them
-# The fields each policy objective fills when the config left them None (the papers' settings); they
-# win over the algorithm's own defaults (`algorithm_defaults`), and a value the config sets wins over
-# both. `loss_aggregation` is the paper's: an objective that declares none (ppo, clip_cov, kl_cov:
-# PPO's per-token surrogate) trains with the algorithm's.
-POLICY_LOSS_DEFAULTS = {
-    # MiniMax-M1 (arXiv 2506.13585): no lower bound, an upper cap of 5; normalised by the batch's token count
-    "cispo": {"clip_low": 1.0, "clip_high": 4.0, "loss_aggregation": "token-mean"},
-    # GSPO (arXiv 2507.18071), SAPO (arXiv 2511.20347), GMPO (arXiv 2507.20673): a mean over each
-    # sequence's tokens, then over sequences (exactly the sequence objective in GSPO's and GMPO's token forms)
-    "gspo": {"loss_aggregation": "seq-mean-token-mean"},
-    "sapo": {"loss_aggregation": "seq-mean-token-mean"},
-    "gmpo": {"clip_low": 0.4, "clip_high": 0.4, "loss_aggregation": "seq-mean-token-mean"},  # log-space token clip
-    "clip_cov": {"cov_select_ratio": 2e-4},  # arXiv 2505.22617
-    "kl_cov": {"cov_select_ratio": 2e-3},
-}
+# The policy objectives (algorithm.policy_loss) and reward terms (reward.weights) are registries
+# beside their code: rlbolt.config.registries reads their names.
 
 
 def default_reward_weights(has_env: bool) -> dict:
@@ -41,6 +27,8 @@ def default_reward_weights(has_env: bool) -> dict:
 
 # Activation rematerialisation per decoder layer (rlbolt.models.remat maps each to its jax.checkpoint policy).
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "offload")
+# The attention kernel of the training, logps and prefill forwards (rlbolt.models.attention_kernels resolves it per platform).
+ATTENTION_CHOICES = ("auto", "xla", "flash")
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
@@ -58,6 +46,7 @@ class ModelSection:
     lora: dict | None = _f(None, "train LoRA adapters on a frozen base: {rank: 8, alpha: 16, targets: [q, k, v, o, gate, up, down], quantize: null|int8|int4|nf4, rollout: merged|adapters} (omitted keys take these defaults; rollout defaults to adapters when quantized); None: train every parameter")
     remat: str = _f("none", "activation rematerialisation of each decoder layer in every training forward (the backward recomputes what the policy does not keep; same losses and gradients): none (keep everything), full (keep only each layer's input), dots_saveable (keep the matmul outputs), dots_with_no_batch_dims_saveable (keep the weight products, recompute attention), offload (as the last, kept in host memory); docs/performance.md", REMAT_POLICIES)
     scan_layers: bool = _f(False, "run the decoder's layers as one jax.lax.scan body in the unshared cache-free forwards (compile time stops growing with depth; parameters stay stored per layer and are stacked at each forward: one more copy of the layer weights); mixture-of-experts models and layers that differ in structure keep the loop; the prompt-shared forward and decoding always loop")
+    attention: str = _f("auto", "the attention of the training, logps and prefill forwards: flash (a fused kernel that keeps no [T, T] score matrix, memory linear in length: Pallas splash attention on TPU, cuDNN on GPU; an error on CPU), xla (XLA's products and softmax over 128-row query chunks), auto (flash where the platform has a kernel, else xla); a layer the kernel cannot run (cuDNN: float32 params, soft-capping, packed rows) runs xla, logged once; decode steps always run xla; docs/architecture.md", ATTENTION_CHOICES)
     logits_chunk_tokens: int | None = _f(1024, "tokens per chunk of the output projection + log-softmax in the logps and training forwards (all rows of a micro batch together; the backward recomputes each chunk's logits), so the [B, T, V] float32 logits never exist at once; same results to float32 rounding; 0 or null: unchunked", at_least=0)
 
 
@@ -140,7 +129,7 @@ class AlgorithmSection:
     loss_aggregation: str | None = _f(None, "how per-token losses become one scalar; None: the policy objective's paper aggregation (policy_loss gspo, sapo, gmpo: seq-mean-token-mean; cispo: token-mean), else the algorithm's (grpo, gspo: seq-mean-token-mean; drgrpo: seq-mean-token-sum-norm; rloo: seq-mean-token-sum; dapo, ppo, reinforcepp: token-mean)", LOSS_AGGREGATIONS)
     dynamic_sampling: bool | None = _f(None, "drop groups whose rewards are all equal and refill (DAPO); None: on for dapo only")
     overlong_cache_length: int | None = _f(None, "DAPO soft overlong ramp width L_cache in tokens (0 = off); None: max_new_tokens // 4 for dapo, else 0", at_least=0)
-    policy_loss: str | None = _f(None, "the per-token policy objective: ppo (PPO-clip with clip-higher / dual-clip), gspo (sequence ratio), cispo (clipped IS weight, every token keeps its gradient; MiniMax-M1), sapo (soft sigmoid gate), gmpo (geometric mean of token ratios), clip_cov / kl_cov (clip or KL-penalise the tokens of highest log-prob/advantage covariance); None: the algorithm's own (gspo for GSPO, else ppo)", POLICY_LOSSES)
+    policy_loss: str | None = _f(None, "the per-token policy objective: ppo (PPO-clip with clip-higher / dual-clip), gspo (sequence ratio), cispo (clipped IS weight, every token keeps its gradient; MiniMax-M1), sapo (soft sigmoid gate), gmpo (geometric mean of token ratios), clip_cov / kl_cov (clip or KL-penalise the tokens of highest log-prob/advantage covariance), or one registered with rlbolt.algorithms.register_objective; None: the algorithm's own (gspo for GSPO, else ppo)", objective_names)
     sapo_tau_pos: float = _f(1.0, "sapo: the gate's temperature for positive advantages", above=0)
     sapo_tau_neg: float = _f(1.05, "sapo: the gate's temperature for negative advantages", above=0)
     cov_select_ratio: float | None = _f(None, "clip_cov / kl_cov: the share of tokens the covariance rule selects; None: 2e-4 for clip_cov, 2e-3 for kl_cov", above=0, at_most=1)

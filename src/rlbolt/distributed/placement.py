@@ -117,8 +117,10 @@ class Placement:
         devices = list(jax.devices() if devices is None else devices)
         processes = len({d.process_index for d in devices})
         if processes > 1:
-            raise MeshError(f"placement on sub-meshes runs on one process for now ({processes} processes); "
-                            "use placement: colocated across processes")
+            groups = self.process_groups(devices)  # a range that splits a process is named first
+            named = ", ".join(f"{role} on {list(p)}" for role, p in groups.items())
+            raise MeshError(f"placement on sub-meshes across processes ({named}) is not run by the Trainer yet (its "
+                            "weight push is: rlbolt.distributed.weight_push); use placement: colocated across processes")
         if mesh is not None and (not isinstance(mesh, (Mapping, MeshSpec)) or MeshSpec.of(mesh) != MeshSpec()):
             raise MeshError(f"mesh={mesh!r} and a placement on sub-meshes: give each role's mesh in placement "
                             "(placement.<role>.mesh) and leave mesh at its default")
@@ -130,6 +132,35 @@ class Placement:
             if where not in built:  # roles that share a range share one plan
                 built[where] = ShardingPlan(where.mesh.build(devices[where.start:where.stop]))
         return {role: built[where] for role, where in self.roles.items()}
+
+
+    def process_groups(self, devices: Any) -> dict[str, tuple[int, ...]]:
+        """role -> the processes whose devices it uses, for a placement across processes.
+
+        Args:
+          devices: the devices the ranges index (`jax.devices()`: ordered by process).
+
+        Returns:
+          Each role's process indices, in order (roles sharing train's range share its group).
+
+        Raises:
+          MeshError: a range past the devices, or one that takes only part of a process's devices
+            (across processes a process runs one role's programs, so it belongs to one role).
+        """
+        devices = list(devices)
+        groups = {}
+        for role, where in self.roles.items():
+            if where.stop > len(devices):
+                raise MeshError(f"placement.{role}.devices=[{where.start}, {where.stop}] but {len(devices)} devices "
+                                f"are visible; use ranges within [0, {len(devices)}]")
+            inside = devices[where.start:where.stop]
+            for process in sorted({d.process_index for d in inside}):
+                owned = [i for i, d in enumerate(devices) if d.process_index == process]
+                if not all(where.start <= i < where.stop for i in owned):
+                    raise MeshError(f"placement.{role}.devices=[{where.start}, {where.stop}] takes part of process "
+                                    f"{process}'s devices {owned}; across processes give each role whole processes")
+            groups[role] = tuple(sorted({d.process_index for d in inside}))
+        return groups
 
 
 def _role(role: str, value: Any) -> RoleMesh:

@@ -11,6 +11,8 @@ Where the values come from, first match wins:
    `mode="auto"` when Slurm runs more than one task.
 
 Call it before anything touches a device (building a model does): `rlbolt fit` does so first.
+With `$RLBOLT_TRANSFER_ADDRESS` (`host:port`, one per process) it also sets where this process
+serves cross-host array transfers (`rlbolt.distributed.weight_push`; CPU and GPU need it).
 
 A dead process: JAX's coordination service notices a process whose heartbeats stop after
 `heartbeat_timeout_s`, and terminates every other process with an error; a collective that
@@ -24,10 +26,11 @@ import os
 
 import jax
 
+from rlbolt.utils.jax_env import ENV_ADDRESS, ENV_COUNT, ENV_ID, ENV_TRANSFER
+
 log = logging.getLogger(__name__)
 
 MODES = ("auto", "on", "off")
-ENV_ADDRESS, ENV_COUNT, ENV_ID = "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"
 DEFAULT_HEARTBEAT_TIMEOUT_S = 30
 
 
@@ -70,6 +73,8 @@ def initialize(mode: str = "auto", *, coordinator_address: str | None = None, nu
         return False
     # CPU collectives across processes (tests, CPU clusters); GPU and TPU backends ignore it.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if os.environ.get(ENV_TRANSFER):  # where this process serves the weight push between process groups
+        jax.config.update("jax_cross_host_transfer_socket_address", os.environ[ENV_TRANSFER])
     jax.distributed.initialize(address, count, index, heartbeat_timeout_seconds=int(heartbeat_timeout_s),
                                initialization_timeout=int(initialization_timeout_s))
     log.info("jax.distributed: process %d of %d (coordinator %s)", jax.process_index(), jax.process_count(), address)

@@ -46,6 +46,7 @@ from flax import nnx
 from rlbolt.models.attention import MASK_VALUE as _MASK_VALUE  # noqa: F401  (re-exported)
 from rlbolt.models.attention import and_window, attend, segment_visible, softcap, window_visible
 from rlbolt.models.attention_chunks import DEFAULT_QUERY_CHUNK
+from rlbolt.models.attention_kernels import layer_kernel_calls
 from rlbolt.models.cache import KVCache
 from rlbolt.models.config import ModelConfig
 from rlbolt.models.decoder_layer import MLP, Attention, DecoderLayer, _swiglu  # noqa: F401  (also imported from here)
@@ -110,6 +111,10 @@ class Decoder(nnx.Module):
         # Cache-free forwards run the layers as one scanned body (`rlbolt.models.scan_layers`, set
         # from model.scan_layers); layers that cannot be scanned fall back to the loop. Static.
         self.scan_layers = False
+        # The attention kernel of the forwards over new tokens only (training, logps, prefill):
+        # one of `rlbolt.models.attention_kernels.KERNELS` (`resolve_attention` of model.attention).
+        # Decode steps (one query row over the cache) always run XLA. Static.
+        self.attention_kernel = "xla"
 
     def __call__(self, input_ids: jnp.ndarray, positions: jnp.ndarray, *,
                  attention_mask: jnp.ndarray | None = None, cache: KVCache | None = None,
@@ -159,7 +164,17 @@ class Decoder(nnx.Module):
         ropes = layer_rope(cfg, positions)
         if segment_ids is not None and cache is not None:
             raise ValueError("Decoder(segment_ids=...) is for cache-free forwards over packed rows; pass cache=None")
-        if cache is None:
+        calls = [None] * cfg.num_layers
+        if self.attention_kernel != "xla" and t > 1 and (cache is None or cache.max_len == t):
+            # A fused kernel attends the T new tokens to each other: no cache, or a prefill filling a fresh one.
+            packed = segment_ids is not None  # several samples per row (rlbolt.packing)
+            segments = segment_ids.astype(jnp.int32) if packed else attention_mask.astype(jnp.int32)
+            calls = layer_kernel_calls(cfg, self.attention_kernel, segments, packed=packed,
+                                       rows=self.activation_sharding)
+        if all(c is not None for c in calls):
+            visible = local_visible = None  # no [B, T, S] mask is built
+            cache_mask, index = (None, None) if cache is None else (attention_mask, cache.index)
+        elif cache is None:
             causal = jnp.tril(jnp.ones((t, t), bool))
             if segment_ids is None:
                 visible = causal[None] & attention_mask[:, None, :]
@@ -174,19 +189,20 @@ class Decoder(nnx.Module):
             causal = slot[None, :] <= index + jnp.arange(t)[:, None]  # [T, S]
             visible = causal[None] & cache_mask[:, None, :]
             query_slots, key_slots = index + jnp.arange(t), slot
-        # Sliding layers also drop the keys W or more slots behind the query.
-        local_visible = and_window(visible, window_visible(query_slots, key_slots, cfg.sliding_window))
+        if visible is not None:  # sliding layers also drop the keys W or more slots behind the query
+            local_visible = and_window(visible, window_visible(query_slots, key_slots, cfg.sliding_window))
 
         x = self.embed_ids(input_ids)
         new_keys, new_values = [], []
-        if self.scan_layers and cache is None and routing_out is None and scan_reason(self) is None:
-            hidden = self.final_norm(scanned_layers(self, x, ropes, visible, local_visible))
+        one_call = all(c is calls[0] for c in calls)  # a scanned body runs one kernel choice for every layer
+        if self.scan_layers and cache is None and routing_out is None and one_call and scan_reason(self) is None:
+            hidden = self.final_norm(scanned_layers(self, x, ropes, visible, local_visible, calls[0]))
             return (hidden if return_hidden else self.logits(hidden)), None
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else (cache.keys[i], cache.values[i], index)
             cos, sin = ropes[i]
             x, new_kv = self._layer_step(layer, x, cos, sin, local_visible if cfg.is_sliding(i) else visible,
-                                         layer_cache, routing_out)
+                                         layer_cache, routing_out, calls[i])
             x = self._constrain(x)
             if new_kv is not None:
                 new_keys.append(new_kv[0])
@@ -197,18 +213,19 @@ class Decoder(nnx.Module):
             new_cache = KVCache(tuple(new_keys), tuple(new_values), cache_mask, index + t)
         return (hidden if return_hidden else self.logits(hidden)), new_cache
 
-    def _layer_step(self, layer, x, cos, sin, visible, layer_cache, routing_out):
-        """One decoder layer, under the model's remat policy (`remat_layer`)."""
+    def _layer_step(self, layer, x, cos, sin, visible, layer_cache, routing_out, kernel=None):
+        """One decoder layer, under the model's remat policy (`remat_layer`); kernel: its fused
+        attention (`rlbolt.models.attention_kernels.KernelCall`) or None for XLA."""
         chunk = self.attention_query_chunk
         collect = routing_out is not None and isinstance(layer.mlp, MoeMLP)
         if self.remat == "none":
-            return layer(x, cos, sin, visible, layer_cache, chunk, routing_out)
+            return layer(x, cos, sin, visible, layer_cache, chunk, routing_out, kernel)
 
         def body(layer, x, cos, sin, visible, layer_cache):
             # The routing leaves the checkpointed function as an output: a list appended to inside
             # it would receive the checkpoint's inner tracers.
             routes = [] if collect else None
-            y, new_kv = layer(x, cos, sin, visible, layer_cache, chunk, routes)
+            y, new_kv = layer(x, cos, sin, visible, layer_cache, chunk, routes, kernel)  # kernel: closed over
             return y, new_kv, (routes[0] if collect else None)
 
         y, new_kv, experts = self.remat_layer(body)(layer, x, cos, sin, visible, layer_cache)

@@ -11,6 +11,7 @@ from flax import nnx
 
 from rlbolt.models.attention import attend
 from rlbolt.models.attention_chunks import causal_query_chunks
+from rlbolt.models.attention_kernels import KernelCall, fused_attention
 from rlbolt.models.config import ModelConfig
 from rlbolt.models.layers import Dense, _norm, _normal, _param
 from rlbolt.models.moe import MoeMLP
@@ -53,13 +54,21 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def __call__(self, x, cos, sin, visible, cache_kv, query_chunk=None):
+    def __call__(self, x, cos, sin, visible, cache_kv, query_chunk=None, kernel: KernelCall | None = None):
         """x [B,T,H]; cos/sin [B,T,D]; visible [B,T,S]; cache_kv None or (keys_t, values, index).
 
         query_chunk: without a cache, the query rows per chunk of causal attention
         (`rlbolt.models.attention_chunks`); None: one piece.
+        kernel: a fused kernel for this layer (`rlbolt.models.attention_kernels`); its queries
+        attend to the T new keys only (no cache, or a prefill filling a fresh cache); None: XLA.
         """
         q, k, v = self.project(x, cos, sin)
+        if kernel is not None:
+            out = self.o_proj(fused_attention(kernel, q, k, v, scale=self.scale, cap=self.cap))
+            if cache_kv is None:
+                return out, None
+            keys_t, values, _ = cache_kv  # a prefill: the T new tokens fill the cache's T slots
+            return out, (k.transpose(0, 2, 3, 1).astype(keys_t.dtype), v.transpose(0, 2, 1, 3).astype(values.dtype))
         k_t = k.transpose(0, 2, 3, 1)  # [B, nKV, D, T]
         v = v.transpose(0, 2, 1, 3)  # [B, nKV, T, D]
         if cache_kv is None:
@@ -134,8 +143,8 @@ class DecoderLayer(nnx.Module):
             self.post_attn_norm = _norm(config, h, "embed")
             self.post_mlp_norm = _norm(config, h, "embed")
 
-    def __call__(self, x, cos, sin, visible, cache_kv, query_chunk=None, routing_out=None):
-        attn_out, new_kv = self.attn(self.attn_norm(x), cos, sin, visible, cache_kv, query_chunk)
+    def __call__(self, x, cos, sin, visible, cache_kv, query_chunk=None, routing_out=None, kernel=None):
+        attn_out, new_kv = self.attn(self.attn_norm(x), cos, sin, visible, cache_kv, query_chunk, kernel)
         return self.add_mlp(self.add_attention(x, attn_out), routing_out), new_kv
 
     def add_attention(self, x: jnp.ndarray, attn_out: jnp.ndarray) -> jnp.ndarray:

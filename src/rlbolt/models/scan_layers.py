@@ -21,6 +21,8 @@ forward collects routing.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -44,7 +46,7 @@ def scan_reason(model: nnx.Module) -> str | None:
 
 
 def scanned_layers(model: nnx.Module, x: jnp.ndarray, ropes: list[tuple[jnp.ndarray, jnp.ndarray]], visible: jnp.ndarray,
-                   local_visible: jnp.ndarray) -> jnp.ndarray:
+                   local_visible: jnp.ndarray | None, kernel: Any = None) -> jnp.ndarray:
     """The residual stream after every layer, computed as one `jax.lax.scan` over the stacked layers.
 
     Args:
@@ -53,6 +55,8 @@ def scanned_layers(model: nnx.Module, x: jnp.ndarray, ropes: list[tuple[jnp.ndar
       ropes: per layer (cos, sin) [B, T, D] (`rlbolt.models.rope.layer_rope`).
       visible: [B, T, T] bool mask of the full-attention layers.
       local_visible: [B, T, T] bool mask of the sliding-window layers.
+      kernel: every layer's fused attention (`rlbolt.models.attention_kernels.KernelCall`; the
+        masks are then None), or None for XLA.
 
     Returns:
       [B, T, H], as the loop over the layers (to float32 rounding: another fusion of the same ops).
@@ -72,7 +76,7 @@ def scanned_layers(model: nnx.Module, x: jnp.ndarray, ropes: list[tuple[jnp.ndar
         cos = jnp.where(is_sliding, local_rope[0], global_rope[0]) if local_rope is not global_rope else global_rope[0]
         sin = jnp.where(is_sliding, local_rope[1], global_rope[1]) if local_rope is not global_rope else global_rope[1]
         mask = jnp.where(is_sliding, local_visible, visible) if mixed else visible
-        y, _ = model._layer_step(layer, x, cos, sin, mask, None, None)
+        y, _ = model._layer_step(layer, x, cos, sin, mask, None, None, kernel)
         return model._constrain(y), None
 
     x, _ = jax.lax.scan(body, x, (stacked, sliding))

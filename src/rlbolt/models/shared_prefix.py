@@ -28,6 +28,7 @@ import numpy as np
 
 from rlbolt.models.attention import MASK_VALUE, and_window, scaled_scores, window_visible
 from rlbolt.models.attention_chunks import causal_query_chunks
+from rlbolt.models.attention_kernels import fused_attention, layer_kernel_calls
 from rlbolt.models.cache import KVCache
 from rlbolt.models.decoder import Decoder
 from rlbolt.models.rope import layer_rope
@@ -185,6 +186,9 @@ def _grouped_completion_hidden(model, prompt_ids, prompt_mask, completion_ids, c
     ropes = layer_rope(cfg, positions)
     ids = jnp.concatenate([p_ids.reshape(1, -1), c_ids.reshape(1, -1)], axis=1)
     x = model.embed_ids(ids)  # [1, tokens, H]
+    kernels = _kernel_calls(model, p_mask, c_mask, g, t)
+    if kernels is not None:
+        return _fused_grouped_hidden(model, x, ropes, kernels, u, g, p, t)
     p_visible = jnp.tril(jnp.ones((p, p), bool))[None] & p_mask[:, None, :]  # [U, P, P]
     c_visible = jnp.tril(jnp.ones((t, t), bool))[None] & c_mask[:, None, :]  # [B, T, T]
     # Sliding layers: completion token t sits in slot P + t after its prompt's P slots.
@@ -213,6 +217,49 @@ def _grouped_completion_hidden(model, prompt_ids, prompt_mask, completion_ids, c
     for i, layer in enumerate(model.layers):  # each layer under the model's remat policy (Decoder.remat_layer)
         p_vis, c_vis, band = local if cfg.is_sliding(i) else (p_visible, c_visible, ())
         x = model.remat_layer(layer_pass)(layer, x, *ropes[i], p_vis, c_vis, band)
+    hidden = model.final_norm(x)[0]  # [tokens, H]
+    h = hidden.shape[-1]
+    last_prompt = jnp.repeat(hidden[:n_pre].reshape(u, p, h)[:, -1], g, axis=0)[:, None]  # [B, 1, H]
+    return jnp.concatenate([last_prompt, hidden[n_pre:].reshape(b, t, h)], axis=1)
+
+
+def _kernel_calls(model, p_mask, c_mask, g, t):
+    """Per layer (prompt KernelCall, prompt | completion KernelCall) when model.attention runs a fused
+    kernel for every layer (`rlbolt.models.attention_kernels`); None: the XLA path below."""
+    if model.attention_kernel == "xla":
+        return None
+    cfg = model.config
+    full_rows = jnp.concatenate([jnp.repeat(p_mask, g, axis=0), c_mask], axis=1).astype(jnp.int32)  # [B, P + T]
+    pre = layer_kernel_calls(cfg, model.attention_kernel, p_mask.astype(jnp.int32), rows=model.activation_sharding)
+    full = layer_kernel_calls(cfg, model.attention_kernel, full_rows, rows=model.activation_sharding)
+    if any(c is None for c in pre):
+        return None
+    return list(zip(pre, full)) if t else [(c, None) for c in pre]
+
+
+def _fused_grouped_hidden(model, x, ropes, kernels, u, g, p, t):
+    """`_grouped_completion_hidden` through a fused kernel: the prompt attends once per group; each
+    sample's completion queries attend over its row `prompt | completion` (the prompt's queries run
+    again with it, G times: their outputs are dropped), so no [T, S] mask or score matrix is built.
+    The dense layers still run each prompt once."""
+    b, n_pre = u * g, u * p
+    pre = lambda a: a[0, :n_pre].reshape(u, p, *a.shape[2:])  # noqa: E731
+    own = lambda a: a[0, n_pre:].reshape(b, t, *a.shape[2:])  # noqa: E731
+    row = lambda a: jnp.concatenate([jnp.repeat(pre(a), g, axis=0), own(a)], axis=1)  # noqa: E731  [B, P + T, ...]
+
+    def layer_pass(layer, x, cos, sin, kernel_pre, kernel_row):
+        q, k, v = layer.attn.project(layer.attn_norm(x), cos, sin)  # [1, tokens, N, D]
+        attn_of = functools.partial(fused_attention, scale=layer.attn.scale, cap=layer.attn.cap)
+        parts = [attn_of(kernel_pre, pre(q), pre(k), pre(v)).reshape(1, n_pre, -1)]
+        if t:
+            parts.append(attn_of(kernel_row, row(q), row(k), row(v))[:, p:].reshape(1, b * t, -1))
+        attn = jnp.concatenate(parts, axis=1)
+        return model._constrain(layer.add_mlp(layer.add_attention(x, layer.attn.o_proj(attn))))
+
+    for i, layer in enumerate(model.layers):  # each layer under the model's remat policy (Decoder.remat_layer)
+        kernel_pre, kernel_row = kernels[i]
+        x = model.remat_layer(lambda layer, x, cos, sin: layer_pass(layer, x, cos, sin, kernel_pre, kernel_row))(
+            layer, x, *ropes[i])
     hidden = model.final_norm(x)[0]  # [tokens, H]
     h = hidden.shape[-1]
     last_prompt = jnp.repeat(hidden[:n_pre].reshape(u, p, h)[:, -1], g, axis=0)[:, None]  # [B, 1, H]

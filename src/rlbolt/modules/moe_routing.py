@@ -19,12 +19,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rlbolt.batch import register_column
 from rlbolt.config import ConfigError
 from rlbolt.models.moe import load_balancing_loss
 from rlbolt.models.lm_head_logps import DEFAULT_LOGITS_CHUNK_TOKENS
 from rlbolt.rollout.logps import forward_routing, routed_token_logps
 
-ROUTING_COLUMNS = ("prompt_routing", "completion_routing")
+ROUTING_COLUMNS = (
+    register_column("prompt_routing", "[N, P, L, k]", "int32", "the experts the rollout chose per prompt token", by=__name__),
+    register_column("completion_routing", "[N, C, L, k]", "int32", "the experts the rollout chose per completion token",
+                    by=__name__),
+)
 
 
 def routing_columns(prompt_routing: np.ndarray, completion_routing: np.ndarray, prompt_width: int,

@@ -17,24 +17,15 @@ from flax import nnx
 
 from rlbolt.agents.failures import EnvFailureError
 from rlbolt.agents.rollout import run_episodes
-from rlbolt.batch import Batch
+from rlbolt.batch import Batch, row_fields  # noqa: F401 - row_fields: policy.py imports it from here
 from rlbolt.config import ConfigError
 from rlbolt.config.references import import_reference
-from rlbolt.modules.moe_routing import ROUTING_COLUMNS, routing_columns
+from rlbolt.modules.moe_routing import routing_columns
 from rlbolt.modules.prompts import rows_of
 from rlbolt.rollout.engine import RolloutEngine
 from rlbolt.rollout.engines import BUILT_IN, EngineHandle, EngineSpec, build_engine
 
 _log = logging.getLogger("rlbolt.agents")
-
-# Columns the framework adds; every other column of an arriving batch is a prompt-row field.
-_FRAMEWORK_COLUMNS = frozenset({
-    "group_ids", "policy_version", "sample_keys", "prompt_ids", "prompt_mask", "completion_ids",
-    "completion_mask", "sampler_logps", "old_logps", "ref_logps", "rewards", "advantages", "completion_text",
-    "old_values", "returns", "importance_weights", "keep_mask", "mini_batch_num_tokens", "mini_batch_num_samples",
-    "dock_index", "teacher_logps", "sequence_mask", *ROUTING_COLUMNS,  # episodes: every real id (sampled and environment); env_reward stays visible to rewards
-})
-
 
 class PolicyRollout:
     """The rollout hooks of `LMPolicyModule` (a mixin; see the module docstring)."""
@@ -194,7 +185,4 @@ class PolicyRollout:
         return texts
 
 
-def row_fields(batch: Batch) -> list[str]:
-    """The prompt row's own fields (question, answer, ...) plus prompt_index: what rewards see."""
-    return [k for k in batch if k not in _FRAMEWORK_COLUMNS]
 

@@ -33,6 +33,7 @@ from rlbolt.modules import lm_ops
 from rlbolt.modules.lora_policy import LoraHooks
 from rlbolt.modules.moe_routing import check_router_settings, logps_and_mismatch
 from rlbolt.modules.prompts import PromptEncoder, builtin_tokenizer
+from rlbolt.models.attention_kernels import resolve_attention
 from rlbolt.models.decoder import Decoder
 from rlbolt.modules.rewarding import build_reward
 from rlbolt.packing import packing_spec
@@ -58,6 +59,12 @@ class PolicySetup(LoraHooks):
             self.model = lm_ops.build_model(cfg.model, self.tokenizer.vocab_size, context.seed, self.sharding)
         self.model.remat = cfg.model.remat  # each layer of every training forward (rlbolt.models.remat; LoRA keeps it)
         self.model.scan_layers = cfg.model.scan_layers  # rlbolt.models.scan_layers
+        # model.attention for the training devices' platform (a described TPU slice when planning on CPU)
+        platform = jax.default_backend() if self.sharding is None else self.sharding.mesh.devices.flat[0].platform
+        try:
+            self.model.attention_kernel = resolve_attention(cfg.model.attention, platform)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         if self.sharding is not None:  # the weights move onto the mesh once (no copy if built there)
             nnx.update(self.model, self.sharding.place(nnx.state(self.model)))
             self.sharding.shard_activations(self.model)

@@ -18,9 +18,12 @@ import jax
 import jax.numpy as jnp
 
 from rlbolt.algorithms import clipped_value_loss, gae_advantages, kl_in_reward, masked_whiten, sequence_to_token_rewards
-from rlbolt.batch import Batch
+from rlbolt.batch import Batch, register_column
 from rlbolt.modules.policy import LMPolicyModule
 from rlbolt.rollout.logps import chunked_logps, completion_hidden
+
+register_column("old_values", "[N, C]", "float32", "the value head's values at the rollout (PPO)", by=__name__)
+register_column("returns", "[N, C]", "float32", "GAE's value targets (PPO)", by=__name__)
 
 
 class PPO(LMPolicyModule):

@@ -2,28 +2,25 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from rlbolt.distributed.sharding import DataShare
-from rlbolt.rewards import RewardRunner, WeightedReward, gsm8k_reward, make_format_reward
-from rlbolt.rewards.environment import env_reward
+from rlbolt.rewards import RewardRunner, WeightedReward, gsm8k_reward
 from rlbolt.rewards.task_reward import reasoning_gym_reward
-from rlbolt.rewards.format import digit_fraction_reward  # noqa: F401 - defined there so worker processes import it without JAX
-
-from rlbolt.config.sections import REWARD_TERMS  # noqa: E402 - the config's vocabulary of terms
+from rlbolt.rewards.terms import REWARD_TERMS
 
 
 def build_reward(weights: Mapping[str, float], *, answer_field: str = "answer") -> WeightedReward:
     """A `WeightedReward` from `{term: weight}`; terms with weight 0 are left out.
 
     Args:
-      weights: term -> weight, terms from REWARD_TERMS: "answer" (GSM8K final answer, 0/1),
-        "format" (think/answer tags, 0..1), "digits" (`digit_fraction_reward`), "task" (a
-        reasoning-gym row's own scorer on the extracted answer: `reasoning_gym_reward`).
+      weights: term -> weight, terms registered in `rlbolt.rewards.terms.REWARD_TERMS`: "answer"
+        (GSM8K final answer, 0/1), "format" (think/answer tags, 0..1), "digits"
+        (`digit_fraction_reward`), "task" (a reasoning-gym row's own scorer on the extracted
+        answer: `reasoning_gym_reward`), "env" (the episode's environment rewards), a user's.
       answer_field: the prompt-row field holding the gold answer.
 
     Returns:
@@ -31,15 +28,8 @@ def build_reward(weights: Mapping[str, float], *, answer_field: str = "answer") 
     """
     unknown = [t for t in weights if t not in REWARD_TERMS]
     if unknown:
-        raise ValueError(f"reward.weights has unknown term(s) {unknown}; known terms: {list(REWARD_TERMS)}")
-    makers = {
-        "answer": lambda: functools.partial(gsm8k_reward, answer_key=answer_field),
-        "format": make_format_reward,
-        "digits": lambda: digit_fraction_reward,
-        "task": lambda: reasoning_gym_reward,
-        "env": lambda: env_reward,
-    }
-    terms = [(name, makers[name](), float(w)) for name, w in weights.items() if w != 0]
+        raise ValueError(f"reward.weights has unknown term(s) {unknown}; known terms: {list(REWARD_TERMS.names())}")
+    terms = [(name, REWARD_TERMS[name](answer_field), float(w)) for name, w in weights.items() if w != 0]
     if not terms:
         raise ValueError(f"reward.weights={dict(weights)} gives every term weight 0; give at least one a weight")
     return WeightedReward(terms)

@@ -16,12 +16,14 @@ is the buffer assignment per device; `cost_analysis()` the compiler's flops, byt
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from typing import Any
 
 import jax
 import optax
 
+from rlbolt.models.scan_layers import scan_reason
 from rlbolt.planning import schema
 
 
@@ -38,6 +40,8 @@ class Executable:
       compile_seconds: how long lowering and compiling took here.
       held_outside: bytes per device resident while it runs that are not its arguments (optimizer
         state during the rollout, the reference during the update, ...).
+      refused: the compiler's own words when it refused to compile because the temporaries exceed the
+        device's memory (then `temp_bytes` is the amount it asked for and the other sizes are 0).
     """
 
     name: str
@@ -52,6 +56,7 @@ class Executable:
     seconds: float | None
     compile_seconds: float
     held_outside: int = 0
+    refused: str | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -60,16 +65,43 @@ class Executable:
                 + self.held_outside)
 
 
-def analyse(name: str, lowered: Any, calls: int, held_outside: int, started: float) -> Executable:
-    """Compiles `lowered` and reads its memory and cost analyses."""
-    compiled = lowered.compile()
+_REFUSAL = re.compile(r"HLO temporaries \(([0-9.]+)([KMGT]?)\) exceeds available HBM")
+_UNIT = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def refused_temporaries(message: str) -> int | None:
+    """The bytes of temporaries a TPU compile that ran out of memory asked for (None: another error).
+
+    libtpu refuses an executable whose temporaries exceed the chip's HBM with "RESOURCE_EXHAUSTED: ...
+    the total memory required for HLO temporaries (146.17G) exceeds available HBM (95.74G)".
+    """
+    found = _REFUSAL.search(message)
+    return None if found is None else int(float(found.group(1)) * _UNIT[found.group(2)])
+
+
+def analyse(name: str, lowered: Any, calls: int, held_outside: int, started: float,
+            loop_counted_once: bool = False) -> Executable:
+    """Compiles `lowered` and reads its memory and cost analyses.
+
+    A compile the TPU compiler refuses for memory becomes an Executable with `refused` set, so the
+    report says DOES NOT FIT with the compiler's figure instead of failing. With `loop_counted_once`
+    (the layers run as one scanned body) the cost analysis counts one layer, so no time is reported.
+    """
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as error:
+        asked = refused_temporaries(str(error))
+        if asked is None:
+            raise
+        return Executable(name, calls, 0, 0, asked, 0, 0, 0.0, 0.0, None, time.perf_counter() - started,
+                          held_outside, refused=str(error).strip().splitlines()[0][:300])
     took = time.perf_counter() - started
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis() or {}
     if isinstance(cost, (list, tuple)):  # older jax: one dict per computation
         cost = cost[0] if cost else {}
     get = lambda field: int(getattr(memory, field, 0) or 0) if memory is not None else 0  # noqa: E731
-    seconds = cost.get("optimal_seconds")
+    seconds = None if loop_counted_once else cost.get("optimal_seconds")
     return Executable(name, calls, get("argument_size_in_bytes"), get("output_size_in_bytes"),
                       get("temp_size_in_bytes"), get("alias_size_in_bytes"), get("generated_code_size_in_bytes"),
                       float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)),
@@ -90,19 +122,21 @@ def compile_executables(run: Any, names: tuple[str, ...] = ("update", "optimizer
     extra = module.memory_plan(sharding)
     frozen_copies = sum(v for k, v in extra.items() if k in ("reference", "teacher"))
     opt_bytes = per_device_bytes(run.opt_state)
+    model = run.module.model
+    scanned = model.scan_layers and scan_reason(model) is None  # the training forwards run one scanned body
     out = []
     for name in names:
         started = time.perf_counter()
         if name == "update":
-            out.append(analyse(name, _lower_update(run), _updates_per_step(plan), frozen_copies, started))
+            out.append(analyse(name, _lower_update(run), _updates_per_step(plan), frozen_copies, started, scanned))
         elif name == "grad":
             out.append(analyse(name, _lower_grad(run), _updates_per_step(plan) * plan.grad_accum_steps,
-                               opt_bytes + frozen_copies, started))
+                               opt_bytes + frozen_copies, started, scanned))
         elif name == "optimizer":
             out.append(analyse(name, _lower_optimizer(run), _updates_per_step(plan), frozen_copies, started))
         elif name == "logps":
             calls = (plan.global_batch_size // plan.logps_micro_batch_size) * _forwards(run)
-            out.append(analyse(name, _lower_logps(run), calls, opt_bytes + frozen_copies, started))
+            out.append(analyse(name, _lower_logps(run), calls, opt_bytes + frozen_copies, started, scanned))
         elif name == "rollout":
             lowered, calls = _lower_rollout(run)
             apart = run.shardings["rollout"] is not sharding  # its own devices hold only its weights and cache

@@ -105,7 +105,7 @@ class PlanReport:
                 "advice": self.advice,
                 "note": "times are the compiler's cost-model estimates (optimal_seconds), not measurements; XLA counts "
                         "a loop body once: the update is corrected for its A micro batches, the rollout's decode "
-                        "loop is not (a lower bound)"}
+                        "loop is not (a lower bound), and with scanned layers the training executables give no time"}
 
     def text(self) -> str:
         """The human-readable plan (one table per device, the verdict, the estimate and the advice)."""
@@ -122,6 +122,8 @@ class PlanReport:
             lines.append(f"  {e.name:<10}{g(e.argument_bytes)} {g(e.output_bytes)} {g(e.temp_bytes)} "
                          f"{g(e.alias_bytes)}      {g(e.held_outside)} {g(e.total_bytes)}   {e.calls:10d} "
                          f"{e.flops / 1e9:9.1f} {e.bytes_accessed / 1e9:12.2f} {est}   (compiled in {e.compile_seconds:.1f} s)")
+            if e.refused:
+                lines.append(f"    the compiler refused {e.name}: {e.refused}")
         state = ", ".join(f"{k} {v / scale:.2f}" for k, v in self.state.items())
         lines.append(f"state per device ({unit}): {state}; analytic floor {self.floor_bytes / scale:.2f} {unit} "
                      f"(peak / floor = {self.peak_bytes / max(self.floor_bytes, 1):.2f})")
@@ -131,8 +133,10 @@ class PlanReport:
         lines.append(f"{verdict}: peak {self.peak_bytes / scale:.2f} {unit} per device{of} (in {worst.name})")
         step = self.step_seconds
         if step is None:
-            lines.append("step estimate: none (this backend's compiler gives no time estimate, or the update's "
-                         "correction for its micro batches needs the optimizer compiled too)")
+            lines.append("step estimate: none (this backend's compiler gives no time estimate, an executable was "
+                         "refused, the layers run as one scanned body (the compiler counts one layer; plan with "
+                         "model.scan_layers: false for the time), or the update's correction for its micro batches "
+                         "needs the optimizer compiled too)")
         else:
             mfu, umfu = self.mfu(), self.mfu("update")
             lines.append(f"step estimate (the compiler's cost model, not a measurement): {step:.3f} s per global step"

@@ -8,6 +8,8 @@
                        a round gathered across processes
     weights.py         WeightStore: the weights the producer may roll out with (sync / async lag)
     dock/              ExperienceDock: the column store between stages (docs/dock.md)
+    sequential.py      SequentialProducer: the same step in one thread, the data flow's runnable
+                       specification the pipeline equals bit for bit
 
 Nothing here is needed to write a module or a callback; `Trainer.fit` runs it.
 """

@@ -17,10 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from rlbolt.batch import Batch
+from rlbolt.batch import Batch, register_column
 from rlbolt.distributed.agree import gather_shares
 
-INDEX_COLUMN = "dock_index"  # on_advantage's batch carries it, so the kept samples are known
+INDEX_COLUMN = register_column(
+    "dock_index", "[N]", "int64", "the sample's slot in the dock", by=__name__)  # on_advantage's batch carries it, so the kept samples are known
 _HOOKS = {"rollout": "on_rollout", "logps": "compute_logps", "reward": "on_reward", "advantage": "on_advantage"}
 
 

@@ -85,14 +85,3 @@ class StageQueue:
     def drop_empty(self) -> None:
         for seq in [s for s, pending in self.pending.items() if not pending]:
             del self.pending[seq]
-
-
-def units_of(samples: Mapping, chosen: list[int], whole_groups: bool) -> list[list[int]]:
-    """The chosen samples as positions grouped into units (their groups when whole_groups)."""
-    if not whole_groups:
-        return [[p] for p in range(len(chosen))]
-    units: dict[tuple, list[int]] = {}
-    for p, i in enumerate(chosen):
-        sample = samples[i]
-        units.setdefault((sample.batch.seq, sample.group), []).append(p)
-    return list(units.values())

@@ -1,14 +1,15 @@
 """The dock's selection rules as pure functions: which pending samples a `get` takes, and how
 the taken samples are ordered so the micro batches cut from them carry balanced lengths.
 
-Nothing here locks or waits; `ExperienceDock.get` calls these under its per-stage lock (the
-choice) and after releasing it (the balancing), and the property tests drive them directly.
+Nothing here locks or waits; `ExperienceDock.get` calls the choice under its per-stage lock, a
+consumer balances what it took (`balanced`), and the property tests drive them directly.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -119,7 +120,7 @@ def balance_units(units: Sequence[Sequence[int]], lengths: Sequence[float], micr
     """
     sizes = {len(u) for u in units}
     if len(sizes) > 1 or (sizes and micro % next(iter(sizes))):
-        raise DockError(f"balance={micro} with whole groups needs equal group sizes that divide it; "
+        raise DockError(f"balanced: micro={micro} with whole groups needs equal group sizes that divide it; "
                         f"got group sizes {sorted(sizes)}")
     size = next(iter(sizes), 1)
     per_bin = micro // size
@@ -133,7 +134,43 @@ def balance_units(units: Sequence[Sequence[int]], lengths: Sequence[float], micr
 def sample_lengths(batch, name: str) -> np.ndarray:
     """[N] lengths of the taken samples from the column `name`: numbers, or an [N, L] mask's row sums."""
     if name not in batch:
-        raise DockError(f"get: balance needs the lengths column {name!r}, which the taken samples lack; "
-                        f"pass lengths=<a column of them>")
+        raise DockError(f"balanced: the lengths column {name!r} is not among the taken samples' columns "
+                        f"{sorted(batch)}; pass lengths=<a column of them>")
     values = np.asarray(batch[name])
     return values.reshape(len(values), -1).sum(axis=1) if values.ndim > 1 else values
+
+
+def balanced(taken: Any, micro: int, *, lengths: str = "completion_mask", whole_groups: bool = False) -> Any:
+    """What a `get` took, reordered so consecutive micro batches of `micro` samples carry
+    near-equal total lengths (heaviest - lightest <= the longest unit - the shortest, a unit being
+    a sample, or with `whole_groups` a group: the samples of one batch key sharing a group id,
+    which move whole).
+
+    Args:
+      taken: a `Taken` from `ExperienceDock.get`.
+      micro: samples per micro batch (with whole_groups, a multiple of the group size).
+      lengths: the column giving a sample's length: [N] numbers, or an [N, L] mask (its row sums).
+      whole_groups: keep each group inside one micro batch.
+
+    Returns:
+      The same `Taken` type, its batch, indices and keys permuted alike.
+
+    Raises:
+      DockError: micro < 1, the lengths column is missing, or unequal groups that do not divide micro.
+    """
+    if isinstance(micro, bool) or not isinstance(micro, (int, np.integer)) or micro < 1:
+        raise DockError(f"balanced: micro={micro!r} must be a positive micro batch size")
+    batch, idx = taken
+    if len(idx) == 0:
+        return taken
+    n = len(idx)
+    if whole_groups:
+        groups = np.asarray(batch["group_ids"]) if "group_ids" in batch else np.arange(n)
+        units: dict[tuple, list[int]] = {}
+        for p in range(n):
+            units.setdefault((taken.keys[p], groups[p].item()), []).append(p)
+        unit_list = list(units.values())
+    else:
+        unit_list = [[p] for p in range(n)]
+    order = balance_units(unit_list, sample_lengths(batch, lengths), micro)
+    return type(taken)(batch.select(np.asarray(order)), idx[order], [taken.keys[p] for p in order], taken.timed_out)

@@ -27,8 +27,8 @@ import numpy as np
 
 from rlbolt.batch import Batch
 from rlbolt.producer.dock.columns import ColumnStore, as_arrays, common_size, few
-from rlbolt.producer.dock.queues import StageQueue, StageStats, units_of
-from rlbolt.producer.dock.selection import DockError, balance_units, sample_lengths
+from rlbolt.producer.dock.queues import StageQueue, StageStats
+from rlbolt.producer.dock.selection import DockError
 
 
 class DockClosed(RuntimeError):
@@ -216,34 +216,25 @@ class ExperienceDock:
         self._ring()
 
     # -- reading ------------------------------------------------------------------------------
-    def get(self, stage: str, columns: Sequence[str] | None = None, n: int | None = None, *,
-            whole_groups: bool = False, one_batch: bool = False, balance: int | None = None,
-            lengths: str = "completion_mask", timeout: float | None = None, partial: bool = True) -> Taken:
+    def get(self, stage: str, n: int | None = None, *, whole_groups: bool = False, one_batch: bool = False,
+            timeout: float | None = None, partial: bool = True) -> Taken:
         """Takes up to `n` samples that are ready for `stage`, marking them taken by it.
 
-        Ready means every input column of the stage (and every column asked for) is written.
+        Ready means every input column of the stage is written.
         Samples are taken in dock order (batches in the order they were added, then index
         order), skipping those not ready yet.
 
-        The producer's stages use `n`, `whole_groups`, `one_batch`, `timeout` and `partial`;
-        `columns` and `balance` / `lengths` serve a consumer that wants fewer columns or micro
-        batches of equal work.
+        A consumer that wants micro batches of equal work reorders what it took:
+        `rlbolt.producer.dock.selection.balanced(taken, micro)`.
 
         Args:
           stage: a stage named at construction.
-          columns: the columns to return (also required to be written); None: every column
-            written for all of the taken samples.
           n: the most samples to take; None: no limit.
           whole_groups: take only whole groups (a group is taken when all its pending samples
             are ready, and never split); a group larger than `n` is an error.
           one_batch: take from one batch only: the oldest with samples this stage has not
             taken. A blocking call then also returns when that batch has nothing left to wait
             for, with fewer than `n` samples (the end of a round).
-          balance: a micro batch size: order the taken samples so consecutive micro batches of
-            this size have near-equal total `lengths` (max - min <= the longest unit - the
-            shortest; with whole_groups, groups move whole).
-          lengths: the column giving a sample's length: [N] numbers, or an [N, L] mask (its
-            row sums).
           timeout: the most seconds to wait until `n` samples are taken (or, with one_batch, the
             batch is done; or `finish()` left nothing to wait for); then what is ready is returned
             (maybe nothing). None: wait as long as it takes; 0: take what is ready now.
@@ -253,22 +244,17 @@ class ExperienceDock:
 
         Returns:
           (batch, indices) as a `Taken` (also holding each sample's batch key): the taken
-          samples' columns and their [K] int64 indices, K <= n. K == 0 after a time-out, a
+          samples' columns (every column written for all of them) and their [K] int64 indices, K <= n. K == 0 after a time-out, a
           non-blocking call with nothing ready, or `finish()`.
 
         Raises:
-          DockError: an unknown stage or column, n < 1, or a group larger than n.
+          DockError: an unknown stage, n < 1, or a group larger than n.
           DockClosed: the dock was closed before or while waiting.
         """
         st = self._stage(stage)
-        if columns is not None:
-            columns = list(columns)
-            self._check_known(columns, "get")
         if n is not None and (isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1):
             raise DockError(f"get: n={n!r} must be a positive integer or None")
-        if balance is not None and (not isinstance(balance, int) or balance < 1):
-            raise DockError(f"get: balance={balance!r} must be a positive micro batch size or None")
-        need = frozenset(st.inputs) | frozenset(columns or ())
+        need = frozenset(st.inputs)
         start = self._clock()
         deadline = None if timeout is None else start + max(0.0, timeout)
         block = timeout is None or timeout > 0
@@ -290,8 +276,7 @@ class ExperienceDock:
             complete = choice.full or (choice.unready == 0 and ((one_batch and choice.indices) or self._finished))
             chosen = choice.indices if partial or complete else []
             st.take(self._samples, chosen)
-            names = columns if columns is not None else _common_columns(self._samples[i] for i in chosen)
-            units = units_of(self._samples, chosen, whole_groups) if balance is not None else []
+            names = _common_columns(self._samples[i] for i in chosen)
             keys = [self._samples[i].batch.key for i in chosen]
             stats = st.stats
             stats.gets += 1
@@ -305,11 +290,7 @@ class ExperienceDock:
             for i in chosen:
                 self._samples[i].owed.discard(stage)
             self._forget_done(chosen)
-        idx = np.asarray(chosen, np.int64)
-        if balance is not None and len(chosen):
-            order = balance_units(units, sample_lengths(batch, lengths), balance)
-            batch, idx, keys = batch.select(np.asarray(order)), idx[order], [keys[p] for p in order]
-        return Taken(batch, idx, keys, timed_out)
+        return Taken(batch, np.asarray(chosen, np.int64), keys, timed_out)
 
     def stats(self, reset: bool = True) -> dict[str, StageStats]:
         """Per-stage counters since the last reset (then start a new window when reset)."""

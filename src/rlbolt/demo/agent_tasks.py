@@ -1,4 +1,5 @@
-"""Two multi-turn tasks a tiny random-init model learns from scratch on a CPU, with their environments.
+"""Two multi-turn tasks a tiny random-init model learns from scratch on a CPU, with their
+environments (registered in `rlbolt.demo.tasks`).
 
 Both use `demo_tokenizer()`, a character tokenizer over `DEMO_ALPHABET` (digits, `?`, `!`, `<`,
 `>`, newline); the built-in "chat template" joins message contents with newlines, so a turn's
@@ -28,9 +29,7 @@ the model samples inside a turn makes the turn malformed.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -40,7 +39,7 @@ from rlbolt.agents.tools import ToolRunner
 from rlbolt.data.tokenizers import CharTokenizer
 
 __all__ = ["DEMO_ALPHABET", "demo_tokenizer", "lookup_rows", "lookup_env", "guess_rows", "guess_env",
-           "GuessEnvironment", "DemoTokenizer", "DemoTask", "DEMO_TASKS"]
+           "GuessEnvironment", "DemoTokenizer"]
 
 DEMO_ALPHABET = "0123456789?!<>\n"
 _DIGITS = "0123456789"
@@ -157,30 +156,3 @@ class GuessEnvironment:
 def guess_env(row: Mapping) -> GuessEnvironment:
     """The "guess" task's environment for one row."""
     return GuessEnvironment(int(row["secret"]), int(row.get("num_values", 6)), int(row.get("max_turns", 4)))
-
-
-@dataclasses.dataclass(frozen=True)
-class DemoTask:
-    """A demo task and the settings that learn it (`rlbolt.agents.demo_training.train_demo`).
-
-    Attributes:
-        rows: `rows(num_rows, seed) -> list[dict]`.
-        env_factory: `Factory(row) -> Environment`.
-        limits: run_episodes' max_turns, max_turn_tokens, max_total_tokens.
-        learning_rate: AdamW learning rate.
-        steps: global steps that reach a mean reward >= 0.9 (measured).
-    """
-
-    rows: Callable[[int, int], list[dict]]
-    env_factory: Callable[[Mapping], Any]
-    limits: dict
-    learning_rate: float
-    steps: int
-
-
-DEMO_TASKS = {
-    "tool": DemoTask(lookup_rows, lookup_env, {"max_turns": 3, "max_turn_tokens": 2, "max_total_tokens": 12},
-                     learning_rate=1e-3, steps=600),
-    "guess": DemoTask(guess_rows, guess_env, {"max_turns": 4, "max_turn_tokens": 2, "max_total_tokens": 20},
-                      learning_rate=2e-3, steps=600),
-}

@@ -29,7 +29,8 @@ from flax import nnx
 
 from rlbolt.algorithms import aggregate_loss, clipped_surrogate, grpo_process_advantages
 from rlbolt.batch import Batch
-from rlbolt.config.demo import AGENT_TASKS, DemoConfig, DemoConfigError
+from rlbolt.demo.config import DemoConfig, DemoConfigError
+from rlbolt.demo.tasks import DEMO_TASKS
 from rlbolt.data.tokenizers import CharTokenizer
 from rlbolt.models import Decoder, tiny_config
 from rlbolt.module import RLModule
@@ -57,23 +58,36 @@ def target_match_reward(completion: str, sample: Mapping[str, Any]) -> float:
     return float(sum(a == b for a, b in zip(completion, target)) / max(len(target), 1))
 
 
-def demo_rows(config: DemoConfig) -> list[dict[str, str]]:
-    """The synthetic prompts: `{"prompt": "3141=", "target": "1413"}` rows, seeded; an agent task's
-    rows (`rlbolt.agents.tasks.DEMO_TASKS`) for "tool" and "guess"; an unset `num_prompts` is
-    the task's (`DemoConfig.resolved`)."""
-    config = config.resolved()
-    if config.task in AGENT_TASKS:
-        from rlbolt.agents.tasks import DEMO_TASKS
+def copy_target(digits: str) -> str:
+    """The "copy" task: the digits themselves ("3141" -> "3141")."""
+    return digits
 
-        return DEMO_TASKS[config.task].rows(config.num_prompts, config.seed)
+
+def reverse_target(digits: str) -> str:
+    """The "reverse" task: the digits backwards ("3141" -> "1413")."""
+    return digits[::-1]
+
+
+def increment_target(digits: str) -> str:
+    """The "increment" task: each digit plus one, mod 10 ("3141" -> "4252")."""
+    return "".join(DIGITS[(DIGITS.index(d) + 1) % 10] for d in digits)
+
+
+def demo_rows(config: DemoConfig) -> list[dict[str, str]]:
+    """The synthetic prompts: `{"prompt": "3141=", "target": "1413"}` rows, seeded, the target
+    the task's (`rlbolt.demo.tasks`); an episode task's own rows for "tool" and "guess"; an unset
+    `num_prompts` is the task's (`DemoConfig.resolved`)."""
+    config = config.resolved()
+    task = DEMO_TASKS[config.task]
+    if task.episodes:
+        return task.load("rows")(config.num_prompts, config.seed)
+    target = task.load("target")
     rng = np.random.default_rng(config.seed)
     digits = rng.integers(0, 10, size=(config.num_prompts, config.num_digits))
     rows = []
     for row in digits:
         text = "".join(DIGITS[d] for d in row)
-        target = {"copy": text, "reverse": text[::-1],
-                  "increment": "".join(DIGITS[(d + 1) % 10] for d in row)}[config.task]
-        rows.append({"prompt": text + "=", "target": target})
+        rows.append({"prompt": text + "=", "target": target(text)})
     return rows
 
 

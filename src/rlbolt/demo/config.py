@@ -1,7 +1,7 @@
 """The demo's settings (`DemoConfig`): what `rlbolt demo` runs and writes to config.yaml.
 
-Kept apart from the demo's module (`rlbolt.app.demo`) so the command line can read defaults
-and validate a config.yaml without importing JAX.
+Kept apart from the demo's modules so the command line can read defaults and validate a
+config.yaml without importing JAX. The tasks and their defaults are `rlbolt.demo.tasks`.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from typing import Any
+
+from rlbolt.demo.tasks import DEMO_TASKS, episode_tasks
 
 
 def is_demo_config(data: dict[str, Any]) -> bool:
@@ -22,20 +24,20 @@ class DemoConfig:
 
     Attributes:
       seed: seeds the model init, the prompts and every sampled token.
-      max_steps: global steps to train (None: the task's, `TASK_DEFAULTS`, filled in by `resolved()`).
+      max_steps: global steps to train (None: the task's, `rlbolt.demo.tasks`, filled in by `resolved()`).
       num_digits: digits per prompt (= completion tokens).
       num_prompts: size of the synthetic training set (None: the task's, `demo_num_prompts`:
         2,000 digit rows; for tool and guess a fresh row for every prompt the run draws).
       prompts_per_step: prompts per global step.
       num_generations: completions per prompt (the GRPO group size G).
-      learning_rate: AdamW learning rate (None: the task's, `TASK_DEFAULTS`, filled in by `resolved()`).
+      learning_rate: AdamW learning rate (None: the task's, `rlbolt.demo.tasks`, filled in by `resolved()`).
       clip: PPO clip range epsilon.
       temperature: sampling temperature.
       hidden_size: model width (2 layers, 4 query / 2 kv heads).
       checkpoint_every: save a checkpoint every this many steps (None: only at the end).
-      task: "copy", "reverse" or "increment" (digit tasks); "tool" (the answer is a value only a
-        lookup tool knows) or "guess" (guess a number from higher/lower replies): multi-turn
-        episodes (`rlbolt.agents.tasks`).
+      task: a registered demo task (`rlbolt.demo.tasks`): "copy", "reverse" or "increment" (digit
+        tasks); "tool" (the answer is a value only a lookup tool knows) or "guess" (guess a number
+        from higher/lower replies): multi-turn episodes (`rlbolt.demo.agent_tasks`).
       lora_rank: None trains every parameter; r trains only LoRA adapters of rank r (alpha 2r) on
         all seven projections of the frozen base (`rlbolt.models.lora`).
       base_run: start from the policy of another demo run's latest checkpoint (same hidden_size
@@ -62,11 +64,12 @@ class DemoConfig:
     def __post_init__(self):
         # max_steps / learning_rate stay None when not given: `resolved()` fills in the task's, so a
         # copy made with dataclasses.replace(config, task=...) gets the new task's defaults.
-        if self.task not in TASKS:
-            raise DemoConfigError(f"demo.task={self.task!r}; allowed: {list(TASKS)}")
-        if self.task in AGENT_TASKS and (self.lora_rank is not None or self.base_run is not None):
+        if self.task not in DEMO_TASKS:
+            raise DemoConfigError(f"demo.task={self.task!r}; allowed: {list(DEMO_TASKS.names())}")
+        if self.task in episode_tasks() and (self.lora_rank is not None or self.base_run is not None):
+            digit_tasks = [t for t in DEMO_TASKS.names() if t not in episode_tasks()]
             raise DemoConfigError(f"demo.task={self.task}: lora_rank and base_run apply to the digit tasks "
-                                  f"{list(TASKS[:3])}; leave them out")
+                                  f"{digit_tasks}; leave them out")
         for f in dataclasses.fields(self):
             value, kind = getattr(self, f.name), _FIELD_KINDS[f.name]
             ok = (value is None and f.name in _OPTIONAL) or (
@@ -85,11 +88,12 @@ class DemoConfig:
 
     def resolved(self) -> DemoConfig:
         """This config with every unset field (None) that has a task default filled in from
-        `TASK_DEFAULTS[task]`: what a run trains with, and what its config.yaml records.
+        the task's registration (`rlbolt.demo.tasks`): what a run trains with, and what its config.yaml records.
 
         A field given explicitly (`DemoConfig(max_steps=50)`, `--max-steps 50`) is kept.
         """
-        steps, lr = TASK_DEFAULTS[self.task]
+        task = DEMO_TASKS[self.task]
+        steps, lr = task.steps, task.learning_rate
         steps = steps if self.max_steps is None else self.max_steps
         num_prompts = (demo_num_prompts(self.task, steps, self.prompts_per_step) if self.num_prompts is None
                        else self.num_prompts)
@@ -125,21 +129,12 @@ class DemoConfigError(ValueError):
     """A demo setting is unknown or out of range (the message names it and the allowed values)."""
 
 
-TASKS = ("copy", "reverse", "increment", "tool", "guess")
-AGENT_TASKS = ("tool", "guess")  # multi-turn episodes (rlbolt.agents.tasks.DEMO_TASKS)
-# (max_steps, learning_rate) each task learns with on the CI machine, used where the config leaves
-# them None (`DemoConfig.resolved`); the agent tasks' figures are rlbolt.agents.tasks.DEMO_TASKS's
-# (a test keeps the two in step).
-TASK_DEFAULTS = {"copy": (300, 5e-4), "reverse": (300, 5e-4), "increment": (300, 5e-4),
-                 "tool": (600, 1e-3), "guess": (600, 2e-3)}
-
-
 def demo_num_prompts(task: str, max_steps: int, prompts_per_step: int) -> int:
     """How many rows a demo run draws its prompts from when `num_prompts` is unset: 2,000 for the
     digit tasks; for the agent tasks one fresh row per prompt the run consumes (`max_steps *
     prompts_per_step`, at least 64), the data the tasks' figures were measured on (from 2,000 rows
     repeated, `rlbolt demo --task tool` stalled near 0.87 instead of passing 0.99)."""
-    if task in AGENT_TASKS:
+    if task in episode_tasks():
         return max(max_steps * prompts_per_step, 64)
     return 2000
 

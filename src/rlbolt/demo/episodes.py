@@ -7,9 +7,9 @@ attends over every real id (`sequence_mask`), and scores with `reward.weights: {
 environment's rewards, summed) plus any other term. `EpisodeGRPO` is that GRPO with the episode
 limits as arguments.
 
-`train_demo(task)` trains a 2-layer width-64 model from scratch on one of `rlbolt.agents.tasks`
-(`rlbolt demo --task tool`, or `python -m rlbolt.agents.demo_training --task tool`), returning
-the mean episode reward of each step.
+`train_demo(task)` trains a 2-layer width-64 model from scratch on one of the episode tasks
+(`rlbolt.demo.tasks`: tool, guess; `rlbolt demo --task tool`, or `python -m rlbolt.demo.episodes
+--task tool`), returning the mean episode reward of each step.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import numpy as np
 
 from rlbolt.agents.environment import EnvFactory
 from rlbolt.data.tokenizers import Tokenizer
+from rlbolt.demo.tasks import DEMO_TASKS, episode_tasks
 from rlbolt.models.decoder import Decoder
 from rlbolt.modules import GRPO
 
@@ -75,11 +76,11 @@ def demo_module(task: str, *, learning_rate: float | None = None, entropy_coef: 
     demo tokenizer, GRPO on the task's episodes (learning rate: the task's when None)."""
     from flax import nnx
 
-    from rlbolt.agents.tasks import DEMO_TASKS, demo_tokenizer
+    from rlbolt.demo.agent_tasks import demo_tokenizer
     from rlbolt.models import Decoder, tiny_config
 
-    if task not in DEMO_TASKS:
-        raise ValueError(f"task={task!r}; the demo tasks are {sorted(DEMO_TASKS)}")
+    if task not in episode_tasks():
+        raise ValueError(f"task={task!r}; the episode demo tasks are {list(episode_tasks())}")
     spec = DEMO_TASKS[task]
     learning_rate = spec.learning_rate if learning_rate is None else learning_rate
     tokenizer = demo_tokenizer()
@@ -89,7 +90,7 @@ def demo_module(task: str, *, learning_rate: float | None = None, entropy_coef: 
                          max_position_embeddings=prompt_width + spec.limits["max_total_tokens"] + 1)
     model = Decoder(config, rngs=nnx.Rngs(seed))
     return EpisodeGRPO(_demo_config(learning_rate, entropy_coef, spec.limits["max_turn_tokens"]),
-                       env_factory=spec.env_factory, prompt_width=prompt_width, model=model, tokenizer=tokenizer,
+                       env_factory=spec.load("env"), prompt_width=prompt_width, model=model, tokenizer=tokenizer,
                        **spec.limits)
 
 
@@ -100,7 +101,7 @@ def train_demo(task: str = "tool", *, steps: int | None = None, prompts_per_step
     """Trains a 2-layer random-init model on a demo task (`demo_module`); returns the reward per step.
 
     Args:
-      task: "tool" or "guess" (`rlbolt.agents.tasks.DEMO_TASKS`).
+      task: "tool" or "guess" (`rlbolt.demo.tasks.DEMO_TASKS`).
       steps: global steps; None: the task's (`DEMO_TASKS`).
       prompts_per_step: prompts per step.
       num_generations: episodes per prompt (the GRPO group).
@@ -118,14 +119,13 @@ def train_demo(task: str = "tool", *, steps: int | None = None, prompts_per_step
     import tempfile
 
     from rlbolt import BatchPlan, Callback, Trainer
-    from rlbolt.agents.tasks import DEMO_TASKS
-    from rlbolt.config.demo import demo_num_prompts
+    from rlbolt.demo.config import demo_num_prompts
 
     module = demo_module(task, learning_rate=learning_rate, entropy_coef=entropy_coef, hidden_size=hidden_size,
                          seed=seed)
     spec = DEMO_TASKS[task]
     steps = spec.steps if steps is None else steps
-    make_rows = spec.rows
+    make_rows = spec.load("rows")
     rewards: list[float] = []
 
     class _Record(Callback):
@@ -143,9 +143,9 @@ def train_demo(task: str = "tool", *, steps: int | None = None, prompts_per_step
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m rlbolt.agents.demo_training --task tool` (the task's steps unless --steps is given)."""
+    """`python -m rlbolt.demo.episodes --task tool` (the task's steps unless --steps is given)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", default="tool", choices=("tool", "guess"))
+    parser.add_argument("--task", default="tool", choices=episode_tasks())
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--entropy", type=float, default=0.02)
