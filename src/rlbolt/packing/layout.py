@@ -48,13 +48,24 @@ class PackingSpec:
     rows: int | None = None
 
     def width(self, padded_width: int) -> int:
-        """The packed row length L for batches whose padded rows are `padded_width` tokens."""
+        """The packed row length L.
+
+        Args:
+          padded_width: the padded rows' width P + C.
+        """
         return padded_width if self.row_tokens is None else int(self.row_tokens)
 
 
 def packing_spec(plan: Any, sharding: Any = None) -> PackingSpec | None:
-    """The PackingSpec of a BatchPlan (`plan.packing`, `plan.packed_row_tokens`), one block per batch
-    shard of `sharding` (a ShardingPlan or None); None when packing is off."""
+    """The PackingSpec of a BatchPlan (`plan.packing`, `plan.packed_row_tokens`, `plan.packed_rows`).
+
+    Args:
+      plan: the BatchPlan.
+      sharding: the training ShardingPlan (one block per batch shard), or None (one block).
+
+    Returns:
+      The PackingSpec, or None when packing is off.
+    """
     if getattr(plan, "packing", "off") != "on":
         return None
     return PackingSpec(plan.packed_row_tokens, 1 if sharding is None else sharding.batch_shards,
@@ -62,7 +73,15 @@ def packing_spec(plan: Any, sharding: Any = None) -> PackingSpec | None:
 
 
 def sample_lengths(prompt_mask: np.ndarray, forward_mask: np.ndarray) -> np.ndarray:
-    """Real tokens per sample: [..., P] prompt mask and [..., C] forward mask -> [...] int64."""
+    """Real tokens per sample.
+
+    Args:
+      prompt_mask: [..., P] bool.
+      forward_mask: [..., C] bool, the tokens the forward runs (completion_mask or sequence_mask).
+
+    Returns:
+      [...] int64.
+    """
     return np.asarray(prompt_mask, bool).sum(-1) + np.asarray(forward_mask, bool).sum(-1)
 
 
@@ -106,7 +125,11 @@ def first_fit_decreasing(lengths: np.ndarray, row_tokens: int) -> tuple[np.ndarr
 
 
 def bucket_rows(rows: int) -> int:
-    """`rows` rounded up to keep its top three binary digits (a handful of compiled shapes)."""
+    """`rows` rounded up to keep its top three binary digits (a handful of compiled shapes).
+
+    Args:
+      rows: the rows a step needs (>= 1).
+    """
     if rows <= 8:
         return max(rows, 1)
     step = 1 << (rows.bit_length() - 3)

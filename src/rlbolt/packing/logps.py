@@ -45,7 +45,17 @@ class PackedLogps:
 
     def __call__(self, params: Any, prompt_ids: Any, prompt_mask: Any, completion_ids: Any, completion_mask: Any, *,
                  group_size: int = 1, routing: Any = None) -> jax.Array:
-        """The completion tokens' logps [N, C], packed where possible (`group_size` is moot when packed)."""
+        """The completion tokens' logps [N, C], packed where possible.
+
+        Args:
+          params: the model's parameters.
+          prompt_ids: [N, P] int32, left-padded.
+          prompt_mask: [N, P] bool.
+          completion_ids: [N, C] int32.
+          completion_mask: [N, C] bool (an episode's sequence_mask).
+          group_size: the padded forward's prompt sharing (moot when packed).
+          routing: router replay's recorded experts (runs the padded forward), or None.
+        """
         masks = (prompt_mask, completion_mask)
         readable = all(not isinstance(m, jax.Array) or m.is_fully_addressable for m in masks)
         if routing is not None or not readable:
