@@ -234,7 +234,6 @@ def test_decode_products_benchmark_quick_mode():
     assert (totals["vllm_onednn"] is None) == (not result["vllm_onednn"])
 
 
-
 def _gpu_attention():
     import importlib.util
 
@@ -263,3 +262,17 @@ def test_gpu_attention_benchmark_dry_run_on_cpu():
     xla, cudnn = _gpu_attention().measure(128, 1, "xla")
     assert (xla["path"], cudnn["path"], cudnn["implementation"], cudnn["tokens"]) == ("xla", "cudnn", "xla", 128)
     assert cudnn["within_bound"] and cudnn["max_abs_diff"] <= cudnn["bound"]
+
+
+@pytest.mark.slow  # two updates compiled at SmolLM2's 49k vocabulary (one layer), then two rounds of each
+def test_packing_benchmark_quick_mode():
+    out, result = _last_json("packing_ab.py")
+    assert "packed" in out and "padded" in out  # the table came before the JSON line
+    assert result["system"] == "rlbolt-packing-ab" and result["cpu"]
+    assert {"update_s_padded", "update_s_packed", "speedup", "update_cpu_s_padded", "update_cpu_s_packed"} <= set(result)
+    assert result["packed_tokens"] < result["padded_tokens"]  # 8 samples of 32..128 tokens fill fewer than 8 rows
+    # Same tokens, same loss: the layouts differ in float32 rounding only. Written reason for 1e-3: the
+    # script does not expose its model for decoder_logps_tolerance; each logp is a 49k-term log-sum-exp
+    # (49k x EPS32 ~ 6e-3 absolute at worst, ~1e-5 in practice: the two runs matched to the bit here) and the
+    # loss is a mean of them, so a relative 1e-3 flags a wrong token or mask, not another summation order.
+    assert abs(result["loss_packed"] - result["loss_padded"]) <= 1e-3 * abs(result["loss_padded"])

@@ -32,6 +32,7 @@ Layout (a test keeps this list complete):
       algorithms/      pure RL math
       modules/         ready RLModules (GRPO, DAPO, Dr.GRPO, RLOO, REINFORCE++, GSPO, PPO)
       models/          decoders, Hugging Face I/O, LoRA
+      packing/         padding-free packed batches: samples laid end to end in rows (plan.packing)
       rollout/         rollout engines (the protocol, the native sampler, vLLM), token logps
       agents/          multi-turn episodes: environments, tools, tool-call parsers
       rewards/         reward functions, the failure-isolated runner, the code sandbox

@@ -44,6 +44,10 @@ class BatchPlan:
         is computed there ("rollout", "logps", "train", or "mini" for the mini batch).
       max_refill_rounds: how often the producer may draw more prompts when `on_advantage` drops
         samples (DAPO dynamic sampling); 0 means a short batch is an error.
+      packing: "on" packs several samples per row in the update and the log-prob forwards
+        (`rlbolt.packing`); "off" pads each sample to its own row.
+      packed_row_tokens: tokens per packed row; None: the padded width (prompt + completion).
+      packed_rows: packed rows per train micro batch and batch shard; None: as each step needs.
     """
 
     prompts_per_step: int
@@ -56,6 +60,9 @@ class BatchPlan:
     num_iterations: int = 1
     whole_groups: tuple[str, ...] = ()
     max_refill_rounds: int = 0
+    packing: str = "off"
+    packed_row_tokens: int | None = None
+    packed_rows: int | None = None
 
     def __post_init__(self):
         _check_ints(self)
@@ -103,12 +110,17 @@ class BatchPlan:
             f"micro rollout/logps/train {self.rollout_micro_batch_size}/{self.logps_micro_batch_size}/"
             f"{self.train_micro_batch_size} (grad accumulation {self.grad_accum_steps}), service {self.service_batch_size}, "
             f"reward calls of {self.reward_micro_batch_size}"
+            + (f", packed rows of {self.packed_row_tokens or 'the padded width in'} tokens" if self.packing == "on" else "")
         )
 
 
 def _check_ints(plan: BatchPlan) -> None:
     for f in dataclasses.fields(plan):
         v = getattr(plan, f.name)
+        if f.name == "packing":
+            if v not in ("off", "on"):
+                raise PlanError(f"packing={v!r} must be 'off' or 'on'")
+            continue
         if f.name in ("whole_groups",):
             bad = [s for s in v if s not in STAGES_WITH_GROUPS]
             if bad:

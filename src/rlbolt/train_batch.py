@@ -11,6 +11,7 @@ import numpy as np
 from rlbolt.batch import Batch
 from rlbolt.distributed import host_tree, layout
 from rlbolt.distributed.sharding import ShardingPlan
+from rlbolt.packing import packing_spec, with_pack_columns
 from rlbolt.plan import BatchPlan
 
 
@@ -21,7 +22,7 @@ def run_updates(update: Callable, batch: Batch, plan: BatchPlan, sharding: Shard
     Args:
       update: the jitted `(params, opt_state, micro batches) -> (params, opt_state, metrics)`.
       batch: the global batch on the host (every process holds all of it).
-      plan: the BatchPlan (mini batch size, gradient accumulation, iterations).
+      plan: the BatchPlan (mini batch size, gradient accumulation, iterations, packing).
       sharding: the train role's ShardingPlan (places each mini batch's micro batches).
       params: the trainable parameters before the first update.
       opt_state: the optimizer state before the first update.
@@ -32,6 +33,9 @@ def run_updates(update: Callable, batch: Batch, plan: BatchPlan, sharding: Shard
       sample's staleness: the policy version it trained at minus the one that sampled it).
     """
     versions = np.asarray(batch["policy_version"])
+    spec = packing_spec(plan, sharding)
+    if spec is not None:  # plan.packing: each train micro batch's samples placed in packed rows (rlbolt.packing)
+        batch = with_pack_columns(batch, plan.train_micro_batch_size, spec)
     mini_size, accum = plan.mini_batch_size, plan.grad_accum_steps
     minis = [layout.micro_batches(sharding, batch.slice(s, s + mini_size), accum)
              for s in range(0, batch.num_samples, mini_size)]

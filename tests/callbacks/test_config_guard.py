@@ -32,6 +32,7 @@ FREE = {
     "trainer.run_dir", "trainer.prefetch_timeout_s", "data.val", "data.builtin_val_rows",
     "rollout.val_temperature", "rollout.val_num_samples", "demo.max_steps", "demo.checkpoint_every",
     "trainer.val_at_start", "model.logits_chunk_tokens", "model.remat", "model.scan_layers", "model.attention",
+    "plan.packing", "plan.packed_row_tokens", "plan.packed_rows",  # packed or padded rows: same math (tests/packing)
 }
 FREE_SECTIONS = ("callbacks.",)
 

@@ -37,6 +37,7 @@ FREE_FIELDS = (
     "data.val", "data.builtin_val_rows", "rollout.val_temperature", "rollout.val_num_samples",  # validation only
     "demo.max_steps", "demo.checkpoint_every",
     "model.logits_chunk_tokens", "model.remat", "model.scan_layers", "model.attention",  # memory/compile vs speed: same math to float32 rounding
+    "plan.packing", "plan.packed_row_tokens", "plan.packed_rows",  # padded or packed rows: same math to float32 rounding
 )
 TRAINER_FIELDS = ("seed", "data_seed", "shuffle", "mode", "max_staleness", "max_steps", "max_epochs",
                   "val_every_n_steps", "val_batch_size")

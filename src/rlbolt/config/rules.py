@@ -70,8 +70,21 @@ def check_rules(cfg: RunConfig) -> None:
         raise ConfigError(f"rollout.engine={r.engine!r}: use native, vllm, or a factory 'package.module:make_engine'")
     _check_routing(cfg)
     _check_mode(cfg)
+    _check_packing(cfg)
     if t.placement != "colocated":
         _check_placement(t.placement)
+
+
+def _check_packing(cfg: RunConfig) -> None:
+    p, budget = cfg.plan, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    for name in ("packed_row_tokens", "packed_rows"):
+        if getattr(p, name) is not None and p.packing != "on":
+            raise ConfigError(f"plan.{name}={getattr(p, name)} is read only with plan.packing=on; set "
+                              f"plan.packing=on, or plan.{name}=null")
+    if p.packed_row_tokens is not None and cfg.rollout.env is None and p.packed_row_tokens < budget:
+        raise ConfigError(f"plan.packed_row_tokens={p.packed_row_tokens} is below data.max_prompt_tokens + "
+                          f"rollout.max_new_tokens = {budget}, so a sample may not fit a row; use at least {budget} "
+                          "(or null: the padded width)")
 
 
 def _check_placement(value: Any) -> None:

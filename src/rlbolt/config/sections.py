@@ -86,6 +86,9 @@ class PlanSection:
                                                  "generate); None: the global batch", at_least=1)
     num_iterations: int = _f(1, "update passes over each global batch (mu)", at_least=1)
     max_refill_rounds: int | None = _f(None, "extra prompt draws when groups are dropped (DAPO); None: 4 with dynamic sampling, else 0", at_least=0)
+    packing: str = _f("off", "on: the update and the log-prob forwards lay several samples end to end in each row (segment ids, positions restarting per sample, attention never crossing samples), so tokens, not rows, set the cost; same losses, gradients and metrics to float32 rounding; replaces model.share_prompt in those forwards (rollout keeps it); mixture-of-experts router terms and router replay run padded (docs/architecture.md, Packed batches)", ("off", "on"))
+    packed_row_tokens: int | None = _f(None, "packing only: tokens per packed row; every sample (prompt + completion) must fit; None: the padded width (prompt + completion budget)", at_least=1)
+    packed_rows: int | None = _f(None, "packing only: packed rows per train micro batch and batch shard, fixed (one compiled shape, the one `rlbolt plan` compiles; a micro batch that needs more is refused); None: as many as each step needs, rounded up to three binary digits (a few compiled shapes; `rlbolt plan` then assumes one row per sample)", at_least=1)
 
 
 @dataclass(frozen=True)

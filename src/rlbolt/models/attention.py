@@ -50,6 +50,16 @@ def and_window(visible: jnp.ndarray, band: jnp.ndarray | None) -> jnp.ndarray:
     return visible if band is None else visible & band[None]
 
 
+def segment_visible(segment_ids: jnp.ndarray) -> jnp.ndarray:
+    """[B, T, T] bool: key and query in the same nonzero segment (packed rows; 0 is padding).
+
+    Args:
+      segment_ids: [B, T] int, 0 on padding, 1..k the sample each token belongs to in its row.
+    """
+    keys = segment_ids[:, None, :]
+    return (segment_ids[:, :, None] == keys) & (keys > 0)
+
+
 def attend(q: jnp.ndarray, keys_t: jnp.ndarray, values: jnp.ndarray, visible: jnp.ndarray, *,
            scale: float | None = None, cap: float | None = None) -> jnp.ndarray:
     """Grouped-query softmax attention against (possibly cached) keys.

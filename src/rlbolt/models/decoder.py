@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rlbolt.models.attention import MASK_VALUE as _MASK_VALUE  # noqa: F401  (re-exported)
-from rlbolt.models.attention import and_window, attend, softcap, window_visible
+from rlbolt.models.attention import and_window, attend, segment_visible, softcap, window_visible
 from rlbolt.models.attention_chunks import DEFAULT_QUERY_CHUNK
 from rlbolt.models.attention_kernels import layer_kernel_calls
 from rlbolt.models.cache import KVCache
@@ -118,7 +118,8 @@ class Decoder(nnx.Module):
 
     def __call__(self, input_ids: jnp.ndarray, positions: jnp.ndarray, *,
                  attention_mask: jnp.ndarray | None = None, cache: KVCache | None = None,
-                 return_hidden: bool = False, routing_out: list | None = None):
+                 return_hidden: bool = False, routing_out: list | None = None,
+                 segment_ids: jnp.ndarray | None = None):
         """Runs the model over T new tokens (training, prefill or one decode step).
 
         Causal masking is always applied. With a cache, the T tokens are written to slots
@@ -132,12 +133,16 @@ class Decoder(nnx.Module):
           cache: a KVCache from `init_cache`, or None for a cache-free forward.
           return_hidden: return the final-normed hidden states instead of logits.
           routing_out: a list that receives each MoE layer's experts [B * T, k] (rlbolt.models.moe).
+          segment_ids: [B, T] int32 for a cache-free forward over packed rows (`rlbolt.packing`):
+            0 on padding, 1..k the sample a token belongs to; a token sees the earlier tokens of
+            its own nonzero segment only (`positions` restart at 0 per sample). None: the
+            visibility comes from `attention_mask` (a left-padded row is one sample).
 
         Returns:
           (logits [B, T, V] float32 or hidden [B, T, H], the updated KVCache or None).
         """
         return self.run(Decoder._forward, input_ids, positions, attention_mask=attention_mask, cache=cache,
-                        return_hidden=return_hidden, routing_out=routing_out)
+                        return_hidden=return_hidden, routing_out=routing_out, segment_ids=segment_ids)
 
     def run(self, fn, *args, **kwargs):
         """`fn(self, *args, **kwargs)`: the one entry through which every pass over the layers runs.
@@ -149,24 +154,32 @@ class Decoder(nnx.Module):
         """
         return fn(self, *args, **kwargs)
 
-    def _forward(self, input_ids, positions, *, attention_mask, cache, return_hidden, routing_out=None):
+    def _forward(self, input_ids, positions, *, attention_mask, cache, return_hidden, routing_out=None,
+                 segment_ids=None):
         b, t = input_ids.shape
         if attention_mask is None:
             attention_mask = jnp.ones((b, t), bool)
         attention_mask = attention_mask.astype(bool)
         cfg = self.config
         ropes = layer_rope(cfg, positions)
+        if segment_ids is not None and cache is not None:
+            raise ValueError("Decoder(segment_ids=...) is for cache-free forwards over packed rows; pass cache=None")
         calls = [None] * cfg.num_layers
         if self.attention_kernel != "xla" and t > 1 and (cache is None or cache.max_len == t):
             # A fused kernel attends the T new tokens to each other: no cache, or a prefill filling a fresh one.
-            calls = layer_kernel_calls(cfg, self.attention_kernel, attention_mask.astype(jnp.int32),
+            packed = segment_ids is not None  # several samples per row (rlbolt.packing)
+            segments = segment_ids.astype(jnp.int32) if packed else attention_mask.astype(jnp.int32)
+            calls = layer_kernel_calls(cfg, self.attention_kernel, segments, packed=packed,
                                        rows=self.activation_sharding)
         if all(c is not None for c in calls):
             visible = local_visible = None  # no [B, T, S] mask is built
             cache_mask, index = (None, None) if cache is None else (attention_mask, cache.index)
         elif cache is None:
             causal = jnp.tril(jnp.ones((t, t), bool))
-            visible = causal[None] & attention_mask[:, None, :]
+            if segment_ids is None:
+                visible = causal[None] & attention_mask[:, None, :]
+            else:  # packed rows: causal within the same nonzero segment (slot distance = position distance)
+                visible = causal[None] & segment_visible(segment_ids)
             cache_mask, index = None, None
             query_slots = key_slots = jnp.arange(t)
         else:

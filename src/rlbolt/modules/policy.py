@@ -55,6 +55,7 @@ from rlbolt.modules.prompts import PromptEncoder, builtin_tokenizer, rows_of
 from rlbolt.algorithms.objectives import OBJECTIVES, objective_selections
 from rlbolt.modules.rewarding import answer_score, score_shared
 from rlbolt.modules.scorers import LogpsScorer
+from rlbolt.packing import packed_sequence_logps
 from rlbolt.distributed.sharding import ShardingPlan, host_value
 from rlbolt.rewards import RewardFn, WeightedReward
 from rlbolt.rollout.engine import RolloutEngine
@@ -449,6 +450,12 @@ class LMPolicyModule(RLModule):
         """One policy forward: (logps [N, C], entropy [N, C], aux) where aux feeds `extra_loss`."""
         # Mixture of experts with a router term: the forward also returns its routing (moe_routing.py).
         routing = tuple(batch[k] for k in ROUTING_COLUMNS) if self.routes_in_training and self.algo.router_replay else None
+        if not self.routes_in_training and "pack_rows" in batch:  # plan.packing: the packed rows (rlbolt.packing)
+            logps, entropy = packed_sequence_logps(
+                self.policy.graphdef, self.policy_params(params), *token_inputs(batch), batch["pack_rows"],
+                batch["pack_starts"], row_tokens=self.context.plan.packed_row_tokens, with_entropy=True,
+                blocks=1 if self.sharding is None else self.sharding.batch_shards, **self.policy.options)
+            return logps, entropy, {}
         return self.policy.forward(self.policy_params(params), token_inputs(batch), group_size=self.train_group_size,
                                    routed=self.routes_in_training, routing=routing)
 

@@ -32,6 +32,8 @@ from rlbolt.modules.scorers import ColocatedScorer, LogpsScorer
 from rlbolt.models.attention_kernels import resolve_attention
 from rlbolt.models.decoder import Decoder
 from rlbolt.rewards import RewardFn, RewardRunner, WeightedReward
+from rlbolt.packing import packing_spec
+from rlbolt.packing.logps import PackedLogps
 from rlbolt.setup_context import SetupContext
 
 
@@ -73,8 +75,26 @@ def build_policy(cfg: RunConfig, model: Decoder | None, tokenizer: Tokenizer, co
 
         lora = LoraPolicy(model, LoraConfig.from_mapping(cfg.model.lora), rngs=nnx.Rngs(context.seed),
                           path=cfg.model.path)
-    return PolicyModel(model, lora=lora, sharding=sharding, temperature=temperature,
-                       chunk_size=cfg.model.logits_chunk_tokens, record_routing=cfg.rollout.record_routing)
+    policy = PolicyModel(model, lora=lora, sharding=sharding, temperature=temperature,
+                         chunk_size=cfg.model.logits_chunk_tokens, record_routing=cfg.rollout.record_routing)
+    policy.logps = packed_forward(policy.graphdef, policy.logps, context.plan, sharding, policy.options)
+    return policy
+
+
+def packed_forward(graphdef: nnx.GraphDef, padded: Any, plan: Any, sharding: ShardingPlan | None,
+                   options: dict[str, Any]) -> Any:
+    """With `plan.packing: on`, the jitted logps forward `padded` over packed rows
+    (`rlbolt.packing.logps.PackedLogps`, same call signature); else `padded` itself.
+
+    Args:
+      graphdef: the graph the forward runs (the policy's, LoRA's base, the teacher's).
+      padded: its padded jitted forward.
+      plan: the BatchPlan (`plan.packing`, `plan.packed_row_tokens`, `plan.packed_rows`).
+      sharding: the training role's ShardingPlan (one packing block per batch shard), or None.
+      options: the forward's temperature and chunk size.
+    """
+    spec = packing_spec(plan, sharding)
+    return padded if spec is None else PackedLogps(graphdef, padded, spec, sharding, **options)
 
 
 def build_reward_runner(cfg: RunConfig, reward: RewardFn | WeightedReward | None,
@@ -141,7 +161,8 @@ def build_scorers(cfg: RunConfig, policy: PolicyModel, teacher: Decoder | None, 
             scorers["teacher"] = PlacedReference(teacher, None, plan, **options)
         else:
             graphdef, params = nnx.split(teacher)
-            scorers["teacher"] = ColocatedScorer(jitted_logps(graphdef, train, **options),
+            scorers["teacher"] = ColocatedScorer(packed_forward(graphdef, jitted_logps(graphdef, train, **options),
+                                                                context.plan, train, options),
                                                  params if train is None else train.place(params), train)
     ref_plan = context.sharding_for("reference")
     apart = ref_plan is not None and ref_plan is not train
@@ -153,7 +174,8 @@ def build_scorers(cfg: RunConfig, policy: PolicyModel, teacher: Decoder | None, 
                             "frozen base with the adapters off, which training holds on its devices; use "
                             "reference: train (or leave it out)")
         lora = policy.lora  # the base with the adapters off: no second copy
-        ref = ColocatedScorer(jitted_logps(lora.base_graphdef, train, **options), None, train,
+        ref = ColocatedScorer(packed_forward(lora.base_graphdef, jitted_logps(lora.base_graphdef, train, **options),
+                                             context.plan, train, options), None, train,
                               read_params=lambda: lora.base)
     elif apart:  # the frozen copy lives only on its devices
         ref = PlacedReference(policy.model, train, ref_plan, **options)

@@ -24,6 +24,7 @@ import jax
 import optax
 
 from rlbolt.models.scan_layers import scan_reason
+from rlbolt.packing.logps import PackedLogps
 from rlbolt.planning import schema
 
 
@@ -155,6 +156,17 @@ def _updates_per_step(plan: Any) -> int:
     return plan.num_iterations * plan.global_batch_size // plan.mini_batch_size
 
 
+def packed_layout(run: Any, samples: int) -> tuple[int, int] | None:
+    """plan.packing: (packed rows per batch shard, tokens per row) of a micro batch of `samples`:
+    `plan.packed_rows` when fixed, else one row per sample (the most a step can need); None: padded."""
+    plan = run.plan
+    if plan.packing != "on":
+        return None
+    block = max(1, samples // run.sharding.batch_shards)
+    width = plan.packed_row_tokens or prompt_width(run) + run.module.completion_width
+    return (plan.packed_rows or block), width
+
+
 def _forwards(run: Any) -> int:
     """Logps forwards per sample: the reference's (beta > 0), the old policy's (num_iterations > 1)."""
     return int(run.config.algorithm.beta > 0) + int(run.plan.num_iterations > 1)
@@ -168,8 +180,10 @@ def _lower_update(run: Any) -> Any:
     update = make_update_fn(module.training_step, run.optimizer, accum, frozen=module.frozen_params(),
                             with_frozen=module.with_frozen, sharding=run.sharding, params=run.params,
                             opt_state=run.opt_state)
+    packed = packed_layout(run, plan.mini_batch_size // accum)
     micro = schema.train_batch(accum, plan.mini_batch_size // accum, prompt_width(run), module.completion_width,
-                               reference=run.config.algorithm.beta > 0, sharding=run.sharding)
+                               reference=run.config.algorithm.beta > 0, sharding=run.sharding,
+                               packed_rows=packed and packed[0])
     return update.func.lower(run.params, run.opt_state, micro, module.frozen_params())
 
 
@@ -178,8 +192,10 @@ def _lower_grad(run: Any) -> Any:
 
     module, plan = run.module, run.plan
     accum = plan.grad_accum_steps
+    packed = packed_layout(run, plan.mini_batch_size // accum)
     micro = schema.train_batch(1, plan.mini_batch_size // accum, prompt_width(run), module.completion_width,
-                               reference=run.config.algorithm.beta > 0, sharding=run.sharding)
+                               reference=run.config.algorithm.beta > 0, sharding=run.sharding,
+                               packed_rows=packed and packed[0])
     micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=run.sharding.batch_sharding()),
                          micro)
     rows = micro["completion_mask"].shape[0]
@@ -213,6 +229,11 @@ def _lower_logps(run: Any) -> Any:
     rows = plan.logps_micro_batch_size
     inputs = schema.logps_inputs(rows, prompt_width(run), module.completion_width, run.sharding)
     lm_params = module.policy_params(module.full_params(run.params))
+    packed = packed_layout(run, rows)
+    if packed is not None and isinstance(module.policy.logps, PackedLogps):  # plan.packing: the packed forward
+        return module.policy.logps.lower_packed(
+            lm_params, *inputs, rows_per_block=packed[0],
+            blocks=run.sharding.batch_shards if rows % run.sharding.batch_shards == 0 else 1)
     return module.policy.logps.lower(lm_params, *inputs, group_size=module._group_size(rows, plan))
 
 

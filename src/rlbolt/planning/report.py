@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from rlbolt.planning.compile import Executable, compile_executables, prompt_width
+from rlbolt.planning.compile import Executable, compile_executables, packed_layout, prompt_width
 
 GIB = 1 << 30
 STEP = ("update", "logps", "rollout")  # a step runs these; grad and optimizer are parts of the update
@@ -183,6 +183,9 @@ def boundary_activation_bytes(run: Any) -> int:
     config, plan = run.module.model.config, run.plan
     rows = -(-(plan.train_micro_batch_size) // run.sharding.batch_shards)
     tokens = prompt_width(run) + run.module.completion_width
+    packed = packed_layout(run, plan.train_micro_batch_size)
+    if packed is not None:  # plan.packing: the packed rows' tokens
+        rows, tokens = packed
     itemsize = np.dtype(jax.numpy.dtype(config.dtype)).itemsize
     return config.num_layers * rows * tokens * config.hidden_size * itemsize
 
@@ -191,8 +194,11 @@ def model_flops(run: Any) -> dict[str, float]:
     """Model FLOPs of one call of each executable: 6 N T (update), 2 N T (logps, rollout)."""
     n = sum(math.prod(x.shape) for x in jax.tree.leaves(run.module.policy_params(run.module.full_params(run.params))))
     plan, width = run.plan, prompt_width(run) + run.module.completion_width
-    return {"update": 6.0 * n * plan.mini_batch_size * width,
-            "grad": 6.0 * n * plan.train_micro_batch_size * width,
+    packed = packed_layout(run, plan.train_micro_batch_size)
+    train = (plan.train_micro_batch_size * width if packed is None  # plan.packing: the packed rows' tokens
+             else packed[0] * packed[1] * run.sharding.batch_shards)
+    return {"update": 6.0 * n * train * plan.grad_accum_steps,
+            "grad": 6.0 * n * train,
             "logps": 2.0 * n * plan.logps_micro_batch_size * width,
             "rollout": 2.0 * n * plan.rollout_micro_batch_size * width}
 

@@ -35,7 +35,7 @@ def _shape(dims: tuple[str, ...], prompt: int, completion: int) -> tuple[int, ..
 
 
 def train_batch(accum: int, micro: int, prompt: int, completion: int, *, reference: bool,
-                sharding: ShardingPlan | None = None) -> Batch:
+                sharding: ShardingPlan | None = None, packed_rows: int | None = None) -> Batch:
     """The update's micro batches [A, M/A, ...] (sample axis 1 over the batch shards when `sharding`).
 
     Args:
@@ -45,11 +45,17 @@ def train_batch(accum: int, micro: int, prompt: int, completion: int, *, referen
       completion: C, the completion width.
       reference: whether `ref_logps` is a column (beta > 0).
       sharding: the training ShardingPlan, or None.
+      packed_rows: plan.packing: R, the packed rows per batch shard (adds `pack_rows` [A, M/A, R] and
+        `pack_starts` [A, M/A], `rlbolt.packing`); None: padded rows.
     """
     columns = {**TRAIN_COLUMNS, **(REFERENCE_COLUMNS if reference else {})}
     place = None if sharding is None else sharding.batch_sharding(1)
-    return Batch({name: S((accum, micro, *_shape(dims, prompt, completion)), dtype, sharding=place)
-                  for name, (dims, dtype) in columns.items()})
+    batch = Batch({name: S((accum, micro, *_shape(dims, prompt, completion)), dtype, sharding=place)
+                   for name, (dims, dtype) in columns.items()})
+    if packed_rows is None:
+        return batch
+    return batch.with_columns(pack_rows=S((accum, micro, packed_rows), jnp.bool_, sharding=place),
+                              pack_starts=S((accum, micro), jnp.int32, sharding=place))
 
 
 def logps_inputs(rows: int, prompt: int, completion: int, sharding: ShardingPlan | None = None) -> tuple[S, S, S, S]:
