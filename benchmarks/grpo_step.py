@@ -35,7 +35,8 @@ With --lora the GFLOP figures still count the full fine-tuning update (the base'
 a LoRA step skips), so compare LoRA and full fine-tuning by seconds and bytes. Memory fields:
 `live_mb`, the distinct device buffers alive after fit (weights, reference, optimizer state),
 and `update_temp_mb` / `update_arg_mb`, the update executable's scratch and argument bytes
-(XLA's compiled memory analysis).
+(XLA's compiled memory analysis). The printed table, the phase / bound ratios and the
+utilisation against data-sheet peaks are step_report.py's.
 """
 
 from __future__ import annotations
@@ -51,9 +52,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ceiling import measure_bound, time_calls  # noqa: E402
-from flops import decode_bytes, duplicate_prompt_share, step_flops  # noqa: E402
+from flops import duplicate_prompt_share, step_flops  # noqa: E402
 from machine import cpu_model  # noqa: E402
 from shapes import chat_prompt_ids, smollm2_135m_config  # noqa: E402
+from step_report import phase_over_bound, print_table, update_bound, utilisation  # noqa: E402
 
 PRESETS = {
     "cpu": dict(prompts=8, generations=4, prompt_len=32, new_tokens=64, steps=12, train_micro=8, model={}),
@@ -224,28 +226,17 @@ def main(argv=None) -> dict:
         "train_micro": plan.train_micro_batch_size,
         "layers": config.num_layers,
         "vocab": vocab,
-        "phase_over_bound": bound and _phase_over_bound(split, bound["times_s"]),
-        "update_over_bound": bound and split["update"] / _update_bound(bound["times_s"]),
+        "phase_over_bound": bound and phase_over_bound(split, bound["times_s"]),
+        "update_over_bound": bound and split["update"] / update_bound(bound["times_s"]),
         "update_over_dense_bound": bound and split["update"] / bound["times_s"]["update"],
         "cpu_model": cpu_model(),
         "load_avg": [*load_start, *os.getloadavg()],  # 1/5/15-min load at the start, then at the end
         **memory,
-        **_utilisation(config, p, flops, split),
+        **utilisation(config, p, flops, split),
     }
-    _print_table(result, flops)
+    print_table(result, flops)
     print(json.dumps(result))
     return result
-
-
-def _phase_over_bound(split: dict, bound_times: dict) -> dict:
-    """Each phase of the step against its products alone: rollout / (prefill + decode), logps / ref, update / update."""
-    return {"rollout": split["rollout"] / (bound_times["prefill"] + bound_times["decode"]),
-            "logps": split["logps"] / bound_times["ref"], "update": split["update"] / _update_bound(bound_times)}
-
-
-def _update_bound(bound_times: dict) -> float:
-    """The update's products: dense, plus attention's where measured (real shapes: `update_attention`)."""
-    return bound_times["update"] + bound_times.get("update_attention", 0.0)
 
 
 def _floor_step_s(module, trainer, state, produced, repeats: int) -> tuple[float, dict]:
@@ -300,34 +291,6 @@ def _memory(trainer, state, produced) -> dict:
             "update_arg_mb": stats.argument_size_in_bytes / 2 ** 20}
 
 
-def _utilisation(config, p: dict, flops: dict, split: dict) -> dict:
-    """Update MFU and decode memory-bandwidth utilisation against the device's data-sheet peaks.
-
-    Decode is bandwidth-bound: each of the C - 1 decode steps reads every weight once plus the KV
-    cache filled so far (`flops.decode_bytes`). Rollout time includes the (compute-bound) prefill,
-    so the utilisation is a lower bound. None where the peak is unknown (CPU).
-    """
-    import jax
-
-    kind = jax.devices()[0].device_kind.lower()
-    peak_flops = next((v for k, v in _PEAK_BF16_FLOPS.items() if k in kind), None)
-    peak_bw = next((v for k, v in _PEAK_BYTES_PER_S.items() if k in kind), None)
-    sequences = p["prompts"] * p["generations"]
-    update_flops_per_s = flops["update"] / split["update"] if split["update"] else float("nan")
-    read = decode_bytes(config, sequences, p["prompt_len"], p["new_tokens"])
-    return {
-        "update_gflops": update_flops_per_s / 1e9,
-        "update_mfu": update_flops_per_s / peak_flops if peak_flops else None,
-        "decode_gb_per_s": read / split["rollout"] / 1e9 if split["rollout"] else None,
-        "decode_bw_util": read / split["rollout"] / peak_bw if peak_bw and split["rollout"] else None,
-    }
-
-
-# Data-sheet peaks (dense bf16 FLOP/s, HBM bytes/s) of the GPUs a session may be lent.
-_PEAK_BF16_FLOPS = {"h200": 989e12, "h100": 989e12, "a100": 312e12}
-_PEAK_BYTES_PER_S = {"h200": 4.8e12, "h100": 3.35e12, "a100": 2.0e12}
-
-
 def _matmul_gflops(preset: str, repeats: int = 20) -> float:
     """A large float32 (cpu) / bfloat16 (gpu) matmul: the practical compute ceiling, timed here."""
     import jax
@@ -340,51 +303,6 @@ def _matmul_gflops(preset: str, repeats: int = 20) -> float:
 
 def _median(values) -> float:
     return float(statistics.median(values)) if len(values) else float("nan")
-
-
-def _print_table(r: dict, flops: dict) -> None:
-    floor = r["floor_step_s"] is not None
-    rows = [
-        ("step s (median of the measured steps)", f"{r['step_s_median']:.3f}"),
-        ("floor step s (bare loop)", f"{r['floor_step_s']:.3f}" if floor else "not run (--floor)"),
-        ("overhead ratio (target <= 1.05)", f"{r['overhead_ratio']:.3f}" if floor else "-"),
-        ("generated tokens / s", f"{r['gen_tokens_per_s']:.0f}"),
-        ("GFLOP per step", f"{r['gflops_per_step']:.1f} (rollout {flops['rollout'] / 1e9:.1f}, ref {flops['ref'] / 1e9:.1f}, update {flops['update'] / 1e9:.1f})"),
-        ("achieved GFLOP/s", f"{r['achieved_gflops']:.1f}"),
-        ("matmul GFLOP/s (ceiling)", f"{r['matmul_gflops']:.1f}"),
-        ("achieved / matmul (target >= 0.70)", f"{r['achieved_gflops'] / r['matmul_gflops']:.2f}"),
-        *([("matmul-only bound s (ceiling.py)", f"{r['bound_step_s']:.3f} (best achieved / matmul {r['bound_ratio']:.2f})"),
-           ("step / bound (target <= 1.30)", f"{r['step_over_bound']:.2f}"),
-           *([("step / unshared bound", f"{r['step_over_unshared_bound']:.2f} (bound {r['unshared_bound_step_s']:.3f} s)")]
-             if r["unshared_bound_step_s"] else []),
-           *[(f"  bound {k}", f"{v:.3f}") for k, v in r["bound_split"].items()],
-           *[(f"  {k} / its bound", f"{v:.2f}") for k, v in (r["phase_over_bound"] or {}).items()],
-           *([("  update / its dense products only", f"{r['update_over_dense_bound']:.2f}")]
-             if "update_attention" in r["bound_split"] else [])]
-          if r["bound_step_s"] else []),
-        ("shared prompt", f"{'on' if r['shared_prompt'] else 'off'} (duplicate prompt tokens of an unshared "
-                          f"forward: {100 * r['duplicate_prompt_token_share']:.0f}%)"),
-        ("compiles after warm-up (target 0)", str(r["compiles_after_warmup"])),
-        ("peak RSS MB of fit (target <= 1000)", f"{r['peak_rss_mb']:.0f}"),
-        ("load average at start / end", " / ".join(f"{x:.1f}" for x in (r["load_avg"][0], r["load_avg"][3]))
-         + f" on {r['cpu_model']}"),
-        ("trainable params", f"{r['trainable_params']:,}" + (f" (LoRA {r['lora']}, rollout {r['lora_rollout']})" if r["lora"] else "")),
-        ("live device MB after fit", f"{r['live_mb']:.1f}"),
-        ("update MB: scratch / arguments", f"{r['update_temp_mb']:.1f} / {r['update_arg_mb']:.1f}"),
-        ("update GFLOP/s (MFU)", f"{r['update_gflops']:.1f} ({_pct(r['update_mfu'])})"),
-        ("decode GB/s (of bandwidth peak)", f"{r['decode_gb_per_s']:.1f} ({_pct(r['decode_bw_util'])})"),
-        *[(f"  time/{k} (floor)", f"{v:.3f} ({r['floor_split'][k]:.3f})" if k in r["floor_split"] else f"{v:.3f}")
-          for k, v in r["split"].items()],
-    ]
-    width = max(len(k) for k, _ in rows)
-    print(f"rlbolt GRPO step benchmark, preset {r['preset']} ({r['layers']} layers, vocab {r['vocab']}, "
-          f"{r['sequences']} x {r['prompt_len']} + {r['completion']} tokens) on {r['device']} x {r['devices']}, mesh {r['mesh']}")
-    for k, v in rows:
-        print(f"  {k:<{width}}  {v}")
-
-
-def _pct(x) -> str:
-    return "peak unknown" if x is None else f"{100 * x:.1f}%"
 
 
 def _parse(argv):

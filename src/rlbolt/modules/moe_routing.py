@@ -15,6 +15,8 @@ int16); undefined (0) where a token was not routed.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,6 +104,23 @@ def completion_load_balancing(experts: list[jax.Array], probs: list[jax.Array], 
     (`rlbolt.models.moe.load_balancing_loss`: E * sum_e f_e P_e over every MoE layer's tokens)."""
     _, completion = routed_token_masks(prompt_mask, completion_mask, group_size)
     return load_balancing_loss(probs, experts, completion)
+
+
+def micro_batch_load_balancing(router: tuple[list[jax.Array], list[jax.Array]], batch: Mapping[str, jax.Array],
+                               group_size: int, token_share: jax.Array) -> jax.Array:
+    """One micro batch's load-balancing term in a mini batch's loss.
+
+    The load-balancing loss is not a sum over tokens: each micro batch's counts its own fed
+    completion tokens and enters weighted by its share of the mini batch's completion tokens.
+
+    Args:
+      router: the training forward's `(experts, probs)` (`aux["router"]`).
+      batch: the micro batch (`prompt_mask`, `completion_mask`).
+      group_size: G when each group's prompt runs once (1: unshared).
+      token_share: this micro batch's completion tokens over the mini batch's.
+    """
+    balance = completion_load_balancing(*router, batch["prompt_mask"], batch["completion_mask"], group_size)
+    return balance * token_share
 
 
 def logps_and_mismatch(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, prompt_routing,

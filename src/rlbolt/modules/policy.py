@@ -35,32 +35,30 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from rlbolt.algorithms import LossAggregation, aggregate_loss, kl_penalty, overlong_penalty
-from rlbolt.algorithms import grpo_advantages, reverse_kl_advantages, rollout_correction
+from rlbolt.algorithms import LossAggregation, aggregate_loss, grpo_advantages, kl_penalty
+from rlbolt.algorithms.objectives import OBJECTIVES, objective_selections
 from rlbolt.agents.environment import EnvFactory
 from rlbolt.batch import Batch
 from rlbolt.config import RunConfig, config_to_dict
 from rlbolt.data.tokenizers import Tokenizer
+from rlbolt.distributed.sharding import ShardingPlan
 from rlbolt.models.decoder import Decoder
 from rlbolt.module import ModuleCard, RLModule
-from rlbolt.plan import PlanError
-from rlbolt.modules import lm_ops
-from rlbolt.modules.moe_routing import ROUTING_COLUMNS, check_router_settings, completion_load_balancing
-from rlbolt.modules.policy_model import PolicyModel, local_rows, rows_on_mesh, token_inputs
-from rlbolt.modules.policy_rollout import PolicyRollout, row_fields as _row_fields
-from rlbolt.modules.policy_setup import _config_for, build_policy, build_reward_runner, build_scorers
+from rlbolt.modules.moe_routing import ROUTING_COLUMNS, check_router_settings, micro_batch_load_balancing
+from rlbolt.modules.old_logps import correction_columns, needs_old_forward, policy_old_logps
+from rlbolt.modules.policy_model import PolicyModel, token_inputs
+from rlbolt.modules.policy_plan import held_memory, refuse_ungrouped
+from rlbolt.modules.policy_rewards import batch_rewards, distill_advantages
+from rlbolt.modules.policy_rollout import PolicyRollout
+from rlbolt.modules.policy_setup import _config_for, build_encoder, build_env_factory, build_optimizer, build_policy
+from rlbolt.modules.policy_setup import build_reward_runner, build_scorers, build_tokenizer, learning_rate
 from rlbolt.modules.policy_setup import replace_section  # noqa: F401 (re-export)
+from rlbolt.modules.policy_validation import validation_metrics
 from rlbolt.modules.prompt_sharing import require_shared_layout, stage_group_size
-from rlbolt.modules.prompts import PromptEncoder, builtin_tokenizer, rows_of
-from rlbolt.algorithms.objectives import OBJECTIVES, objective_selections
-from rlbolt.modules.rewarding import answer_score, score_shared
 from rlbolt.modules.scorers import LogpsScorer
-from rlbolt.packing import packed_sequence_logps
-from rlbolt.distributed.sharding import ShardingPlan, host_value
 from rlbolt.rewards import RewardFn, WeightedReward
 from rlbolt.rollout.engine import RolloutEngine
 from rlbolt.setup_context import SetupContext
-
 
 
 class LMPolicyModule(RLModule):
@@ -109,9 +107,7 @@ class LMPolicyModule(RLModule):
         once by `fit`; called directly (a test, `rlbolt export`), it records `context` as `self.context`."""
         self.context = context
         cfg = self.config
-        if self.tokenizer is None:
-            folder = cfg.model.tokenizer or cfg.model.path
-            self.tokenizer = lm_ops.load_tokenizer(folder) if folder else builtin_tokenizer()
+        self.tokenizer = self.tokenizer if self.tokenizer is not None else build_tokenizer(cfg)
         model = self.policy.model if self.policy is not None else self._given["model"]  # a second setup keeps it
         self.policy = build_policy(cfg, model, self.tokenizer, context, self._train_temperature, lora=self.lora)
         check_router_settings(self.model.config.num_experts, cfg.model.router_aux_loss_coef,
@@ -119,16 +115,9 @@ class LMPolicyModule(RLModule):
         # The training forward returns its routing when a router term needs it (`forward`).
         self.routes_in_training = self.model.config.num_experts > 0 and (
             cfg.model.router_aux_loss_coef > 0 or self.algo.router_replay)
-        self.encoder = PromptEncoder(
-            self.tokenizer, prompt_field=cfg.data.prompt_field, max_prompt_tokens=cfg.data.max_prompt_tokens,
-            system_prompt=cfg.data.system_prompt, use_chat_template=cfg.data.use_chat_template,
-            template_kwargs=cfg.data.chat_template_kwargs)
+        self.encoder = build_encoder(cfg, self.tokenizer)
         self.reward, self.reward_runner = build_reward_runner(cfg, self.reward, self._env_choice is not None)
-        env_factory = None
-        if self._env_choice is not None:  # samples are multi-turn episodes (rlbolt.agents)
-            from rlbolt.agents.environment import load_env_factory
-
-            env_factory = load_env_factory(self._env_choice)  # ConfigError naming rollout.env
+        env_factory = build_env_factory(self._env_choice)  # samples are multi-turn episodes (rlbolt.agents)
         self.scorers, self._given["teacher"] = build_scorers(cfg, self.policy, self._given["teacher"], self.tokenizer,
                                                              context)
         # Each group's prompt runs once where a stage's micro batches hold whole groups and the
@@ -195,42 +184,18 @@ class LMPolicyModule(RLModule):
 
     # -- plan and optimizer -----------------------------------------------------------------------
     def check_plan(self, plan) -> None:
-        """Refuses `num_generations=1` when this algorithm's advantages are group-relative.
-
-        Found by what the algorithm computes, not by name: `compute_advantages` is probed with
-        four groups of one sample and four different rewards. If every advantage comes back 0
-        (a baseline from the sample's own group: GRPO, Dr.GRPO, RLOO, GSPO, DAPO), no sample
-        would ever get a gradient. Batch-level estimators (REINFORCE++, PPO's GAE) pass.
-        """
-        if plan.num_generations > 1:
-            return
-        n, c = 4, 3
-        probe = Batch(rewards=np.asarray([0.0, 1.0, 0.25, 0.5], np.float32), group_ids=np.arange(n),
-                      completion_mask=np.ones((n, c), bool), old_logps=np.zeros((n, c), np.float32),
-                      sampler_logps=np.zeros((n, c), np.float32), old_values=np.zeros((n, c), np.float32))
-        try:
-            out = self.compute_advantages(probe)
-        except KeyError:  # a subclass reading columns the probe lacks: it cannot be judged this way
-            return
-        advantages = np.asarray(out["advantages"] if isinstance(out, Mapping) else out)
-        if not np.any(advantages):
-            raise PlanError(
-                f"num_generations=1 with {type(self).__name__}: its advantage compares each sample with the other "
-                "samples of the same prompt, so with one sample per prompt every advantage is 0 and nothing learns; "
-                "use num_generations >= 2 (plan.num_generations)")
+        """Refuses `num_generations=1` when this algorithm's advantages are group-relative (probed
+        through `compute_advantages`: policy_plan.refuse_ungrouped)."""
+        refuse_ungrouped(self.compute_advantages, type(self).__name__, plan.num_generations)
 
     def lr_schedule(self, count: int) -> float:
         """The learning rate of optimizer update `count` (0-based): linear warm-up, then constant.
         LearningRateMonitor reads it; configure_optimizers uses the same function."""
-        a = self.algo
-        return float(optax.linear_schedule(0.0, a.lr, a.warmup_steps)(count)) if a.warmup_steps else a.lr
+        return learning_rate(self.algo, count)
 
     def configure_optimizers(self) -> optax.GradientTransformation:
         """AdamW with optional linear warm-up and global-norm clipping (config.algorithm)."""
-        a = self.algo
-        lr = optax.linear_schedule(0.0, a.lr, a.warmup_steps) if a.warmup_steps else a.lr
-        adamw = optax.adamw(lr, weight_decay=a.weight_decay)
-        return optax.chain(optax.clip_by_global_norm(a.max_grad_norm), adamw) if a.max_grad_norm > 0 else adamw
+        return build_optimizer(self.algo)
 
     def policy_params(self, params: Any) -> Any:
         """The language model's parameters inside the trainable pytree (PPO nests them)."""
@@ -267,20 +232,8 @@ class LMPolicyModule(RLModule):
         """The frozen reference model (when beta > 0) or LoRA's frozen base, the teacher, and the
         sampler's KV cache for one rollout micro batch (longest prompt + max_new_tokens slots), per
         device; a scorer on devices of its own is not on the training devices this plan describes."""
-        from rlbolt.distributed import kv_cache_bytes, per_device_bytes
-
-        held = {name: s for name, s in self.scorers.items() if s.on_train_devices and s.params is not None}
-        out = {"reference": per_device_bytes(held["ref"].params)} if "ref" in held else {}
-        if self.lora is not None:
-            out["frozen base"] = per_device_bytes(self.lora.base)
-        if "teacher" in held:
-            out["teacher"] = per_device_bytes(held["teacher"].params)
-        rows = self.context.plan.rollout_micro_batch_size
-        rows = 1 << max(0, (rows - 1).bit_length())  # the sampler pads a call to a power of two
-        # An upper bound: with the prompt shared the prompt slots are held once per group.
-        out["kv cache"] = kv_cache_bytes(self.model.config, rows, self.encoder.width + self.completion_width - 1,
-                                         sharding)
-        return out
+        return held_memory(self.scorers, self.lora, self.model.config, self.context.plan.rollout_micro_batch_size,
+                           self.encoder.width + self.completion_width - 1, sharding)
 
     # -- rollout ----------------------------------------------------------------------------------------
     def on_rollout(self, params: Any, batch: Batch) -> Batch:
@@ -317,60 +270,24 @@ class LMPolicyModule(RLModule):
         return t if t > 0 else 1.0
 
     def compute_logps(self, params: Any, batch: Batch) -> Batch:
-        """Adds `old_logps` (a forward pass when `_forward_old` says so; else the sampler's), each
+        """Adds `old_logps` (a forward pass when `needs_old_forward` says so; else the sampler's), each
         scorer's `<name>_logps` (`ref_logps` when beta > 0, `teacher_logps` when distilling), and
         `importance_weights` [N, C] float32 and `keep_mask` [N, C] bool when `algorithm.rollout_correction`
         corrects the engine's logps toward the trainer's (`rlbolt.algorithms.rollout_correction`:
         weights 0 and keep False on dropped tokens; its metrics are logged)."""
-        forward_old = self._forward_old()
+        measure = self.rollout_cfg.record_routing and not self.algo.router_replay  # recorded, not replayed
+        forward_old = needs_old_forward(self.context.plan.num_iterations, self.algo, "teacher" in self.scorers, measure)
         group = self.logps_group_size(batch) if forward_old or self.scorers else 1
-        old = self._old_logps(params, batch, group) if forward_old else batch["sampler_logps"]
+        old = batch["sampler_logps"]
+        if forward_old:  # the policy's logps, replaying or measuring recorded routing (old_logps.py)
+            old = policy_old_logps(self.policy, self.policy_params(self.full_params(params)), self.sharding, batch,
+                                   group, replay=self.algo.router_replay, measure=measure, log=self.log)
         cols: dict[str, Any] = {"old_logps": np.asarray(old, np.float32)}
         if self.algo.rollout_correction != "none":
-            cols.update(self._rollout_correction(cols["old_logps"], batch))
+            cols.update(correction_columns(cols["old_logps"], batch, self.algo, self.log))
         for name, scorer in self.scorers.items():  # a placed scorer's forward runs unshared on its own mesh
             cols[f"{name}_logps"] = scorer.logps(batch, group)
         return batch.with_columns(cols)
-
-    def _forward_old(self) -> bool:
-        """Whether old logps need the trainer's forward: several updates per batch, a rollout
-        correction, a teacher (its logps come from the trainer's forward, so the student's must too:
-        a teacher equal to the student gives a reverse KL of exactly 0), or recorded routing without
-        replay (the forward recomputes it and logs moe/routing_mismatch)."""
-        return (self.context.plan.num_iterations > 1 or self.algo.rollout_correction != "none"
-                or "teacher" in self.scorers or self._measures_routing)
-
-    @property
-    def _measures_routing(self) -> bool:
-        return self.rollout_cfg.record_routing and not self.algo.router_replay
-
-    def _old_logps(self, params: Any, batch: Batch, group: int) -> np.ndarray:
-        """The policy's logps of `batch` ([N, C] float32 host rows), replaying recorded routing with
-        `algorithm.router_replay`, or measuring its mismatch when it is only recorded."""
-        lm_params, sharding = self.policy_params(self.full_params(params)), self.sharding
-        inputs = rows_on_mesh(sharding, batch)
-        recorded = self._measures_routing or self.algo.router_replay
-        routing = rows_on_mesh(sharding, batch, ROUTING_COLUMNS) if recorded else None
-        if self._measures_routing:
-            logps, mismatched, total = self.policy.logps_and_mismatch(lm_params, *inputs, *routing, group_size=group)
-            self.log("moe/routing_mismatch", float(host_value(mismatched)) / max(float(host_value(total)), 1.0))
-            return local_rows(sharding, logps)
-        return local_rows(sharding, self.policy.logps(lm_params, *inputs, group_size=group, routing=routing))
-
-    def _rollout_correction(self, old: np.ndarray, batch: Batch) -> dict[str, np.ndarray]:
-        """`importance_weights` and `keep_mask` of the engine's logps against `old` (metrics logged)."""
-        a = self.algo
-        weights, keep, metrics = rollout_correction(
-            jnp.asarray(old), jnp.asarray(batch["sampler_logps"]), jnp.asarray(batch["completion_mask"]),
-            mode=a.rollout_correction, level=a.rollout_correction_level, cap=a.rollout_correction_cap)
-        for name, value in metrics.items():
-            self.log(name, float(value))
-        # The objectives see the keep-mask (a dropped token is out of every sequence ratio and
-        # covariance they pool: algorithms/objectives.py); the aggregation keeps the completion mask, so a
-        # dropped token keeps its place in the normaliser with weight 0 and the loss's scale does
-        # not depend on how many tokens were dropped (verl instead removes them from the mask).
-        return {"importance_weights": np.asarray(jnp.where(keep, weights, 0.0), np.float32),
-                "keep_mask": np.asarray(keep, bool)}
 
     # -- rewards and advantages ------------------------------------------------------------------------
     def on_reward(self, batch: Batch) -> Batch:
@@ -391,30 +308,14 @@ class LMPolicyModule(RLModule):
         out = self.compute_advantages(batch)
         cols = dict(out) if isinstance(out, Mapping) else {"advantages": out}
         if "teacher" in self.scorers:  # on-policy distillation: the teacher's per-token reverse KL
-            a, mask = self.algo, np.asarray(batch["completion_mask"], bool)
-            task = cols["advantages"] if a.distill_task_coef > 0 else None
-            advantages, reverse_kl = reverse_kl_advantages(
-                batch["old_logps"], batch["teacher_logps"], mask, kl_coef=a.distill_kl_coef, task_advantages=task,
-                task_coef=a.distill_task_coef)
-            cols["advantages"] = advantages
-            self.log("distill/reverse_kl", float(np.asarray(reverse_kl)[mask].mean()) if mask.any() else 0.0)
+            cols["advantages"] = distill_advantages(batch, cols["advantages"], self.algo, self.log)
         return batch.with_columns({k: np.asarray(v, np.float32) for k, v in cols.items()})
 
     def compute_rewards(self, batch: Batch) -> np.ndarray:
         """Scores each completion with the reward runner (failure-isolated) and adds DAPO's
         overlong penalty when `algorithm.overlong_cache_length` > 0. Returns [N] float32."""
-        samples = rows_of(batch, _row_fields(batch))
         share = self.sharding.share if self.sharding is not None else None  # each process scores its rows
-        rewards, metrics = score_shared(self.reward_runner, list(batch["completion_text"]), samples, share)
-        for name, value in metrics.items():
-            if name not in ("reward/mean", "reward/std"):  # the producer reports those after filtering
-                self.log(name, value)
-        if self.algo.overlong_cache_length > 0:
-            lengths = np.asarray(batch["completion_mask"]).sum(axis=1)
-            penalty = np.asarray(overlong_penalty(lengths, self.rollout_cfg.max_new_tokens, self.algo.overlong_cache_length))
-            self.log("reward/overlong_penalty", float(penalty.mean()))
-            rewards = rewards + penalty
-        return rewards
+        return batch_rewards(self.reward_runner, batch, share, self.algo, self.rollout_cfg.max_new_tokens, self.log)
 
     def filter_groups(self, batch: Batch) -> Batch:
         """Which samples to keep (whole groups). Default: all."""
@@ -451,11 +352,7 @@ class LMPolicyModule(RLModule):
         # Mixture of experts with a router term: the forward also returns its routing (moe_routing.py).
         routing = tuple(batch[k] for k in ROUTING_COLUMNS) if self.routes_in_training and self.algo.router_replay else None
         if not self.routes_in_training and "pack_rows" in batch:  # plan.packing: the packed rows (rlbolt.packing)
-            logps, entropy = packed_sequence_logps(
-                self.policy.graphdef, self.policy_params(params), *token_inputs(batch), batch["pack_rows"],
-                batch["pack_starts"], row_tokens=self.context.plan.packed_row_tokens, with_entropy=True,
-                blocks=1 if self.sharding is None else self.sharding.batch_shards, **self.policy.options)
-            return logps, entropy, {}
+            return *self.policy.packed_forward(self.policy_params(params), batch, self.context.plan.packed_row_tokens), {}
         return self.policy.forward(self.policy_params(params), token_inputs(batch), group_size=self.train_group_size,
                                    routed=self.routes_in_training, routing=routing)
 
@@ -480,13 +377,9 @@ class LMPolicyModule(RLModule):
             metrics["loss/entropy"] = -a.entropy_coef * self.aggregate(entropy, batch)
             loss = loss + metrics["loss/entropy"]
         router = aux.pop("router", None)
-        if router is not None and self.config.model.router_aux_loss_coef > 0:
-            # The load-balancing loss is not a sum over tokens: each micro batch's counts its own fed
-            # completion tokens and enters weighted by its share of the mini batch's completion tokens.
-            balance = completion_load_balancing(*router, batch["prompt_mask"], batch["completion_mask"],
-                                                self.train_group_size)
+        if router is not None and self.config.model.router_aux_loss_coef > 0:  # weighted by its token share
             share = self.token_mean(jnp.ones(batch["completion_mask"].shape), batch)  # this micro batch's tokens
-            metrics["moe/aux_loss"] = balance * share
+            metrics["moe/aux_loss"] = micro_batch_load_balancing(router, batch, self.train_group_size, share)
             loss = loss + self.config.model.router_aux_loss_coef * metrics["moe/aux_loss"]
         extra, extra_metrics = self.extra_loss(aux, batch)
         return loss + extra, {**metrics, **extra_metrics}
@@ -499,22 +392,6 @@ class LMPolicyModule(RLModule):
     def validation_step(self, params: Any, batch: Batch, *, num_samples: int | None = None) -> dict[str, float]:
         """Greedy accuracy, and pass@k over k samples per prompt (`num_samples`, which
         `Evaluation(num_samples=k)` passes; None: `rollout.val_num_samples`)."""
-        rows = rows_of(batch, [k for k in _row_fields(batch) if k != "prompt_index"])
-        keys = np.asarray(batch["sample_keys"], np.uint32)
-        if self.rollout.env_factory is not None:  # greedy episodes: the mean environment reward
-            episodes = self.rollout.episodes(params, rows, keys, None, 0.0, log=False)
-            return {"env_reward": float(np.mean(episodes["env_reward"]))}
-        ids = self.encoder.encode_rows(rows)
-        answer_field = self.config.data.answer_field
-        greedy = self.rollout.generate(params, ids, keys, 0.0).output
-        texts = self.rollout.decode(greedy.completion_ids, greedy.completion_mask)
-        metrics = {"accuracy": float(np.mean([answer_score(t, r, answer_field) for t, r in zip(texts, rows)]))}
-        k = num_samples or self.rollout_cfg.val_num_samples
-        if k > 1:
-            many_keys = np.asarray(jax.vmap(lambda key: jax.random.split(key, k))(jnp.asarray(keys)), np.uint32)
-            out = self.rollout.generate(params, [i for i in ids for _ in range(k)], many_keys.reshape(-1, 2),
-                                        self.rollout_cfg.val_temperature).output
-            texts = self.rollout.decode(out.completion_ids, out.completion_mask)
-            scores = np.array([answer_score(t, rows[j // k], answer_field) for j, t in enumerate(texts)])
-            metrics[f"pass@{k}"] = float(scores.reshape(-1, k).max(axis=1).mean())
-        return metrics
+        return validation_metrics(self.rollout, self.encoder, params, batch, answer_field=self.config.data.answer_field,
+                                  k=num_samples or self.rollout_cfg.val_num_samples,
+                                  temperature=self.rollout_cfg.val_temperature)

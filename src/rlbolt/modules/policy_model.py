@@ -7,6 +7,7 @@ rollout ask, so no caller tests for LoRA:
     policy.frozen() / join(p, f)     LoRA's frozen base (None without LoRA) and the join of the two
     policy.logps(lm, *inputs, ...)   the jitted logps forward on the training mesh (compute_logps)
     policy.forward(lm, inputs, ...)  the training forward: logps, entropy (and the MoE routing)
+    policy.packed_forward(lm, batch, row_tokens)   the training forward over plan.packing's packed rows
     policy.rollout_params(lm)        what the engine samples with (LoRA: merged or adapters in the graph)
     policy.rollout_model(plan)       the model the engine is built from, on the rollout mesh
     policy.hf_model(p)               a plain Decoder holding the policy's trainable `p` (adapters merged)
@@ -34,6 +35,7 @@ from rlbolt.models.decoder import Decoder
 from rlbolt.models.logps import routed_token_logps, sequence_logps, token_logps
 from rlbolt.modules.lora_policy import LoraPolicy
 from rlbolt.modules.moe_routing import logps_and_mismatch
+from rlbolt.packing import packed_sequence_logps
 
 
 class PolicyModel:
@@ -105,6 +107,19 @@ class PolicyModel:
         logps, entropy, experts, probs = routed_token_logps(self.graphdef, lm_params, *inputs, with_entropy=True,
                                                             group_size=group_size, routing=routing, **self.options)
         return logps, entropy, {"router": (experts, probs)}
+
+    def packed_forward(self, lm_params: Any, batch: Batch, row_tokens: int) -> tuple[jax.Array, jax.Array]:
+        """(logps [N, C], entropy [N, C]) of the training forward over `plan.packing`'s packed rows
+        (`rlbolt.packing`; one packing block per batch shard).
+
+        Args:
+          lm_params: the language model's parameters (joined with the frozen base).
+          batch: the micro batch with its token columns and `pack_rows` / `pack_starts`.
+          row_tokens: tokens per packed row (`plan.packed_row_tokens`).
+        """
+        return packed_sequence_logps(self.graphdef, lm_params, *token_inputs(batch), batch["pack_rows"],
+                                     batch["pack_starts"], row_tokens=row_tokens, with_entropy=True,
+                                     blocks=1 if self.sharding is None else self.sharding.batch_shards, **self.options)
 
     # -- the rollout's view ---------------------------------------------------------------------------
     @property

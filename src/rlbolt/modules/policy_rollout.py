@@ -22,7 +22,7 @@ from flax import nnx
 
 from rlbolt.agents.failures import EnvErrorMonitor, EnvFailureError
 from rlbolt.agents.rollout import run_episodes
-from rlbolt.batch import Batch, row_fields  # noqa: F401 - row_fields: policy.py imports it from here
+from rlbolt.batch import Batch, row_fields
 from rlbolt.config import ConfigError, RunConfig
 from rlbolt.config.references import import_reference
 from rlbolt.data.tokenizers import Tokenizer

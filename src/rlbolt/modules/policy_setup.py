@@ -1,9 +1,12 @@
 """What an `LMPolicyModule` is built from: the functions its `setup` calls, and the config helpers.
 
+    build_tokenizer(cfg) / build_encoder(cfg, tokenizer)        -> the tokenizer, the prompt encoder
+    build_env_factory(choice)                                   -> the environment factory of episodes, or None
     build_policy(cfg, model, tokenizer, context, temperature)   -> PolicyModel (model.lora: adapters over the base)
     build_reward_runner(cfg, reward, has_env)                   -> the reward and its failure-isolated runner
     build_scorers(cfg, policy, teacher, context)                -> {"ref": ..., "teacher": ...} log-prob scorers
     load_teacher(path, ...)                                     -> the distillation teacher, checked
+    build_optimizer(algo) / learning_rate(algo, count)          -> AdamW (warm-up, clipping), its schedule
 
 Each takes what it needs as arguments and refuses bad input in one line naming the field.
 """
@@ -16,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import optax
 from flax import nnx
 
 from rlbolt.config import ConfigError, RunConfig, load_config
-from rlbolt.config.sections import ModelSection, default_reward_weights
+from rlbolt.config.sections import AlgorithmSection, ModelSection, default_reward_weights
 from rlbolt.data.tokenizers import Tokenizer
 from rlbolt.distributed.layout import check_placed_role
 from rlbolt.distributed.mesh import MeshError
@@ -27,6 +31,7 @@ from rlbolt.distributed.sharding import ShardingPlan
 from rlbolt.modules import lm_ops
 from rlbolt.modules.lora_policy import LoraPolicy
 from rlbolt.modules.policy_model import PolicyModel, jitted_logps
+from rlbolt.modules.prompts import PromptEncoder, builtin_tokenizer
 from rlbolt.modules.rewarding import build_reward as reward_from_weights
 from rlbolt.modules.scorers import ColocatedScorer, LogpsScorer
 from rlbolt.models.attention_kernels import resolve_attention
@@ -35,6 +40,64 @@ from rlbolt.rewards import RewardFn, RewardRunner, WeightedReward
 from rlbolt.packing import packing_spec
 from rlbolt.packing.logps import PackedLogps
 from rlbolt.setup_context import SetupContext
+
+
+def build_tokenizer(cfg: RunConfig) -> Tokenizer:
+    """The tokenizer `model.tokenizer` (else `model.path`) names, or the built-in one without either.
+
+    Args:
+      cfg: the run's config.
+    """
+    folder = cfg.model.tokenizer or cfg.model.path
+    return lm_ops.load_tokenizer(folder) if folder else builtin_tokenizer()
+
+
+def build_encoder(cfg: RunConfig, tokenizer: Tokenizer) -> PromptEncoder:
+    """The prompt encoder (rows -> token ids) of the `data` section.
+
+    Args:
+      cfg: the run's config.
+      tokenizer: the policy's tokenizer.
+    """
+    d = cfg.data
+    return PromptEncoder(tokenizer, prompt_field=d.prompt_field, max_prompt_tokens=d.max_prompt_tokens,
+                         system_prompt=d.system_prompt, use_chat_template=d.use_chat_template,
+                         template_kwargs=d.chat_template_kwargs)
+
+
+def build_env_factory(choice: Any) -> Any:
+    """The environment factory `env=` or `rollout.env` names (samples become multi-turn episodes,
+    rlbolt.agents), or None without one; a name that does not load is a ConfigError naming rollout.env.
+
+    Args:
+      choice: a factory, its 'package.module:Factory' name, or None.
+    """
+    if choice is None:
+        return None
+    from rlbolt.agents.environment import load_env_factory
+
+    return load_env_factory(choice)
+
+
+def learning_rate(algo: AlgorithmSection, count: int) -> float:
+    """The learning rate of optimizer update `count` (0-based): linear warm-up, then constant.
+
+    Args:
+      algo: the algorithm section (`lr`, `warmup_steps`).
+      count: the optimizer update's index.
+    """
+    return float(optax.linear_schedule(0.0, algo.lr, algo.warmup_steps)(count)) if algo.warmup_steps else algo.lr
+
+
+def build_optimizer(algo: AlgorithmSection) -> optax.GradientTransformation:
+    """AdamW with optional linear warm-up and global-norm clipping.
+
+    Args:
+      algo: the algorithm section (`lr`, `warmup_steps`, `weight_decay`, `max_grad_norm`).
+    """
+    lr = optax.linear_schedule(0.0, algo.lr, algo.warmup_steps) if algo.warmup_steps else algo.lr
+    adamw = optax.adamw(lr, weight_decay=algo.weight_decay)
+    return optax.chain(optax.clip_by_global_norm(algo.max_grad_norm), adamw) if algo.max_grad_norm > 0 else adamw
 
 
 def build_policy(cfg: RunConfig, model: Decoder | None, tokenizer: Tokenizer, context: SetupContext,
