@@ -83,6 +83,7 @@ def _rewards(run_dir: Path) -> np.ndarray:
     return np.asarray([r["reward/mean"] for r in read_jsonl(run_dir / "metrics.jsonl")])
 
 
+@pytest.mark.slow  # ~9 s; LoRA training itself stays in the default tier (tests/modules/test_lora_policy.py)
 def test_demo_lora_trains_adapters_on_the_frozen_policy_of_another_run(demo_run, tmp_path):
     """The cheap twin of test_docs_commands.py::test_the_lora_page_commands: 8 LoRA steps on top of the
     60-step demo run."""

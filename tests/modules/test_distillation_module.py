@@ -33,6 +33,7 @@ def _advantaged(module, seed=0):
     return params, module.on_advantage(module.compute_logps(params, batch))
 
 
+@pytest.mark.slow  # ~14 s; the teacher's scoring stays in the default tier (test_distill_teacher_config, the distill recipe)
 def test_the_student_as_its_own_teacher_gives_zero_advantages_and_no_update():
     tokenizer = builtin_tokenizer()
     student = tiny_model(tokenizer)

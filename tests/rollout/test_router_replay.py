@@ -59,8 +59,10 @@ def _real(out, group):
     return jnp.asarray(np.concatenate([np.asarray(out.prompt_mask)[::group].reshape(-1), fed[:, :-1].reshape(-1)]))
 
 
-# Without stops (the longer run) in the slow tier: the stopping case covers the same replay path.
-@pytest.mark.parametrize("stop", [pytest.param(False, marks=pytest.mark.slow), True])
+# Slow tier (~19 s with its compiles): the default tier keeps replay at the model level
+# (tests/models/test_moe.py) and the routing's aux loss and mismatch metric (below).
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", [False, True])
 def test_training_forward_replays_the_rollout_routing(stop):
     model = _model()
     rng = np.random.default_rng(3)
