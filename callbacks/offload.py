@@ -26,7 +26,7 @@ state per step and one of the reference params per logps micro batch.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -113,10 +113,12 @@ class CPUOffload(Callback):
 
     Args:
       optimizer_state: keep `TrainState.opt_state` in host memory except during the update stage.
-      reference: keep the module attributes named in `reference_attrs` (the frozen reference
-        policy of a KL term) in host memory except inside `module.compute_logps`.
-      reference_attrs: module attributes holding idle parameter pytrees; missing or None ones are
-        skipped (an LMPolicyModule has `ref_params` only when algorithm.beta > 0).
+      reference: keep the module's idle model copies (the frozen reference policy of a KL term) in
+        host memory except inside `module.compute_logps`.
+      reference_attrs: None (default): the copies the module's card declares
+        (`ModuleCard.idle_copies`; an LMPolicyModule's colocated reference when algorithm.beta > 0).
+        Or the names of module attributes holding idle parameter pytrees, for a module without a
+        card; missing or None ones are skipped.
       host_kind: "pinned_host", "unpinned_host", "numpy", or None to pick the best the backend has.
 
     Attributes:
@@ -125,18 +127,19 @@ class CPUOffload(Callback):
     """
 
     def __init__(self, optimizer_state: bool = True, reference: bool = True,
-                 reference_attrs: Sequence[str] = ("ref_params",), host_kind: str | None = None):
+                 reference_attrs: Sequence[str] | None = None, host_kind: str | None = None):
         if host_kind not in (None, "numpy", *HOST_KINDS):
             raise ValueError(f"CPUOffload(host_kind={host_kind!r}); use None (auto), 'numpy', or one of {HOST_KINDS}")
         if isinstance(reference_attrs, str):
             raise TypeError(f"CPUOffload(reference_attrs={reference_attrs!r}): pass a sequence, e.g. ({reference_attrs!r},)")
         self.optimizer_state, self.reference = optimizer_state, reference
-        self.reference_attrs = tuple(reference_attrs)
+        self.reference_attrs = None if reference_attrs is None else tuple(reference_attrs)
         self._requested_kind = host_kind
         self.host_kind: str | None = None
         self.offloaded_attrs: tuple[str, ...] = ()
         self._opt: Offloaded | None = None
         self._refs: dict[str, Offloaded] = {}
+        self._slots: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
         self._module = None
 
     # -- hooks ------------------------------------------------------------------------------------
@@ -148,7 +151,7 @@ class CPUOffload(Callback):
         self.host_kind = kind
         log.info("CPUOffload: host placement %s on %s", kind, jax.devices()[0].platform)
         if self.reference:
-            self._offload_module(run.module)
+            self._offload_module(run.module, run.card)
         return self.on_update_end(run, state)
 
     def on_update_start(self, run: RunInfo, state: TrainState) -> TrainState | None:
@@ -178,30 +181,30 @@ class CPUOffload(Callback):
     def _jax_kind(self) -> str | None:
         return None if self.host_kind == "numpy" else self.host_kind
 
-    def _offload_module(self, module) -> None:
+    def _offload_module(self, module, card) -> None:
         self._module = module
-        self._refs = {name: Offloaded(getattr(module, name), self._jax_kind)
-                      for name in self.reference_attrs if getattr(module, name, None) is not None}
+        self._slots = _idle_slots(module, card, self.reference_attrs)
+        self._refs = {name: Offloaded(get(), self._jax_kind) for name, (get, _) in self._slots.items()}
         self.offloaded_attrs = tuple(self._refs)
         if not self._refs:
-            log.info("CPUOffload: module %s has none of %s; only the optimizer state is offloaded",
-                     type(module).__name__, self.reference_attrs)
+            log.info("CPUOffload: module %s declares no idle model copy; only the optimizer state is offloaded",
+                     type(module).__name__)
             return
         for name, offloaded in self._refs.items():
-            setattr(module, name, offloaded.host)
+            self._slots[name][1](offloaded.host)
         original = module.compute_logps
-        refs = self._refs
+        refs, slots = self._refs, self._slots
 
         def compute_logps(params: Any, batch: Any) -> Any:
             # The logps stage thread is the only reader of the reference copies, so swapping the
-            # attributes for the call cannot race; the device copies die when the call returns.
+            # copies for the call cannot race; the device copies die when the call returns.
             for name, offloaded in refs.items():
-                setattr(module, name, offloaded.to_device())
+                slots[name][1](offloaded.to_device())
             try:
                 return original(params, batch)
             finally:
                 for name, offloaded in refs.items():
-                    setattr(module, name, offloaded.host)
+                    slots[name][1](offloaded.host)
 
         module.compute_logps = compute_logps  # an instance attribute: removed again at fit end
 
@@ -211,5 +214,17 @@ class CPUOffload(Callback):
             return
         vars(module).pop("compute_logps", None)
         for name, offloaded in self._refs.items():
-            setattr(module, name, offloaded.to_device())
-        self._refs = {}
+            self._slots[name][1](offloaded.to_device())
+        self._refs, self._slots = {}, {}
+
+
+def _idle_slots(module: Any, card: Any, names: tuple[str, ...] | None
+                ) -> dict[str, tuple[Callable[[], Any], Callable[[Any], None]]]:
+    """name -> (read, replace) of each idle parameter copy: the card's `idle_copies` (their `.params`),
+    or, when the user named attributes (`reference_attrs`), those attributes of the module."""
+    if names is None:
+        holders = {} if card is None else dict(card.idle_copies)
+        return {name: (lambda h=h: h.params, lambda value, h=h: setattr(h, "params", value))
+                for name, h in holders.items() if h.params is not None}
+    return {name: (lambda n=name: getattr(module, n), lambda value, n=name: setattr(module, n, value))
+            for name in names if getattr(module, name, None) is not None}

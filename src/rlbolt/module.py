@@ -44,6 +44,9 @@ class ModuleCard:
       tokenizer_folder: a folder holding the tokenizer's files to copy beside an export (None: none).
       lr_schedule: `count -> learning rate` of optimizer update `count` (None: the optimizer has its own).
       hparams: the settings a dashboard and a checkpoint record (None: none).
+      idle_copies: name -> a holder whose `.params` is a frozen parameter pytree the module reads
+        only inside `compute_logps` (the LM policy's colocated reference as "ref_params"), so
+        `CPUOffload` may keep it in host memory between logps stages by setting `.params`.
     """
 
     model: Any
@@ -54,6 +57,7 @@ class ModuleCard:
     tokenizer_folder: str | None = None
     lr_schedule: Callable[[int], float] | None = None
     hparams: Mapping[str, Any] | None = None
+    idle_copies: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class RLModule:

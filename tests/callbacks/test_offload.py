@@ -82,7 +82,7 @@ def test_cpu_backend_has_host_memory_kinds():
 
 @pytest.mark.parametrize("host_kind, expected", [(None, "pinned_host"), ("numpy", "numpy")])
 def test_placements_per_stage_and_identical_run(tmp_path, baseline, host_kind, expected):
-    offload = CPUOffload(host_kind=host_kind)
+    offload = CPUOffload(host_kind=host_kind, reference_attrs=("ref_params",))  # a module without a card names them
     state, metrics, trace, module = _fit(tmp_path, [offload])
     assert offload.host_kind == expected and offload.offloaded_attrs == ("ref_params",)
     # The producer runs ahead of the consumer, so compare each stage's own records.
@@ -102,6 +102,16 @@ def test_placements_per_stage_and_identical_run(tmp_path, baseline, host_kind, e
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_a_module_without_a_card_is_not_probed_for_copies(tmp_path):
+    # The default reads the card's idle_copies; the toy module has no card, so its ref_params
+    # stay on the device (only the optimizer state moves) unless the user names them.
+    offload = CPUOffload()
+    _, _, trace, module = _fit(tmp_path, [offload], max_steps=1)
+    assert offload.offloaded_attrs == () and module.card() is None
+    between = [kinds for stage, kinds in trace if stage == "between"]  # the reference between stages
+    assert between and all(kinds == {"device"} for kinds in between)
+
+
 def test_only_optimizer_state(tmp_path):
     state, _, trace, module = _fit(tmp_path, [CPUOffload(reference=False)], max_steps=1)
     assert [k for s, k in trace if s == "between"] == [{"device"}]  # ref_params untouched
@@ -112,8 +122,8 @@ def test_resume_through_checkpoint_with_offload(tmp_path, baseline):
     # ModelCheckpoint saves and restores host (pinned_host) arrays; resuming at step 1 ends where
     # the uninterrupted run does. CPUOffload first: the restored state replaces the offloaded one.
     ckpt = tmp_path / "ckpt"
-    _fit(tmp_path, [ModelCheckpoint(ckpt, every_n_steps=1, async_save=False), CPUOffload()], max_steps=1)
-    state, metrics, trace, _ = _fit(tmp_path, [CPUOffload(), ModelCheckpoint(ckpt, async_save=False)])
+    _fit(tmp_path, [ModelCheckpoint(ckpt, every_n_steps=1, async_save=False), CPUOffload(reference_attrs=("ref_params",))], max_steps=1)
+    state, metrics, trace, _ = _fit(tmp_path, [CPUOffload(reference_attrs=("ref_params",)), ModelCheckpoint(ckpt, async_save=False)])
     assert [k for s, k in trace if s == "update"] == [{"device"}] * (STEPS - 1)
     assert _kinds(state.opt_state) == {"pinned_host"}
     base_state, base_metrics, _, _ = baseline

@@ -249,7 +249,12 @@ class LMPolicyModule(RLModule):
         return ModuleCard(model=self.model, model_config=self.model.config, policy_params=self.policy_params,
                           hf_model=self.hf_model, tokenizer=self.tokenizer, lr_schedule=self.lr_schedule,
                           tokenizer_folder=tokenizer_source(self.config.model.tokenizer, self.config.model.path),
-                          hparams=self.hparams)
+                          hparams=self.hparams, idle_copies=self._idle_copies())
+
+    def _idle_copies(self) -> dict[str, Any]:
+        """The reference scorer when it holds a frozen copy on the training devices (beta > 0, no LoRA)."""
+        ref = self.scorers.get("ref")
+        return {"ref_params": ref} if ref is not None and ref.on_train_devices and ref.params is not None else {}
 
     # -- logps --------------------------------------------------------------------------------------
     def logps_group_size(self, batch: Batch) -> int:
