@@ -46,3 +46,34 @@ def test_lora_without_a_kl_term_needs_no_reference_and_sets_up():
     module = _lora_module(beta=0.0)
     module.setup(_trainer_with_reference_apart())
     assert module.ref_params is None and module.scorers == {}
+
+
+def test_a_placed_scorer_attends_over_an_episodes_environment_ids_as_a_colocated_one():
+    # Episodes: the forward sees every real id (sequence_mask: sampled and environment ids) while only
+    # sampled ids are trained (completion_mask). A placed reference used to feed completion_mask, so
+    # its logps after an environment reply differed from the colocated reference's.
+    import numpy as np
+    from flax import nnx
+
+    from rlbolt.models.config import tiny_config
+    from rlbolt.models.decoder import Decoder
+    from rlbolt.models.logps import token_logps
+    from rlbolt.modules.reference import PlacedReference
+    from float_tolerance import decoder_logps_tolerance
+
+    config = tiny_config(vocab_size=32)
+    model = Decoder(config, rngs=nnx.Rngs(0))
+    plan = ShardingPlan(MeshSpec().build(jax.devices()[:1]))
+    rng = np.random.default_rng(0)
+    batch = {"prompt_ids": rng.integers(1, 32, (2, 4)).astype(np.int32), "prompt_mask": np.ones((2, 4), bool),
+             "completion_ids": rng.integers(1, 32, (2, 6)).astype(np.int32)}
+    batch["sequence_mask"] = np.ones((2, 6), bool)
+    batch["completion_mask"] = np.array([[1, 1, 0, 0, 1, 1]] * 2, bool)  # ids 2-3: the environment's reply
+    placed = PlacedReference(model, None, plan, temperature=1.0).logps(batch)
+    graphdef, params = nnx.split(model)
+    inputs = [batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids")]
+    full = np.asarray(token_logps(graphdef, params, *inputs, batch["sequence_mask"], temperature=1.0))
+    sampled_only = np.asarray(token_logps(graphdef, params, *inputs, batch["completion_mask"], temperature=1.0))
+    tol = decoder_logps_tolerance(model, seq_len=10)
+    np.testing.assert_allclose(placed[:, 4:], full[:, 4:], rtol=0, atol=tol)
+    assert np.abs(sampled_only[:, 4:] - full[:, 4:]).max() > 100 * tol  # the masks give different logps there

@@ -34,8 +34,8 @@ from rlbolt.distributed.placement import WeightSync
 from rlbolt.distributed.sharding import ShardingPlan
 from rlbolt.models.lm_head_logps import DEFAULT_LOGITS_CHUNK_TOKENS
 from rlbolt.models.logps import token_logps
+from rlbolt.modules.policy_model import forward_keys
 
-TOKEN_COLUMNS = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")
 
 
 class PlacedReference:
@@ -73,7 +73,8 @@ class PlacedReference:
           batch: a logps micro batch holding the token columns.
           group_size: ignored: the forward on the role's own mesh runs every row's prompt (unshared).
         """
-        inputs = self.plan.put_local(tuple(np.asarray(batch[k]) for k in TOKEN_COLUMNS))
+        # An episode's forward attends over every real id (sequence_mask), as the colocated scorers do.
+        inputs = self.plan.put_local(tuple(np.asarray(batch[k]) for k in forward_keys(batch)))
         return np.asarray(self.plan.local_rows(self._forward(self.params, *inputs)), np.float32)
 
 
