@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rlbolt.app.arg_types import positive_int
 from rlbolt.demo.tasks import DEMO_TASKS
 
 if TYPE_CHECKING:
@@ -61,15 +62,15 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Train the built-in demo: a tiny random-init decoder learns to copy a "
                                       "digit string with GRPO, from near-chance reward to >= 0.9.")
     demo.add_argument("--run-dir", help="the run directory (default: runs/demo-<time>); must be empty or absent")
-    demo.add_argument("--max-steps", type=_positive_int,
+    demo.add_argument("--max-steps", type=positive_int,
                       help="global steps (default: the task's: 300 for the digit tasks, 600 for tool and guess)")
-    demo.add_argument("--checkpoint-every", type=_positive_int,
+    demo.add_argument("--checkpoint-every", type=positive_int,
                       help="checkpoint every K steps (default: only the last step)")
     demo.add_argument("--seed", type=int, help="seed of the model, the prompts and sampling (default: 0)")
     demo.add_argument("--task", choices=DEMO_TASKS.names(),
                       help="copy (default), reverse or increment the digits; tool: answer with a value only a lookup "
                            "tool knows; guess: find a number from higher/lower replies (both multi-turn episodes)")
-    demo.add_argument("--lora-rank", type=_positive_int,
+    demo.add_argument("--lora-rank", type=positive_int,
                       help="train only LoRA adapters of this rank on a frozen base (default: every parameter)")
     demo.add_argument("--base-run", help="start from the policy of another demo run's latest checkpoint, e.g. a "
                                          "copy-trained run that --lora-rank then adapts to --task reverse")
@@ -95,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "that changes the math must match the checkpoint's, unless "
                                         "--allow-config-change.")
     resume.add_argument("run_dir", help="a run directory written by `rlbolt demo` or `rlbolt fit`")
-    resume.add_argument("--max-steps", type=_positive_int, help="the new total number of steps")
+    resume.add_argument("--max-steps", type=positive_int, help="the new total number of steps")
     resume.add_argument("--allow-config-change", action="store_true",
                         help="continue although config.yaml changed a setting that changes the math (model, plan, "
                              "algorithm, rollout, reward, data, seeds); the change is recorded in "
@@ -120,16 +121,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="LoRA runs: write adapter_config.json + adapter_model.safetensors (PEFT, vLLM) "
                              "instead of the merged model")
     return parser
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
 
 
 def split_overrides(extra: Sequence[str]) -> list[str]:

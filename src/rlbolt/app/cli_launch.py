@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
+from rlbolt.app.arg_types import positive_int
 from rlbolt.utils.jax_env import ENV_ADDRESS, ENV_COUNT, ENV_ID, ENV_LOCAL_DEVICES, ENV_TRANSFER
 
 # rlbolt subcommands that join a multi-process run (they call `jax.distributed.initialize`); the
@@ -53,10 +54,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "N hosts: `rlbolt launch --local 2 -- rlbolt fit CONFIG`. Output lines carry the process index; "
                     "the first failure stops every process. Other launchers (Slurm, Kubernetes, by hand): "
                     "docs/howto/multi-host.md.")
-    launch.add_argument("--local", type=_count, required=True, metavar="N", help="how many processes (>= 1)")
-    launch.add_argument("--devices-per-process", type=_count, metavar="D",
+    launch.add_argument("--local", type=positive_int, required=True, metavar="N", help="how many processes (>= 1)")
+    launch.add_argument("--devices-per-process", type=positive_int, metavar="D",
                         help="CPU devices each process sees (XLA's host platform device count; default: JAX's, 1)")
-    launch.add_argument("--gpus-per-process", type=_count, metavar="G",
+    launch.add_argument("--gpus-per-process", type=positive_int, metavar="G",
                         help="GPUs each process takes: process i gets GPUs i*G .. i*G+G-1 ($JAX_LOCAL_DEVICE_IDS); "
                              "default: every process sees every GPU")
     launch.add_argument("--port", type=int, help="the coordinator's port on 127.0.0.1 (default: a free one)")
@@ -65,16 +66,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     launch.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND",
                         help="the command every process runs: `rlbolt fit ...`, `rlbolt resume ...`, or any program "
                              "(e.g. `python train.py`) that calls rlbolt.distributed.initialize()")
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
 
 
 def child_command(cmd: Sequence[str]) -> list[str]:
