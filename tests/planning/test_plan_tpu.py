@@ -121,10 +121,12 @@ def test_a_compile_refused_for_memory_is_does_not_fit_with_the_compilers_figure(
     from rlbolt.distributed.topology import target_devices
     from rlbolt.planning import build_abstract, plan_run
 
-    # 32k tokens per row: the tiny model's attention scores alone need ~70 GiB per v5e chip, and
-    # libtpu refuses to compile rather than return a buffer assignment.
+    # 32k tokens per row with XLA's attention: the tiny model's [T, T] scores alone need ~70 GiB per
+    # v5e chip, and libtpu refuses to compile rather than return a buffer assignment (splash
+    # attention, the TPU default, needs about 1 GiB here).
     config = copy.deepcopy(RUN)
     config["rollout"]["max_new_tokens"] = 32768
+    config["model"]["attention"] = "xla"
     report = plan_run(build_abstract(load_config(config), target_devices("v5e:2x2")), "v5e:2x2", names=("update",))
     (update,) = report.executables
     assert update.refused and "RESOURCE_EXHAUSTED" in update.refused
