@@ -55,7 +55,7 @@ from rlbolt.modules.policy_setup import build_reward_runner, build_scorers, buil
 from rlbolt.modules.policy_setup import replace_section  # noqa: F401 (re-export)
 from rlbolt.modules.policy_validation import validation_metrics
 from rlbolt.modules.prompt_sharing import require_shared_layout, stage_group_size
-from rlbolt.modules.scorers import LogpsScorer
+from rlbolt.modules.scorers import LogpsScorer, idle_copies
 from rlbolt.rewards import RewardFn, WeightedReward
 from rlbolt.rollout.engine import RolloutEngine
 from rlbolt.setup_context import SetupContext
@@ -249,12 +249,7 @@ class LMPolicyModule(RLModule):
         return ModuleCard(model=self.model, model_config=self.model.config, policy_params=self.policy_params,
                           hf_model=self.hf_model, tokenizer=self.tokenizer, lr_schedule=self.lr_schedule,
                           tokenizer_folder=tokenizer_source(self.config.model.tokenizer, self.config.model.path),
-                          hparams=self.hparams, idle_copies=self._idle_copies())
-
-    def _idle_copies(self) -> dict[str, Any]:
-        """The reference scorer when it holds a frozen copy on the training devices (beta > 0, no LoRA)."""
-        ref = self.scorers.get("ref")
-        return {"ref_params": ref} if ref is not None and ref.on_train_devices and ref.params is not None else {}
+                          hparams=self.hparams, idle_copies=idle_copies(self.scorers))
 
     # -- logps --------------------------------------------------------------------------------------
     def logps_group_size(self, batch: Batch) -> int:

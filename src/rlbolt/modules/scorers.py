@@ -66,3 +66,14 @@ class ColocatedScorer:
         params = self.params if self._read is None else self._read()
         return local_rows(self.sharding, self.forward(params, *rows_on_mesh(self.sharding, batch),
                                                       group_size=group_size))
+
+
+def idle_copies(scorers: dict[str, Any]) -> dict[str, Any]:
+    """What a module's card declares as idle copies (`ModuleCard.idle_copies`): the reference
+    scorer when it holds a frozen copy on the training devices (beta > 0, no LoRA), as "ref_params".
+
+    Args:
+      scorers: the module's scorers by column stem.
+    """
+    ref = scorers.get("ref")
+    return {"ref_params": ref} if ref is not None and ref.on_train_devices and ref.params is not None else {}
