@@ -138,3 +138,21 @@ def test_vllm_on_cpu_refuses_a_head_dim_it_has_no_kernel_for():
                     rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="no kernel for head_dim=16; use a model whose head_dim is at least 32"):
         build_engine("vllm", model, EngineSpec(max_new_tokens=4))
+
+
+def test_vllm_cpu_cache_is_sized_by_the_run_not_by_the_machine():
+    """The CPU KV cache holds max_num_seqs sequences of max_model_len tokens, by the model's shapes
+    (hand count), whole 16-token blocks, capped at 4 GiB but never below one sequence; before, vLLM
+    reserved half the machine's memory and refused to start on a busy machine."""
+    from rlbolt.models import tiny_config
+    from rlbolt.rollout.vllm_engine import CPU_KV_CACHE_CAP, kv_cache_need
+
+    config = tiny_config(vocab_size=128, num_layers=2, num_kv_heads=1, head_dim=32)
+    per_token = 2 * 2 * 1 * 32 * 4  # keys and values x layers x kv heads x head_dim x float32
+    assert kv_cache_need(config, 160, 16, "float32") == 16 * 160 * per_token
+    assert kv_cache_need(config, 161, 16, "float32") == 16 * 176 * per_token  # 11 blocks of 16
+    assert kv_cache_need(config, 160, 16, "bfloat16") == 16 * 160 * per_token // 2
+    huge = tiny_config(vocab_size=128, num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128)
+    assert kv_cache_need(huge, 4096, 256, "float32") == CPU_KV_CACHE_CAP
+    one = 2 * 80 * 8 * 128 * 4 * 131072
+    assert kv_cache_need(huge, 131072, 256, "float32") == one > CPU_KV_CACHE_CAP

@@ -100,6 +100,7 @@ def vllm_engine(model: Any, spec: EngineSpec) -> RolloutEngine:
     return VLLMEngine(folder, max_new_tokens=spec.max_new_tokens, temperature=spec.temperature, top_k=spec.top_k,
                       top_p=spec.top_p, stop_token_ids=spec.stop_token_ids, pad_id=spec.pad_id,
                       prompt_buckets=prompt_buckets(spec.prompt_width), dtype=spec.param_dtype,
+                      max_model_len=spec.prompt_width + spec.max_new_tokens,  # the cache holds what a row needs
                       enforce_eager=_on_cpu())  # on CPU: no torch.compile (what was tested)
 
 

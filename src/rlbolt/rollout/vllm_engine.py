@@ -101,6 +101,38 @@ def hf_named_tensors(params: Any, config: Any) -> Iterator[tuple[str, Any]]:
             yield name, part
 
 
+CPU_KV_CACHE_CAP = 4 << 30  # bytes: the most the engine reserves by itself on CPU
+DEFAULT_CPU_SEQS = 64  # requests the engine sizes its CPU cache for when max_num_seqs is unset
+
+
+def kv_cache_need(config: Any, max_model_len: int, max_num_seqs: int, dtype: str) -> int:
+    """Bytes of KV cache that hold `max_num_seqs` sequences of `max_model_len` tokens (capped at
+    `CPU_KV_CACHE_CAP`, never below one full sequence).
+
+    vLLM on CPU otherwise reserves a fraction of the *machine's* memory (`gpu_memory_utilization`
+    of the total) and refuses to start when other processes hold more than the rest: on a shared
+    machine the same run starts or fails by what else runs. A size from the model's own shapes
+    makes start-up depend on the run alone.
+
+    Args:
+      config: the model's `ModelConfig` (num_layers, num_kv_heads, head_dim).
+      max_model_len: the longest prompt + completion in tokens.
+      max_num_seqs: requests in flight at once.
+      dtype: the cache's dtype name; "float32" (or "auto" on a float32 folder) takes 4 bytes, else 2.
+    """
+    itemsize = 4 if dtype == "float32" or (dtype == "auto" and config.param_dtype == "float32") else 2
+    per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * itemsize  # keys and values
+    block = 16  # vLLM's cache block (tokens); a sequence takes whole blocks
+    one_sequence = per_token * block * -(-int(max_model_len) // block)
+    return max(one_sequence, min(one_sequence * int(max_num_seqs), CPU_KV_CACHE_CAP))
+
+
+def _on_vllm_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
 def _to_torch(array: Any, torch: Any) -> Any:
     """A jax/numpy array as a torch tensor: dlpack for GPU arrays, numpy (no copy) otherwise."""
     devices = getattr(array, "devices", None)
@@ -149,8 +181,10 @@ class VLLMEngine:
         NativeSampler, so downstream jitted stages see the same shapes).
       dtype: vLLM's compute dtype ("float32", "bfloat16", "auto": the folder's).
       gpu_memory_utilization: fraction of GPU memory vLLM may take (ignored on CPU).
-      kv_cache_bytes: KV cache size in bytes (vLLM's `kv_cache_memory_bytes`); None lets vLLM
-        size it (on CPU: `VLLM_CPU_KVCACHE_SPACE`, or its default).
+      kv_cache_bytes: KV cache size in bytes (vLLM's `kv_cache_memory_bytes`); None: on GPU vLLM
+        sizes it from `gpu_memory_utilization`; on CPU `VLLM_CPU_KVCACHE_SPACE` (GiB) if set, else
+        `kv_cache_need` (max_num_seqs, or 64, sequences of max_model_len; at most 4 GiB), never a
+        share of the machine's memory.
       max_model_len: longest prompt + completion; None: the folder's max_position_embeddings.
       max_num_seqs: requests vLLM runs at once; None: vLLM's default.
       enforce_eager: skip torch.compile / CUDA graphs (faster start; slower steps on GPU).
@@ -186,6 +220,8 @@ class VLLMEngine:
         kwargs = dict(skip_tokenizer_init=True, dtype=dtype, seed=int(seed), max_model_len=self.max_model_len,
                       enforce_eager=bool(enforce_eager), gpu_memory_utilization=float(gpu_memory_utilization),
                       logprobs_mode="raw_logprobs")
+        if kv_cache_bytes is None and _on_vllm_cpu() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            kv_cache_bytes = kv_cache_need(config, self.max_model_len, max_num_seqs or DEFAULT_CPU_SEQS, dtype)
         if kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
         if max_num_seqs is not None:
