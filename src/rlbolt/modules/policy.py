@@ -122,7 +122,7 @@ class LMPolicyModule(RLModule):
                                                              context)
         # Each group's prompt runs once where a stage's micro batches hold whole groups and the
         # mesh has one batch shard (prompt_sharing.py).
-        self.train_group_size = self._group_size(context.plan.train_micro_batch_size, context.plan)
+        self.train_group_size = self.group_size_for(context.plan.train_micro_batch_size, context.plan)
         self.rollout = PolicyRollout(
             cfg, self.tokenizer, self.encoder, self.policy, prepare=lambda p: self.policy_params(self.full_params(p)),
             engine=self._engine_choice, rollout_sharding=context.sharding_for("rollout"),
@@ -255,11 +255,13 @@ class LMPolicyModule(RLModule):
     def logps_group_size(self, batch: Batch) -> int:
         """The group size a logps forward over `batch` shares prompts over (1: unshared); the
         batch's layout is checked first (prompt_sharing.py)."""
-        size = self._group_size(batch.num_samples, self.context.plan)
+        size = self.group_size_for(batch.num_samples, self.context.plan)
         require_shared_layout(batch["prompt_ids"], batch["prompt_mask"], size, "on_rollout")
         return size
 
-    def _group_size(self, micro_batch_size: int, plan) -> int:
+    def group_size_for(self, micro_batch_size: int, plan: Any) -> int:
+        """The group size a forward over `micro_batch_size` rows of `plan` shares prompts over (1:
+        unshared): the rollout's, logps' and update's stages (and `rlbolt plan`'s executables) agree."""
         shards = 1 if self.sharding is None else self.sharding.batch_shards
         return stage_group_size(self.config.model.share_prompt, micro_batch_size, plan.num_generations, shards)
 

@@ -234,7 +234,7 @@ def _lower_logps(run: Any) -> Any:
         return module.policy.logps.lower_packed(
             lm_params, *inputs, rows_per_block=packed[0],
             blocks=run.sharding.batch_shards if rows % run.sharding.batch_shards == 0 else 1)
-    return module.policy.logps.lower(lm_params, *inputs, group_size=module._group_size(rows, plan))
+    return module.policy.logps.lower(lm_params, *inputs, group_size=module.group_size_for(rows, plan))
 
 
 def _lower_rollout(run: Any) -> tuple[Any, int]:
