@@ -124,6 +124,13 @@ def test_a_location_that_does_not_answer_is_named_in_one_line():
             RemoteDock(f"grpc://127.0.0.1:{port}", process="p", connect_timeout_s=0.5)
     with pytest.raises(DockUnreachable, match=r"^RemoteDock: cannot use location 'nowhere'"):
         RemoteDock("nowhere", process="p")
+    dock = ExperienceDock({"train": ("x",)})
+    server = DockServer(dock)
+    try:  # a server's address already taken: one line naming it
+        with pytest.raises(DockError, match=rf"^DockServer: cannot listen on '{server.location}' \(.*\); pass grpc://"):
+            DockServer(dock, server.location)
+    finally:
+        server.shutdown()
     assert isinstance(refused.value, DockClosed)  # a pipeline that stops on DockClosed stops on it too
 
 
@@ -140,7 +147,7 @@ def test_a_silent_client_closes_the_dock_naming_it_within_the_lease(served):
 
     def consume():
         try:
-            consumer.get("train", n=4)  # ref_logps never comes
+            consumer.get("train", n=4, timeout=lease * 1.25 + SLACK_S + 2)  # ref_logps never comes
         except DockClosed as exc:
             failed["at"], failed["error"] = time.monotonic(), exc
 
@@ -170,6 +177,28 @@ def test_a_client_that_leaves_is_not_lost_and_names_are_unique(served):
     assert server.lost is None and server.clients == {}
 
 
+def test_shutdown_ends_a_waiting_get(served):
+    dock, server = served({"train": ("x",)})
+    remote = RemoteDock(server.location, process="trainer-0", stage="train")
+    failed, stopped = [], threading.Event()
+    waiter = threading.Thread(target=lambda: failed.append(_raised(lambda: remote.get("train", n=1))), daemon=True)
+    waiter.start()
+    time.sleep(0.2)
+    threading.Thread(target=lambda: (server.shutdown(), stopped.set()), daemon=True).start()
+    assert stopped.wait(5), "shutdown waited for a get that waits for samples"
+    waiter.join(5)
+    assert failed == ["DockClosed: get: the dock server is shutting down"]
+    assert not dock._closed  # the dock itself stays open for its own process
+
+
+def _raised(fn) -> str | None:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def _start(role: str, location: str, **args) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(HERE / "flight_stages.py"), role, location, json.dumps(args)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -196,7 +225,7 @@ def test_a_writer_killed_mid_put_is_reported_and_its_half_put_never_taken(served
         os.kill(writer.pid, signal.SIGKILL)
         killed_at = time.monotonic()
         with pytest.raises(DockClosed) as lost:
-            consumer.get("train", n=4)
+            consumer.get("train", n=4, timeout=10)  # (a time-out only so that a failure cannot hang)
         elapsed = time.monotonic() - killed_at
     finally:
         writer.kill()

@@ -224,7 +224,7 @@ class ExperienceDock:
 
     # -- reading ------------------------------------------------------------------------------
     def get(self, stage: str, n: int | None = None, *, whole_groups: bool = False, one_batch: bool = False,
-            timeout: float | None = None, partial: bool = True) -> Taken:
+            timeout: float | None = None, partial: bool = True, _stop: threading.Event | None = None) -> Taken:
         """Takes up to `n` samples that are ready for `stage`, marking them taken by it.
 
         Ready means every input column of the stage is written.
@@ -248,6 +248,8 @@ class ExperienceDock:
           partial: False: a time-out (or timeout=0) takes nothing unless `n` samples (or,
             with one_batch, the rest of the batch) are ready, so a consumer can wait in slices
             without splitting what it waits for.
+          _stop: (for a server that serves this dock) once set and the dock rung, a waiting
+            call raises DockClosed instead of waiting on.
 
         Returns:
           (batch, indices) as a `Taken` (also holding each sample's batch key): the taken
@@ -269,6 +271,8 @@ class ExperienceDock:
         with st.cond:
             while True:
                 self._check_open("get")
+                if _stop is not None and _stop.is_set():
+                    raise DockClosed("get: the dock server is shutting down")
                 choice = st.choose(self._samples, need, n, whole_groups, one_batch)
                 if choice.full or not block:
                     break

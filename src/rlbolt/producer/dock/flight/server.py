@@ -59,8 +59,9 @@ class DockServer(flight.FlightServerBase):
 
     Args:
       dock: the dock (it stays usable in this process too).
-      location: where to listen, `grpc://host:port` (port 0: a free one; `self.location` is the
-        address clients use).
+      location: where to listen, `grpc://host:port` (port 0: a free one). `self.location` is
+        that address with the port filled in; with host 0.0.0.0 (every interface), clients on
+        other hosts use this host's name or address instead.
       lease_s: a client silent (no call, no heartbeat) for longer than this is declared lost and
         the dock is closed naming it; a consumer's `get` fails within about lease_s * 1.25.
       clock: monotonic seconds (injectable in tests).
@@ -70,7 +71,12 @@ class DockServer(flight.FlightServerBase):
                  clock: Callable[[], float] = time.monotonic):
         if not lease_s > 0:
             raise DockError(f"DockServer: lease_s={lease_s!r} must be a positive number of seconds")
-        super().__init__(location)
+        try:
+            super().__init__(location)
+        except (pa.ArrowException, OSError) as exc:
+            line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise DockError(f"DockServer: cannot listen on {location!r} ({line}); pass grpc://<an address of this "
+                            "host>:<a free port> (port 0: any free port)") from None
         self.dock, self.lease_s, self._clock = dock, float(lease_s), clock
         host = urlparse(location).hostname or "127.0.0.1"
         self.location = f"grpc://{host}:{self.port}"
@@ -82,8 +88,10 @@ class DockServer(flight.FlightServerBase):
         self._watchdog.start()
 
     def shutdown(self) -> None:
-        """Stops serving (the dock itself stays as it is)."""
+        """Stops serving: a client's waiting `get` raises DockClosed ("the dock server is shutting
+        down"), then the server stops. The dock itself stays as it is."""
         self._stop.set()
+        self.dock._ring()  # wake the gets waiting for clients, which see _stop
         super().shutdown()
 
     # -- Flight verbs --------------------------------------------------------------------------
@@ -107,7 +115,8 @@ class DockServer(flight.FlightServerBase):
 
         def take() -> dict:
             taken = self.dock.get(args["stage"], args["n"], whole_groups=args["whole_groups"],
-                                  one_batch=args["one_batch"], timeout=args["timeout"], partial=args["partial"])
+                                  one_batch=args["one_batch"], timeout=args["timeout"], partial=args["partial"],
+                                  _stop=self._stop)
             if taken.keys:
                 self._touch(args["client"], "get", taken.keys[-1])
             out["batch"] = wire.to_record_batch(dict(taken.batch), "get")

@@ -60,7 +60,7 @@ def from_table(table: pa.Table | pa.RecordBatch) -> dict[str, np.ndarray]:
     for i, field in enumerate(table.schema):
         column = table.column(i)
         if isinstance(column, pa.ChunkedArray):
-            column = column.chunks[0] if column.num_chunks == 1 else pa.concat_arrays(column.chunks)
+            column = column.combine_chunks()
         out[field.name] = _column_from_arrow(column, field.metadata, table.num_rows)
     return out
 
