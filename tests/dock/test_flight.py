@@ -277,3 +277,31 @@ def test_three_processes_move_the_same_batches_as_one_dock(served):
         for name, value in made.items():
             assert have.batch[name].tolist() == value.tolist(), name
     assert len(dock) == 0 and dock.stats()["train"].samples == steps * batch
+
+
+@pytest.mark.slow
+def test_a_killed_server_fails_a_waiting_get_in_one_line():
+    import os
+    import signal
+
+    server = _start("server", "grpc://127.0.0.1:0")
+    try:
+        location = server.stdout.readline().strip()
+        assert location.startswith("grpc://127.0.0.1:"), location + server.stdout.read()
+        remote = RemoteDock(location, process="trainer-0", stage="train")
+        failed = []
+        waiter = threading.Thread(target=lambda: failed.append(_raised(lambda: remote.get("train", n=1))), daemon=True)
+        waiter.start()
+        time.sleep(0.3)
+        os.kill(server.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        waiter.join(10)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        server.kill()
+        server.wait()
+    assert failed and failed[0].startswith(f"DockUnreachable: get: the dock at {location} does not answer (")
+    assert failed[0].endswith("); is its DockServer running there (not stopped), and the location right?")
+    assert "\n" not in failed[0] and elapsed < 5  # the broken connection, not a deadline
+    with pytest.raises(DockUnreachable, match=rf"^put: the dock at {location} does not answer"):
+        remote.put({"x": np.ones(1)}, [0])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import re
 import socket
 import threading
 from collections.abc import Hashable, Iterator, Mapping, Sequence
@@ -184,7 +185,7 @@ class RemoteDock:
                                   "is its DockServer running and reachable from here?") from None
         except (flight.FlightUnavailableError, flight.FlightCancelledError) as exc:
             raise DockUnreachable(f"{call}: the dock at {self.location} does not answer ({_first_line(exc)}); "
-                                  "start its DockServer there or fix the location") from None
+                                  "is its DockServer running there (not stopped), and the location right?") from None
 
 
 def _options(timeout: float | None) -> flight.FlightCallOptions:
@@ -199,4 +200,7 @@ def _plain(n: Any) -> Any:
 
 
 def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+    """gRPC's own words from a Flight error ("Connection refused", "Socket closed"), short."""
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    found = re.search(r"with message: (.*?)(?:\. gRPC client debug context|$)", text)
+    return (found.group(1) if found else text)[:160]
