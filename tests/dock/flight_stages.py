@@ -3,7 +3,7 @@ run either as threads on one in-process ExperienceDock or as processes through R
 the writer that the SIGKILL test kills mid-put.
 
     python tests/dock/flight_stages.py rollout|reference|killed_writer <location> <json args>
-    python tests/dock/flight_stages.py server grpc://127.0.0.1:0 {}    # prints its location
+    python tests/dock/flight_stages.py server grpc://127.0.0.1:0 '{"lease_s": 1}'   # prints its location
 
 Every column is a pure function of the prompt rows, so the taken batches are known in advance.
 """
@@ -93,7 +93,7 @@ if __name__ == "__main__":
         from rlbolt.producer.dock import ExperienceDock
         from rlbolt.producer.dock.flight import DockServer
 
-        print(DockServer(ExperienceDock(STAGES), location).location, flush=True)
+        print(DockServer(ExperienceDock(STAGES), location, **args).location, flush=True)
         time.sleep(600)
         sys.exit(0)
     with RemoteDock(location, process=f"{role}-0", stage=role) as remote:

@@ -305,3 +305,31 @@ def test_a_killed_server_fails_a_waiting_get_in_one_line():
     assert "\n" not in failed[0] and elapsed < 5  # the broken connection, not a deadline
     with pytest.raises(DockUnreachable, match=rf"^put: the dock at {location} does not answer"):
         remote.put({"x": np.ones(1)}, [0])
+
+
+@pytest.mark.slow
+def test_a_server_that_stops_answering_fails_a_waiting_get_within_the_lease():
+    import os
+    import signal
+
+    lease = 1.0
+    server = _start("server", "grpc://127.0.0.1:0", lease_s=lease)
+    try:
+        location = server.stdout.readline().strip()
+        remote = RemoteDock(location, process="trainer-0", stage="train")
+        failed = []
+        waiter = threading.Thread(target=lambda: failed.append(_raised(lambda: remote.get("train", n=1))), daemon=True)
+        waiter.start()
+        time.sleep(0.3)
+        os.kill(server.pid, signal.SIGSTOP)  # hung or cut off: the connection stays open, nothing answers
+        stopped_at = time.monotonic()
+        waiter.join(lease * 1.25 + SLACK_S + 5)
+        elapsed = time.monotonic() - stopped_at
+    finally:
+        server.kill()
+        server.wait()
+    assert failed and failed[0].startswith(f"DockUnreachable: get: the dock at {location} stopped answering: no reply "
+                                           "to a heartbeat for ")
+    assert failed[0].endswith(f"(lease {lease:g} s)") and "\n" not in failed[0]
+    # the last reply came at most lease/4 before the stop; the call looks every lease/4 after a lease
+    assert elapsed <= lease * 1.25 + SLACK_S

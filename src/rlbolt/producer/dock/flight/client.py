@@ -14,7 +14,8 @@ import os
 import re
 import socket
 import threading
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -66,6 +67,7 @@ class RemoteDock:
                                   "pass the grpc://host:port a DockServer listens on") from None
         reply = self._act("hello", {"process": self.process, "stage": stage}, timeout=connect_timeout_s)
         self.lease_s = float(reply["lease_s"])
+        self._answered_at = time.monotonic()  # the last reply to a heartbeat
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, name=f"dock-heartbeat-{stage}", daemon=True)
         self._beat.start()
@@ -92,13 +94,18 @@ class RemoteDock:
     def get(self, stage: str, n: int | None = None, *, whole_groups: bool = False, one_batch: bool = False,
             timeout: float | None = None, partial: bool = True) -> Taken:
         """As `ExperienceDock.get` (the server waits; this call's deadline is `timeout` plus
-        call_timeout_s, none when `timeout` is None)."""
+        call_timeout_s, none when `timeout` is None). A server that stops answering heartbeats
+        for longer than its lease fails a waiting call with DockUnreachable."""
         args = {"call": "get", "client": self._id, "stage": stage, "n": _plain(n), "whole_groups": bool(whole_groups),
                 "one_batch": bool(one_batch), "timeout": None if timeout is None else float(timeout),
                 "partial": bool(partial)}
         deadline = None if timeout is None else max(0.0, float(timeout)) + self._call_timeout
-        with self._calling("get", deadline):
-            table = self._client.do_get(flight.Ticket(wire.dumps(args)), _options(deadline)).read_all()
+        ticket, options = flight.Ticket(wire.dumps(args)), _options(deadline)
+        if timeout is not None and timeout <= self.lease_s / 4:  # short: no need to watch the server
+            with self._calling("get", deadline):
+                table = self._client.do_get(ticket, options).read_all()
+        else:
+            table = self._watched("get", deadline, lambda: self._client.do_get(ticket, options).read_all())
         reply = wire.loads(table.schema.metadata[REPLY])
         wire.raise_if_error(reply)
         batch = Batch(wire.from_table(table)) if table.num_columns else Batch()
@@ -153,6 +160,32 @@ class RemoteDock:
         while not self._stop.wait(interval):
             with contextlib.suppress(Exception):  # a server gone is reported by the next call
                 list(self._beat_client.do_action(flight.Action("heartbeat", body), _options(self.lease_s)))
+                self._answered_at = time.monotonic()
+
+    def _watched(self, call: str, deadline: float | None, fn: Callable[[], Any]) -> Any:
+        """fn() on a helper thread while this one watches the heartbeats: a server that has not
+        answered one for longer than the lease (stopped, hung, cut off: its connection may stay
+        open) fails the call in one line instead of leaving it waiting."""
+        done, box = threading.Event(), {}
+
+        def run() -> None:
+            try:
+                with self._calling(call, deadline):
+                    box["value"] = fn()
+            except BaseException as exc:  # noqa: BLE001  (raised on the caller's thread)
+                box["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name=f"dock-{call}-{self.stage}", daemon=True).start()
+        while not done.wait(self.lease_s / 4):
+            silent = time.monotonic() - self._answered_at
+            if silent > self.lease_s:
+                raise DockUnreachable(f"{call}: the dock at {self.location} stopped answering: no reply to a "
+                                      f"heartbeat for {silent:.1f} s (lease {self.lease_s:g} s)")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
 
     def _act(self, call: str, args: dict, timeout: float | None = None) -> dict:
         body = wire.dumps({"client": self._id, **args})
