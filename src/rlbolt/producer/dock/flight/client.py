@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import queue
 import re
 import socket
 import threading
@@ -69,6 +70,7 @@ class RemoteDock:
         self.lease_s = float(reply["lease_s"])
         self._answered_at = time.monotonic()  # the last reply to a heartbeat
         self._stop = threading.Event()
+        self._helpers = _Helpers(f"dock-get-{stage}")
         self._beat = threading.Thread(target=self._heartbeat, name=f"dock-heartbeat-{stage}", daemon=True)
         self._beat.start()
         atexit.register(self.disconnect)
@@ -143,6 +145,7 @@ class RemoteDock:
         with contextlib.suppress(Exception):
             self._act("bye", {}, timeout=min(self._call_timeout, 5.0))
         self._beat.join(timeout=5.0)
+        self._helpers.stop()
         for client in (self._client, self._beat_client):
             with contextlib.suppress(Exception):
                 client.close()
@@ -166,18 +169,11 @@ class RemoteDock:
         """fn() on a helper thread while this one watches the heartbeats: a server that has not
         answered one for longer than the lease (stopped, hung, cut off: its connection may stay
         open) fails the call in one line instead of leaving it waiting."""
-        done, box = threading.Event(), {}
+        def call_fn() -> Any:
+            with self._calling(call, deadline):
+                return fn()
 
-        def run() -> None:
-            try:
-                with self._calling(call, deadline):
-                    box["value"] = fn()
-            except BaseException as exc:  # noqa: BLE001  (raised on the caller's thread)
-                box["error"] = exc
-            finally:
-                done.set()
-
-        threading.Thread(target=run, name=f"dock-{call}-{self.stage}", daemon=True).start()
+        done, box = self._helpers.run(call_fn)
         while not done.wait(self.lease_s / 4):
             silent = time.monotonic() - self._answered_at
             if silent > self.lease_s:
@@ -219,6 +215,48 @@ class RemoteDock:
         except (flight.FlightUnavailableError, flight.FlightCancelledError) as exc:
             raise DockUnreachable(f"{call}: the dock at {self.location} does not answer ({_first_line(exc)}); "
                                   "is its DockServer running there (not stopped), and the location right?") from None
+
+
+class _Helpers:
+    """Threads that make the waiting calls while the caller watches the heartbeats; an idle one
+    is reused (a new thread's first Flight call costs about a millisecond more), and there are
+    as many as calls wait at once (a call never queues behind another's wait)."""
+
+    def __init__(self, name: str):
+        self._name = name
+        self._lock = threading.Lock()
+        self._idle: list[queue.SimpleQueue] = []
+        self._all: list[queue.SimpleQueue] = []
+
+    def run(self, fn: Callable[[], Any]) -> tuple[threading.Event, dict]:
+        """Starts fn() on a helper; returns (done, box): box holds "value" or "error" once done."""
+        done, box = threading.Event(), {}
+        with self._lock:
+            jobs = self._idle.pop() if self._idle else None
+            if jobs is None:
+                jobs = queue.SimpleQueue()
+                self._all.append(jobs)
+                threading.Thread(target=self._serve, args=(jobs,), name=self._name, daemon=True).start()
+        jobs.put((fn, done, box))
+        return done, box
+
+    def stop(self) -> None:
+        """Ends every helper once its call returns."""
+        with self._lock:
+            for jobs in self._all:
+                jobs.put(None)
+            self._all, self._idle = [], []
+
+    def _serve(self, jobs: queue.SimpleQueue) -> None:
+        while (job := jobs.get()) is not None:
+            fn, done, box = job
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # noqa: BLE001  (raised on the caller's thread)
+                box["error"] = exc
+            with self._lock:
+                self._idle.append(jobs)
+            done.set()
 
 
 def _options(timeout: float | None) -> flight.FlightCallOptions:
