@@ -81,6 +81,25 @@ def test_columns_cross_with_their_dtype_shape_and_bits(served):
     assert not taken.batch["tokens"].flags.writeable  # a view of the received buffer
 
 
+def test_large_puts_and_gets_cross_in_several_messages(served, monkeypatch):
+    from rlbolt.producer.dock.flight import wire
+
+    monkeypatch.setattr(wire, "MAX_MESSAGE_BYTES", 1000)
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, 100, (64, 10), dtype=np.int32)
+    logps = rng.standard_normal((64, 10)).astype(ml_dtypes.bfloat16)
+    answers = np.array([f"a{i}" for i in range(64)], object)
+    messages = wire.messages(wire.to_record_batch({"ids": ids, "logps": logps, "answer": answers}, "put"))
+    assert len(messages) >= 4 and sum(m.num_rows for m in messages) == 64  # 64 x 60 bytes of numbers alone
+    dock, server = served({"train": ("ids", "logps")})
+    with RemoteDock(server.location, process="writer", stage="rollout") as remote:
+        idx = remote.add({"answer": answers})
+        remote.put({"ids": ids, "logps": logps}, idx)
+        batch, got = remote.get("train", n=64)
+    assert got.tolist() == list(range(64)) and batch["answer"].tolist() == answers.tolist()
+    assert batch["ids"].tobytes() == ids.tobytes() and batch["logps"].tobytes() == logps.tobytes()
+
+
 def test_errors_cross_unchanged_and_bad_columns_are_refused_in_one_line(served):
     dock, server = served({"train": ("text",)}, columns=("text",))
     with RemoteDock(server.location, process="p", stage="train") as remote:
@@ -135,13 +154,13 @@ def test_a_location_that_does_not_answer_is_named_in_one_line():
 
 
 def test_a_silent_client_closes_the_dock_naming_it_within_the_lease(served):
-    lease = 0.4
+    lease = 0.6
     dock, server = served(flight_stages.STAGES, lease_s=lease)
     writer = RemoteDock(server.location, process="rollout-3", stage="rollout")
     consumer = RemoteDock(server.location, process="trainer-0", stage="train")
     idx = writer.add(flight_stages.prompts(0, 4), key=0)
     writer.put(flight_stages.completions(np.ones((4, 5), np.int32)), idx)
-    time.sleep(2 * lease)
+    time.sleep(1.5 * lease)
     assert server.lost is None  # heartbeats keep an idle client alive
     failed = {}
 

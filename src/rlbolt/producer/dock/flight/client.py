@@ -197,7 +197,8 @@ class RemoteDock:
         descriptor = flight.FlightDescriptor.for_command(wire.dumps({"call": call, "client": self._id, **args}))
         with self._calling(call, self._call_timeout):
             writer, reader = self._client.do_put(descriptor, batch.schema, _options(self._call_timeout))
-            writer.write_batch(batch)
+            for message in wire.messages(batch):
+                writer.write_batch(message)
             writer.done_writing()
             buf = reader.read()
             writer.close()

@@ -126,7 +126,9 @@ class DockServer(flight.FlightServerBase):
         reply = self._serve("get", args, take)
         batch = out.get("batch")
         schema = (batch.schema if batch is not None else pa.schema([])).with_metadata({REPLY: wire.dumps(reply)})
-        table = pa.Table.from_batches([batch] if batch is not None and reply.get("error") is None else [], schema=schema)
+        ok = batch is not None and reply.get("error") is None
+        table = pa.Table.from_batches(wire.messages(batch.replace_schema_metadata(schema.metadata)) if ok else [],
+                                      schema=schema)
         return flight.RecordBatchStream(table)
 
     # -- the calls -------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from rlbolt.producer.dock.store import DockClosed
 
 _DTYPE, _SHAPE = b"rlbolt.dtype", b"rlbolt.shape"
 _NATIVE_KINDS = "iuf"
+MAX_MESSAGE_BYTES = 64 << 20  # rows per Flight message: far below gRPC's 2 GiB limit, few messages
 
 
 def dtype_code(dtype: np.dtype, name: str, what: str) -> str:
@@ -52,6 +53,15 @@ def to_record_batch(arrays: Mapping[str, np.ndarray], what: str) -> pa.RecordBat
         fields.append(pa.field(name, array.type, nullable=arr.dtype.kind == "O" or array.type == pa.null(), metadata=meta))
         values.append(array)
     return pa.RecordBatch.from_arrays(values, schema=pa.schema(fields))
+
+
+def messages(batch: pa.RecordBatch) -> list[pa.RecordBatch]:
+    """The batch cut by rows into messages of at most about `MAX_MESSAGE_BYTES` (views)."""
+    if batch.num_rows == 0:
+        return [batch]
+    per_row = max(1, batch.nbytes // batch.num_rows)
+    rows = max(1, MAX_MESSAGE_BYTES // per_row)
+    return [batch.slice(start, rows) for start in range(0, batch.num_rows, rows)]
 
 
 def from_table(table: pa.Table | pa.RecordBatch) -> dict[str, np.ndarray]:
