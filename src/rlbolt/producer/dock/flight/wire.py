@@ -50,7 +50,8 @@ def to_record_batch(arrays: Mapping[str, np.ndarray], what: str) -> pa.RecordBat
     fields, values = [], []
     for name, arr in arrays.items():
         array, meta = _column_to_arrow(name, arr, what)
-        fields.append(pa.field(name, array.type, nullable=arr.dtype.kind == "O" or array.type == pa.null(), metadata=meta))
+        nullable = arr.dtype.kind == "O" or array.type == pa.null()
+        fields.append(pa.field(name, array.type, nullable=nullable, metadata=meta))
         values.append(array)
     return pa.RecordBatch.from_arrays(values, schema=pa.schema(fields))
 
