@@ -154,6 +154,16 @@ def test_dock_benchmark_quick_mode():
     assert abs(size["dock_us_per_sample"] - 1e3 * size["dock_ms"] / 64) < 1e-9
 
 
+@pytest.mark.slow  # ~5 s: a second process serves the dock
+def test_dock_flight_benchmark_quick_mode():
+    out, result = _last_json("dock_flight.py")
+    assert "put MB/s" in out and result["system"] == "rlbolt-dock-flight"
+    assert set(result["results"]) == {"64/local", "64/thread", "64/process"}
+    for r in result["results"].values():
+        assert r["payload_mb"] == 64 * 4096 * 8 / 1e6  # exact: int32 ids + float32 logps
+        assert abs(r["put_mb_s"] - r["payload_mb"] / (r["put_ms"] / 1e3)) <= 1e-9 * r["put_mb_s"]
+
+
 @pytest.mark.slow  # ~28 s: two fresh processes building and compiling LoRA rollouts both ways
 def test_lora_ab_benchmark_quick_mode():
     out, result = _last_json("lora_ab.py")

@@ -1,4 +1,8 @@
-"""ExperienceDock: what a get takes, when it waits, what it refuses, and that its locks are narrow."""
+"""ExperienceDock: what a get takes, when it waits, what it refuses, and that its locks are narrow.
+
+The tests that take `make_dock` run twice: on the dock, and through a RemoteDock on a DockServer
+(the same calls, results and error lines across processes); those that look at the locks and
+the store inside run on the dock only."""
 
 from __future__ import annotations
 
@@ -13,14 +17,14 @@ from rlbolt.producer.dock import DockClosed, DockError, ExperienceDock, balanced
 STAGES = {"score": ("text",), "train": ("text", "score")}
 
 
-def dock_with(n=8, group=2, **kw):
-    dock = ExperienceDock(STAGES, **kw)
+def dock_with(n=8, group=2, *, make=ExperienceDock, **kw):
+    dock = make(STAGES, **kw)
     idx = dock.add({"text": np.arange(n) * 10, "group_ids": np.repeat(np.arange(n // group), group)}, key="step0")
     return dock, idx
 
 
-def test_a_stage_takes_only_ready_samples_once_and_in_order():
-    dock, idx = dock_with()
+def test_a_stage_takes_only_ready_samples_once_and_in_order(make_dock):
+    dock, idx = dock_with(make=make_dock)
     assert idx.tolist() == list(range(8))
     batch, got = dock.get("train", n=4, timeout=0)  # nothing scored yet
     assert len(got) == 0 and batch.num_samples == 0
@@ -36,8 +40,8 @@ def test_a_stage_takes_only_ready_samples_once_and_in_order():
     assert got.tolist() == [0, 1, 2] and sorted(batch) == ["group_ids", "text"]
 
 
-def test_whole_groups_are_never_split():
-    dock, _ = dock_with(9, group=3)
+def test_whole_groups_are_never_split(make_dock):
+    dock, _ = dock_with(9, group=3, make=make_dock)
     dock.put({"score": np.ones(4)}, [0, 1, 2, 3])  # group 0 complete, group 1 only partly
     batch, got = dock.get("train", n=9, whole_groups=True, timeout=0)
     assert got.tolist() == [0, 1, 2]
@@ -48,8 +52,8 @@ def test_whole_groups_are_never_split():
         dock.get("train", n=2, whole_groups=True)
 
 
-def test_blocking_get_waits_for_n_and_one_batch_returns_at_the_end_of_its_batch():
-    dock, _ = dock_with(6)
+def test_blocking_get_waits_for_n_and_one_batch_returns_at_the_end_of_its_batch(make_dock):
+    dock, _ = dock_with(6, make=make_dock)
     dock.add({"text": np.arange(4)}, key="step1")
     got = {}
 
@@ -73,8 +77,8 @@ def test_blocking_get_waits_for_n_and_one_batch_returns_at_the_end_of_its_batch(
     assert got["second"] == [4, 5] and dock.stats()["train"].waits == 1
 
 
-def test_timeout_returns_what_is_ready_and_counts_it():
-    dock, _ = dock_with(4)
+def test_timeout_returns_what_is_ready_and_counts_it(make_dock):
+    dock, _ = dock_with(4, make=make_dock)
     dock.put({"score": np.ones(1)}, [2])
     start = time.monotonic()
     _, got = dock.get("train", n=3, timeout=0.2)
@@ -84,8 +88,8 @@ def test_timeout_returns_what_is_ready_and_counts_it():
     assert (stats.timeouts, stats.waits, stats.samples) == (1, 1, 1) and stats.wait_s >= 0.2
 
 
-def test_partial_false_takes_nothing_until_the_whole_request_is_ready():
-    dock, _ = dock_with(4)
+def test_partial_false_takes_nothing_until_the_whole_request_is_ready(make_dock):
+    dock, _ = dock_with(4, make=make_dock)
     dock.put({"score": np.ones(3)}, [0, 1, 2])
     taken = dock.get("train", n=4, timeout=0.05, partial=False)
     assert taken.timed_out and taken.indices.tolist() == []  # 3 of 4: nothing taken
@@ -94,8 +98,8 @@ def test_partial_false_takes_nothing_until_the_whole_request_is_ready():
     assert dock.get("train", n=4, timeout=1, partial=False).indices.tolist() == [0, 1, 2, 3]
 
 
-def test_finish_ends_waiting_and_close_raises():
-    dock, _ = dock_with(2)
+def test_finish_ends_waiting_and_close_raises(make_dock):
+    dock, _ = dock_with(2, make=make_dock)
     out = {}
     thread = threading.Thread(target=lambda: out.setdefault("r", dock.get("score", n=5)[1].tolist()))
     thread.start()
@@ -125,8 +129,8 @@ def _raises(fn):
     return None
 
 
-def test_errors_name_the_problem():
-    dock, _ = dock_with(4)
+def test_errors_name_the_problem(make_dock):
+    dock, _ = dock_with(4, make=make_dock)
     with pytest.raises(DockError, match=r"unknown stage 'rollout'; stages: \['score', 'train'\]"):
         dock.get("rollout", n=1)
     with pytest.raises(DockError, match=r"sample\(s\) \[4, 99\] do not exist"):
@@ -143,7 +147,7 @@ def test_errors_name_the_problem():
         dock.put({"score": 1.0}, [2])
     with pytest.raises(DockError, match="n=0 must be a positive integer"):
         dock.get("train", n=0)
-    strict = ExperienceDock(STAGES, columns=("text", "score"))
+    strict = make_dock(STAGES, columns=("text", "score"))
     with pytest.raises(DockError, match=r"add: unknown column\(s\) \['txet'\]"):
         strict.add({"txet": np.arange(2)})
     assert len(strict) == 0  # nothing half-added
@@ -162,8 +166,8 @@ def test_samples_are_forgotten_once_every_stage_is_done_and_then_refuse_writes()
         dock.put({"other": np.ones(1)}, [0])
 
 
-def test_balance_orders_micro_batches_by_length():
-    dock = ExperienceDock({"train": ("length",)})
+def test_balance_orders_micro_batches_by_length(make_dock):
+    dock = make_dock({"train": ("length",)})
     lengths = np.array([9, 8, 1, 1, 2, 2, 1, 0])  # in this order the micro batches hold 19 and 5
     dock.add({"length": lengths})
     batch, got = balanced(dock.get("train", n=8), 4, lengths="length")
@@ -221,8 +225,8 @@ def test_copying_happens_outside_the_stage_lock():
     slow.join(2)
 
 
-def test_samples_added_for_some_stages_only_reach_those_and_are_then_forgotten():
-    dock, idx = dock_with(4)
+def test_samples_added_for_some_stages_only_reach_those_and_are_then_forgotten(make_dock):
+    dock, idx = dock_with(4, make=make_dock)
     # Rows entering mid-pipeline (e.g. another process's share, already scored): train only.
     late = dock.add({"text": np.array([7, 8]), "score": np.array([0.7, 0.8])}, key="step0", stages=["train"])
     assert late.tolist() == [4, 5]

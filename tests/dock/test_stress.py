@@ -3,7 +3,8 @@ random sizes (blocking, non-blocking, with time-outs, one batch or any) and writ
 drop groups. Afterwards every sample reached every stage exactly once (dropped groups: none
 after the drop), never before its input columns were written, with groups whole where asked.
 
-The default tier runs it for 3 s; the slow tier for 10 s with more threads."""
+The default tier runs it for 3 s; the slow tier for 10 s with more threads, and for 5 s through
+a RemoteDock (every thread's calls on one Flight client, over loopback to a DockServer)."""
 
 from __future__ import annotations
 
@@ -36,8 +37,8 @@ class Log:
         self.errors = []
 
 
-def run_stress(seconds: float, producers: int, consumers: int, seed: int) -> Log:
-    dock = ExperienceDock(STAGES)
+def run_stress(seconds: float, producers: int, consumers: int, seed: int, make=ExperienceDock) -> Log:
+    dock = make(STAGES)
     log = Log()
     stop_adding = threading.Event()
     next_group = itertools.count()
@@ -151,3 +152,21 @@ def test_stress_short():
 @pytest.mark.slow
 def test_stress_ten_seconds():
     verify(run_stress(seconds=10.0, producers=3, consumers=3, seed=1))
+
+
+@pytest.mark.slow
+def test_stress_through_a_remote_dock():
+    from rlbolt.producer.dock.flight import DockServer, RemoteDock
+
+    made = []
+
+    def make(stages):
+        made.append(DockServer(ExperienceDock(stages)))
+        made.append(RemoteDock(made[0].location, process="stress"))
+        return made[-1]
+
+    try:
+        verify(run_stress(seconds=5.0, producers=2, consumers=2, seed=2, make=make))
+    finally:
+        made[1].disconnect()
+        made[0].shutdown()

@@ -111,6 +111,7 @@ class ExperienceDock:
         self._registry = threading.Lock()
         self._next_index, self._batch_seq = 0, itertools.count()
         self._finished = self._closed = False
+        self._close_reason: str | None = None
 
     # -- writing ------------------------------------------------------------------------------
     def add(self, columns: Mapping[str, Any], *, key: Hashable = None, group_ids: Any = None,
@@ -175,7 +176,7 @@ class ExperienceDock:
           DockError: a sample that does not exist (never added, or already forgotten), a column
             already written for one of the samples (a double write), or a shape mismatch.
         """
-        idx = _as_indices(indices, "put")
+        idx = as_indices(indices, "put")
         self._check_open("put")
         missing = [i for i in idx.tolist() if i not in self._samples]
         if missing:
@@ -189,7 +190,7 @@ class ExperienceDock:
 
     def discard(self, indices: Any) -> None:
         """Drops samples from every stage that has not taken them (e.g. groups a filter removed)."""
-        idx = _as_indices(indices, "discard").tolist()
+        idx = as_indices(indices, "discard").tolist()
         never = [i for i in idx if not 0 <= i < self._next_index]
         if never:
             raise DockError(f"discard: sample(s) {few(never)} were never added")
@@ -209,15 +210,21 @@ class ExperienceDock:
             self._finished = True
         self._ring()
 
-    def close(self) -> None:
-        """Stops the dock: every blocked and later call raises DockClosed."""
+    def close(self, reason: str | None = None) -> None:
+        """Stops the dock: every blocked and later call raises DockClosed.
+
+        Args:
+          reason: one line saying why, which every DockClosed then carries (e.g. the process that
+            stopped answering); None: the pipeline stopped. A second close keeps the first reason.
+        """
         with self._registry:
-            self._closed = True
+            if not self._closed:
+                self._closed, self._close_reason = True, reason
         self._ring()
 
     # -- reading ------------------------------------------------------------------------------
     def get(self, stage: str, n: int | None = None, *, whole_groups: bool = False, one_batch: bool = False,
-            timeout: float | None = None, partial: bool = True) -> Taken:
+            timeout: float | None = None, partial: bool = True, _stop: threading.Event | None = None) -> Taken:
         """Takes up to `n` samples that are ready for `stage`, marking them taken by it.
 
         Ready means every input column of the stage is written.
@@ -241,6 +248,8 @@ class ExperienceDock:
           partial: False: a time-out (or timeout=0) takes nothing unless `n` samples (or,
             with one_batch, the rest of the batch) are ready, so a consumer can wait in slices
             without splitting what it waits for.
+          _stop: (for a server that serves this dock) once set and the dock rung, a waiting
+            call raises DockClosed instead of waiting on.
 
         Returns:
           (batch, indices) as a `Taken` (also holding each sample's batch key): the taken
@@ -262,6 +271,8 @@ class ExperienceDock:
         with st.cond:
             while True:
                 self._check_open("get")
+                if _stop is not None and _stop.is_set():
+                    raise DockClosed("get: the dock server is shutting down")
                 choice = st.choose(self._samples, need, n, whole_groups, one_batch)
                 if choice.full or not block:
                     break
@@ -304,6 +315,11 @@ class ExperienceDock:
             out[stage.name] = s
         return out
 
+    def batch_key(self, index: int) -> Hashable:
+        """The batch key of a sample the dock holds (None once every stage is done with it)."""
+        sample = self._samples.get(int(index))
+        return None if sample is None else sample.batch.key
+
     def __len__(self) -> int:
         """Samples the dock holds (added and not yet finished with by every stage)."""
         return len(self._samples)
@@ -323,7 +339,8 @@ class ExperienceDock:
 
     def _check_open(self, what: str) -> None:
         if self._closed:
-            raise DockClosed(f"{what}: the dock is closed (the pipeline stopped)")
+            reason = self._close_reason
+            raise DockClosed(f"{what}: the dock is closed" + (f": {reason}" if reason else " (the pipeline stopped)"))
 
     def _write(self, arrays: dict[str, np.ndarray], idx: np.ndarray, what: str) -> None:
         if self._allowed is not None:
@@ -362,7 +379,8 @@ class ExperienceDock:
                     self._batches = {k: b for k, b in self._batches.items() if b is not sample.batch}
 
 
-def _as_indices(indices: Any, what: str) -> np.ndarray:
+def as_indices(indices: Any, what: str) -> np.ndarray:
+    """[N] int64 sample indices, no repeats (one clear line otherwise)."""
     idx = np.asarray(indices)
     if idx.ndim != 1 or (idx.size and idx.dtype.kind not in "iu"):
         raise DockError(f"{what}: indices must be a 1-D integer array, got dtype {idx.dtype} shape {list(idx.shape)}")
