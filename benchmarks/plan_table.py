@@ -74,8 +74,8 @@ def run_config(folder: str, tokens: int, micro: int, moe: bool, remat: str = "no
 
 
 def plan_row(model: str, tokens: int, topology: str, micro: int, only: tuple[str, ...], remat: str = "none",
-             scan: bool = False) -> dict:
-    """Builds and compiles one row; returns its JSON record."""
+             scan: bool = False, layers: int | None = None) -> dict:
+    """Builds and compiles one row (`layers`: a shallower proxy of the model at full width); returns its JSON record."""
     from rlbolt.config import load_config
     from rlbolt.distributed.topology import target_devices
     from rlbolt.planning import build_abstract, plan_run
@@ -83,13 +83,15 @@ def plan_row(model: str, tokens: int, topology: str, micro: int, only: tuple[str
     devices = target_devices(topology)
     micro = max(micro, len(devices))  # every batch shard gets at least one row
     with tempfile.TemporaryDirectory() as folder:
-        (Path(folder) / "config.json").write_text(json.dumps(MODELS[model]))
+        shapes = MODELS[model] if layers is None else {**MODELS[model], "num_hidden_layers": layers}
+        (Path(folder) / "config.json").write_text(json.dumps(shapes))
         cfg = load_config(run_config(folder, tokens, micro, "moe" in MODELS[model]["model_type"], remat, scan))
         started = time.perf_counter()
         run = build_abstract(cfg, devices)
         report = plan_run(run, topology, only)
     record = report.to_json()
     record.update(model=model, tokens=tokens, topology=topology, micro_batch=micro, remat=remat, scan_layers=scan,
+                  layers=shapes["num_hidden_layers"],
                   wall_seconds=time.perf_counter() - started)
     return record
 
@@ -103,6 +105,7 @@ def main(argv=None) -> int:
     parser.add_argument("--only", default="update,optimizer,logps,rollout")
     parser.add_argument("--remat", default="none", help="model.remat for every row (none, full, dots_saveable, ...)")
     parser.add_argument("--scan", action="store_true", help="model.scan_layers: true (compile time flat in depth)")
+    parser.add_argument("--layers", type=int, default=None, help="a proxy with this many layers at full width")
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     rows = [(m, t, p) for m in MODELS for t in LENGTHS for p in TOPOLOGIES] if args.all else [
@@ -114,7 +117,7 @@ def main(argv=None) -> int:
           f"{'ratio':>6}{'compile s':>10}{'step s (est.)':>14}{'MFU (est.)':>11}")
     records = []
     for model, tokens, topology in rows:
-        r = plan_row(model, tokens, topology, args.micro, tuple(args.only.split(",")), args.remat, args.scan)
+        r = plan_row(model, tokens, topology, args.micro, tuple(args.only.split(",")), args.remat, args.scan, args.layers)
         records.append(r)
         step = f"{r['step_seconds_estimate']:.2f}" if r["step_seconds_estimate"] else "-"
         mfu = f"{r['mfu_estimate']:.1%}" if r["mfu_estimate"] else "-"

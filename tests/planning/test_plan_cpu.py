@@ -32,17 +32,23 @@ def test_abstract_values_keep_their_shardings():
     assert leaves and all(isinstance(v, jax.ShapeDtypeStruct) and v.sharding is not None for v in leaves)
 
 
-def test_plan_counts_the_parameters_by_hand_and_holds_no_array():
+@pytest.mark.parametrize("masters", ["auto", "none"])
+def test_plan_counts_the_parameters_by_hand_and_holds_no_array(masters):
     from rlbolt.distributed.sharding import per_device_bytes
     from rlbolt.planning import build_abstract, plan_run
 
-    run = build_abstract(load_config(RUN), jax.devices()[:1])
+    run = build_abstract(load_config({**RUN, "model": {**RUN["model"], "master_weights": masters}}), jax.devices()[:1])
     assert not [x for x in jax.tree.leaves((run.params, run.opt_state)) if isinstance(x, jax.Array)]
     assert per_device_bytes(run.params) == 2 * PARAMS
     report = plan_run(run, names=("optimizer",))
     (opt,) = report.executables
-    # params + gradients + AdamW's mu and nu (bf16 like the params) + its int32 step count
-    assert opt.argument_bytes == 4 * 2 * PARAMS + 4
+    if masters == "auto":  # as the Trainer: float32 masters and AdamW moments behind the bf16 params
+        # float32 gradients (the update sums them in the masters' dtype) + masters + mu + nu + int32 count;
+        # the bf16 params are no argument (the new ones are the masters' casts)
+        assert opt.argument_bytes == 4 * 4 * PARAMS + 4
+        assert report.state["optimizer state"] == 3 * 4 * PARAMS + 4
+    else:  # params + gradients + AdamW's mu and nu (bf16 like the params) + its int32 step count
+        assert opt.argument_bytes == 4 * 2 * PARAMS + 4
     assert report.fits is None and report.hbm_bytes is None  # a CPU: no memory table entry
 
 

@@ -71,6 +71,7 @@ def build_abstract(cfg: RunConfig, devices: list[Any]) -> AbstractRun:
     Raises:
       ConfigError, PlanError, MeshError: what `rlbolt fit` would refuse for that device set.
     """
+    from rlbolt import master_weights
     from rlbolt.app.build import build_module, build_plan
     from rlbolt.distributed.layout import check_batch_plan, init_optimizer
     from rlbolt.distributed.placement import Placement
@@ -92,7 +93,8 @@ def build_abstract(cfg: RunConfig, devices: list[Any]) -> AbstractRun:
     module.setup(context)
     sharding = shardings["train"]
     params = sharding.place(module.init_params(abstract_key()))
-    optimizer = module.configure_optimizers()
+    # As the Trainer does: float32 master weights and moments behind bfloat16 params (model.master_weights).
+    optimizer = master_weights.wrap(module.configure_optimizers(), params, cfg.model.master_weights)
     opt_state = init_optimizer(optimizer, params, sharding)
     _check_abstract(params, opt_state)
     return AbstractRun(cfg, module, plan, dict(shardings), params, opt_state, optimizer, list(devices))

@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import optax
 
+from rlbolt import master_weights
 from rlbolt.models.scan_layers import scan_reason
 from rlbolt.packing.logps import PackedLogps
 from rlbolt.planning import schema
@@ -219,9 +220,12 @@ def _lower_optimizer(run: Any) -> Any:
 
     def step(params, grads, opt_state):
         updates, opt_state = run.optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
+        return master_weights.apply(params, updates, opt_state), opt_state
 
-    return jax.jit(step, out_shardings=(p, o)).lower(run.params, run.params, run.opt_state)
+    # The gradients as the update hands them over: summed in the masters' dtype when there are masters.
+    masters = master_weights.masters_of(run.opt_state)
+    return jax.jit(step, out_shardings=(p, o)).lower(run.params, run.params if masters is None else masters,
+                                                     run.opt_state)
 
 
 def _lower_logps(run: Any) -> Any:

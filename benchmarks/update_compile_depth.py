@@ -1,0 +1,81 @@
+"""Compile time of the whole GRPO update against depth (`rlbolt plan`'s update executable): looped vs scanned
+layers, on this CPU and for a TPU slice (`benchmarks/compile_depth.py` times the gradient alone on this CPU).
+
+Each row writes a small Qwen2-shaped config.json (width 512; no weights exist), builds the run
+abstractly and compiles only the update executable (`rlbolt.planning`): with `--target host` for
+this process's CPU device, with `--target v5p:2x2x2` (any slice name) with libtpu's TPU compiler.
+Rows run interleaved (every depth and layout once per round) so a load change on a shared box
+hits them alike; the table gives the median over the rounds.
+
+    python benchmarks/update_compile_depth.py --layers 2 8 28 --targets host v5p:2x2x2 --rounds 3
+
+Prints one JSON line per compile, then the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SMALL = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu", "rms_norm_eps": 1e-6,
+         "rope_theta": 1000000.0, "max_position_embeddings": 4096, "use_sliding_window": False,
+         "torch_dtype": "bfloat16", "hidden_size": 512, "intermediate_size": 1408, "num_attention_heads": 8,
+         "num_key_value_heads": 2, "vocab_size": 32000, "tie_word_embeddings": False}
+
+
+def compile_update(layers: int, scan: bool, target: str, tokens: int, remat: str) -> float:
+    """Seconds to build the abstract run and compile its update (lowering included)."""
+    from plan_table import run_config
+
+    from rlbolt.config import load_config
+    from rlbolt.distributed.topology import target_devices
+    from rlbolt.planning import build_abstract, plan_run
+
+    devices = target_devices(None if target == "host" else target)
+    micro = max(8, len(devices))
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / "config.json").write_text(json.dumps({**SMALL, "num_hidden_layers": layers}))
+        cfg = load_config(run_config(folder, tokens, micro, False, remat, scan))
+        run = build_abstract(cfg, devices)
+        report = plan_run(run, target, ("update",))
+    return report.executables[0].compile_seconds
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, nargs="+", default=[2, 8, 28])
+    parser.add_argument("--targets", nargs="+", default=["host", "v5p:2x2x2"], help="host, or TPU slice names")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=1024, help="tokens per sequence (512 of them prompt)")
+    parser.add_argument("--remat", default="full")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from machine import cpu_model
+
+    print(f"# {cpu_model()}; update compile seconds (wall, lowering + compile)", flush=True)
+    times: dict[tuple, list[float]] = {}
+    for _ in range(args.rounds):
+        for target in args.targets:
+            for layers in args.layers:
+                for scan in (False, True):
+                    seconds = compile_update(layers, scan, target, args.tokens, args.remat)
+                    times.setdefault((target, layers, scan), []).append(seconds)
+                    print(json.dumps({"target": target, "layers": layers, "scan_layers": scan, "seconds": seconds,
+                                      "load": os.getloadavg()[0]}), flush=True)
+    print(f"{'target':<12}{'layers':>7}{'looped s':>10}{'scanned s':>11}")
+    for target in args.targets:
+        for layers in args.layers:
+            looped, scanned = (statistics.median(times[(target, layers, s)]) for s in (False, True))
+            print(f"{target:<12}{layers:>7}{looped:>10.1f}{scanned:>11.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parent))
+    sys.exit(main())
