@@ -110,7 +110,6 @@ class ProcessGroups:
         self.push = ProcessWeightPush(plans["train"], plans["rollout"])
         self.link = link if link is not None else GroupLink()
         self._pushes = 0  # how many weight pushes this process took part in (the key of the next one)
-        self._sent: Any = None  # the training group's last push (its staged arrays), kept until the next one
 
     @classmethod
     def of(cls, placement: Any, plans: Mapping[str, ShardingPlan]) -> ProcessGroups | None:
@@ -131,7 +130,7 @@ class ProcessGroups:
                 self.link.put(f"push/{self._pushes}/{process}", "weights")
         for process in self.rollout:  # every receiver is at the push (see receive_weights)
             self.link.take(f"ready/{self._pushes}/{process}/{jax.process_index()}")
-        self._sent = self.push(params, policy_version, keep=True)  # alive until the next push: the receivers pull
+        self.push(params, policy_version)
         self._pushes += 1
 
     def end(self) -> None:

@@ -81,15 +81,13 @@ class ProcessWeightPush:
         index = jax.process_index()
         return "send" if index in self.senders else "receive" if index in self.receivers else None
 
-    def __call__(self, params: Any, policy_version: int | None = None, *, keep: bool = False) -> tuple[Any, int | None]:
+    def __call__(self, params: Any, policy_version: int | None = None) -> tuple[Any, int | None]:
         """Pushes the weights: call it on every process of both groups, in the same order.
 
         Args:
           params: on a sending process the parameters (on the training plan); on a receiving one
             the same tree abstractly (ShapeDtypeStruct leaves, e.g. from `nnx.eval_shape`).
           policy_version: the version of `params` (senders only).
-          keep: senders: return the staged arrays and the transfer's result in place of None (keep
-            them alive until the receivers have their copies).
 
         Returns:
           Senders: (None, policy_version). Receivers: (the parameters on the rollout mesh, their
@@ -114,7 +112,7 @@ class ProcessWeightPush:
             version = _placeholder(jax.ShapeDtypeStruct((), np.int32), self._version_staging)
         moved, moved_version = jax.device_put((staged, version), (target, self._version_target))
         if role == "send":
-            return ((staged, version, moved, moved_version) if keep else None), int(policy_version)
+            return None, int(policy_version)
         return moved, int(np.asarray(moved_version.addressable_shards[0].data))
 
 

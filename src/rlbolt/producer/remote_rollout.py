@@ -28,7 +28,7 @@ from rlbolt.distributed.process_groups import ProcessGroups
 from rlbolt.distributed.sharding import DataShare
 from rlbolt.module import RLModule, add_log_values, collect_log_values
 from rlbolt.plan import BatchPlan
-from rlbolt.producer.producer import prompt_batch
+from rlbolt.producer.prompt_rows import prompt_batch
 
 
 class RemoteRollout:
