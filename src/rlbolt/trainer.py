@@ -22,6 +22,7 @@ from rlbolt.callback import Callback, CallbackList
 from rlbolt.callbacks.evaluation import FIT_VALIDATION, Evaluation
 from rlbolt.data.source import PromptSource
 from rlbolt.distributed import any_process, host_value, layout
+from rlbolt.distributed.agree import set_default_group
 from rlbolt.distributed.placement import Placement, WeightSync
 from rlbolt.distributed.process_groups import ProcessGroups, check_fit_across
 from rlbolt.distributed.sharding import ShardingPlan
@@ -187,14 +188,17 @@ class Trainer:
             return self._fit(module, train_data, val_data, signals)
 
     def _fit(self, module: RLModule, train_data: Any, val_data: Sequence[dict] | None, signals) -> TrainState:
-        state = self._setup(module, train_data, val_data)
-        if self.groups is not None and self.groups.role == "rollout":
-            return self._fit_rollout_group(module, state)
         try:
-            return self._fit_training(module, state, signals)
+            state = self._setup(module, train_data, val_data)
+            if self.groups is not None and self.groups.role == "rollout":
+                return self._fit_rollout_group(module, state)
+            try:
+                return self._fit_training(module, state, signals)
+            finally:
+                if self.groups is not None:
+                    self.groups.end()  # the rollout group's loop returns
         finally:
-            if self.groups is not None:
-                self.groups.end()  # the rollout group's loop returns
+            set_default_group(None)
 
     def _fit_training(self, module: RLModule, state: TrainState, signals) -> TrainState:
         state = self._start(state)
@@ -313,6 +317,7 @@ class Trainer:
         self.sharding = self.plans["train"]
         self.groups = ProcessGroups.of(self.placement, self.plans)
         if self.groups is not None:
+            set_default_group(self._group)  # every agreement of this fit (callbacks too) stays in this group
             check_fit_across(self.mode, self.plan, val_data, self.callbacks)
             self.weights.transfer = self.groups.send_weights if self.groups.role == "train" else None
         elif not self.placement.colocated:

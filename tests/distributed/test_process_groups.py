@@ -19,7 +19,7 @@ import pytest
 
 from rlbolt.batch import Batch
 from rlbolt.distributed.agree import any_process, gather_shares, group_size, max_over_processes
-from rlbolt.distributed.agree import _gather
+from rlbolt.distributed.agree import _gather, set_default_group
 from rlbolt.distributed.process_groups import check_fit_across
 from rlbolt.module import collect_log_values, mean_logs
 from rlbolt.plan import BatchPlan
@@ -37,6 +37,15 @@ def test_a_group_of_one_agrees_without_a_collective_and_a_stranger_is_refused():
     # a collective of a group this process is not in would wait forever: refused in one line
     with pytest.raises(RuntimeError, match=r"process 0 called a collective of the process group \[1, 2\]"):
         _gather(np.zeros(1), group=[1, 2])
+    # a fit across groups sets its group as the default: a callback's any_process(flag) (no group) agrees there
+    set_default_group([2, 1])
+    try:
+        assert group_size(None) == 2
+        with pytest.raises(RuntimeError, match=r"process group \[1, 2\]"):
+            any_process(True)
+    finally:
+        set_default_group(None)
+    assert group_size(None) == 1
 
 
 class _Link:

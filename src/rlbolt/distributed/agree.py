@@ -21,16 +21,30 @@ import jax
 import numpy as np
 
 
-Group = Sequence[int] | None  # process indices taking part (None: every process)
+Group = Sequence[int] | None  # process indices taking part (None: the default group, else every process)
+_DEFAULT_GROUP: tuple[int, ...] | None = None
+
+
+def set_default_group(group: Group) -> None:
+    """The group a helper called without one agrees in: a fit across process groups sets its own
+    group for the fit (so a callback's `any_process` stays inside the training group); None: every process.
+
+    Args:
+      group: process indices, or None.
+    """
+    global _DEFAULT_GROUP
+    _DEFAULT_GROUP = None if group is None else tuple(sorted(set(group)))
 
 
 def group_size(group: Group) -> int:
-    """How many processes take part: the group's, or every process's (None)."""
+    """How many processes take part: the group's (None: the default group's), or every process's."""
+    group = _DEFAULT_GROUP if group is None else group
     return jax.process_count() if group is None else len(set(group))
 
 
 def _gather(value: np.ndarray, group: Group = None) -> np.ndarray:
     """[processes of the group, *value.shape]: every member's `value`, in process order."""
+    group = _DEFAULT_GROUP if group is None else group
     members = None if group is None else tuple(sorted(set(group)))
     if members is None or members == tuple(range(jax.process_count())):
         from jax.experimental import multihost_utils

@@ -190,7 +190,8 @@ def check_fit_across(mode: str, plan: Any, val_data: Any, callbacks: Any) -> Non
         unsupported.append("validation data (validate after the run, or use placement: colocated)")
     saving = [type(cb).__name__ for cb in callbacks if type(cb).__name__ == "ModelCheckpoint"]
     if saving:
-        unsupported.append("ModelCheckpoint (its barriers span every process; use placement: colocated to save)")
+        unsupported.append("ModelCheckpoint (its barriers span every process: set callbacks.checkpoint: false, or use "
+                           "placement: colocated to save)")
     if unsupported:
         raise ValueError("placement across processes runs sync mode without refills, validation or checkpoints yet; "
                          "this fit has " + "; ".join(unsupported))
