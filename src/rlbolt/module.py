@@ -233,6 +233,15 @@ def collect_log_values():
         _SINK.metrics = previous
 
 
+def add_log_values(values: dict[str, list[float]]) -> None:
+    """Adds values collected elsewhere (another process's `collect_log_values`) to this thread's
+    collection, as if `RLModule.log` had been called here; nothing when none is open."""
+    sink = getattr(_SINK, "metrics", None)
+    if sink is not None:
+        for name, logged in values.items():
+            sink.setdefault(name, []).extend(logged)
+
+
 def mean_logs(values: dict[str, list[float]]) -> dict[str, float]:
     """name -> mean of its values (an exactly rounded sum: independent of the values' order)."""
     return {k: math.fsum(v) / len(v) for k, v in values.items() if v}

@@ -22,7 +22,9 @@ from rlbolt.callback import Callback, CallbackList
 from rlbolt.callbacks.evaluation import FIT_VALIDATION, Evaluation
 from rlbolt.data.source import PromptSource
 from rlbolt.distributed import any_process, host_value, layout
+from rlbolt.distributed.agree import set_default_group
 from rlbolt.distributed.placement import Placement, WeightSync
+from rlbolt.distributed.process_groups import ProcessGroups, check_fit_across
 from rlbolt.distributed.sharding import ShardingPlan
 from rlbolt.fit_checks import check_fit, lag_steps
 from rlbolt.module import RLModule
@@ -38,6 +40,7 @@ from rlbolt.update import make_update_fn
 from rlbolt.utils.runlock import hold_run_dir
 from rlbolt.validation import run_validation
 from rlbolt.producer.weights import WeightStore
+from rlbolt.producer.remote_rollout import RemoteRollout, run_rollout_group
 from rlbolt.run_info import Control, Restore, RunInfo, total_steps
 
 MODES = ("sync", "async")
@@ -73,7 +76,9 @@ class Trainer:
       placement: "colocated" (every role on `mesh`) or role -> sub-mesh (`{"train": {"devices": [0, 4]},
         "rollout": {"devices": [4, 8], "mesh": {"tp": 2}}}`, `rlbolt.distributed.placement`): rollout
         (and the reference or the distillation teacher, given a range) on its own devices, weights
-        resharded after each update.
+        resharded after each update. Across processes (sync mode) each process runs its group's part
+        only: the training group this loop, the rollout group the rollouts
+        (`rlbolt.distributed.process_groups`); there `fit` returns the state as set up.
       master_weights: "auto" (default): when a trainable parameter is narrower than float32
         (`model.param_dtype: bfloat16`), the optimizer keeps float32 master weights and runs on
         them (float32 AdamW moments; the params are the masters' casts: `rlbolt.master_weights`);
@@ -121,6 +126,7 @@ class Trainer:
         self.prefetch_timeout_s = prefetch_timeout_s
         self.mesh_spec, self.device_memory_bytes = mesh, device_memory_bytes
         self.placement, self.plans = Placement.of(placement), {}
+        self.groups: ProcessGroups | None = None  # a placement across processes: this process's group (set in fit)
         self.sharding: ShardingPlan | None = None  # the train role's plan (of self.plans: role -> plan), set in fit
         self.weights = WeightStore(self.lag_steps)
         self.timeline = Timeline()  # stage start/end events; TimelineLogger writes them to the run dir
@@ -182,7 +188,20 @@ class Trainer:
             return self._fit(module, train_data, val_data, signals)
 
     def _fit(self, module: RLModule, train_data: Any, val_data: Sequence[dict] | None, signals) -> TrainState:
-        state = self._start(module, train_data, val_data)
+        try:
+            state = self._setup(module, train_data, val_data)
+            if self.groups is not None and self.groups.role == "rollout":
+                return self._fit_rollout_group(module, state)
+            try:
+                return self._fit_training(module, state, signals)
+            finally:
+                if self.groups is not None:
+                    self.groups.end()  # the rollout group's loop returns
+        finally:
+            set_default_group(None)
+
+    def _fit_training(self, module: RLModule, state: TrainState, signals) -> TrainState:
+        state = self._start(state)
         producer = self._producer(module, state)
         signals.defer()  # from here a signal ends the run at the next step boundary
         try:
@@ -194,7 +213,7 @@ class Trainer:
                     if not self._end_step(state, info):
                         break
                     waited = time.perf_counter()
-                if any_process(self.stop_signal is not None):
+                if any_process(self.stop_signal is not None, self._group):
                     return self._end_on_signal(produced_steps, state)
         except KeyboardInterrupt as exc:  # raised by a hook: callbacks may save, threads are joined
             self.interrupted = True
@@ -214,9 +233,8 @@ class Trainer:
             callbacks.append(Evaluation.of_fit(val_data, every_n_steps=self.val_every_n_steps, at_start=self.val_at_start))
         return CallbackList(callbacks, legacy=self)
 
-    def _start(self, module: RLModule, train_data: Any, val_data: Sequence[dict] | None) -> TrainState:
-        """Builds everything (`_setup`), then the callbacks' `on_restore` (a resume) and `on_fit_start`."""
-        state = self._setup(module, train_data, val_data)
+    def _start(self, state: TrainState) -> TrainState:
+        """After `_setup`: the callbacks' `on_restore` (a resume) and `on_fit_start`."""
         state = self.callbacks.on_restore(self.run, state, apply=self._apply_restore)  # ModelCheckpoint resumes here
         state = self.last_state = self.callbacks.on_fit_start(self.run, state)
         return state
@@ -233,8 +251,24 @@ class Trainer:
     def _producer(self, module: RLModule, state: TrainState) -> Producer:
         """The producer of the steps after `state`, with `state`'s weights published for its first rollout."""
         self.weights.publish(state.step, state.params, state.policy_version)
+        remote = None if self.groups is None else RemoteRollout(self.groups, self.sharding.share)
         return Producer(module, self.plan, self.source, self.weights, host_value(state.rng), max_steps=self.max_steps,
-                        max_prompts=self._max_prompts(), timeline=self.timeline, share=self.sharding.share)
+                        max_prompts=self._max_prompts(), timeline=self.timeline, share=self.sharding.share,
+                        rollout=remote)
+
+    def _fit_rollout_group(self, module: RLModule, state: TrainState) -> TrainState:
+        """A rollout process of a placement across processes: a rollout for each weight push until the
+        training group ends (`rlbolt.producer.remote_rollout`); no callback runs here."""
+        base_rng = np.asarray(jax.random.fold_in(jax.random.PRNGKey(self.seed), 1))  # the training group's state.rng
+        run_rollout_group(module, self.plan, self.source, self.groups, state.params, base_rng,
+                          self.plans["rollout"].share, start_step=state.step, start_position=state.data_position,
+                          max_steps=self.max_steps, max_prompts=self._max_prompts())
+        return state
+
+    @property
+    def _group(self) -> tuple[int, ...] | None:
+        """The processes this one agrees with at step boundaries (its group's; None: every process)."""
+        return None if self.groups is None else (self.groups.train if self.groups.role == "train" else self.groups.rollout)
 
     def _step(self, state: TrainState, produced, began: float) -> tuple[TrainState, StepInfo]:
         """One global step on a produced batch: the hooks before the update, the update, and the
@@ -260,7 +294,7 @@ class Trainer:
         keeps the hook order deterministic in sync mode."""
         self.callbacks.on_step_end(self.run, info)
         self.last_state = state
-        if any_process(self.should_stop):
+        if any_process(self.should_stop, self._group):
             return False
         self.weights.publish(state.step, state.params, state.policy_version)
         return True
@@ -281,7 +315,14 @@ class Trainer:
         self.source = train_data if isinstance(train_data, PromptSource) else PromptSource(train_data, shuffle=self.shuffle, seed=self.data_seed)
         self.plans = self.placement.plans(self.mesh_spec)
         self.sharding = self.plans["train"]
-        self.weights.transfer = None if self.placement.colocated else WeightSync(self.sharding, self.plans["rollout"])
+        self.groups = ProcessGroups.of(self.placement, self.plans)
+        if self.groups is not None:
+            set_default_group(self._group)  # every agreement of this fit (callbacks too) stays in this group
+            check_fit_across(self.mode, self.plan, val_data, self.callbacks)
+            self.weights.transfer = self.groups.send_weights if self.groups.role == "train" else None
+        elif not self.placement.colocated:
+            sync = WeightSync(self.sharding, self.plans["rollout"])
+            self.weights.transfer = lambda params, _version: sync(params)
         layout.check_batch_plan(self.plan, self.sharding, self.mode, reference=self.plans["reference"])
         module.context = context = SetupContext(plan=self.plan, seed=self.seed, mode=self.mode, shardings=self.plans)
         module.setup(context)

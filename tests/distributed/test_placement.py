@@ -169,13 +169,21 @@ def _devices_of(*processes: int) -> list:
     return [SimpleNamespace(id=i, process_index=p) for i, p in enumerate(processes)]
 
 
-def test_process_groups_across_processes_and_the_refusal_names_them():
+def test_process_groups_across_processes_and_what_stays_refused_names_them():
     devices = _devices_of(0, 0, 1, 1, 2, 2, 3, 3)
     p = Placement.of({"train": {"devices": [4, 8]}, "rollout": {"devices": [0, 4], "mesh": {"tp": 2}}})
     assert p.process_groups(devices) == {"train": (2, 3), "rollout": (0, 1), "reference": (2, 3), "teacher": (2, 3)}
+    # train must hold process 0 (it writes the run directory): refused, naming the groups and the fix
     with pytest.raises(MeshError, match=r"across processes \(train on \[2, 3\], rollout on \[0, 1\], reference on "
-                                        r"\[2, 3\], teacher on \[2, 3\]\) is not run by the Trainer yet"):
+                                        r"\[2, 3\], teacher on \[2, 3\]\): train must hold process 0's devices"):
         p.plans(devices=devices)
+    # the reference on processes of its own is a third group, not run yet
+    apart = Placement.of({"train": {"devices": [0, 4]}, "rollout": {"devices": [4, 6]},
+                          "reference": {"devices": [6, 8]}})
+    with pytest.raises(MeshError, match=r"reference on processes of its own is not run yet; use reference: train"):
+        apart.check_across_processes(devices)
+    # train on processes 0, 1 and rollout on 2, 3: what the Trainer runs (process_groups.py)
+    Placement.of({"train": {"devices": [0, 4]}, "rollout": {"devices": [4, 8]}}).check_across_processes(devices)
 
 
 @pytest.mark.parametrize("spans, message", [

@@ -107,7 +107,8 @@ class Placement:
 
         Raises:
           MeshError: a range past the visible devices, a mesh shape that does not fit its range,
-            a disaggregated placement with several processes, or with a `mesh` besides it.
+            a placement across processes that is not run (`check_across_processes`), or a `mesh`
+            besides it.
         """
         from rlbolt.distributed.layout import training_plan
 
@@ -115,12 +116,8 @@ class Placement:
             plan = training_plan(mesh, devices)
             return dict.fromkeys(ROLES, plan)
         devices = list(jax.devices() if devices is None else devices)
-        processes = len({d.process_index for d in devices})
-        if processes > 1:
-            groups = self.process_groups(devices)  # a range that splits a process is named first
-            named = ", ".join(f"{role} on {list(p)}" for role, p in groups.items())
-            raise MeshError(f"placement on sub-meshes across processes ({named}) is not run by the Trainer yet (its "
-                            "weight push is: rlbolt.distributed.weight_push); use placement: colocated across processes")
+        if len({d.process_index for d in devices}) > 1:
+            self.check_across_processes(devices)
         if mesh is not None and (not isinstance(mesh, (Mapping, MeshSpec)) or MeshSpec.of(mesh) != MeshSpec()):
             raise MeshError(f"mesh={mesh!r} and a placement on sub-meshes: give each role's mesh in placement "
                             "(placement.<role>.mesh) and leave mesh at its default")
@@ -133,6 +130,29 @@ class Placement:
                 built[where] = ShardingPlan(where.mesh.build(devices[where.start:where.stop]))
         return {role: built[where] for role, where in self.roles.items()}
 
+
+    def check_across_processes(self, devices: Any) -> None:
+        """What the Trainer runs across processes (`rlbolt.distributed.process_groups`): train and
+        rollout on whole, disjoint processes, the reference and teacher with train, train holding
+        the first process (it writes the run directory).
+
+        Args:
+          devices: the devices the ranges index (`jax.devices()`: ordered by process).
+
+        Raises:
+          MeshError: one line naming the groups, what is not run across processes, and the fix.
+        """
+        devices = list(devices)
+        groups = self.process_groups(devices)  # a range that splits a process is named first
+        named = ", ".join(f"{role} on {list(p)}" for role, p in groups.items())
+        apart = [r for r in FROZEN_ROLES if self.roles[r] is not self.roles["train"]]
+        if apart:
+            raise MeshError(f"placement across processes ({named}): {apart[0]} on processes of its own is not run yet; "
+                            f"use {apart[0]}: train")
+        first = devices[0].process_index
+        if first not in groups["train"]:
+            raise MeshError(f"placement across processes ({named}): train must hold process {first}'s devices (it "
+                            "writes the run directory); put train's range first")
 
     def process_groups(self, devices: Any) -> dict[str, tuple[int, ...]]:
         """role -> the processes whose devices it uses, for a placement across processes.

@@ -198,10 +198,12 @@ class DataShare:
     Args:
       rank: this process's block.
       size: how many distinct blocks the processes hold.
+      processes: the processes of the mesh the share is of (its collectives run among them only:
+        `rlbolt.distributed.agree`); None: every process.
     """
 
-    def __init__(self, rank: int = 0, size: int = 1):
-        self.rank, self.size = rank, size
+    def __init__(self, rank: int = 0, size: int = 1, processes: tuple[int, ...] | None = None):
+        self.rank, self.size, self.processes = rank, size, processes
 
     def __repr__(self) -> str:
         return f"DataShare(rank={self.rank}, size={self.size})"
@@ -225,7 +227,7 @@ class DataShare:
                             f"({[list(b) for b in blocks]}); keep each host's devices together on data x fsdp "
                             "(build the mesh with MeshSpec(...).build(), tp inside a host)")
         mine = rows.get(jax.process_index(), rows[min(rows)])
-        return cls(blocks.index(tuple(sorted(mine))), len(blocks))
+        return cls(blocks.index(tuple(sorted(mine))), len(blocks), tuple(sorted(rows)))
 
     def range(self, count: int) -> tuple[int, int]:
         """[start, stop) of this process's part of `count` items (equal parts; `count` must divide)."""
@@ -256,6 +258,12 @@ def _put(x: Any, sharding: Any) -> Any:
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
     if isinstance(x, jax.Array) and x.sharding == sharding:
         return x
+    if not sharding.addressable_devices and jax.process_count() > 1:  # another process group's mesh: no shard here
+        return jax.make_array_from_single_device_arrays(np.shape(x), sharding, [], dtype=x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype)
+    if isinstance(x, jax.Array) and not x.addressable_shards and jax.process_count() > 1:
+        # x lives on another process group only: moving it is a transfer that group would have to join
+        # (it runs other programs). Keep the shape; the value arrives by the group's own push.
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
     if jax.process_count() == 1 or (isinstance(x, jax.Array) and not x.is_fully_addressable):
         return jax.device_put(x, sharding)
     host = np.asarray(x)  # the same value on every process (same seed, same file, same batch)

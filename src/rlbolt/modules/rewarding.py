@@ -80,7 +80,7 @@ def score_shared(runner: RewardRunner, texts: list[str], samples: list[Mapping[s
                  float(mine.metrics["reward/timeouts"]), None)
     except RewardFailureError as error:  # told to the others: every process stops, none waits
         local = (None, None, 0, 0.0, str(error))
-    parts = gather_shares(local, share.rank, share.size)
+    parts = gather_shares(local, share.rank, share.size, getattr(share, "processes", None))  # its group only
     failed = [p[4] for p in parts if p[4] is not None]
     if failed:  # a share whose every sample failed for max_failed_batches batches stops the run
         raise RewardFailureError(failed[0])

@@ -83,7 +83,8 @@ def _same_item(x: Any, y: Any) -> bool:
 
 def gather_round(local: Batch, share: Any) -> Batch:
     """Every data share's rows of a round, in share order, on every process (a collective)."""
-    return Batch.concat([Batch(cols) for cols in gather_shares(dict(local), share.rank, share.size)])
+    shares = gather_shares(dict(local), share.rank, share.size, getattr(share, "processes", None))  # its group only
+    return Batch.concat([Batch(cols) for cols in shares])
 
 
 def step_rows(gathered: list[tuple[np.ndarray, Batch]], writes: list[tuple[dict[str, Any], np.ndarray]]) -> Batch:

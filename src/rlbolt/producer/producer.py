@@ -48,6 +48,7 @@ from rlbolt.batch import STAGE_SCHEMAS, Batch, check_stage
 from rlbolt.data.source import PromptSource
 from rlbolt.distributed.sharding import DataShare
 from rlbolt.producer.dock import DockClosed, ExperienceDock
+from rlbolt.producer.prompt_rows import prompt_batch, sample_keys  # noqa: F401 - sample_keys: its old home
 from rlbolt.producer.handoff import INDEX_COLUMN, added_columns, gather_round, kept_samples, step_rows, with_rewards
 from rlbolt.module import RLModule, collect_log_values, mean_logs
 from rlbolt.plan import BatchPlan
@@ -101,6 +102,7 @@ class _Step:
     params: Any
     version: int
     rollout_params: Any = None  # the rollout's copy (the same arrays when colocated)
+    step: int = 0
     position: int = 0
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # stage -> seconds in its hook
     logs: dict[str, dict[str, list[float]]] = dataclasses.field(default_factory=dict)
@@ -136,15 +138,19 @@ class Producer:
       share: this process's `DataShare` of every step's prompts (None: one process, all of
         them). Sample keys come from the global sample index, so a sample does not depend on
         which process made it; every process trains on the same whole global batch.
+      rollout: replaces the rollout stage's `on_rollout` call: `(step, batch) -> batch with the
+        rollout columns` (a rollout made by another process group: `rlbolt.producer.remote_rollout`).
     """
 
     def __init__(self, module: RLModule, plan: BatchPlan, source: PromptSource, weights: WeightStore,
                  base_rng: jax.Array, *, max_steps: int | None, max_prompts: int | None,
-                 timeline: Timeline | None = None, share: DataShare | None = None):
+                 timeline: Timeline | None = None, share: DataShare | None = None,
+                 rollout: Callable[[int, Batch], Batch] | None = None):
         self.module, self.plan, self.source, self.weights = module, plan, source, weights
         self.base_rng, self.max_steps, self.max_prompts = base_rng, max_steps, max_prompts
         self.timeline = timeline if timeline is not None else Timeline()
         self.share = share or DataShare()
+        self.rollout = rollout
 
     def start(self, start_step: int, start_position: int, *, timeout_s: float | None = None,
               should_stop: Callable[[], bool] | None = None) -> "_Run":
@@ -182,9 +188,11 @@ class _Run:
     def __enter__(self) -> "_Run":
         plan, module, parts = self.p.plan, self.p.module, self.parts
         self.threads.start("feeder", self._feed)
+        remote = self.p.rollout
         self.threads.start("rollout", lambda stop: self._stage(
             "rollout", plan.rollout_micro_batch_size // parts,
-            lambda s, b: check_stage(module.on_rollout(s.rollout_params, b), "rollout")))
+            lambda s, b: check_stage(module.on_rollout(s.rollout_params, b) if remote is None else remote(s.step, b),
+                                     "rollout")))
         self.threads.start("logps", lambda stop: self._stage(
             "logps", plan.logps_micro_batch_size // parts,
             lambda s, b: check_stage(module.compute_logps(s.params, b), "logps"), whole_round=self.serial))
@@ -221,7 +229,7 @@ class _Run:
             rollout_params, _ = p.weights.get(step, stop, rollout=True)
             if step == self.start_step + 1:  # in sync mode the first step's compilations are over
                 release_freed_host_memory()
-            record = self.steps[step] = _Step(params, version, rollout_params)
+            record = self.steps[step] = _Step(params, version, rollout_params, step)
             prompts, round_index, parts = plan.prompts_per_step, 0, self.parts
             while True:
                 prompts = -(-prompts // parts) * parts  # equal shares
@@ -239,15 +247,9 @@ class _Run:
         self.dock.finish()
 
     def _prompt_batch(self, step: int, round_index: int, position: int, prompts: int, version: int) -> Batch:
-        start, stop = self.p.share.range(prompts)  # this process reads only its share of the prompts
-        g = self.p.plan.num_generations
-        batch = Batch.from_rows(self.p.source.take(position + start, stop - start)).repeat(g)
-        n = batch.num_samples
-        # One key per sample from (step, refill round, global index): a sample's randomness does
-        # not depend on micro batch sizes, on what else is in the batch, or on the process.
-        keys = sample_keys(self.p.base_rng, step, round_index, np.arange(start * g, stop * g))
-        return batch.with_columns(group_ids=batch["prompt_index"].astype(np.int32),
-                                  policy_version=np.full((n,), version, np.int32), sample_keys=np.asarray(keys))
+        p = self.p
+        return prompt_batch(p.source, p.share, p.base_rng, p.plan.num_generations, step, round_index, position,
+                            prompts, version)
 
     def _stage(self, stage: str, size: int, hook, whole_round: bool = False) -> None:
         """rollout / logps / reward: take `size` samples of the oldest step (whole_round: the
@@ -385,12 +387,3 @@ def _merged_logs(record: _Step) -> dict[str, list[float]]:
         for name, values in record.logs.get(stage, {}).items():
             merged.setdefault(name, []).extend(values)
     return merged
-
-
-@jax.jit
-def sample_keys(base_rng: jax.Array, step: int, round_index: int, indices: jax.Array) -> jax.Array:
-    """[N, 2] uint32 raw keys: fold_in(fold_in(fold_in(base, step), round), index) per sample.
-    Jitted: eagerly it is a ~4 ms host round trip every step (0.06 ms compiled)."""
-    step_key = jax.random.fold_in(jax.random.fold_in(base_rng, step), round_index)
-    keys = jax.vmap(lambda i: jax.random.fold_in(step_key, i))(indices)
-    return jax.random.key_data(keys) if jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key) else keys

@@ -7,8 +7,9 @@ after s steps, i.e. the latest (on-policy); async mode uses those after s - lag 
 and resume exactly: the retained weights are part of the checkpoint.
 
 With roles on their own devices (`rlbolt.distributed.placement`), `transfer` makes the rollout's
-copy of each published set once (a reshard onto the rollout mesh); `get(..., rollout=True)`
-returns it, while the logps stage and checkpoints use the training copy.
+copy of each published set once (a reshard onto the rollout mesh; across processes the push to
+the rollout group, which returns None); `get(..., rollout=True)` returns it, while the logps
+stage and checkpoints use the training copy.
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ from rlbolt.producer.stage_threads import StageThreads
 class WeightStore:
     """Thread-safe map: steps completed -> params (keeps only what the producer still needs)."""
 
-    def __init__(self, lag_steps: int = 0, transfer: Callable[[Any], Any] | None = None):
+    def __init__(self, lag_steps: int = 0, transfer: Callable[[Any, int], Any] | None = None):
         self.lag_steps = lag_steps
-        self.transfer = transfer  # params -> the rollout's copy (None: the same arrays)
+        self.transfer = transfer  # (params, policy_version) -> the rollout's copy (None: the same arrays)
         self._cond = threading.Condition()
         self._weights: dict[int, Any] = {}
 
     def publish(self, steps_completed: int, params: Any, policy_version: int) -> None:
-        rollout = self.transfer(params) if self.transfer is not None else params  # dispatched, not awaited
+        rollout = self.transfer(params, policy_version) if self.transfer is not None else params  # not awaited
         with self._cond:
             self._weights[steps_completed] = (params, policy_version, rollout)
             # The producer of step s needs key max(0, s - lag); the next step to produce is at

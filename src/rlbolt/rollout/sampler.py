@@ -200,7 +200,9 @@ class NativeSampler:
         longest = int(lengths.max())
         rows_max = len(rows)
         if processes:  # every process must compile the same shapes: the largest call and bucket
-            rows_max, longest = max_over_processes([len(rows), longest])
+            # among the rollout mesh's processes only (another process group runs other programs meanwhile)
+            group = sorted({d.process_index for d in self.sharding.mesh.devices.flat})
+            rows_max, longest = max_over_processes([len(rows), longest], group)
         fitting = [b for b in self.prompt_buckets if b >= longest]
         if not fitting:
             raise ValueError(f"generate: a prompt has {longest} tokens, more than the largest of prompt_buckets="

@@ -1,0 +1,197 @@
+"""A placement across processes: each process in one group, the rendezvous points between groups.
+
+    groups = ProcessGroups.of(placement, plans)      None: every role on every process (colocated)
+    groups.role                                      "train" or "rollout": this process's group
+    groups.send_weights(params, version)             training group: the weight push of one publish
+    params, version = groups.receive_weights(abstract)   rollout group: the same push (None: the end)
+    groups.link.put(key, obj) / groups.link.take(key)    small host objects between the groups
+
+Each process runs only its group's stages and jitted programs, on its group's sub-mesh (MPMD):
+the training group runs the Trainer's loop (logps, advantages, updates, callbacks), the
+rollout group a loop of weight pushes and rollouts (`rlbolt.producer.remote_rollout`). Per step
+there are two cross-group transfers, which both groups make in the same order: the weight push
+(train -> rollout: `ProcessWeightPush`, a `jax.device_put` across processes, with the policy
+version) and the rollout rows (rollout -> train: each rollout data share's rows of each rollout
+micro batch, through the `GroupLink`). Collectives inside a group name only its processes
+(`rlbolt.distributed.agree`'s `group`, `DataShare.processes`).
+
+The `GroupLink` is the key-value store of JAX's coordination service (the gRPC service that
+`jax.distributed.initialize` starts on process 0): one pickled object per key, read once and
+deleted. Why it carries the rollout rows and not a `device_put` like the weights:
+docs/howto/multi-host.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+
+from rlbolt.distributed.mesh import MeshError
+from rlbolt.distributed.sharding import ShardingPlan
+from rlbolt.distributed.weight_push import ProcessWeightPush
+
+_LINKS = itertools.count()  # one key prefix per GroupLink: every process makes its links in the same order
+_POLL_MS = 500
+
+
+class GroupLink:
+    """Host objects from one process group to another, through the coordination service's key-value store.
+
+    Args:
+      timeout_s: how long `take` waits for a key (None: until `stop` says so).
+    """
+
+    def __init__(self, timeout_s: float | None = None):
+        from jax._src import distributed
+
+        self.client = distributed.global_state.client
+        if self.client is None:
+            raise RuntimeError("GroupLink needs jax.distributed (rlbolt.distributed.initialize) to be initialised")
+        self.prefix, self.timeout_s = f"rlbolt/groups/{next(_LINKS)}/", timeout_s
+
+    def put(self, key: str, obj: Any) -> None:
+        """Stores `obj` (picklable) under `key`, for one `take` on another process."""
+        self.client.key_value_set_bytes(self.prefix + key, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def barrier(self, key: str, processes: tuple[int, ...], timeout_s: float = 3600.0) -> None:
+        """Returns when every process of `processes` has called it with `key` (only they take part)."""
+        if len(processes) > 1:
+            self.client.wait_at_barrier(self.prefix + key, int(timeout_s * 1000), list(processes))
+
+    def take(self, key: str, stop: Callable[[], bool] = lambda: False) -> Any:
+        """Waits for `key`, returns its object and deletes it.
+
+        Raises:
+          TimeoutError: nothing arrived within `timeout_s`, or `stop()` became True while waiting.
+        """
+        began = time.monotonic()
+        while True:
+            try:
+                data = self.client.blocking_key_value_get_bytes(self.prefix + key, _POLL_MS)
+                break
+            except Exception as exc:  # noqa: BLE001 - the runtime's error type: DEADLINE_EXCEEDED is a poll slice
+                if "DEADLINE_EXCEEDED" not in str(exc) and "deadline" not in str(exc).lower():
+                    raise
+            waited = time.monotonic() - began
+            if stop() or (self.timeout_s is not None and waited > self.timeout_s):
+                raise TimeoutError(f"process {jax.process_index()}: nothing from the other process group under "
+                                   f"{key!r} after {waited:.0f} s")
+        self.client.key_value_delete(self.prefix + key)
+        return pickle.loads(data)
+
+
+class ProcessGroups:
+    """This process's group in a placement across processes, and the transfers between the groups.
+
+    Args:
+      groups: role -> process indices (`Placement.process_groups`).
+      plans: role -> ShardingPlan (`Placement.plans`).
+      link: the host channel (default: a new `GroupLink`).
+
+    Raises:
+      MeshError: this process is in neither group, or the groups' data shares differ (one line each).
+    """
+
+    def __init__(self, groups: Mapping[str, tuple[int, ...]], plans: Mapping[str, ShardingPlan],
+                 link: GroupLink | None = None):
+        self.train, self.rollout = tuple(groups["train"]), tuple(groups["rollout"])
+        me = jax.process_index()
+        if me not in self.train + self.rollout:
+            raise MeshError(f"placement: process {me} has devices in neither train {list(self.train)} nor rollout "
+                            f"{list(self.rollout)}; give every process's devices to one of them")
+        self.role = "train" if me in self.train else "rollout"
+        self.plans = plans
+        check_shares(plans["train"], plans["rollout"])
+        self.push = ProcessWeightPush(plans["train"], plans["rollout"])
+        self.link = link if link is not None else GroupLink()
+        self._pushes = 0  # how many weight pushes this process took part in (the key of the next one)
+
+    @classmethod
+    def of(cls, placement: Any, plans: Mapping[str, ShardingPlan]) -> ProcessGroups | None:
+        """The groups of `placement` when it spans processes (None: colocated, or one process)."""
+        if placement.colocated or jax.process_count() == 1:
+            return None
+        return cls(placement.process_groups(jax.devices()), plans)
+
+    @property
+    def leader(self) -> bool:
+        """The first process of this process's group (it writes the group's keys)."""
+        return jax.process_index() == min(self.train if self.role == "train" else self.rollout)
+
+    def send_weights(self, params: Any, policy_version: int) -> None:
+        """Training group: announces, then makes, the next weight push (each training process calls it)."""
+        if self.leader:
+            for process in self.rollout:  # a key each: a key is read once
+                self.link.put(f"push/{self._pushes}/{process}", "weights")
+        for process in self.rollout:  # every receiver is at the push (see receive_weights)
+            self.link.take(f"ready/{self._pushes}/{process}/{jax.process_index()}")
+        self.push(params, policy_version)
+        self._pushes += 1
+
+    def end(self) -> None:
+        """Training group: tells the rollout group that no push follows (its loop returns)."""
+        if self.leader:
+            for process in self.rollout:
+                self.link.put(f"push/{self._pushes}/{process}", "end")
+
+    def receive_weights(self, abstract: Any) -> tuple[Any, int] | None:
+        """Rollout group: the next push's parameters on the rollout mesh and their policy version
+        (None when the training group has ended)."""
+        if self.link.take(f"push/{self._pushes}/{jax.process_index()}") == "end":
+            return None
+        # Seen on CPU (JAX 0.10): a receiver that posts its side more than a minute before the senders' first
+        # push gives up looking for their transfer server (it starts with that push), and set-up times differ
+        # by minutes on a busy host. So the rollout group meets first, then tells the senders it is there.
+        self.link.barrier(f"push/{self._pushes}", self.rollout)
+        for process in self.train:
+            self.link.put(f"ready/{self._pushes}/{jax.process_index()}/{process}", True)
+        self._pushes += 1
+        return self.push(abstract)
+
+
+def check_shares(train: ShardingPlan, rollout: ShardingPlan) -> None:
+    """Both groups cut every batch into the same data shares, one per process.
+
+    Raises:
+      MeshError: naming both meshes' share counts and process counts, and the fix.
+    """
+    counts = {role: (plan.share.size, len({d.process_index for d in plan.mesh.devices.flat}))
+              for role, plan in (("train", train), ("rollout", rollout))}
+    if len(set(counts.values())) != 1 or any(shares != processes for shares, processes in counts.values()):
+        raise MeshError("placement across processes: the rollout rows go from each rollout process to the training "
+                        "process of the same data share, so both groups need one batch shard per process and the same "
+                        f"count (train: {counts['train'][0]} shares on {counts['train'][1]} processes, rollout: "
+                        f"{counts['rollout'][0]} on {counts['rollout'][1]}); put tp inside a process")
+
+
+def check_fit_across(mode: str, plan: Any, val_data: Any, callbacks: Any) -> None:
+    """What a fit across process groups does not run yet, refused before anything compiles.
+
+    Args:
+      mode: the Trainer's mode ("sync" runs).
+      plan: the BatchPlan (refill rounds are not run).
+      val_data: validation rows (validation is not run: it samples on the rollout group).
+      callbacks: the fit's callbacks (a checkpoint is not run: Orbax's barriers span every process).
+
+    Raises:
+      ValueError: one line naming the setting and the fix.
+    """
+    unsupported = []
+    if mode != "sync":
+        unsupported.append(f"trainer.mode={mode!r} (use sync)")
+    if plan.max_refill_rounds:
+        unsupported.append(f"max_refill_rounds={plan.max_refill_rounds} (use 0)")
+    if val_data is not None and len(val_data) > 0:
+        unsupported.append("validation data (validate after the run, or use placement: colocated)")
+    saving = [type(cb).__name__ for cb in callbacks if type(cb).__name__ == "ModelCheckpoint"]
+    if saving:
+        unsupported.append("ModelCheckpoint (its barriers span every process: set callbacks.checkpoint: false, or use "
+                           "placement: colocated to save)")
+    if unsupported:
+        raise ValueError("placement across processes runs sync mode without refills, validation or checkpoints yet; "
+                         "this fit has " + "; ".join(unsupported))

@@ -1,0 +1,130 @@
+"""Training and rollout on separate process groups (`rlbolt.distributed.process_groups`, sync mode).
+
+The slow test runs `xproc_checks.py` as 4 processes through `rlbolt launch --devices-per-process 1`
+(train on processes 0, 1, rollout on 2, 3) and once as one process on 4 CPU devices with the same
+placement, and compares. The cheap tests check each fault's fix without launching processes:
+group-local collectives, the rollout rows checked on arrival, the refusals in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rlbolt.batch import Batch
+from rlbolt.distributed.agree import any_process, gather_shares, group_size, max_over_processes
+from rlbolt.distributed.agree import _gather, set_default_group
+from rlbolt.distributed.process_groups import check_fit_across
+from rlbolt.module import collect_log_values, mean_logs
+from rlbolt.plan import BatchPlan
+from rlbolt.producer.remote_rollout import RemoteRollout
+
+SCRIPT = Path(__file__).with_name("xproc_checks.py")
+
+
+def test_a_group_of_one_agrees_without_a_collective_and_a_stranger_is_refused():
+    # process counts come from the group, not jax.process_count(): a group of one returns its input
+    assert group_size([0]) == 1 and group_size(None) == 1
+    assert max_over_processes([3, 7], group=[0]) == [3, 7]
+    assert any_process(True, group=(0,)) is True and any_process(False, group=(0,)) is False
+    assert gather_shares({"x": 1}, 0, 1, group=[0]) == [{"x": 1}]
+    # a collective of a group this process is not in would wait forever: refused in one line
+    with pytest.raises(RuntimeError, match=r"process 0 called a collective of the process group \[1, 2\]"):
+        _gather(np.zeros(1), group=[1, 2])
+    # a fit across groups sets its group as the default: a callback's any_process(flag) (no group) agrees there
+    set_default_group([2, 1])
+    try:
+        assert group_size(None) == 2
+        with pytest.raises(RuntimeError, match=r"process group \[1, 2\]"):
+            any_process(True)
+    finally:
+        set_default_group(None)
+    assert group_size(None) == 1
+
+
+class _Link:
+    def __init__(self, payloads):
+        self.payloads, self.keys = dict(payloads), []
+
+    def take(self, key, stop=lambda: False):
+        self.keys.append(key)
+        return self.payloads.pop(key)
+
+
+class _Groups:
+    def __init__(self, link):
+        self.link = link
+
+
+class _Share:
+    rank, size = 1, 2
+
+
+def _rows(keys):
+    return {"sample_keys": np.asarray(keys, np.uint32), "completion_ids": np.arange(len(keys) * 2).reshape(-1, 2)}
+
+
+def test_remote_rollout_takes_each_micro_batch_in_order_and_checks_it_is_the_one_asked_for():
+    asked = Batch({"sample_keys": np.asarray([[1, 2], [3, 4]], np.uint32)})
+    link = _Link({"rows/5/0/1": (_rows([[1, 2], [3, 4]]), {"rollout/len": [2.0, 4.0]}),
+                  "rows/5/1/1": (_rows([[9, 9], [3, 4]]), {})})
+    remote = RemoteRollout(_Groups(link), _Share())
+    with collect_log_values() as logged:
+        got = remote(5, asked)
+    assert np.array_equal(got["completion_ids"], [[0, 1], [2, 3]])
+    assert mean_logs(logged) == {"rollout/len": 3.0}  # the rollout group's RLModule.log values join the step's
+    # the second micro batch of step 5 carries other samples (hostile: another seed or plan on the other side)
+    with pytest.raises(RuntimeError, match=r"step 5: micro batch 1 of the rollout group \(2 rows\) is not the one"):
+        remote(5, asked)
+    assert link.keys == ["rows/5/0/1", "rows/5/1/1"]  # the share's rank, micro batches counted per step
+
+
+def test_what_is_not_run_across_processes_is_refused_in_one_line():
+    plan = BatchPlan(prompts_per_step=4, num_generations=4, train_micro_batch_size=8, max_refill_rounds=1)
+    ModelCheckpoint = type("ModelCheckpoint", (), {})
+    with pytest.raises(ValueError) as error:
+        check_fit_across("async", plan, [{"prompt": "x"}], [ModelCheckpoint()])
+    message = str(error.value)
+    assert "\n" not in message
+    for words in ("trainer.mode='async' (use sync)", "max_refill_rounds=1 (use 0)", "validation data",
+                  "ModelCheckpoint"):
+        assert words in message
+    check_fit_across("sync", BatchPlan(prompts_per_step=4, num_generations=4, train_micro_batch_size=8), None,
+                     [object()])  # what runs passes
+
+
+@pytest.mark.slow
+def test_four_processes_in_two_groups_train_as_the_one_process_placement(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS", "SLURM_"))}
+    four, one = tmp_path / "four", tmp_path / "one"
+    done = subprocess.run([sys.executable, "-m", "rlbolt", "launch", "--local", "4", "--devices-per-process", "1",
+                           "--grace-s", "5", "--", sys.executable, str(SCRIPT), str(four)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = subprocess.run([sys.executable, str(SCRIPT), str(one), "--devices", "4"], capture_output=True, text=True,
+                          env=env, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    roles = [json.loads((four / f"role_{p}.json").read_text()) for p in range(4)]
+    assert [r["role"] for r in roles] == ["train", "train", "rollout", "rollout"]
+    assert [r["trained_steps"] for r in roles] == [3, 3, 0, 0] and roles[0]["process_count"] == 4
+    steps4, steps1 = json.loads((four / "steps.json").read_text()), json.loads((one / "steps.json").read_text())
+    assert len(steps4) == len(steps1) == 3
+    # The rollout runs the same programs on the same layout (fsdp=2 on 2 devices) with the same keys and weights:
+    # every sampled token and every reward is the one-process run's, bitwise.
+    assert [s["completions"] for s in steps4] == [s["completions"] for s in steps1]
+    assert [s["metrics"]["reward/mean"] for s in steps4] == [s["metrics"]["reward/mean"] for s in steps1]
+    # The training group's collectives are gloo's across 2 processes instead of XLA's in-process ones: the same
+    # kernels, only the order of the 2 partial sums of each reduction differs (a few float32 ulps of the
+    # gradient). Adam (lr 1e-3, 3 steps) moves each parameter by ~lr per step, and divides the rounding of the
+    # gradient by its own magnitude, so parameters agree to the rounding of 3 updates of size ~1e-3: the same
+    # 1e-6 as test_multi_process.py's two-process check (measured here: 4.4e-7).
+    p4, p1 = dict(np.load(four / "params.npz")), dict(np.load(one / "params.npz"))
+    assert sorted(p4) == sorted(p1)
+    for name in p1:
+        np.testing.assert_allclose(p4[name], p1[name], rtol=0, atol=1e-6, err_msg=name)
