@@ -130,3 +130,24 @@ def test_a_compile_error_other_than_memory_is_raised():
     refused = analyse("update", type("L", (), {"compile": lambda self: (_ for _ in ()).throw(
         jax.errors.JaxRuntimeError("HLO temporaries (2.50G) exceeds available HBM (1.00G)"))})(), 1, 0, 0.0)
     assert refused.temp_bytes == int(2.5 * (1 << 30)) and refused.total_bytes == refused.temp_bytes and refused.refused
+
+
+@pytest.mark.parametrize("remat, says_remat", [("none", True), ("full", False)])
+def test_advice_past_one_row_names_only_knobs_not_yet_turned(remat, says_remat):
+    """The 7B update at 16k on v6e:2x4 (remat full already) was told to 'rematerialise activations':
+    past one row per shard, the advice names model.remat only when it is not full, and mesh.context."""
+    from types import SimpleNamespace
+
+    from rlbolt.planning.compile import Executable
+    from rlbolt.planning.report import PlanReport, advice
+
+    gib = 1 << 30
+    update = Executable("update", 1, 12 * gib, 12 * gib, 21 * gib, 12 * gib, 0, 0.0, 0.0, None, 1.0)
+    report = PlanReport("v6e:2x4", "TPU v6 lite", 8, {"fsdp": 8}, 32 * gib, "table", None, [update], {}, 0, {})
+    run = SimpleNamespace(config=SimpleNamespace(model=SimpleNamespace(remat=remat)),
+                          plan=SimpleNamespace(train_micro_batch_size=8, logps_micro_batch_size=8,
+                                               rollout_micro_batch_size=8),
+                          sharding=SimpleNamespace(batch_shards=8))
+    (line,) = advice(report, run)
+    assert line.startswith("update: even plan.train_micro_batch_size=8 (one row per batch shard) would not fit")
+    assert ("model.remat: full" in line) is says_remat and "mesh.context" in line and "mesh.tp" in line

@@ -234,9 +234,17 @@ def advice(report: PlanReport, run: Any) -> list[str]:
                        f"linearly with it: {field}={fitting} would fit ({hbm - fixed:.0f} B left for them)"
                        .replace(f"({hbm - fixed:.0f} B", f"({(hbm - fixed) / GIB:.2f} GiB"))
         else:
-            out.append(f"{e.name}: even {field}={shards} (one row per batch shard) would not fit; rematerialise "
-                       "activations (a remat policy), move devices to mesh.tp, or use a larger slice")
+            out.append(f"{e.name}: even {field}={shards} (one row per batch shard) would not fit; "
+                       + ", ".join(_per_row_knobs(run.config.model.remat, e.name)))
     return out
+
+
+def _per_row_knobs(remat: str, executable: str) -> list[str]:
+    """What is left to turn when one row per batch shard does not fit: the knobs not yet at their end."""
+    knobs = [] if remat == "full" or executable != "update" else [f"model.remat: full (now {remat})"]
+    if executable in ("update", "logps"):
+        knobs.append("mesh.context (each sequence split over devices)")
+    return knobs + ["move devices to mesh.tp", "or use a larger slice"]
 
 
 def write_json(report: PlanReport, path: str) -> None:
