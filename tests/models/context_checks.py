@@ -1,0 +1,132 @@
+"""Ring attention (models/context_attention.py) on CPU meshes against one device, in a fresh
+process with 8 CPU devices; prints one JSON line: per case the largest differences of the output
+and of the gradients (q, k, v) and their derived tolerances (tests/float_tolerance.py).
+
+    python tests/models/context_checks.py attention '[2, 4, 8]'
+
+Reference: `rlbolt.models.attention.attend` over the whole sequence in its original order with
+the decoder's mask (causal AND same nonzero segment AND window). The ring gets the same q, k, v
+permuted by `balanced_order` (padded to a multiple of 2n with padding tokens), and its output is
+permuted back. Rows: 0 left-padded by 5, 1 three packed samples then trailing padding, 2 all
+padding (hostile: no real token). Only real query rows are compared (a padding query gets zeros
+in the ring and a uniform average under XLA; both are masked downstream), and the gradients are
+those of sum(w * out) over real query rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", int(os.environ.get("MESH_CHECK_DEVICES", "8")))
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import AxisType, Mesh  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from float_tolerance import attention_grad_tolerance, attention_tolerance  # noqa: E402
+
+from rlbolt.models.attention import attend  # noqa: E402
+from rlbolt.models.context_attention import balanced_order, padded_length, ring_attention  # noqa: E402
+
+
+def segments_of(b: int, t: int) -> np.ndarray:
+    seg = np.zeros((b, t), np.int32)
+    seg[0, 5:] = 1
+    seg[1, :11], seg[1, 11:12], seg[1, 12:t - 4] = 1, 2, 3
+    return seg
+
+
+def reference(q, k, v, seg, scale, cap, window):
+    t = q.shape[1]
+    slots = jnp.arange(t)
+    visible = (slots[:, None] >= slots[None])[None] & (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] > 0)
+    if window is not None:
+        visible = visible & ((slots[:, None] - slots[None]) < window)[None]
+    return attend(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), visible, scale=scale, cap=cap)
+
+
+def ring(q, k, v, seg, scale, cap, window, mesh, row_axes):
+    t = q.shape[1]
+    ways = mesh.shape["context"]
+    length = padded_length(t, ways)
+    pad = length - t
+    order = balanced_order(length, ways)
+    inverse = np.argsort(order)
+
+    def perm(x):
+        x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+        return x[:, order]
+
+    out = ring_attention(perm(q), perm(k), perm(v), perm(seg), jnp.asarray(order), mesh=mesh, scale=scale,
+                         cap=cap, window=window, row_axes=row_axes)
+    return out[:, inverse][:, :t]
+
+
+def attention(cases: list) -> dict:
+    b, t, n_heads, n_kv, d = 3, 37, 4, 2, 8
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (b, t, n_heads, d))
+    k = jax.random.normal(keys[1], (b, t, n_kv, d))
+    v = jax.random.normal(keys[2], (b, t, n_kv, d))
+    weight = jax.random.normal(keys[3], (b, t, n_heads * d))
+    seg = jnp.asarray(segments_of(b, t))
+    real = np.asarray(seg > 0)
+    scale = d ** -0.5
+    results = {}
+    for case in cases:
+        ways, rows = case["context"], case.get("rows", 1)
+        cap, window = case.get("cap"), case.get("window")
+        devices = np.asarray(jax.devices()[: ways * rows]).reshape(rows, ways)
+        mesh = Mesh(devices, ("fsdp", "context"), axis_types=(AxisType.Auto,) * 2)
+        row_axes = "fsdp" if rows > 1 else None
+        if rows > 1:  # B = 3 rows do not split over 2: the case pads them to 4
+            pad_rows = lambda x: jnp.pad(x, ((0, 1),) + ((0, 0),) * (x.ndim - 1))  # noqa: E731
+        else:
+            pad_rows = lambda x: x  # noqa: E731
+
+        def loss(fn, q, k, v):
+            out = fn(q, k, v)
+            return jnp.sum(jnp.where(jnp.asarray(real)[..., None], out * weight, 0.0)), out
+
+        def ring_fn(q, k, v):
+            out = ring(pad_rows(q), pad_rows(k), pad_rows(v), pad_rows(seg), scale, cap, window, mesh, row_axes)
+            return out[:b]
+
+        ref_fn = lambda q, k, v: reference(q, k, v, seg, scale, cap, window)  # noqa: E731
+        grad = lambda fn: jax.jit(jax.value_and_grad(lambda *a: loss(fn, *a), argnums=(0, 1, 2), has_aux=True))  # noqa: E731
+        (_, want), want_g = grad(ref_fn)(q, k, v)
+        (_, got), got_g = grad(ring_fn)(q, k, v)
+        d_out = np.where(real[..., None], np.asarray(weight), 0.0).reshape(b, t, n_heads, d)
+        tol_g = attention_grad_tolerance(np.asarray(q) * scale, k, v, d_out, t)
+        # teeth: the same ring without the window / segments answers differently by far more
+        results[json.dumps(case)] = {
+            "out_diff": float(np.abs(np.asarray(got)[real] - np.asarray(want)[real]).max()),
+            "out_tol": attention_tolerance(np.asarray(q) * scale, k, v, t),
+            "grad_diff": [float(np.abs(np.asarray(a) - np.asarray(w)).max()) for a, w in zip(got_g, want_g)],
+            "grad_tol": list(tol_g),
+            "grad_scale": [float(np.abs(np.asarray(w)).max()) for w in want_g],
+            "pad_rows_finite": bool(np.isfinite(np.asarray(got)).all()),
+        }
+    # teeth: ignoring segments (every token one sample) changes the real outputs by far more
+    ones = jnp.ones_like(seg)
+    unmasked = reference(q, k, v, ones, scale, None, None)
+    results["teeth"] = float(np.abs(np.asarray(unmasked)[real] - np.asarray(reference(q, k, v, seg, scale, None,
+                                                                                         None))[real]).max())
+    if not any(case.get("grad_teeth") for case in cases):
+        return results
+    # and the gradients too: each of dq, dk, dv moves by more than its tolerance (the ratio is reported)
+    masked_g = grad(lambda q, k, v: reference(q, k, v, seg, scale, None, None))(q, k, v)[1]
+    unmasked_g = grad(lambda q, k, v: reference(q, k, v, ones, scale, None, None))(q, k, v)[1]
+    results["grad_teeth"] = [float(np.abs(np.asarray(a) - np.asarray(w)).max()) / tol
+                             for a, w, tol in zip(unmasked_g, masked_g, tol_g)]
+    return results
+
+
+if __name__ == "__main__":
+    what, arg = sys.argv[1], json.loads(sys.argv[2])
+    print(json.dumps({"attention": attention}[what](arg)))

@@ -1,0 +1,62 @@
+"""Ring attention over a `context` mesh axis (models/context_attention.py) equals one device.
+
+The meshes run in a fresh process with 8 CPU devices (context_checks.py), all cases of a tier in
+one process (one start-up). Tolerances: `attention_tolerance` for the output and
+`attention_grad_tolerance` for dq, dk, dv (tests/float_tolerance.py); the teeth check that a mask
+bug (segments ignored) moves the output and each gradient by more than its tolerance.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rlbolt.models.context_attention import balanced_order, padded_length
+
+SCRIPT = Path(__file__).with_name("context_checks.py")
+
+
+def _check(what: str, arg) -> dict:
+    env = {**os.environ}
+    env.pop("XLA_FLAGS", None)  # the script asks for its 8 devices itself
+    done = subprocess.run([sys.executable, str(SCRIPT), what, json.dumps(arg)], capture_output=True, text=True,
+                          env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _assert_equal(results: dict) -> None:
+    assert results.pop("teeth") > 100 * max(r["out_tol"] for r in results.values() if "out_tol" in r)
+    if "grad_teeth" in results:
+        assert min(results.pop("grad_teeth")) > 1.0
+    for case, r in results.items():
+        assert r["out_diff"] <= r["out_tol"], (case, r)
+        for diff, tol in zip(r["grad_diff"], r["grad_tol"]):
+            assert diff <= tol, (case, r)
+        assert r["pad_rows_finite"], case  # the all-padding row: zeros, never NaN
+
+
+def test_balanced_order_by_hand():
+    # n = 2, T = 8: chunks of 2; device 0 holds chunks 0 and 3, device 1 chunks 1 and 2
+    assert balanced_order(8, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    assert balanced_order(4, 1).tolist() == [0, 1, 2, 3]
+    assert sorted(balanced_order(48, 8).tolist()) == list(range(48))  # a permutation
+    assert [padded_length(t, 4) for t in (1, 8, 9, 37)] == [8, 8, 16, 40]
+    with pytest.raises(ValueError, match=r"length 10 is not a multiple of 2 x mesh.context = 4"):
+        balanced_order(10, 2)
+
+
+def test_ring_attention_equals_one_device_on_context4_x_fsdp2():
+    """Left-padded, packed and all-padding rows (3 rows padded to 4 over fsdp 2), T = 37 padded to
+    40 inside, GQA 4/2, a window of 6 and soft-capping: output and gradients equal attend()."""
+    _assert_equal(_check("attention", [{"context": 4, "rows": 2, "window": 6, "cap": 5.0}]))
+
+
+@pytest.mark.slow
+def test_ring_attention_equals_one_device_on_context_2_4_8():
+    _assert_equal(_check("attention", [{"context": 2}, {"context": 4}, {"context": 8, "window": 6},
+                                       {"context": 8, "cap": 5.0, "grad_teeth": True}]))
