@@ -1,8 +1,10 @@
-"""Ring attention (models/context_attention.py) on CPU meshes against one device, in a fresh
-process with 8 CPU devices; prints one JSON line: per case the largest differences of the output
-and of the gradients (q, k, v) and their derived tolerances (tests/float_tolerance.py).
+"""Context parallelism on CPU meshes against one device, in a fresh process with 8 CPU devices;
+prints one JSON line. `attention`: ring attention (models/context_attention.py), per case the
+largest differences of the output and of the gradients (q, k, v) and their derived tolerances
+(tests/float_tolerance.py). `decoder`: a decoder's logits and loss gradients on meshes with a
+context axis (models/context_parallel.py).
 
-    python tests/models/context_checks.py attention '[2, 4, 8]'
+    python tests/models/context_checks.py '{"attention": [{"context": 2}], "decoder": {"meshes": [{"context": 4}]}}'
 
 Reference: `rlbolt.models.attention.attend` over the whole sequence in its original order with
 the decoder's mask (causal AND same nonzero segment AND window). The ring gets the same q, k, v
@@ -127,6 +129,73 @@ def attention(cases: list) -> dict:
     return results
 
 
-if __name__ == "__main__":
-    what, arg = sys.argv[1], json.loads(sys.argv[2])
-    print(json.dumps({"attention": attention}[what](arg)))
+def _decoder_run(config, plan, ids, mask, segments=None):
+    from flax import nnx
+
+    from rlbolt.models import Decoder
+    from rlbolt.rollout import left_pad_positions
+
+    model = Decoder(config, rngs=nnx.Rngs(3))
+    if plan is not None:
+        nnx.update(model, plan.place(nnx.state(model)))
+        plan.shard_activations(model)
+    graphdef, params = nnx.split(model)
+    positions = left_pad_positions(jnp.asarray(mask))
+
+    def loss(params, ids, mask):
+        logits, _ = nnx.merge(graphdef, params)(ids, positions, attention_mask=mask)
+        logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+        picked = jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
+        scored = mask[:, :-1] & mask[:, 1:]  # real tokens predicted from a real position (a pad query's output is unspecified)
+        return -jnp.sum(jnp.where(scored, picked, 0.0)) / jnp.sum(scored), logits
+
+    batch = (jnp.asarray(ids), jnp.asarray(mask)) if plan is None else plan.put_full((ids, mask))
+    step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    (value, logits), grads = step(params, *batch)
+    text = step.lower(params, *batch).as_text() if plan is not None else ""
+    return (float(value), np.asarray(logits), {jax.tree_util.keystr(p): np.asarray(g)
+                                               for p, g in jax.tree_util.tree_leaves_with_path(grads)},
+            "collective_permute" in text or "ppermute" in text)
+
+
+def decoder(arg: dict) -> dict:
+    """A 2-layer decoder's logits and loss gradients on each mesh of `arg["meshes"]` against one device.
+    `arg["model"]`: "gemma" (a sliding layer with soft-capping, GQA 4/2) or "llama"."""
+    from float_tolerance import decoder_tolerance
+
+    from rlbolt.distributed import MeshSpec, ShardingPlan
+    from rlbolt.models import tiny_config
+
+    shape = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                 intermediate_size=48)
+    if arg.get("model", "gemma") == "gemma":
+        shape.update(attn_logit_softcapping=5.0, sliding_window=7, layer_types=("sliding_attention", "full_attention"))
+    config = tiny_config(**shape)
+    rng = np.random.default_rng(0)
+    rows, width = 4, arg.get("width", 37)
+    ids = rng.integers(1, 64, (rows, width)).astype(np.int32)
+    mask = np.ones((rows, width), bool)
+    for r, lead in enumerate((0, 3, 9, 20)):  # left padding of varied lengths
+        mask[r, :lead] = False
+    ids = np.where(mask, ids, 0)
+    one_loss, one_logits, one_grads, _ = _decoder_run(config, None, ids, mask)
+    results = {}
+    for mesh in arg["meshes"]:
+        devices = jax.devices()[: int(np.prod(list(mesh.values())))]
+        loss, logits, grads, ring = _decoder_run(config, ShardingPlan(MeshSpec(**{"fsdp": 1, **mesh}).build(devices)),
+                                                 ids, mask)
+        results[json.dumps(mesh, sort_keys=True)] = {
+            "ring": ring,
+            "loss_diff": abs(loss - one_loss),
+            "logit_diff": float(np.abs(logits - one_logits)[mask].max()),
+            "logit_tol": decoder_tolerance(one_logits[mask], config, width),
+            "grad_excess": max(float(np.abs(grads[k] - g).max()) - decoder_tolerance(g, config, width)
+                               for k, g in one_grads.items()),
+        }
+    return results
+
+
+CHECKS = {"attention": attention, "decoder": decoder}
+
+if __name__ == "__main__":  # {"attention": [...], "decoder": {...}}: each check named, in one process
+    print(json.dumps({what: CHECKS[what](arg) for what, arg in json.loads(sys.argv[1]).items()}))

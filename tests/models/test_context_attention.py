@@ -20,10 +20,10 @@ from rlbolt.models.context_attention import balanced_order, padded_length
 SCRIPT = Path(__file__).with_name("context_checks.py")
 
 
-def _check(what: str, arg) -> dict:
+def _check(checks: dict) -> dict:
     env = {**os.environ}
     env.pop("XLA_FLAGS", None)  # the script asks for its 8 devices itself
-    done = subprocess.run([sys.executable, str(SCRIPT), what, json.dumps(arg)], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, str(SCRIPT), json.dumps(checks)], capture_output=True, text=True,
                           env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -50,13 +50,29 @@ def test_balanced_order_by_hand():
         balanced_order(10, 2)
 
 
-def test_ring_attention_equals_one_device_on_context4_x_fsdp2():
-    """Left-padded, packed and all-padding rows (3 rows padded to 4 over fsdp 2), T = 37 padded to
-    40 inside, GQA 4/2, a window of 6 and soft-capping: output and gradients equal attend()."""
-    _assert_equal(_check("attention", [{"context": 4, "rows": 2, "window": 6, "cap": 5.0}]))
+def _assert_decoder_equal(results: dict) -> None:
+    for mesh, r in results.items():
+        assert r["ring"], mesh  # the ring's collective permutes are in the program
+        assert r["logit_diff"] <= r["logit_tol"], (mesh, r)
+        assert r["grad_excess"] <= 0, (mesh, r)  # every gradient within decoder_tolerance of one device's
+
+
+def test_context_parallel_attention_and_decoder_equal_one_device():
+    """One process (one start-up): ring attention on context 4 x fsdp 2 with left-padded, packed and
+    all-padding rows (3 rows padded to 4 over fsdp), T = 37 padded to 40 inside, GQA 4/2, a window of 6
+    and soft-capping (output and gradients equal attend()); and a Gemma-2-like decoder (a sliding layer,
+    soft-capping) on context 2 x fsdp 2, 37 tokens with left padding: logits and every parameter
+    gradient equal one device."""
+    results = _check({"attention": [{"context": 4, "rows": 2, "window": 6, "cap": 5.0}],
+                      "decoder": {"meshes": [{"context": 2, "fsdp": 2}]}})
+    _assert_equal(results["attention"])
+    _assert_decoder_equal(results["decoder"])
 
 
 @pytest.mark.slow
-def test_ring_attention_equals_one_device_on_context_2_4_8():
-    _assert_equal(_check("attention", [{"context": 2}, {"context": 4}, {"context": 8, "window": 6},
-                                       {"context": 8, "cap": 5.0, "grad_teeth": True}]))
+def test_context_parallel_on_context_2_4_8():
+    results = _check({"attention": [{"context": 2}, {"context": 4}, {"context": 8, "window": 6},
+                                    {"context": 8, "cap": 5.0, "grad_teeth": True}],
+                      "decoder": {"meshes": [{"context": 4}, {"context": 8}, {"context": 2, "fsdp": 2, "tp": 2}]}})
+    _assert_equal(results["attention"])
+    _assert_decoder_equal(results["decoder"])
