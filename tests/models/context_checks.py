@@ -140,13 +140,20 @@ def _decoder_run(config, plan, ids, mask, segments=None):
         nnx.update(model, plan.place(nnx.state(model)))
         plan.shard_activations(model)
     graphdef, params = nnx.split(model)
-    positions = left_pad_positions(jnp.asarray(mask))
+    if segments is None:
+        positions, seg = left_pad_positions(jnp.asarray(mask)), None
+    else:  # packed rows: positions restart at 0 for each sample
+        starts = np.maximum.accumulate(np.where(np.diff(segments, prepend=-1, axis=1) != 0,
+                                                np.arange(segments.shape[1]), 0), axis=1)
+        positions, seg = jnp.asarray(np.arange(segments.shape[1]) - starts, jnp.int32), jnp.asarray(segments)
 
     def loss(params, ids, mask):
-        logits, _ = nnx.merge(graphdef, params)(ids, positions, attention_mask=mask)
+        logits, _ = nnx.merge(graphdef, params)(ids, positions, attention_mask=mask, segment_ids=seg)
         logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
         picked = jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
         scored = mask[:, :-1] & mask[:, 1:]  # real tokens predicted from a real position (a pad query's output is unspecified)
+        if seg is not None:
+            scored = scored & (seg[:, :-1] == seg[:, 1:])  # within one sample
         return -jnp.sum(jnp.where(scored, picked, 0.0)) / jnp.sum(scored), logits
 
     batch = (jnp.asarray(ids), jnp.asarray(mask)) if plan is None else plan.put_full((ids, mask))
@@ -177,13 +184,20 @@ def decoder(arg: dict) -> dict:
     mask = np.ones((rows, width), bool)
     for r, lead in enumerate((0, 3, 9, 20)):  # left padding of varied lengths
         mask[r, :lead] = False
+    segments = None
+    if arg.get("packed"):  # rows of several samples end to end, then trailing padding (plan.packing: on)
+        segments = np.zeros((rows, width), np.int32)
+        for r, cuts in enumerate(((0, 10, 25, 33), (0, 30), (0, 1, 2, 20, width), (0, 5))):
+            for s, (a, b) in enumerate(zip(cuts, cuts[1:])):
+                segments[r, a:b] = s + 1
+        mask = segments > 0
     ids = np.where(mask, ids, 0)
-    one_loss, one_logits, one_grads, _ = _decoder_run(config, None, ids, mask)
+    one_loss, one_logits, one_grads, _ = _decoder_run(config, None, ids, mask, segments)
     results = {}
     for mesh in arg["meshes"]:
         devices = jax.devices()[: int(np.prod(list(mesh.values())))]
         loss, logits, grads, ring = _decoder_run(config, ShardingPlan(MeshSpec(**{"fsdp": 1, **mesh}).build(devices)),
-                                                 ids, mask)
+                                                 ids, mask, segments)
         results[json.dumps(mesh, sort_keys=True)] = {
             "ring": ring,
             "loss_diff": abs(loss - one_loss),
@@ -195,7 +209,7 @@ def decoder(arg: dict) -> dict:
     return results
 
 
-CHECKS = {"attention": attention, "decoder": decoder}
+CHECKS = {"attention": attention, "decoder": decoder, "packed": lambda arg: decoder({**arg, "packed": True})}
 
 if __name__ == "__main__":  # {"attention": [...], "decoder": {...}}: each check named, in one process
     print(json.dumps({what: CHECKS[what](arg) for what, arg in json.loads(sys.argv[1]).items()}))

@@ -7,15 +7,22 @@ bug (segments ignored) moves the output and each gradient by more than its toler
 """
 
 import json
+import logging
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
+import jax.numpy as jnp
 import pytest
 
+from rlbolt.models import tiny_config
 from rlbolt.models.context_attention import balanced_order, padded_length
+from rlbolt.models.context_parallel import context_kernel_calls
+
+GEMMA_LIKE = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                  intermediate_size=48, attn_logit_softcapping=5.0, sliding_window=7,
+                  layer_types=("sliding_attention", "full_attention"))
 
 SCRIPT = Path(__file__).with_name("context_checks.py")
 
@@ -73,6 +80,22 @@ def test_context_parallel_attention_and_decoder_equal_one_device():
 def test_context_parallel_on_context_2_4_8():
     results = _check({"attention": [{"context": 2}, {"context": 4}, {"context": 8, "window": 6},
                                     {"context": 8, "cap": 5.0, "grad_teeth": True}],
-                      "decoder": {"meshes": [{"context": 4}, {"context": 8}, {"context": 2, "fsdp": 2, "tp": 2}]}})
+                      "decoder": {"meshes": [{"context": 4}, {"context": 8}, {"context": 2, "fsdp": 2, "tp": 2}]},
+                      "packed": {"meshes": [{"context": 2, "fsdp": 2}, {"context": 8}]}})
     _assert_equal(results["attention"])
     _assert_decoder_equal(results["decoder"])
+    _assert_decoder_equal(results["packed"])  # packed rows (segment ids, positions restarting per sample)
+
+
+def test_flash_with_context_runs_the_ring_and_says_so_once(caplog):
+    """model.attention: flash (splash / cuDNN) with mesh.context > 1: every layer runs the ring (its
+    blocks XLA products), a sliding layer with its window; one WARNING line says so."""
+    config = tiny_config(**GEMMA_LIKE)
+    segments, slots = jnp.ones((2, 8), jnp.int32), jnp.arange(8)
+    with caplog.at_level(logging.WARNING, logger="rlbolt.models"):
+        for _ in range(2):
+            calls = context_kernel_calls(config, "splash", segments, slots, None, packed=False)
+    assert [(c.kernel, c.window) for c in calls] == [("context", 7), ("context", None)]
+    lines = [r.getMessage() for r in caplog.records if "mesh.context" in r.getMessage()]
+    assert lines == ["model.attention: every layer runs XLA attention instead of splash: mesh.context > 1 runs ring "
+                     "attention (XLA products per block)"]

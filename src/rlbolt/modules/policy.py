@@ -260,7 +260,8 @@ class LMPolicyModule(RLModule):
         return size
 
     def _group_size(self, micro_batch_size: int, plan) -> int:
-        shards = 1 if self.sharding is None else self.sharding.batch_shards
+        # mesh.context > 1 counts as more shards: the ring splits the unshared forward's rows (context_parallel.py)
+        shards = 1 if self.sharding is None else self.sharding.batch_shards * self.sharding.mesh.shape.get("context", 1)
         return stage_group_size(self.config.model.share_prompt, micro_batch_size, plan.num_generations, shards)
 
     @property
