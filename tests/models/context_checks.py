@@ -70,51 +70,11 @@ def ring(q, k, v, seg, scale, cap, window, mesh, row_axes):
 
 
 def attention(cases: list) -> dict:
-    b, t, n_heads, n_kv, d = 3, 37, 4, 2, 8
-    keys = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(keys[0], (b, t, n_heads, d))
-    k = jax.random.normal(keys[1], (b, t, n_kv, d))
-    v = jax.random.normal(keys[2], (b, t, n_kv, d))
-    weight = jax.random.normal(keys[3], (b, t, n_heads * d))
-    seg = jnp.asarray(segments_of(b, t))
-    real = np.asarray(seg > 0)
-    scale = d ** -0.5
     results = {}
     for case in cases:
-        ways, rows = case["context"], case.get("rows", 1)
-        cap, window = case.get("cap"), case.get("window")
-        devices = np.asarray(jax.devices()[: ways * rows]).reshape(rows, ways)
-        mesh = Mesh(devices, ("fsdp", "context"), axis_types=(AxisType.Auto,) * 2)
-        row_axes = "fsdp" if rows > 1 else None
-        if rows > 1:  # B = 3 rows do not split over 2: the case pads them to 4
-            pad_rows = lambda x: jnp.pad(x, ((0, 1),) + ((0, 0),) * (x.ndim - 1))  # noqa: E731
-        else:
-            pad_rows = lambda x: x  # noqa: E731
-
-        def loss(fn, q, k, v):
-            out = fn(q, k, v)
-            return jnp.sum(jnp.where(jnp.asarray(real)[..., None], out * weight, 0.0)), out
-
-        def ring_fn(q, k, v):
-            out = ring(pad_rows(q), pad_rows(k), pad_rows(v), pad_rows(seg), scale, cap, window, mesh, row_axes)
-            return out[:b]
-
-        ref_fn = lambda q, k, v: reference(q, k, v, seg, scale, cap, window)  # noqa: E731
-        grad = lambda fn: jax.jit(jax.value_and_grad(lambda *a: loss(fn, *a), argnums=(0, 1, 2), has_aux=True))  # noqa: E731
-        (_, want), want_g = grad(ref_fn)(q, k, v)
-        (_, got), got_g = grad(ring_fn)(q, k, v)
-        d_out = np.where(real[..., None], np.asarray(weight), 0.0).reshape(b, t, n_heads, d)
-        tol_g = attention_grad_tolerance(np.asarray(q) * scale, k, v, d_out, t)
-        # teeth: the same ring without the window / segments answers differently by far more
-        results[json.dumps(case)] = {
-            "out_diff": float(np.abs(np.asarray(got)[real] - np.asarray(want)[real]).max()),
-            "out_tol": attention_tolerance(np.asarray(q) * scale, k, v, t),
-            "grad_diff": [float(np.abs(np.asarray(a) - np.asarray(w)).max()) for a, w in zip(got_g, want_g)],
-            "grad_tol": list(tol_g),
-            "grad_scale": [float(np.abs(np.asarray(w)).max()) for w in want_g],
-            "pad_rows_finite": bool(np.isfinite(np.asarray(got)).all()),
-        }
+        results[json.dumps(case)] = attention_case(case, case.get("length", 37))
     # teeth: ignoring segments (every token one sample) changes the real outputs by far more
+    q, k, v, weight, seg, real, scale, _ = inputs(37)
     ones = jnp.ones_like(seg)
     unmasked = reference(q, k, v, ones, scale, None, None)
     results["teeth"] = float(np.abs(np.asarray(unmasked)[real] - np.asarray(reference(q, k, v, seg, scale, None,
@@ -122,11 +82,67 @@ def attention(cases: list) -> dict:
     if not any(case.get("grad_teeth") for case in cases):
         return results
     # and the gradients too: each of dq, dk, dv moves by more than its tolerance (the ratio is reported)
+    grad = gradient(real, weight)
     masked_g = grad(lambda q, k, v: reference(q, k, v, seg, scale, None, None))(q, k, v)[1]
     unmasked_g = grad(lambda q, k, v: reference(q, k, v, ones, scale, None, None))(q, k, v)[1]
+    tol_g = attention_grad_tolerance(np.asarray(q) * scale, k, v, d_out_of(real, weight, q), q.shape[1])
     results["grad_teeth"] = [float(np.abs(np.asarray(a) - np.asarray(w)).max()) / tol
                              for a, w, tol in zip(unmasked_g, masked_g, tol_g)]
     return results
+
+
+def inputs(t: int):
+    b, n_heads, n_kv, d = 3, 4, 2, 8
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (b, t, n_heads, d))
+    k = jax.random.normal(keys[1], (b, t, n_kv, d))
+    v = jax.random.normal(keys[2], (b, t, n_kv, d))
+    weight = jax.random.normal(keys[3], (b, t, n_heads * d))
+    seg = jnp.asarray(segments_of(b, t))
+    return q, k, v, weight, seg, np.asarray(seg > 0), d ** -0.5, b
+
+
+def gradient(real, weight):
+    def loss(fn, q, k, v):
+        out = fn(q, k, v)
+        return jnp.sum(jnp.where(jnp.asarray(real)[..., None], out * weight, 0.0)), out
+
+    return lambda fn: jax.jit(jax.value_and_grad(lambda *a: loss(fn, *a), argnums=(0, 1, 2), has_aux=True))
+
+
+def d_out_of(real, weight, q):
+    return np.where(real[..., None], np.asarray(weight), 0.0).reshape(q.shape)
+
+
+def attention_case(case: dict, t: int) -> dict:
+    q, k, v, weight, seg, real, scale, b = inputs(t)
+    grad = gradient(real, weight)
+    ways, rows = case["context"], case.get("rows", 1)
+    cap, window = case.get("cap"), case.get("window")
+    devices = np.asarray(jax.devices()[: ways * rows]).reshape(rows, ways)
+    mesh = Mesh(devices, ("fsdp", "context"), axis_types=(AxisType.Auto,) * 2)
+    row_axes = "fsdp" if rows > 1 else None
+    if rows > 1:  # B = 3 rows do not split over 2: the case pads them to 4
+        pad_rows = lambda x: jnp.pad(x, ((0, 1),) + ((0, 0),) * (x.ndim - 1))  # noqa: E731
+    else:
+        pad_rows = lambda x: x  # noqa: E731
+
+    def ring_fn(q, k, v):
+        out = ring(pad_rows(q), pad_rows(k), pad_rows(v), pad_rows(seg), scale, cap, window, mesh, row_axes)
+        return out[:b]
+
+    ref_fn = lambda q, k, v: reference(q, k, v, seg, scale, cap, window)  # noqa: E731
+    (_, want), want_g = grad(ref_fn)(q, k, v)
+    (_, got), got_g = grad(ring_fn)(q, k, v)
+    tol_g = attention_grad_tolerance(np.asarray(q) * scale, k, v, d_out_of(real, weight, q), t)
+    return {
+        "out_diff": float(np.abs(np.asarray(got)[real] - np.asarray(want)[real]).max()),
+        "out_tol": attention_tolerance(np.asarray(q) * scale, k, v, t),
+        "grad_diff": [float(np.abs(np.asarray(a) - np.asarray(w)).max()) for a, w in zip(got_g, want_g)],
+        "grad_tol": list(tol_g),
+        "grad_scale": [float(np.abs(np.asarray(w)).max()) for w in want_g],
+        "pad_rows_finite": bool(np.isfinite(np.asarray(got)).all()),
+    }
 
 
 def _decoder_run(config, plan, ids, mask, segments=None):

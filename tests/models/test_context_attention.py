@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 from rlbolt.models import tiny_config
-from rlbolt.models.context_attention import balanced_order, padded_length
+from rlbolt.models.context_attention import balanced_order, padded_length, query_chunk
 from rlbolt.models.context_parallel import context_kernel_calls
 
 GEMMA_LIKE = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -53,6 +53,9 @@ def test_balanced_order_by_hand():
     assert balanced_order(4, 1).tolist() == [0, 1, 2, 3]
     assert sorted(balanced_order(48, 8).tolist()) == list(range(48))  # a permutation
     assert [padded_length(t, 4) for t in (1, 8, 9, 37)] == [8, 8, 16, 40]
+    # a piece of 1,034 tokens has no divisor in [128, 512]: padded to 2 x 1,152 (chunks of 384)
+    assert padded_length(2068, 2) == 2304 and query_chunk(1152) == 384 and query_chunk(550) == 275
+    assert query_chunk(1034) is None and query_chunk(512) == 512
     with pytest.raises(ValueError, match=r"length 10 is not a multiple of 2 x mesh.context = 4"):
         balanced_order(10, 2)
 
@@ -79,7 +82,10 @@ def test_context_parallel_attention_and_decoder_equal_one_device():
 @pytest.mark.slow
 def test_context_parallel_on_context_2_4_8():
     results = _check({"attention": [{"context": 2}, {"context": 4}, {"context": 8, "window": 6},
-                                    {"context": 8, "cap": 5.0, "grad_teeth": True}],
+                                    {"context": 8, "cap": 5.0, "grad_teeth": True},
+                                    # pieces over QUERY_CHUNK: 550 rows in chunks of 275; 1,034 rows (no divisor in
+                                    # [128, 512]) padded to 1,152 in chunks of 384
+                                    {"context": 2, "length": 1100}, {"context": 2, "length": 2068, "window": 300}],
                       "decoder": {"meshes": [{"context": 4}, {"context": 8}, {"context": 2, "fsdp": 2, "tp": 2}]},
                       "packed": {"meshes": [{"context": 2, "fsdp": 2}, {"context": 8}]}})
     _assert_equal(results["attention"])

@@ -5,9 +5,10 @@ is cut into n pieces, one per device of each context group; everything but atten
 per-token, so only attention needs the other pieces. `ring_attention` runs under `jax.shard_map`:
 each device keeps its queries and passes its keys and values (with their segment ids and slots)
 around the ring with `jax.lax.ppermute`, n steps, merging each block into a flash-style online
-softmax in float32 (running max, denominator and weighted sum). A step is a `jax.checkpoint`:
-the backward recomputes a block's scores instead of keeping them, so a device holds at most
-one (T/n x T/n) block of scores per layer, and its memory falls like 1/n^2 in the scores.
+softmax in float32 (running max, denominator and weighted sum). In each step the device's
+queries run in chunks of at most QUERY_CHUNK rows, each a `jax.checkpoint` (the backward
+recomputes a chunk's scores instead of keeping them), so a device holds one (chunk x T/n) block
+of scores at a time and keeps only the running (o, m, l) of each step for the backward.
 
 Why a ring and not all-gathered keys/values: an all-gather is simpler and as fast for small n
 with grouped-query K/V, but it puts the whole sequence's keys and values, and a (T/n x T) score
@@ -44,6 +45,10 @@ from jax.sharding import PartitionSpec as P
 from rlbolt.models.attention import MASK_VALUE, scaled_scores
 
 CONTEXT_AXIS = "context"
+# A ring step's queries run in chunks of at most this many rows, each a `jax.checkpoint`: a device
+# holds one (chunk x T/n) block of scores at a time, in the backward too.
+QUERY_CHUNK = 512
+MIN_QUERY_CHUNK = 128
 
 
 def context_ways(mesh: Any) -> int:
@@ -54,9 +59,23 @@ def context_ways(mesh: Any) -> int:
 
 
 def padded_length(length: int, ways: int) -> int:
-    """`length` rounded up to a multiple of 2 * ways (the 2n load-balanced chunks)."""
+    """`length` rounded up to a multiple of 2 * ways (the 2n load-balanced chunks), and further to
+    a multiple of ways * MIN_QUERY_CHUNK when a device's piece is longer than QUERY_CHUNK and has no
+    divisor in [MIN_QUERY_CHUNK, QUERY_CHUNK] (so `query_chunk` finds one)."""
     step = 2 * ways
-    return -(-length // step) * step
+    padded = -(-length // step) * step
+    if query_chunk(padded // ways) is None:
+        step = ways * MIN_QUERY_CHUNK
+        padded = -(-length // step) * step
+    return padded
+
+
+def query_chunk(piece: int) -> int | None:
+    """The query rows per chunk of a device's piece of `piece` tokens: all of them up to QUERY_CHUNK,
+    else the largest divisor in [MIN_QUERY_CHUNK, QUERY_CHUNK] (None when there is none)."""
+    if piece <= QUERY_CHUNK:
+        return piece
+    return next((c for c in range(QUERY_CHUNK, MIN_QUERY_CHUNK - 1, -1) if piece % c == 0), None)
 
 
 def balanced_order(length: int, ways: int) -> np.ndarray:
@@ -125,11 +144,26 @@ def _ring(q, k, v, segments, slots, *, ways, scale, cap, window):
     o = jnp.zeros((b, n_kv, t, n_heads // n_kv, d), jnp.float32)
     m = jnp.full((b, n_kv, t, n_heads // n_kv), MASK_VALUE, jnp.float32)
     l = jnp.zeros_like(m)
-    step = jax.checkpoint(functools.partial(_block, scale=scale, cap=cap, window=window))
+    chunk = query_chunk(t)
+    if chunk is None:
+        raise ValueError(f"ring_attention: a piece of {t} tokens has no query chunk; pad with padded_length")
+    update = jax.checkpoint(functools.partial(_block, scale=scale, cap=cap, window=window))
+
+    def step(o, m, l, *keys):  # one ring step: the query chunks one by one against this piece of keys
+        def split(a, axis):
+            return jnp.moveaxis(a.reshape(*a.shape[:axis], t // chunk, chunk, *a.shape[axis + 1:]), axis, 0)
+
+        def one(rows):
+            return update(*rows, *keys)
+
+        out = jax.lax.map(one, (split(o, 2), split(m, 2), split(l, 2), split(qg, 1), split(segments, 1),
+                                split(slots, 0)))
+        return tuple(jnp.moveaxis(a, 0, 2).reshape(a.shape[1], a.shape[2], t, *a.shape[4:]) for a in out)
+
     ring = [(j, (j + 1) % ways) for j in range(ways)]
     keys = (k, v, segments, slots)
     for i in range(ways):
-        o, m, l = step(o, m, l, qg, segments, slots, *keys)
+        o, m, l = step(o, m, l, *keys)
         if i < ways - 1:
             keys = tuple(jax.lax.ppermute(a, CONTEXT_AXIS, ring) for a in keys)
     out = o / jnp.where(l > 0, l, 1.0)[..., None]  # no visible key (padding queries): zeros
