@@ -121,8 +121,8 @@ def attention_case(case: dict, t: int) -> dict:
     cap, window = case.get("cap"), case.get("window")
     devices = np.asarray(jax.devices()[: ways * rows]).reshape(rows, ways)
     mesh = Mesh(devices, ("fsdp", "context"), axis_types=(AxisType.Auto,) * 2)
-    row_axes = "fsdp" if rows > 1 else None
-    if rows > 1:  # B = 3 rows do not split over 2: the case pads them to 4
+    row_axes = "fsdp" if rows > 1 and not case.get("replicated_rows") else None
+    if row_axes:  # B = 3 rows do not split over 2: the case pads them to 4 (else: every row on every fsdp device)
         pad_rows = lambda x: jnp.pad(x, ((0, 1),) + ((0, 0),) * (x.ndim - 1))  # noqa: E731
     else:
         pad_rows = lambda x: x  # noqa: E731

@@ -85,7 +85,8 @@ def test_context_parallel_on_context_2_4_8():
                                     {"context": 8, "cap": 5.0, "grad_teeth": True},
                                     # pieces over QUERY_CHUNK: 550 rows in chunks of 275; 1,034 rows (no divisor in
                                     # [128, 512]) padded to 1,152 in chunks of 384
-                                    {"context": 2, "length": 1100}, {"context": 2, "length": 2068, "window": 300}],
+                                    {"context": 2, "length": 1100}, {"context": 2, "length": 2068, "window": 300},
+                                    {"context": 2, "rows": 2, "replicated_rows": True}],  # 3 rows on every fsdp device
                       "decoder": {"meshes": [{"context": 4}, {"context": 8}, {"context": 2, "fsdp": 2, "tp": 2}]},
                       "packed": {"meshes": [{"context": 2, "fsdp": 2}, {"context": 8}]}})
     _assert_equal(results["attention"])
@@ -105,3 +106,15 @@ def test_flash_with_context_runs_the_ring_and_says_so_once(caplog):
     lines = [r.getMessage() for r in caplog.records if "mesh.context" in r.getMessage()]
     assert lines == ["model.attention: every layer runs XLA attention instead of splash: mesh.context > 1 runs ring "
                      "attention (XLA products per block)"]
+
+
+def test_mesh_context_in_the_config_and_the_mesh_spec():
+    from rlbolt.config import ConfigError, load_config
+    from rlbolt.distributed import MeshError, MeshSpec
+
+    assert load_config({"mesh": {"context": 4, "fsdp": -1}}).mesh.context == 4
+    with pytest.raises(ConfigError, match="mesh.context=0"):
+        load_config({"mesh": {"context": 0}})
+    assert MeshSpec(fsdp=-1, context=4).resolve(8) == (1, 2, 1, 4, 1)  # data, fsdp, expert, context, tp
+    with pytest.raises(MeshError, match=r"needs 16 devices but 8 are visible; make data x fsdp x expert x context x tp"):
+        MeshSpec(fsdp=4, context=4).resolve(8)
