@@ -193,6 +193,9 @@ def decoder(arg: dict) -> dict:
                  intermediate_size=48)
     if arg.get("model", "gemma") == "gemma":
         shape.update(attn_logit_softcapping=5.0, sliding_window=7, layer_types=("sliding_attention", "full_attention"))
+    elif arg["model"] == "moe":  # a Qwen3-MoE layer and a dense one
+        shape.update(architecture="Qwen3MoeForCausalLM", qk_norm=True, num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=16, norm_topk_prob=True, mlp_only_layers=(1,))
     config = tiny_config(**shape)
     rng = np.random.default_rng(0)
     rows, width = 4, arg.get("width", 37)
@@ -225,7 +228,8 @@ def decoder(arg: dict) -> dict:
     return results
 
 
-CHECKS = {"attention": attention, "decoder": decoder, "packed": lambda arg: decoder({**arg, "packed": True})}
+CHECKS = {"attention": attention, "decoder": decoder, "packed": lambda arg: decoder({**arg, "packed": True}),
+          "moe": lambda arg: decoder({**arg, "model": "moe"})}
 
 if __name__ == "__main__":  # {"attention": [...], "decoder": {...}}: each check named, in one process
     print(json.dumps({what: CHECKS[what](arg) for what, arg in json.loads(sys.argv[1]).items()}))

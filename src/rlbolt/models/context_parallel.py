@@ -62,9 +62,10 @@ def context_forward(model: Any, forward: Callable, input_ids: jax.Array, positio
         return jnp.pad(x, ((0, 0), (0, length - t)))[:, order]
 
     routes = None if routing_out is None else []
+    segments = None if segment_ids is None else arrange(segment_ids)
     out, _ = forward(model, arrange(input_ids), arrange(positions), attention_mask=arrange(attention_mask.astype(bool)),
-                     cache=None, return_hidden=return_hidden, routing_out=routes,
-                     segment_ids=None if segment_ids is None else arrange(segment_ids), context_slots=jnp.asarray(order))
+                     cache=None, return_hidden=return_hidden, routing_out=routes, segment_ids=segments,
+                     context_slots=jnp.asarray(order))
     if routing_out is not None:
         routing_out.extend(r.reshape(b, length, -1)[:, inverse][:, :t].reshape(b * t, -1) for r in routes)
     return out[:, inverse][:, :t], None
