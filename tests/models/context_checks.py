@@ -145,13 +145,14 @@ def attention_case(case: dict, t: int) -> dict:
     }
 
 
-def _decoder_run(config, plan, ids, mask, segments=None):
+def _decoder_run(config, plan, ids, mask, segments=None, scan=False, remat="none"):
     from flax import nnx
 
     from rlbolt.models import Decoder
     from rlbolt.rollout import left_pad_positions
 
     model = Decoder(config, rngs=nnx.Rngs(3))
+    model.scan_layers, model.remat = scan, remat
     if plan is not None:
         nnx.update(model, plan.place(nnx.state(model)))
         plan.shard_activations(model)
@@ -211,12 +212,13 @@ def decoder(arg: dict) -> dict:
                 segments[r, a:b] = s + 1
         mask = segments > 0
     ids = np.where(mask, ids, 0)
-    one_loss, one_logits, one_grads, _ = _decoder_run(config, None, ids, mask, segments)
+    variant = dict(scan=arg.get("scan", False), remat=arg.get("remat", "none"))
+    one_loss, one_logits, one_grads, _ = _decoder_run(config, None, ids, mask, segments, **variant)
     results = {}
     for mesh in arg["meshes"]:
         devices = jax.devices()[: int(np.prod(list(mesh.values())))]
         loss, logits, grads, ring = _decoder_run(config, ShardingPlan(MeshSpec(**{"fsdp": 1, **mesh}).build(devices)),
-                                                 ids, mask, segments)
+                                                 ids, mask, segments, **variant)
         results[json.dumps(mesh, sort_keys=True)] = {
             "ring": ring,
             "loss_diff": abs(loss - one_loss),
@@ -229,7 +231,8 @@ def decoder(arg: dict) -> dict:
 
 
 CHECKS = {"attention": attention, "decoder": decoder, "packed": lambda arg: decoder({**arg, "packed": True}),
-          "moe": lambda arg: decoder({**arg, "model": "moe"})}
+          "moe": lambda arg: decoder({**arg, "model": "moe"}),
+          "scanned": lambda arg: decoder({**arg, "model": "llama", "scan": True, "remat": "full"})}
 
 if __name__ == "__main__":  # {"attention": [...], "decoder": {...}}: each check named, in one process
     print(json.dumps({what: CHECKS[what](arg) for what, arg in json.loads(sys.argv[1]).items()}))

@@ -89,11 +89,13 @@ def test_context_parallel_on_context_2_4_8():
                                     {"context": 2, "rows": 2, "replicated_rows": True}],  # 3 rows on every fsdp device
                       "decoder": {"meshes": [{"context": 4}, {"context": 8}, {"context": 2, "fsdp": 2, "tp": 2}]},
                       "packed": {"meshes": [{"context": 2, "fsdp": 2}, {"context": 8}]},
-                      "moe": {"meshes": [{"context": 2, "fsdp": 2}, {"context": 2, "expert": 2}]}})
+                      "moe": {"meshes": [{"context": 2, "fsdp": 2}, {"context": 2, "expert": 2}]},
+                      "scanned": {"meshes": [{"context": 4, "fsdp": 2}]}})
     _assert_equal(results["attention"])
     _assert_decoder_equal(results["decoder"])
     _assert_decoder_equal(results["packed"])  # packed rows (segment ids, positions restarting per sample)
     _assert_decoder_equal(results["moe"])  # a Qwen3-MoE layer, also with expert parallelism beside the ring
+    _assert_decoder_equal(results["scanned"])  # model.scan_layers and model.remat: full around the ring
 
 
 def test_flash_with_context_runs_the_ring_and_says_so_once(caplog):
