@@ -171,16 +171,16 @@ class Decoder(nnx.Module):
         if segment_ids is not None and cache is not None:
             raise ValueError("Decoder(segment_ids=...) is for cache-free forwards over packed rows; pass cache=None")
         calls = [None] * cfg.num_layers
-        if self.attention_kernel != "xla" and t > 1 and (cache is None or cache.max_len == t):
+        if context_slots is not None:  # the ring over mesh.context: tokens in its order, masks on these slots
+            segments = attention_mask.astype(jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+            calls = context_kernel_calls(cfg, self.attention_kernel, segments, context_slots, self.activation_sharding,
+                                         packed=segment_ids is not None)
+        elif self.attention_kernel != "xla" and t > 1 and (cache is None or cache.max_len == t):
             # A fused kernel attends the T new tokens to each other: no cache, or a prefill filling a fresh one.
             packed = segment_ids is not None  # several samples per row (rlbolt.packing)
             segments = segment_ids.astype(jnp.int32) if packed else attention_mask.astype(jnp.int32)
             calls = layer_kernel_calls(cfg, self.attention_kernel, segments, packed=packed,
                                        rows=self.activation_sharding)
-        if context_slots is not None:  # the ring over mesh.context: tokens in its order, masks on these slots
-            segments = attention_mask.astype(jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
-            calls = context_kernel_calls(cfg, self.attention_kernel, segments, context_slots, self.activation_sharding,
-                                         packed=segment_ids is not None)
         if all(c is not None for c in calls):
             visible = local_visible = None  # no [B, T, S] mask is built
             cache_mask, index = (None, None) if cache is None else (attention_mask, cache.index)
