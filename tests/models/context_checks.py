@@ -52,7 +52,7 @@ def reference(q, k, v, seg, scale, cap, window):
     return attend(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), visible, scale=scale, cap=cap)
 
 
-def ring(q, k, v, seg, scale, cap, window, mesh, row_axes):
+def ring(q, k, v, seg, scale, cap, window, mesh, row_axes, balanced=True):
     t = q.shape[1]
     ways = mesh.shape["context"]
     length = padded_length(t, ways)
@@ -65,7 +65,7 @@ def ring(q, k, v, seg, scale, cap, window, mesh, row_axes):
         return x[:, order]
 
     out = ring_attention(perm(q), perm(k), perm(v), perm(seg), jnp.asarray(order), mesh=mesh, scale=scale,
-                         cap=cap, window=window, row_axes=row_axes)
+                         cap=cap, window=window, row_axes=row_axes, balanced=balanced)
     return out[:, inverse][:, :t]
 
 
@@ -128,7 +128,8 @@ def attention_case(case: dict, t: int) -> dict:
         pad_rows = lambda x: x  # noqa: E731
 
     def ring_fn(q, k, v):
-        out = ring(pad_rows(q), pad_rows(k), pad_rows(v), pad_rows(seg), scale, cap, window, mesh, row_axes)
+        out = ring(pad_rows(q), pad_rows(k), pad_rows(v), pad_rows(seg), scale, cap, window, mesh, row_axes,
+                   case.get("balanced", True))
         return out[:b]
 
     ref_fn = lambda q, k, v: reference(q, k, v, seg, scale, cap, window)  # noqa: E731

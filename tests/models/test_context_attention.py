@@ -91,7 +91,8 @@ def test_context_parallel_on_context_2_4_8():
                                     # pieces over QUERY_CHUNK: 550 rows in chunks of 275; 1,034 rows (no divisor in
                                     # [128, 512]) padded to 1,152 in chunks of 384
                                     {"context": 2, "length": 1100}, {"context": 2, "length": 2068, "window": 300},
-                                    {"context": 2, "rows": 2, "replicated_rows": True}],  # 3 rows on every fsdp device
+                                    {"context": 2, "rows": 2, "replicated_rows": True},  # 3 rows on every fsdp device
+                                    {"context": 4, "balanced": False}],  # every block whole (no causal halving)
                       "decoder": {"meshes": [{"context": 4}, {"context": 8}, {"context": 2, "fsdp": 2, "tp": 2}]},
                       "packed": {"meshes": [{"context": 2, "fsdp": 2}, {"context": 8}]},
                       "moe": {"meshes": [{"context": 2, "fsdp": 2}, {"context": 2, "expert": 2}]},

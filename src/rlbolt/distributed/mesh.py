@@ -119,7 +119,8 @@ class MeshSpec:
                     axis_types=(AxisType.Auto,) * len(AXES))
 
     def _text(self) -> str:
-        return "{" + ", ".join(f"{name}: {getattr(self, name)}" for name in AXES) + "}"
+        shown = [name for name in AXES if name != "context" or self.context != 1]  # context only when in use
+        return "{" + ", ".join(f"{name}: {getattr(self, name)}" for name in shown) + "}"
 
 
 def _hosts_together(mesh: Mesh) -> Mesh:

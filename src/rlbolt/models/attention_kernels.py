@@ -152,7 +152,8 @@ def fused_attention(call: KernelCall, q: jax.Array, k: jax.Array, v: jax.Array, 
     elif call.kernel == "context":
         axes = call.rows.spec[0] if len(call.rows.spec) else None
         out = ring_attention(q, k, v, call.segment_ids, call.slots, mesh=call.rows.mesh, scale=scale, cap=cap,
-                             window=call.window, row_axes=axes if q.shape[0] % _shards(call.rows) == 0 else None)
+                             window=call.window, row_axes=axes if q.shape[0] % _shards(call.rows) == 0 else None,
+                             balanced=True)  # context_parallel.py lays the tokens out in balanced_order
     elif call.kernel == "cudnn":
         out = cudnn_attention(q, k, v, call.segment_ids > 0, scale=scale, window=call.window,
                               implementation=implementation)

@@ -19,9 +19,11 @@ Load balance for causal masks: the sequence is cut into 2n chunks and device i h
 and 2n-1-i (`balanced_order`: a permutation of the token axis applied before the layers and
 undone on their output, `rlbolt.models.context_parallel`), so every device owns as many early
 as late queries. The masks always use each token's ORIGINAL slot (`slots`), and RoPE the
-original positions, so the permutation changes nothing but the order of the rows. Every block
-is computed with its mask (fully masked sub-blocks are not skipped: simple, balanced, 2x the
-causal minimum of score work); skipping them is future work.
+original positions, so the permutation changes nothing but the order of the rows. In that order
+(`balanced=True`) every step after the first has exactly half of its block visible (keys from an
+earlier device: all queries against their first chunk; from a later device: the second chunk of
+queries against all of them) and computes only that half, under `jax.lax.cond` on the device's
+index: every device does the same work at every step.
 
 Masks are structural, as the fused kernels': causal on slots, AND the same nonzero segment
 (`segment_ids` [B, T], 0 = padding; a left-padded row is segment 1 behind its pads, packed rows
@@ -101,7 +103,7 @@ def balanced_order(length: int, ways: int) -> np.ndarray:
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, slots: jax.Array, *,
                    mesh: Any, scale: float, cap: float | None = None, window: int | None = None,
-                   row_axes: Any = None) -> jax.Array:
+                   row_axes: Any = None, balanced: bool = False) -> jax.Array:
     """Causal self-attention over a token axis split over `mesh`'s `context` axis (a ppermute ring).
 
     Args:
@@ -116,6 +118,10 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
       window: sliding window W (keys with `q_slot - k_slot < W`), or None.
       row_axes: mesh axes the rows (B) are split over, or None (the rows are then replicated
         over those axes; used when B does not divide them).
+      balanced: the token order is `balanced_order(T, n)` (slots of device i: chunks i and 2n-1-i):
+        each step after the first then computes only the half of its block that the causal mask
+        leaves visible (keys from an earlier device: their first chunk; from a later one: the
+        second half of the queries), half the work. False: every block whole, any order.
 
     Returns:
       [B, T, nH * D] in q's dtype, in the same token order.
@@ -129,14 +135,14 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
     tp = mesh.shape.get("tp", 1)
     heads = "tp" if tp > 1 and n_heads % tp == 0 and n_kv % tp == 0 else None
     tokens = P(row_axes, CONTEXT_AXIS, heads, None)
-    body = functools.partial(_ring, ways=ways, scale=scale, cap=cap, window=window)
+    body = functools.partial(_ring, ways=ways, scale=scale, cap=cap, window=window, balanced=balanced)
     out = jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, P(row_axes, CONTEXT_AXIS), P(CONTEXT_AXIS)),
                         out_specs=tokens, check_vma=False)(q, k, v, segment_ids.astype(jnp.int32),
                                                             slots.astype(jnp.int32))
     return out.reshape(b, t, n_heads * d).astype(q.dtype)
 
 
-def _ring(q, k, v, segments, slots, *, ways, scale, cap, window):
+def _ring(q, k, v, segments, slots, *, ways, scale, cap, window, balanced):
     """One device's part: its queries against every piece of keys as they pass around the ring."""
     b, t, n_heads, d = q.shape
     n_kv = k.shape[2]
@@ -149,21 +155,39 @@ def _ring(q, k, v, segments, slots, *, ways, scale, cap, window):
         raise ValueError(f"ring_attention: a piece of {t} tokens has no query chunk; pad with padded_length")
     update = jax.checkpoint(functools.partial(_block, scale=scale, cap=cap, window=window))
 
-    def step(o, m, l, *keys):  # one ring step: the query chunks one by one against this piece of keys
+    def step(o, m, l, q_rows, q_segments, q_slots, *keys, chunk=chunk):
+        """One ring step: the query chunks one by one against this piece of keys."""
+        rows = q_rows.shape[1]
+
         def split(a, axis):
-            return jnp.moveaxis(a.reshape(*a.shape[:axis], t // chunk, chunk, *a.shape[axis + 1:]), axis, 0)
+            return jnp.moveaxis(a.reshape(*a.shape[:axis], rows // chunk, chunk, *a.shape[axis + 1:]), axis, 0)
 
-        def one(rows):
-            return update(*rows, *keys)
+        def one(parts):
+            return update(*parts, *keys)
 
-        out = jax.lax.map(one, (split(o, 2), split(m, 2), split(l, 2), split(qg, 1), split(segments, 1),
-                                split(slots, 0)))
-        return tuple(jnp.moveaxis(a, 0, 2).reshape(a.shape[1], a.shape[2], t, *a.shape[4:]) for a in out)
+        out = jax.lax.map(one, (split(o, 2), split(m, 2), split(l, 2), split(q_rows, 1), split(q_segments, 1),
+                                split(q_slots, 0)))
+        return tuple(jnp.moveaxis(a, 0, 2).reshape(a.shape[1], a.shape[2], rows, *a.shape[4:]) for a in out)
+
+    half = t // 2
+    half_chunk = chunk if half % chunk == 0 else chunk // 2  # chunk | t and t even: chunk or chunk / 2 divides t / 2
+
+    def earlier(o, m, l, *keys):  # keys from a device before this one: every query sees their first chunk only
+        return step(o, m, l, qg, segments, slots, *(a[:, :half] if a.ndim > 1 else a[:half] for a in keys))
+
+    def later(o, m, l, *keys):  # keys from a device after this one: only the second chunk of queries sees them
+        new = step(o[:, :, half:], m[:, :, half:], l[:, :, half:], qg[:, half:], segments[:, half:], slots[half:],
+                   *keys, chunk=half_chunk)
+        return tuple(jnp.concatenate([a[:, :, :half], b], axis=2) for a, b in zip((o, m, l), new))
 
     ring = [(j, (j + 1) % ways) for j in range(ways)]
     keys = (k, v, segments, slots)
+    me = jax.lax.axis_index(CONTEXT_AXIS)
     for i in range(ways):
-        o, m, l = step(o, m, l, *keys)
+        if i == 0 or not balanced:
+            o, m, l = step(o, m, l, qg, segments, slots, *keys)
+        else:  # the keys came from device (me - i) mod n
+            o, m, l = jax.lax.cond(i <= me, earlier, later, o, m, l, *keys)
         if i < ways - 1:
             keys = tuple(jax.lax.ppermute(a, CONTEXT_AXIS, ring) for a in keys)
     out = o / jnp.where(l > 0, l, 1.0)[..., None]  # no visible key (padding queries): zeros
