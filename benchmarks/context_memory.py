@@ -12,6 +12,7 @@ one step at length T with the largest context (wall time and its loss, to show i
     python benchmarks/context_memory.py                       # the table, lengths 1k..64k
     python benchmarks/context_memory.py --run 65536 --no-table   # one executed step at 64k, context 8
     python benchmarks/context_memory.py --quick               # tiny lengths (a smoke run)
+    python benchmarks/context_memory.py --ab 8192 --no-table  # the ring's causal halving: time, whole vs half
 
 Prints a Markdown table and one JSON line with every figure and the CPU model.
 """
@@ -79,12 +80,44 @@ def run_once(context: int, length: int) -> dict:
                                                            for g in jax.tree.leaves(grads)))}
 
 
+def halving_ab(length: int, context: int, rounds: int) -> dict:
+    """Ring attention's forward + backward alone at `length` tokens on `{context: n}`: every block whole
+    (`balanced=False`) against only the visible half of each later step (`balanced=True`), the two
+    taking turns for `rounds` rounds; medians of wall seconds."""
+    from rlbolt.models.context_attention import balanced_order, ring_attention
+
+    mesh = MeshSpec(fsdp=1, context=context).build(jax.devices()[:context])
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (1, length, 4, 64))
+    k, v = (jax.random.normal(key, (1, length, 2, 64)) for key in keys[1:])
+    segments, slots = jnp.ones((1, length), jnp.int32), jnp.asarray(balanced_order(length, context))
+
+    def make(balanced):
+        def loss(q, k, v):
+            return jnp.sum(ring_attention(q, k, v, segments, slots, mesh=mesh, scale=0.125, balanced=balanced))
+        step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+        jax.block_until_ready(step(q, k, v))  # compiled outside the timing
+        return step
+
+    steps = {name: make(name == "half") for name in ("whole", "half")}
+    times = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            jax.block_until_ready(step(q, k, v))
+            times[name].append(time.perf_counter() - start)
+    medians = {name: float(np.median(t)) for name, t in times.items()}
+    return {"length": length, "context": context, "rounds": rounds, **{f"{n}_s": round(t, 2) for n, t in medians.items()},
+            "speedup": round(medians["whole"] / medians["half"], 2)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="lengths 64 and 128 only")
     parser.add_argument("--run", type=int, default=0, help="also execute one step at this length (largest context)")
     parser.add_argument("--max-context1", type=int, default=16384, help="longest length compiled with context 1")
     parser.add_argument("--no-table", action="store_true", help="only the executed step (--run)")
+    parser.add_argument("--ab", type=int, default=0, help="time the ring's causal halving at this length (context 4)")
     args = parser.parse_args()
     lengths = () if args.no_table else (64, 128) if args.quick else (1024, 4096, 16384, 32768, 65536)
     contexts = (1, 2, 4, 8)
@@ -105,7 +138,10 @@ def main() -> None:
     executed = run_once(max(contexts), args.run) if args.run else None
     if executed:
         print(f"executed: {executed}")
-    print(json.dumps({"cpu": cpu_model(), "shape": SHAPE, "rows": rows, "executed": executed}))
+    halving = halving_ab(args.ab, 4, 3) if args.ab else None
+    if halving:
+        print(f"halving: {halving}")
+    print(json.dumps({"cpu": cpu_model(), "shape": SHAPE, "rows": rows, "executed": executed, "halving": halving}))
 
 
 if __name__ == "__main__":
