@@ -11,9 +11,11 @@ recomputes a chunk's scores instead of keeping them), so a device holds one (chu
 of scores at a time and keeps only the running (o, m, l) of each step for the backward.
 
 Why a ring and not all-gathered keys/values: an all-gather is simpler and as fast for small n
-with grouped-query K/V, but it puts the whole sequence's keys and values, and a (T/n x T) score
-block, on every device; the ring keeps one piece of each at a time, which is what lets a 64k
-sequence train on 8 CPU devices.
+with grouped-query K/V, but it materialises the whole sequence's keys and values on every device
+at once in the forward and moves them in one burst; the ring moves one piece per step (which XLA
+can overlap with the step's products) and its forward holds one piece at a time. The backward
+keeps each step's piece and running (o, m, l) (the whole sequence's K/V per device: linear in T,
+not divided by n; benchmarks/RESULTS.md, Context parallelism).
 
 Load balance for causal masks: the sequence is cut into 2n chunks and device i holds chunks i
 and 2n-1-i (`balanced_order`: a permutation of the token axis applied before the layers and
