@@ -132,3 +132,20 @@ def log_softmax_tolerance(logit_error: float, vocab: int, eps: float = EPS32) ->
     log-sum-exp's own reduction of `vocab` terms (relative vocab * eps, an absolute error of that
     size after the log) and a few ulps of the exp/log."""
     return 2.0 * logit_error + (vocab + 8) * eps
+
+
+def attention_grad_tolerance(q: np.ndarray, k: np.ndarray, v: np.ndarray, d_out: np.ndarray,
+                             keys: int) -> tuple[float, float, float]:
+    """Absolute tolerances (dq, dk, dv) for two float32 gradients of softmax(q k^T) v (q already
+    scaled) against the cotangent `d_out`, over up to `keys` keys and as many queries. Stage by
+    stage, as `attention_tolerance`: a softmax weight p is off by p_err relatively (the scores'
+    head_dim-term products and the denominator's sum); dp = d_out . v is a head_dim-term product
+    (|dp| <= g = D max|d_out| max|v|); ds = p (dp - sum p dp) adds the `keys`-term sum, and
+    sum_j |ds_j| <= 2 g because the weights sum to one; dq sums ds k over the keys, dk sums
+    ds q over up to `keys` queries, dv sums p d_out over up to `keys` queries."""
+    d = q.shape[-1]
+    q_max, k_max, v_max, g_max = (float(np.max(np.abs(np.asarray(a, np.float64)))) for a in (q, k, v, d_out))
+    p_err = 2 * d * EPS32 * d * q_max * k_max + 2 * keys * EPS32
+    g = d * g_max * v_max
+    ds_err = 2 * d * EPS32 * g + 2 * keys * EPS32 * g + 2 * g * p_err  # summed over the keys
+    return k_max * ds_err, keys * q_max * ds_err, keys * g_max * (p_err + keys * EPS32)

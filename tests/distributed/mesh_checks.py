@@ -37,6 +37,8 @@ def one_device_plan() -> ShardingPlan:
 
 
 def train(mesh: dict, lora: dict | None = None) -> dict:
+    mesh = dict(mesh)
+    packing = mesh.pop("packing", "off")  # plan.packing of both runs (not a mesh axis)
     from rlbolt.callback import Callback
     from rlbolt.data import gsm8k_style_rows
     from rlbolt.modules import GRPO
@@ -63,7 +65,7 @@ def train(mesh: dict, lora: dict | None = None) -> dict:
         model = {"tiny": {"hidden_size": 32, "intermediate_size": 64, "head_dim": 8}, "lora": lora}
         module = SGDGRPO({"rollout": {"max_new_tokens": 8}, "algorithm": {"beta": 0.04}, "model": model},
                          reward=digits)
-        plan = BatchPlan(prompts_per_step=4, num_generations=4, train_micro_batch_size=8)
+        plan = BatchPlan(prompts_per_step=4, num_generations=4, train_micro_batch_size=8, packing=packing)
         trainer = Trainer(plan, max_steps=2, mesh=plan_or_mesh, callbacks=[Record()], run_dir="unused")
         state = trainer.fit(module, gsm8k_style_rows(16))
         trainer.frozen_per_device = per_device_bytes(module.lora.base) if module.lora is not None else None

@@ -30,12 +30,12 @@ def hand_param_count(c) -> int:
 
 def test_kv_cache_bytes_by_hand():
     c = tiny_config(**TINY)
-    split = ShardingPlan(AbstractMesh((2, 2, 1, 2), AXES))  # 4 batch shards, 2 kv heads over tp=2
+    split = ShardingPlan(AbstractMesh((2, 2, 1, 1, 2), AXES))  # 4 batch shards, 2 kv heads over tp=2
     # rows 8/4 = 2, heads 2/2 = 1: layers x (k, v) x rows x heads x head_dim x slots x 4 bytes + bool mask
     assert kv_cache_bytes(c, 8, 40, split) == 2 * 2 * 2 * 1 * 8 * 40 * 4 + 2 * 40
-    gqa = ShardingPlan(AbstractMesh((1, 2, 1, 4), AXES))  # tp=4 does not divide 2 kv heads: every tp device holds both
+    gqa = ShardingPlan(AbstractMesh((1, 2, 1, 1, 4), AXES))  # tp=4 does not divide 2 kv heads: every tp device holds both
     assert kv_cache_bytes(c, 8, 40, gqa) == 2 * 2 * 4 * 2 * 8 * 40 * 4 + 4 * 40
-    ragged = ShardingPlan(AbstractMesh((1, 8, 1, 1), AXES))  # 3 rows on 8 shards: a device holds at most 1
+    ragged = ShardingPlan(AbstractMesh((1, 8, 1, 1, 1), AXES))  # 3 rows on 8 shards: a device holds at most 1
     assert kv_cache_bytes(c, 3, 10, ragged) == 2 * 2 * 1 * 2 * 8 * 10 * 4 + 10
 
 
@@ -63,7 +63,7 @@ def test_trainer_logs_the_plan_and_refuses_one_that_cannot_fit_before_compiling(
     c = tiny_config(**TINY)
     params = hand_param_count(c) * 4
     plan = BatchPlan(prompts_per_step=2, num_generations=4)  # rollout micro 8 -> 8 rows
-    kv = kv_cache_bytes(c, 8, 256 + 8 - 1, ShardingPlan(AbstractMesh((1, 1, 1, 1), AXES)))  # prompt width 256 (config)
+    kv = kv_cache_bytes(c, 8, 256 + 8 - 1, ShardingPlan(AbstractMesh((1, 1, 1, 1, 1), AXES)))  # prompt width 256 (config)
     # AdamW state: two params-sized moments + an int32 step count; clip_by_global_norm has none.
     want = {"params": params, "gradients": params, "optimizer state": 2 * params + 4, "reference": params,
             "kv cache": kv}

@@ -21,13 +21,13 @@ from rlbolt.distributed.layout import validation_rows as _val_share
 
 
 @pytest.mark.parametrize("spec, devices, want", [
-    (MeshSpec(), 8, (1, 8, 1, 1)),
-    (MeshSpec(data=2, fsdp=-1, tp=2), 8, (2, 2, 1, 2)),
-    (MeshSpec(data=-1, fsdp=2, tp=1), 8, (4, 2, 1, 1)),
-    (MeshSpec(data=1, fsdp=1, tp=-1), 4, (1, 1, 1, 4)),
-    (MeshSpec(fsdp=2, expert=-1), 8, (1, 2, 4, 1)),
-    (MeshSpec(data=1, fsdp=1, tp=1), 1, (1, 1, 1, 1)),
-    (MeshSpec(), 1, (1, 1, 1, 1)),
+    (MeshSpec(), 8, (1, 8, 1, 1, 1)),
+    (MeshSpec(data=2, fsdp=-1, tp=2), 8, (2, 2, 1, 1, 2)),
+    (MeshSpec(data=-1, fsdp=2, tp=1), 8, (4, 2, 1, 1, 1)),
+    (MeshSpec(data=1, fsdp=1, tp=-1), 4, (1, 1, 1, 1, 4)),
+    (MeshSpec(fsdp=2, expert=-1), 8, (1, 2, 4, 1, 1)),
+    (MeshSpec(data=1, fsdp=1, tp=1), 1, (1, 1, 1, 1, 1)),
+    (MeshSpec(), 1, (1, 1, 1, 1, 1)),
 ])
 def test_mesh_spec_resolves_the_rest(spec, devices, want):
     assert spec.resolve(devices) == want
@@ -59,7 +59,7 @@ def test_as_mesh_refuses_foreign_axis_names_and_builds_one_device():
     with pytest.raises(MeshError, match="exactly"):
         as_mesh(foreign)
     mesh = as_mesh(None)
-    assert mesh.axis_names == AXES and dict(mesh.shape) == {"data": 1, "fsdp": len(jax.devices()), "expert": 1, "tp": 1}
+    assert mesh.axis_names == AXES and dict(mesh.shape) == {"data": 1, "fsdp": len(jax.devices()), "expert": 1, "context": 1, "tp": 1}
 
 
 def _decoder_specs(mesh_shape, **config):
@@ -71,7 +71,7 @@ def _decoder_specs(mesh_shape, **config):
 
 
 def test_decoder_rules_match_the_hand_table():
-    specs, plan = _decoder_specs((2, 4, 1, 2), attention_bias=True, qk_norm=True)
+    specs, plan = _decoder_specs((2, 4, 1, 1, 2), attention_bias=True, qk_norm=True)
     want = {
         "embed.embedding": P("tp", "fsdp"),
         "final_norm.scale": P("fsdp"),
@@ -92,17 +92,17 @@ def test_decoder_rules_match_the_hand_table():
 
 def test_axes_of_size_one_are_left_out_and_undividable_dims_replicated_with_a_note():
     # vocab 99 (the built-in tokenizer's) does not divide tp=2: the table's vocab axis is replicated.
-    specs, plan = _decoder_specs((1, 4, 1, 2), vocab_size=99)
+    specs, plan = _decoder_specs((1, 4, 1, 1, 2), vocab_size=99)
     assert specs["embed.embedding"] == P(None, "fsdp")
     assert specs["lm_head.kernel"] == P("fsdp", None)
     assert specs["layers.0.attn.qkv_proj.kernel"] == P("fsdp", "tp")  # (4 + 2 * 2) * 16 = 128 divides
     assert plan.notes == ["vocab=99 does not divide tp=2: replicated over it (e.g. ['embed']['embedding'])"]
-    one, _ = _decoder_specs((1, 1, 1, 1))
+    one, _ = _decoder_specs((1, 1, 1, 1, 1))
     assert set(one.values()) == {P(None, None), P(None)}  # a one-device mesh shards nothing
 
 
 def test_optimizer_state_follows_its_params_and_counters_are_replicated():
-    plan = ShardingPlan(AbstractMesh((1, 4, 1, 2), AXES))
+    plan = ShardingPlan(AbstractMesh((1, 4, 1, 1, 2), AXES))
     params = nnx.state(nnx.eval_shape(lambda: Decoder(tiny_config(), rngs=nnx.Rngs(0))))
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
     opt = jax.eval_shape(tx.init, params)

@@ -129,3 +129,15 @@ def test_lora_and_qlora_on_a_mesh_equal_one_device(quantize):
     assert r["max_param_diff"] <= 1e-6
     assert r["frozen_per_device"] <= r["frozen_one_device"] / 4
     assert r["adapters_per_device"] < r["adapters_one_device"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [{"context": 2, "fsdp": 2}, {"context": 4, "fsdp": 2},
+                                  {"context": 2, "fsdp": 2, "packing": "on"}])
+def test_grpo_with_context_parallelism_equals_one_device(mesh):
+    """mesh.context splits each sequence's tokens (ring attention): the same steps as one device.
+    The update runs unshared there (train group size 1): the ring splits the unshared forward.
+    With plan.packing: on (both runs) the ring takes the packed rows' segment ids."""
+    result = run_checks("train", mesh, devices=mesh["context"] * mesh["fsdp"])
+    check_training(result)
+    assert result["train_group_size"] == [4, 1]

@@ -61,7 +61,7 @@ def test_grpo_with_router_replay_and_aux_loss_on_an_expert_mesh_equals_one_devic
 
 
 def _abstract_plan(expert: int) -> ShardingPlan:
-    return ShardingPlan(AbstractMesh((1, 8 // expert, expert, 1), AXES))
+    return ShardingPlan(AbstractMesh((1, 8 // expert, expert, 1, 1), AXES))
 
 
 def test_an_expert_axis_that_does_not_divide_the_experts_is_refused_in_one_line():
@@ -84,7 +84,7 @@ def test_the_expert_axis_in_the_config_and_the_mesh_spec():
     assert cfg.mesh.expert == 2
     with pytest.raises(ConfigError, match="mesh.expert=0"):
         load_config({"mesh": {"expert": 0}})
-    assert MeshSpec(fsdp=-1, expert=4).resolve(8) == (1, 2, 4, 1)
+    assert MeshSpec(fsdp=-1, expert=4).resolve(8) == (1, 2, 4, 1, 1)
     with pytest.raises(MeshError, match="needs 16 devices but 8"):
         MeshSpec(fsdp=2, expert=4, tp=2).resolve(8)
 
@@ -98,4 +98,4 @@ def test_a_mesh_without_the_expert_axis_gets_it_with_size_one():
 
     old = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), ("tp", "data", "fsdp"))
     for mesh in (as_mesh(old), ShardingPlan(old).mesh):
-        assert mesh.axis_names == AXES and dict(mesh.shape) == {"data": 1, "fsdp": 1, "expert": 1, "tp": 1}
+        assert mesh.axis_names == AXES and dict(mesh.shape) == {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tp": 1}

@@ -183,12 +183,13 @@ class TrainerSection:
 
 @dataclass(frozen=True)
 class MeshSection:
-    """The device mesh data x fsdp x expert x tp (-1: every device the other axes leave; docs/howto/multi-device.md)."""
+    """The device mesh data x fsdp x expert x context x tp (-1: every device the other axes leave; docs/howto/multi-device.md)."""
 
     data: int = _f(1, "data-parallel replicas (each holds the whole fsdp-sharded model)")
     fsdp: int = _f(-1, "fully-sharded data parallel: params, gradients and optimizer state split over it, and the batch")
     tp: int = _f(1, "tensor parallel: heads, MLP columns and the vocabulary split over it")
     expert: int = _f(1, "expert parallel (mixture-of-experts models): the experts split over it (it must divide num_experts), and the batch too (every other weight is replicated over it, as over data); 1: off")
+    context: int = _f(1, "context parallel: each sequence's tokens split over it in the update and the log-prob forwards (ring attention over a ppermute ring, causal chunks load-balanced; lengths padded to a multiple of 2 x context inside); parameters and rows are not split over it; 1: off")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Several devices and hosts: meshes, sharding rules, jax.distributed start-up, cross-process agreement.
 
-    MeshSpec(data, fsdp, tp, expert).build() -> jax.sharding.Mesh mesh.py
+    MeshSpec(data, fsdp, tp, expert, context).build() -> Mesh    mesh.py
     ShardingPlan(mesh, rules): params / batches -> NamedShardings sharding.py
     initialize(...): jax.distributed from config or environment  runtime.py
     any_process(flag), gather_objects(obj), ...                  agree.py

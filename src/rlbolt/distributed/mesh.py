@@ -1,4 +1,4 @@
-"""MeshSpec: the device mesh of a run, `data x fsdp x expert x tp`, with -1 meaning "the rest".
+"""MeshSpec: the device mesh of a run, `data x fsdp x expert x context x tp`, with -1 meaning "the rest".
 
     data   pure data parallelism: every `data` slice holds the full (fsdp-sharded) model and its
            own part of the batch; gradients are averaged across slices.
@@ -7,12 +7,17 @@
     expert expert parallelism (mixture-of-experts models): the experts' stacked weights are split
            over it (each device holds E / expert of them) and the batch is split over it too, so
            for every other weight it is one more data-parallel axis (`rlbolt.models.moe`).
+    context context parallelism: the token axis of each sequence is split over it (training and
+           log-prob forwards; attention runs as a ring, `rlbolt.models.context_attention`);
+           parameters and the batch are not split over it (every device of a context group
+           holds the same rows, each a part of their tokens).
     tp     tensor parallelism: attention heads, MLP columns and the vocabulary are split over it;
            the batch is not.
 
 The sample axis of every batch is split over `data x fsdp x expert` ("batch shards"). The axes
 are laid out in that order, `tp` fastest, so on a multi-host slice the devices of one `tp` group sit on
-one host (tensor parallelism is the most communication-hungry axis).
+one host (tensor parallelism is the most communication-hungry axis), then `context` (the ring's
+neighbours next to each other).
 
 One device is the 1 x 1 x 1 mesh: the same code path runs everywhere.
 """
@@ -28,7 +33,9 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-AXES = ("data", "fsdp", "expert", "tp")
+AXES = ("data", "fsdp", "expert", "context", "tp")
+# Axes a mesh built before they existed may lack: added with size 1 (`as_mesh`).
+UNIT_AXES = ("expert", "context")
 BATCH_AXES = ("data", "fsdp", "expert")
 
 
@@ -45,16 +52,18 @@ class MeshSpec:
       fsdp: fully-sharded data-parallel shards (default -1: every device not used by the others).
       tp: tensor-parallel shards.
       expert: expert-parallel shards (mixture-of-experts models; must divide the experts).
+      context: context-parallel shards: each sequence's tokens split over them (ring attention).
     """
 
     data: int = 1
     fsdp: int = -1
     tp: int = 1
     expert: int = 1
+    context: int = 1
 
     @classmethod
     def of(cls, value: MeshSpec | Mapping[str, int] | None) -> MeshSpec:
-        """A MeshSpec from itself, a `{data, fsdp, expert, tp}` mapping (missing axes take the defaults), or None."""
+        """A MeshSpec from itself, a `{data, fsdp, expert, context, tp}` mapping (missing axes take the defaults), or None."""
         if value is None:
             return cls()
         if isinstance(value, MeshSpec):
@@ -64,7 +73,7 @@ class MeshSpec:
             if unknown:
                 raise MeshError(f"mesh has unknown axes {unknown}; the axes are {list(AXES)} (-1 = the rest)")
             return cls(**{k: value[k] for k in AXES if k in value})
-        raise TypeError(f"mesh={value!r}: pass a MeshSpec, a {{data, fsdp, expert, tp}} dict, a jax.sharding.Mesh or None")
+        raise TypeError(f"mesh={value!r}: pass a MeshSpec, a {{data, fsdp, expert, context, tp}} dict, a jax.sharding.Mesh or None")
 
     def resolve(self, num_devices: int) -> tuple[int, ...]:
         """The axis sizes for `num_devices` devices, -1 filled in, in `AXES` order.
@@ -87,7 +96,7 @@ class MeshSpec:
             sizes[free[0]] = num_devices // fixed
         elif fixed != num_devices:
             raise MeshError(f"mesh {self._text()} needs {fixed} devices but {num_devices} are visible; make "
-                            f"data x fsdp x expert x tp = {num_devices} (or set one axis to -1)")
+                            f"data x fsdp x expert x context x tp = {num_devices} (or set one axis to -1)")
         return tuple(sizes[name] for name in AXES)
 
     def build(self, devices: Sequence[Any] | None = None) -> Mesh:
@@ -110,7 +119,8 @@ class MeshSpec:
                     axis_types=(AxisType.Auto,) * len(AXES))
 
     def _text(self) -> str:
-        return "{" + ", ".join(f"{name}: {getattr(self, name)}" for name in AXES) + "}"
+        shown = [name for name in AXES if name != "context" or self.context != 1]  # context only when in use
+        return "{" + ", ".join(f"{name}: {getattr(self, name)}" for name in shown) + "}"
 
 
 def _hosts_together(mesh: Mesh) -> Mesh:
@@ -129,11 +139,11 @@ def _hosts_together(mesh: Mesh) -> Mesh:
 
 def as_mesh(mesh: Mesh | MeshSpec | Mapping[str, int] | None, devices: Sequence[Any] | None = None) -> Mesh:
     """A `jax.sharding.Mesh` from a Mesh (returned as is; it must have rlbolt's axis names; one
-    without `expert` gets it with size 1), a MeshSpec, a `{data, fsdp, expert, tp}` dict, or None
-    (all devices on `fsdp`)."""
+    without `expert` or `context` gets them with size 1), a MeshSpec, a `{data, fsdp, expert, context,
+    tp}` dict, or None (all devices on `fsdp`)."""
     if isinstance(mesh, Mesh):
-        if "expert" not in mesh.axis_names and set(mesh.axis_names) == set(AXES) - {"expert"}:
-            mesh = _with_expert_axis(mesh)
+        if lacks_unit_axes(mesh):
+            mesh = _with_unit_axes(mesh)
         missing = [a for a in AXES if a not in mesh.axis_names]
         extra = [a for a in mesh.axis_names if a not in AXES]
         if missing or extra:
@@ -143,10 +153,17 @@ def as_mesh(mesh: Mesh | MeshSpec | Mapping[str, int] | None, devices: Sequence[
     return MeshSpec.of(mesh).build(devices)
 
 
-def _with_expert_axis(mesh: Mesh) -> Mesh:
-    """`mesh` (axes data, fsdp, tp in any order) with an `expert` axis of size 1 in AXES order."""
-    devices = mesh.devices.transpose([mesh.axis_names.index(a) for a in AXES if a != "expert"])
-    shape = [mesh.shape[a] if a != "expert" else 1 for a in AXES]
+def lacks_unit_axes(mesh: Any) -> bool:
+    """True for a Mesh with rlbolt's axes except some of UNIT_AXES (one built before they existed)."""
+    names = set(mesh.axis_names)
+    return isinstance(mesh, Mesh) and names < set(AXES) and set(AXES) - names <= set(UNIT_AXES)
+
+
+def _with_unit_axes(mesh: Mesh) -> Mesh:
+    """`mesh` (rlbolt's axes in any order, some of UNIT_AXES missing) with those axes of size 1, in AXES order."""
+    present = [a for a in AXES if a in mesh.axis_names]
+    devices = mesh.devices.transpose([mesh.axis_names.index(a) for a in present])
+    shape = [mesh.shape[a] if a in mesh.axis_names else 1 for a in AXES]
     return Mesh(devices.reshape(shape), AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
@@ -165,7 +182,8 @@ def batch_shards(mesh: Mesh) -> int:
 
 
 def describe(mesh: Mesh) -> str:
-    """`data=2 fsdp=2 expert=1 tp=2 (8 devices, 2 processes)`."""
-    sizes = " ".join(f"{a}={mesh.shape[a]}" for a in AXES)
+    """`data=2 fsdp=2 expert=1 tp=2 (8 devices, 2 processes)`; `context=n` shown when n > 1."""
+    sizes = " ".join(f"{a}={mesh.shape[a]}" for a in AXES
+                     if a in mesh.shape and (a != "context" or mesh.shape[a] > 1))
     processes = len({d.process_index for d in mesh.devices.flat})
     return f"{sizes} ({mesh.devices.size} devices, {processes} process{'es' if processes > 1 else ''})"

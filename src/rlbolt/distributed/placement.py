@@ -219,21 +219,21 @@ class WeightSync:
       target: the plan they must reach (rollout).
 
     Raises:
-      MeshError: the target's fsdp x expert x tp does not divide the source's device count (the shards
+      MeshError: the target's fsdp x expert x context x tp does not divide the source's device count (the shards
         could not be laid out on the source devices first).
     """
 
     def __init__(self, source: ShardingPlan, target: ShardingPlan):
         self.source, self.target = source, target
         shape = target.mesh.shape
-        block = shape["fsdp"] * shape["expert"] * shape["tp"]
+        block = shape["fsdp"] * shape["expert"] * shape.get("context", 1) * shape["tp"]
         devices = list(source.mesh.devices.flat)
         if len(devices) % block:
-            raise MeshError(f"placement: the rollout mesh's fsdp x expert x tp = {block} does not divide the "
+            raise MeshError(f"placement: the rollout mesh's fsdp x expert x context x tp = {block} does not divide the "
                             f"{len(devices)} training devices, so its shards cannot be cut there first; choose sizes "
                             "that divide")
         self.staging_mesh = Mesh(np.asarray(devices, dtype=object).reshape(
-            len(devices) // block, shape["fsdp"], shape["expert"], shape["tp"]),
+            len(devices) // block, shape["fsdp"], shape["expert"], shape.get("context", 1), shape["tp"]),
             AXES, axis_types=(AxisType.Auto,) * len(AXES))
         self._stage: dict[Any, Any] = {}  # tree structure -> jitted reshard onto the staging layout
 

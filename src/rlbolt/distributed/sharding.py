@@ -29,7 +29,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from rlbolt.distributed.mesh import AXES, BATCH_AXES, MeshError, as_mesh, batch_shards, describe, mesh_processes
+from rlbolt.distributed.mesh import (AXES, BATCH_AXES, MeshError, as_mesh, batch_shards, describe, lacks_unit_axes,
+                                    mesh_processes)
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +64,8 @@ class ShardingPlan:
     """
 
     def __init__(self, mesh: Mesh, rules: Sequence[tuple[str, Any]] = DEFAULT_RULES):
-        if isinstance(mesh, Mesh) and set(mesh.axis_names) == set(AXES) - {"expert"}:
-            mesh = as_mesh(mesh)  # a data x fsdp x tp mesh from before the expert axis: expert=1 added
+        if lacks_unit_axes(mesh):
+            mesh = as_mesh(mesh)  # a mesh from before the expert / context axes: them with size 1 added
         self.mesh, self.rules = mesh, tuple(rules)
         self._rule = {name: _axes_tuple(axes) for name, axes in self.rules}
         unknown = sorted({a for axes in self._rule.values() for a in axes} - set(mesh.axis_names))
@@ -124,7 +125,8 @@ class ShardingPlan:
         return nnx.merge(graphdef, state)
 
     def shard_activations(self, model: nnx.Module) -> nnx.Module:
-        """Tells an `rlbolt.models.Decoder` to keep its residual stream's rows over the batch axes,
+        """Tells an `rlbolt.models.Decoder` to keep its residual stream's rows over the batch axes
+        (and its tokens over `context` when mesh.context > 1),
         and its mixture-of-experts blocks to run their experts split over `expert` (static
         settings: take `nnx.split(model)` after this). Returns the model.
 
@@ -134,8 +136,11 @@ class ShardingPlan:
         self._expert_parallel(model)
         if hasattr(model, "activation_sharding"):  # every setting, each time: a view may carry another mesh's
             model.activation_sharding = model.embedding_read_sharding = None
+            model.token_sharding = None
             if self.mesh.size > 1:
                 model.activation_sharding = self.batch_sharding()
+                if self.mesh.shape.get("context", 1) > 1:  # the token axis of [B, T, H] activations over context
+                    model.token_sharding = NamedSharding(self.mesh, P(BATCH_AXES, "context"))
                 table = model.embed.embedding.get_value()
                 vocab = self.spec_for(("vocab",), table.shape[:1], "embed.embedding")[0]
                 model.embedding_read_sharding = NamedSharding(self.mesh, P(vocab, None))

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from rlbolt.config.sections import ATTENTION_CHOICES  # the choices of model.attention
+from rlbolt.models.context_attention import ring_attention
 
 # "splash-interpret": the splash kernel through Pallas' interpret mode on any platform (CPU tests); never resolved.
 KERNELS = ("xla", "splash", "splash-interpret", "cudnn")
@@ -77,12 +78,14 @@ class KernelCall:
     """What a fused layer needs beyond q, k and v (built by the decoder for each forward).
 
     Attributes:
-      kernel: "splash", "splash-interpret" or "cudnn".
+      kernel: "splash", "splash-interpret", "cudnn", or "context" (the ring of mesh.context).
       segment_ids: [B, T] int32, 0 = padding, 1..k the sample a token belongs to.
       window: the layer's sliding window W (keys with `q - k < W`), or None.
       packed: the segment ids came from the caller (several samples per row), not from the mask.
       rows: on a mesh, the NamedSharding of the residual stream (rows over the batch axes): a
         Mosaic kernel cannot be partitioned by XLA, so splash runs under `jax.shard_map` over it.
+      slots: kernel "context" (ring attention over mesh.context, `rlbolt.models.context_parallel`):
+        [T] int32, the original slot of each token of the ring's order.
     """
 
     kernel: str
@@ -90,6 +93,7 @@ class KernelCall:
     window: int | None = None
     packed: bool = False
     rows: Any = None
+    slots: Any = None
 
 
 def fallback_reason(kernel: str, *, dtype: Any, head_dim: int, cap: float | None, packed: bool) -> str | None:
@@ -145,6 +149,11 @@ def fused_attention(call: KernelCall, q: jax.Array, k: jax.Array, v: jax.Array, 
             return splash_attention(q, k, v, segment_ids, scale=scale, cap=cap, window=call.window,
                                     interpret=call.kernel == "splash-interpret")
         out = _per_row_shard(splash, call.rows, q, k, v, call.segment_ids)
+    elif call.kernel == "context":
+        axes = call.rows.spec[0] if len(call.rows.spec) else None
+        out = ring_attention(q, k, v, call.segment_ids, call.slots, mesh=call.rows.mesh, scale=scale, cap=cap,
+                             window=call.window, row_axes=axes if q.shape[0] % _shards(call.rows) == 0 else None,
+                             balanced=True)  # context_parallel.py lays the tokens out in balanced_order
     elif call.kernel == "cudnn":
         out = cudnn_attention(q, k, v, call.segment_ids > 0, scale=scale, window=call.window,
                               implementation=implementation)
@@ -155,17 +164,23 @@ def fused_attention(call: KernelCall, q: jax.Array, k: jax.Array, v: jax.Array, 
     return out.reshape(b, t, n_heads * d).astype(q.dtype)
 
 
+def _shards(rows) -> int:
+    """How many pieces the NamedSharding `rows` cuts dimension 0 into."""
+    axes = rows.spec[0] if len(rows.spec) else None
+    names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    shards = 1
+    for name in names:
+        shards *= rows.mesh.shape[name]
+    return shards
+
+
 def _per_row_shard(fn, rows, *arrays):
     """`fn(*arrays)`, under `jax.shard_map` over the mesh of `rows` (each device its rows; every row on
     every device when the rows do not split evenly) when there is one; arrays are [B, ...]."""
     if rows is None:
         return fn(*arrays)
     axes = rows.spec[0] if len(rows.spec) else None
-    names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-    shards = 1
-    for name in names:
-        shards *= rows.mesh.shape[name]
-    row_axes = axes if arrays[0].shape[0] % shards == 0 else None
+    row_axes = axes if arrays[0].shape[0] % _shards(rows) == 0 else None
     specs = tuple(P(row_axes, *([None] * (a.ndim - 1))) for a in arrays)
     return jax.shard_map(fn, mesh=rows.mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(*arrays)
 

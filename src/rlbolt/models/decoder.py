@@ -49,6 +49,7 @@ from rlbolt.models.attention_chunks import DEFAULT_QUERY_CHUNK
 from rlbolt.models.attention_kernels import layer_kernel_calls
 from rlbolt.models.cache import KVCache
 from rlbolt.models.config import ModelConfig
+from rlbolt.models.context_parallel import context_forward, context_kernel_calls, context_mesh_ways
 from rlbolt.models.decoder_layer import MLP, Attention, DecoderLayer, _swiglu  # noqa: F401  (also imported from here)
 # The building blocks, also imported from here (LoRA, quantisation, tests).
 from rlbolt.models.layers import Dense, Embed, RMSNorm, _norm, _normal, _param  # noqa: F401
@@ -101,6 +102,8 @@ class Decoder(nnx.Module):
         # Static attributes: part of the graph definition, not parameters.
         self.activation_sharding = None
         self.embedding_read_sharding = None
+        # With mesh.context > 1: the residual stream with its token axis over `context` too (else None).
+        self.token_sharding = None
         # Forwards without a cache (training, logps) run causal attention in chunks of this many
         # query rows, each reading only the keys up to its last row (`rlbolt.models.attention_chunks`):
         # the masked half of the scores is never built. None: one piece. Static, like the above.
@@ -155,8 +158,11 @@ class Decoder(nnx.Module):
         return fn(self, *args, **kwargs)
 
     def _forward(self, input_ids, positions, *, attention_mask, cache, return_hidden, routing_out=None,
-                 segment_ids=None):
+                 segment_ids=None, context_slots=None):
         b, t = input_ids.shape
+        if context_slots is None and cache is None and context_mesh_ways(self) > 1:  # rlbolt.models.context_parallel
+            return context_forward(self, Decoder._forward, input_ids, positions, attention_mask=attention_mask,
+                                   return_hidden=return_hidden, routing_out=routing_out, segment_ids=segment_ids)
         if attention_mask is None:
             attention_mask = jnp.ones((b, t), bool)
         attention_mask = attention_mask.astype(bool)
@@ -165,7 +171,11 @@ class Decoder(nnx.Module):
         if segment_ids is not None and cache is not None:
             raise ValueError("Decoder(segment_ids=...) is for cache-free forwards over packed rows; pass cache=None")
         calls = [None] * cfg.num_layers
-        if self.attention_kernel != "xla" and t > 1 and (cache is None or cache.max_len == t):
+        if context_slots is not None:  # the ring over mesh.context: tokens in its order, masks on these slots
+            segments = attention_mask.astype(jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+            calls = context_kernel_calls(cfg, self.attention_kernel, segments, context_slots, self.activation_sharding,
+                                         packed=segment_ids is not None)
+        elif self.attention_kernel != "xla" and t > 1 and (cache is None or cache.max_len == t):
             # A fused kernel attends the T new tokens to each other: no cache, or a prefill filling a fresh one.
             packed = segment_ids is not None  # several samples per row (rlbolt.packing)
             segments = segment_ids.astype(jnp.int32) if packed else attention_mask.astype(jnp.int32)
@@ -270,6 +280,9 @@ class Decoder(nnx.Module):
         sharding = self.activation_sharding
         if sharding is None or x.shape[0] % _row_shards(sharding):
             return x
+        tokens = getattr(self, "token_sharding", None)
+        if tokens is not None and x.ndim == 3 and x.shape[1] % context_mesh_ways(self) == 0:
+            sharding = tokens  # mesh.context > 1: the token axis split over it too
         return jax.lax.with_sharding_constraint(x, sharding)
 
     def logits(self, hidden: jnp.ndarray) -> jnp.ndarray:

@@ -262,7 +262,8 @@ class LMPolicyModule(RLModule):
     def group_size_for(self, micro_batch_size: int, plan: Any) -> int:
         """The group size a forward over `micro_batch_size` rows of `plan` shares prompts over (1:
         unshared): the rollout's, logps' and update's stages (and `rlbolt plan`'s executables) agree."""
-        shards = 1 if self.sharding is None else self.sharding.batch_shards
+        # mesh.context > 1 counts as more shards: the ring splits the unshared forward's rows (context_parallel.py)
+        shards = 1 if self.sharding is None else self.sharding.batch_shards * self.sharding.mesh.shape.get("context", 1)
         return stage_group_size(self.config.model.share_prompt, micro_batch_size, plan.num_generations, shards)
 
     @property
