@@ -73,7 +73,7 @@ def test_two_processes_train_in_lockstep_and_only_process_0_writes(tmp_path):
     out, run = tmp_path / "out", tmp_path / "run"
     finish(launch(out, run, processes=2, devices=2, steps=2, extra=["--beta", "0"]), out)
     (m0, p0), (m1, p1) = results(out, 0), results(out, 1)
-    assert m0["process_count"] == 2 and m0["mesh"] == {"data": 1, "fsdp": 4, "expert": 1, "tp": 1}
+    assert m0["process_count"] == 2 and m0["mesh"] == {"data": 1, "fsdp": 4, "expert": 1, "context": 1, "tp": 1}
     assert all(np.array_equal(p0[k], p1[k]) for k in p0)  # bitwise: one global computation
     assert m0["steps"] == m1["steps"] and len(m0["steps"]) == 2
     assert m0["data_position"] == m1["data_position"] == 8
