@@ -69,7 +69,7 @@ class Trainer:
         not on a resume): the "before" of a before/after comparison.
       run_dir: where callbacks write (metrics, checkpoints); default runs/<time>.
       prefetch_timeout_s: fail if the producer yields nothing for this long (None: wait).
-      mesh: the devices to run on: a `rlbolt.distributed.MeshSpec` / `{data, fsdp, expert, tp}` dict
+      mesh: the devices to run on: a `rlbolt.distributed.MeshSpec` / `{data, fsdp, expert, context, tp}` dict
         (-1 = the rest), a `jax.sharding.Mesh`, a `ShardingPlan`, or None (all devices on fsdp).
       device_memory_bytes: refuse a plan whose per-device memory exceeds this (default: what
         the backend reports; CPU reports nothing, then the plan is only logged).

@@ -54,7 +54,7 @@ class ProcessWeightPush:
 
     Raises:
       MeshError: a process in both groups, different device counts, or a rollout mesh whose
-        fsdp x expert x tp does not divide the training devices (named in one line).
+        fsdp x expert x context x tp does not divide the training devices (named in one line).
     """
 
     def __init__(self, source: ShardingPlan, target: ShardingPlan):
@@ -71,7 +71,7 @@ class ProcessWeightPush:
         if dict(self.sync.staging_mesh.shape) != dict(target.mesh.shape):
             raise MeshError(f"placement: the rollout mesh {dict(target.mesh.shape)} cannot be laid out on the training "
                             f"devices as {dict(self.sync.staging_mesh.shape)}; give rollout mesh.data = its devices / "
-                            "(fsdp x expert x tp)")
+                            "(fsdp x expert x context x tp)")
         self._version_target = NamedSharding(target.mesh, PartitionSpec())
         self._version_staging = NamedSharding(self.sync.staging_mesh, PartitionSpec())
 

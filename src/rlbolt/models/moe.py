@@ -118,7 +118,7 @@ def expert_parallel_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.n
       gate_up: [E, H, 2I], axis 0 over `expert`.
       down: [E, I, H], axis 0 over `expert`.
       hidden_act: as in `grouped_experts`.
-      mesh: the mesh (axes data, fsdp, expert, tp).
+      mesh: the mesh (axes data, fsdp, expert, context, tp).
 
     Returns:
       [N, H] like x, rows over the batch axes.
