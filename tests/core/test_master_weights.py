@@ -82,7 +82,7 @@ def test_memory_plan_counts_the_masters_and_float32_gradients():
 
     params = {"w": jnp.zeros((64, 32), jnp.bfloat16)}  # one device: per-device bytes are the whole
     n = 64 * 32
-    sharding = ShardingPlan(jax.make_mesh((1, 1, 1, 1), AXES, devices=jax.devices()[:1]))
+    sharding = ShardingPlan(jax.make_mesh((1,) * len(AXES), AXES, devices=jax.devices()[:1]))
     with_masters = master_weights.wrap(optax.adamw(1e-3), params, "auto")
     items = plan_memory(sharding, params, with_masters.init(params), device_bytes=1 << 40).items
     assert (items["params"], items["gradients"], items["master weights"]) == (2 * n, 4 * n, 4 * n)
