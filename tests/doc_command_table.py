@@ -53,6 +53,9 @@ SKIPPED = {
     "rlbolt fit my_config.yaml --trainer.run_dir=runs/two":
         "the reader's own config; two processes on one CPU: tests/distributed (multi-process tests) and, "
         "through `rlbolt launch --local 2`, tests/cli/test_cli_launch.py (slow tier)",
+    "rlbolt fit CONFIG":
+        "the reader's config with train and rollout on process groups of their own; the same launch of a tiny "
+        "GRPO run on 4 CPU processes: tests/distributed/test_process_groups.py (slow tier)",
     "rlbolt fit my_config.yaml --trainer.run_dir=/shared/runs/two":
         "one process of a run by hand on two machines; the same environment variables on one machine: "
         "tests/cli/test_cli_launch.py",
