@@ -22,7 +22,8 @@ SCRIPT = Path(__file__).with_name("xproc_checks.py")
 GRACE_S = 5
 
 # Bounds, from the fault (the faulting process's own clock) to the launcher's exit. Measured on a
-# 2-core CPU host shared with other jobs: a SIGKILLed rollout or training process, 5.2 s each (the launcher
+# 2-core CPU host shared with other jobs: a SIGKILLed rollout or training process, 5.2 s (a training one
+# also 0.2 s in another run: the launcher
 # sees the exit at once; the others, waiting in the runtime or deferring SIGTERM to a step boundary, stop at
 # SIGKILL after the 5 s grace); a SIGSTOPped one with a 60 s deadline, 65.3 s. Asserted: 3x the kills'
 # 5.2 s; the deadline plus 3x the 5.3 s after it for the stop.
