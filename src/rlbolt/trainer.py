@@ -68,7 +68,8 @@ class Trainer:
       val_at_start: also validate the starting parameters before the first step (logged at step 0;
         not on a resume): the "before" of a before/after comparison.
       run_dir: where callbacks write (metrics, checkpoints); default runs/<time>.
-      prefetch_timeout_s: fail if the producer yields nothing for this long (None: wait).
+      prefetch_timeout_s: fail if the producer yields nothing for this long (None: wait); across process
+        groups, how long a process waits for the other group (None: 1800 s), named in the error.
       mesh: the devices to run on: a `rlbolt.distributed.MeshSpec` / `{data, fsdp, expert, context, tp}` dict
         (-1 = the rest), a `jax.sharding.Mesh`, a `ShardingPlan`, or None (all devices on fsdp).
       device_memory_bytes: refuse a plan whose per-device memory exceeds this (default: what
@@ -205,7 +206,9 @@ class Trainer:
         producer = self._producer(module, state)
         signals.defer()  # from here a signal ends the run at the next step boundary
         try:
-            with producer.start(state.step, state.data_position, timeout_s=self.prefetch_timeout_s,
+            # across groups the rows' wait (GroupLink) has the deadline: its error names the silent process
+            timeout_s = self.prefetch_timeout_s if self.groups is None else None
+            with producer.start(state.step, state.data_position, timeout_s=timeout_s,
                                 should_stop=self._stop_while_waiting) as produced_steps:
                 waited = time.perf_counter()
                 for produced in produced_steps:
@@ -315,7 +318,7 @@ class Trainer:
         self.source = train_data if isinstance(train_data, PromptSource) else PromptSource(train_data, shuffle=self.shuffle, seed=self.data_seed)
         self.plans = self.placement.plans(self.mesh_spec)
         self.sharding = self.plans["train"]
-        self.groups = ProcessGroups.of(self.placement, self.plans)
+        self.groups = ProcessGroups.of(self.placement, self.plans, timeout_s=self.prefetch_timeout_s)
         if self.groups is not None:
             set_default_group(self._group)  # every agreement of this fit (callbacks too) stays in this group
             check_fit_across(self.mode, self.plan, val_data, self.callbacks)

@@ -69,6 +69,16 @@ def test_the_first_failure_stops_the_others_and_is_named_in_one_line(tmp_path):
     assert list(tmp_path.iterdir()) == []  # the others never finished
 
 
+def test_the_line_names_the_exception_not_the_note_printed_under_it():
+    # an exception raised in a producer thread carries a note, printed on its own line after the exception's
+    program = ("e = TimeoutError('nothing from process 3 under rows/1/0/1')\n"
+               "e.add_note('(raised in the producer thread rlbolt-producer-rollout; its frames are above)')\nraise e")
+    code, _, err = launched([sys.executable, "-c", program], 1, grace_s=5)
+    assert code == 1
+    assert err[-1] == ("rlbolt launch: process 0 of 1 exited with status 1: TimeoutError: nothing from process 3 "
+                       "under rows/1/0/1")
+
+
 def test_a_process_that_ignores_sigterm_is_killed_after_the_grace_period():
     program = ("import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                "i = int(os.environ['JAX_PROCESS_ID']); print('up', flush=True); time.sleep(0.3)\n"

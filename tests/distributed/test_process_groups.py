@@ -52,12 +52,14 @@ class _Link:
     def __init__(self, payloads):
         self.payloads, self.keys = dict(payloads), []
 
-    def take(self, key, stop=lambda: False):
+    def take(self, key, stop=lambda: False, sender=None):
         self.keys.append(key)
         return self.payloads.pop(key)
 
 
 class _Groups:
+    rollout = (2, 3)
+
     def __init__(self, link):
         self.link = link
 

@@ -10,6 +10,13 @@ Files: `OUT/params.npz` (the final params, gathered whole within the training gr
 `OUT/steps.json` (per step: the metrics that do not measure time, the completion ids trained on),
 written by process 0; `OUT/role_<process>.json` (the process's group and the steps it rolled out
 or trained).
+
+Faults (tests/distributed/test_group_faults.py): `RLBOLT_XPROC_FAULT=kill:P` SIGKILLs process P at
+step 2 (index 1): a training process at the start of its update, a rollout process at its first
+rollout after the second weight push; `stop:P` SIGSTOPs it there instead. `RLBOLT_XPROC_DEADLINE_S`
+sets `prefetch_timeout_s` (the wait between the groups), `RLBOLT_XPROC_HEARTBEAT_S` the
+coordination service's heartbeat timeout (default 30 s). Every process writes `OUT/pid_<process>`
+at start, and process 0 logs `OUT/run/metrics.jsonl`.
 """
 
 from __future__ import annotations
@@ -17,6 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import sys
+import time
 from pathlib import Path
 
 import jax
@@ -31,7 +41,7 @@ def main() -> None:
         jax.config.update("jax_num_cpu_devices", args.devices)
     from rlbolt.distributed import initialize
 
-    initialize()
+    initialize(heartbeat_timeout_s=int(os.environ.get("RLBOLT_XPROC_HEARTBEAT_S", "30")))
     import numpy as np
     from flax import nnx
 
@@ -43,6 +53,9 @@ def main() -> None:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    (out / f"pid_{jax.process_index()}").write_text(str(os.getpid()))
+    _inject_fault(os.environ.get("RLBOLT_XPROC_FAULT", ""))
+    deadline = os.environ.get("RLBOLT_XPROC_DEADLINE_S")
 
     def digits(completion: str, sample) -> float:  # a dense reward: the fraction of digit characters
         return sum(ch.isdigit() for ch in completion) / max(len(completion), 1)
@@ -59,7 +72,11 @@ def main() -> None:
                                       "num_kv_heads": 2, "head_dim": 8}}}, reward=digits)
     placement = {"train": {"devices": [0, 2], "mesh": {"fsdp": 2}}, "rollout": {"devices": [2, 4], "mesh": {"fsdp": 2}}}
     plan = BatchPlan(prompts_per_step=4, num_generations=4, train_micro_batch_size=8)
-    trainer = Trainer(plan, max_steps=3, callbacks=[Record()], run_dir=out / "run", placement=placement)
+    from rlbolt.callbacks import MetricsLogger
+
+    trainer = Trainer(plan, max_steps=3, callbacks=[Record(), MetricsLogger(writer=["jsonl"], every_n_steps=1)],
+                      run_dir=out / "run", placement=placement,
+                      prefetch_timeout_s=None if deadline is None else float(deadline))
     state = trainer.fit(module, gsm8k_style_rows(16))
     role = "train" if trainer.groups is None else trainer.groups.role
     (out / f"role_{jax.process_index()}.json").write_text(json.dumps({
@@ -75,6 +92,45 @@ def main() -> None:
         np.savez(out / "params.npz", **{".".join(map(str, path)): np.asarray(x.addressable_data(0))
                                         for (path, _), x in zip(flat, whole)})
         (out / "steps.json").write_text(json.dumps(steps))
+
+
+def _inject_fault(fault: str) -> None:
+    """`kill:P` / `stop:P`: process P sends itself SIGKILL / SIGSTOP at step index 1 (see the module doc)."""
+    if not fault:
+        return
+    how, target = fault.split(":")
+    if int(target) != jax.process_index():
+        return
+    sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[how]
+    out = Path(sys.argv[1])
+
+    def fault() -> None:
+        (out / "fault_at").write_text(repr(time.time()))  # when, for the test's bound on the launcher's exit
+        os.kill(os.getpid(), sig)
+
+    from rlbolt.distributed.process_groups import ProcessGroups
+    from rlbolt.modules import GRPO
+    from rlbolt.trainer import Trainer
+
+    train_on, on_rollout, receive = Trainer._train_on, GRPO.on_rollout, ProcessGroups.receive_weights
+    pushes = [0]
+
+    def train_on_then_fault(self, state, produced):
+        if int(state.step) == 1:  # the update of step 2
+            fault()
+        return train_on(self, state, produced)
+
+    def receive_counted(self, abstract):
+        pushes[0] += 1
+        return receive(self, abstract)
+
+    def on_rollout_then_fault(self, params, batch):
+        if pushes[0] == 2:  # the rollout of step 2, after the weights of step 1
+            fault()
+        return on_rollout(self, params, batch)
+
+    Trainer._train_on, GRPO.on_rollout = train_on_then_fault, on_rollout_then_fault
+    ProcessGroups.receive_weights = receive_counted
 
 
 if __name__ == "__main__":

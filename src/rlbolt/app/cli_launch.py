@@ -141,8 +141,11 @@ def _pump(child: _Child, stream: IO[bytes], out: IO[bytes], lock: threading.Lock
     prefix = f"[{child.index}] ".encode()
     for raw in iter(stream.readline, b""):
         line = raw if raw.endswith(b"\n") else raw + b"\n"
-        if is_err and line.strip():
-            child.last_err = line.decode(errors="replace").strip()
+        text = line.decode(errors="replace").strip()
+        # a line in parentheses is a note under an exception (e.g. which producer thread raised it): the
+        # exception's own line above it says what failed
+        if is_err and text and not (text.startswith("(") and text.endswith(")") and child.last_err):
+            child.last_err = text
         with lock:
             out.write(prefix + line)
             out.flush()

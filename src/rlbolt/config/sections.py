@@ -177,7 +177,7 @@ class TrainerSection:
     val_batch_size: int | None = _f(None, "prompts per validation batch; None: plan.prompts_per_step", at_least=1)
     val_at_start: bool = _f(False, "also validate the starting weights before the first step (step 0; not on a resume): the 'before' of a before/after comparison")
     run_dir: str | None = _f(None, "where metrics and checkpoints go; None: runs/<algorithm>-<time>")
-    prefetch_timeout_s: float | None = _f(None, "fail if the producer yields nothing for this long; None: wait", above=0)
+    prefetch_timeout_s: float | None = _f(None, "fail if the producer yields nothing for this long; None: wait (across process groups: each wait for the other group, 1800 s when None)", above=0)
     placement: str | dict = _f("colocated", "colocated: every role on the mesh; or {train: {devices: [start, stop], mesh: {..}}, rollout: {devices: [..], mesh: {..}}, reference: train | {devices: [..], mesh: {..}}, teacher: train | {devices: [..], mesh: {..}}}: rollout on its own devices, weights resharded there after each update; the reference forward, and the distillation teacher's, on train's devices or their own (docs/howto/placement.md)")
 
 

@@ -23,8 +23,11 @@ docs/howto/multi-host.md.
 
 from __future__ import annotations
 
+import atexit
 import itertools
+import os
 import pickle
+import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -37,6 +40,24 @@ from rlbolt.distributed.weight_push import ProcessWeightPush
 
 _LINKS = itertools.count()  # one key prefix per GroupLink: every process makes its links in the same order
 _POLL_MS = 500
+DEFAULT_LINK_TIMEOUT_S = 1800.0  # a wait between the groups when trainer.prefetch_timeout_s is None
+_exit_armed = False
+
+
+def _exit_without_shutdown_barrier() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+def _skip_shutdown_barrier() -> None:
+    """After a silent process: at exit, leave with status 1 before JAX's atexit `jax.distributed.shutdown`,
+    whose barrier waits for every process, the silent one too (up to its 300 s shutdown timeout).
+    Registered after JAX's handler, so it runs first (atexit is last in, first out)."""
+    global _exit_armed
+    if not _exit_armed:
+        _exit_armed = True
+        atexit.register(_exit_without_shutdown_barrier)
 
 
 class GroupLink:
@@ -58,16 +79,25 @@ class GroupLink:
         """Stores `obj` (picklable) under `key`, for one `take` on another process."""
         self.client.key_value_set_bytes(self.prefix + key, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
-    def barrier(self, key: str, processes: tuple[int, ...], timeout_s: float = 3600.0) -> None:
-        """Returns when every process of `processes` has called it with `key` (only they take part)."""
+    def barrier(self, key: str, processes: tuple[int, ...]) -> None:
+        """Returns when every process of `processes` has called it with `key` (only they take part;
+        the runtime's error after `timeout_s`, or an hour when it is None)."""
         if len(processes) > 1:
+            timeout_s = 3600.0 if self.timeout_s is None else self.timeout_s
             self.client.wait_at_barrier(self.prefix + key, int(timeout_s * 1000), list(processes))
 
-    def take(self, key: str, stop: Callable[[], bool] = lambda: False) -> Any:
+    def take(self, key: str, stop: Callable[[], bool] = lambda: False, sender: int | None = None) -> Any:
         """Waits for `key`, returns its object and deletes it.
 
+        Args:
+          key: the key (without this link's prefix).
+          stop: polled while waiting (True: give up).
+          sender: the process that writes `key` (named in the error).
+
         Raises:
-          TimeoutError: nothing arrived within `timeout_s`, or `stop()` became True while waiting.
+          TimeoutError: nothing arrived within `timeout_s` (one line naming the sender and
+            `trainer.prefetch_timeout_s`; this process then exits with status 1 without JAX's
+            shutdown barrier, which would wait for the silent process), or `stop()` became True.
         """
         began = time.monotonic()
         while True:
@@ -78,9 +108,14 @@ class GroupLink:
                 if "DEADLINE_EXCEEDED" not in str(exc) and "deadline" not in str(exc).lower():
                     raise
             waited = time.monotonic() - began
-            if stop() or (self.timeout_s is not None and waited > self.timeout_s):
-                raise TimeoutError(f"process {jax.process_index()}: nothing from the other process group under "
-                                   f"{key!r} after {waited:.0f} s")
+            if stop():
+                raise TimeoutError(f"process {jax.process_index()}: stopped while waiting for {key!r}")
+            if self.timeout_s is not None and waited > self.timeout_s:
+                who = "the other process group" if sender is None else f"process {sender}"
+                _skip_shutdown_barrier()
+                raise TimeoutError(f"process {jax.process_index()}: nothing from {who} under {key!r} for {waited:.0f} s "
+                                   f"(trainer.prefetch_timeout_s={self.timeout_s:g}): it is stopped or stuck (see its "
+                                   "stack, e.g. py-spy dump), or its step is slower: raise trainer.prefetch_timeout_s")
         self.client.key_value_delete(self.prefix + key)
         return pickle.loads(data)
 
@@ -91,14 +126,16 @@ class ProcessGroups:
     Args:
       groups: role -> process indices (`Placement.process_groups`).
       plans: role -> ShardingPlan (`Placement.plans`).
-      link: the host channel (default: a new `GroupLink`).
+      link: the host channel (default: a new `GroupLink` with `timeout_s`).
+      timeout_s: how long a process waits for the other group (the rows, a push; None:
+        `DEFAULT_LINK_TIMEOUT_S`): a silent process ends the run in one line instead of a hang.
 
     Raises:
       MeshError: this process is in neither group, or the groups' data shares differ (one line each).
     """
 
     def __init__(self, groups: Mapping[str, tuple[int, ...]], plans: Mapping[str, ShardingPlan],
-                 link: GroupLink | None = None):
+                 link: GroupLink | None = None, timeout_s: float | None = None):
         self.train, self.rollout = tuple(groups["train"]), tuple(groups["rollout"])
         me = jax.process_index()
         if me not in self.train + self.rollout:
@@ -108,15 +145,17 @@ class ProcessGroups:
         self.plans = plans
         check_shares(plans["train"], plans["rollout"])
         self.push = ProcessWeightPush(plans["train"], plans["rollout"])
-        self.link = link if link is not None else GroupLink()
+        self.link = link if link is not None else GroupLink(DEFAULT_LINK_TIMEOUT_S if timeout_s is None else timeout_s)
         self._pushes = 0  # how many weight pushes this process took part in (the key of the next one)
 
     @classmethod
-    def of(cls, placement: Any, plans: Mapping[str, ShardingPlan]) -> ProcessGroups | None:
-        """The groups of `placement` when it spans processes (None: colocated, or one process)."""
+    def of(cls, placement: Any, plans: Mapping[str, ShardingPlan],
+           timeout_s: float | None = None) -> ProcessGroups | None:
+        """The groups of `placement` when it spans processes (None: colocated, or one process);
+        `timeout_s`: the wait for the other group (see the class)."""
         if placement.colocated or jax.process_count() == 1:
             return None
-        return cls(placement.process_groups(jax.devices()), plans)
+        return cls(placement.process_groups(jax.devices()), plans, timeout_s=timeout_s)
 
     @property
     def leader(self) -> bool:
@@ -129,7 +168,7 @@ class ProcessGroups:
             for process in self.rollout:  # a key each: a key is read once
                 self.link.put(f"push/{self._pushes}/{process}", "weights")
         for process in self.rollout:  # every receiver is at the push (see receive_weights)
-            self.link.take(f"ready/{self._pushes}/{process}/{jax.process_index()}")
+            self.link.take(f"ready/{self._pushes}/{process}/{jax.process_index()}", sender=process)
         self.push(params, policy_version)
         self._pushes += 1
 
@@ -137,12 +176,18 @@ class ProcessGroups:
         """Training group: tells the rollout group that no push follows (its loop returns)."""
         if self.leader:
             for process in self.rollout:
-                self.link.put(f"push/{self._pushes}/{process}", "end")
+                try:
+                    self.link.put(f"push/{self._pushes}/{process}", "end")
+                except Exception as exc:  # noqa: BLE001 - the runtime's error type
+                    # a step that failed after announcing its push: the announcement stays, and the error
+                    # on the way out is the step's, not this one
+                    if "ALREADY_EXISTS" not in str(exc):
+                        raise
 
     def receive_weights(self, abstract: Any) -> tuple[Any, int] | None:
         """Rollout group: the next push's parameters on the rollout mesh and their policy version
         (None when the training group has ended)."""
-        if self.link.take(f"push/{self._pushes}/{jax.process_index()}") == "end":
+        if self.link.take(f"push/{self._pushes}/{jax.process_index()}", sender=min(self.train)) == "end":
             return None
         # Seen on CPU (JAX 0.10): a receiver that posts its side more than a minute before the senders' first
         # push gives up looking for their transfer server (it starts with that push), and set-up times differ

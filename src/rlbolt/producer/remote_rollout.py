@@ -47,7 +47,8 @@ class RemoteRollout:
     def __call__(self, step: int, batch: Batch) -> Batch:
         micro = self._taken.get(step, 0)
         self._taken[step] = micro + 1
-        columns, logged = self.groups.link.take(f"rows/{step}/{micro}/{self.share.rank}", self.stop)
+        columns, logged = self.groups.link.take(f"rows/{step}/{micro}/{self.share.rank}", self.stop,
+                                                sender=self.groups.rollout[self.share.rank])
         rows = Batch(columns)
         if rows.num_samples != batch.num_samples or not np.array_equal(rows["sample_keys"], batch["sample_keys"]):
             raise RuntimeError(f"step {step}: micro batch {micro} of the rollout group ({rows.num_samples} rows) is not "

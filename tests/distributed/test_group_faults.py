@@ -1,0 +1,93 @@
+"""A process of a placement across process groups that dies or stops answering mid-step (sync mode).
+
+Each test runs `xproc_checks.py` as 4 processes through `rlbolt launch --local 4` (train on
+processes 0, 1, rollout on 2, 3) with one fault injected at step 2 (`RLBOLT_XPROC_FAULT`), and
+checks: the launcher exits non-zero within a bound of the fault, in one line naming a process;
+no process of the run is left; every line of `metrics.jsonl` is whole JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+SCRIPT = Path(__file__).with_name("xproc_checks.py")
+GRACE_S = 5
+
+# Bounds, from the fault (the faulting process's own clock) to the launcher's exit. Measured on a
+# 2-core CPU host shared with other jobs: a SIGKILLed rollout or training process, 5.2 s (a training one
+# also 0.2 s in another run: the launcher
+# sees the exit at once; the others, waiting in the runtime or deferring SIGTERM to a step boundary, stop at
+# SIGKILL after the 5 s grace); a SIGSTOPped one with a 60 s deadline, 65.3 s. Asserted: 3x the kills'
+# 5.2 s; the deadline plus 3x the 5.3 s after it for the stop.
+KILL_BOUND_S = 3 * 5.2
+DEADLINE_S = 60.0  # above the first step's compile time (the first wait includes the other group's compile)
+STOP_BOUND_S = DEADLINE_S + 3 * 5.3
+
+
+def _launch(out: Path, fault: str, deadline_s: float | None = None, heartbeat_s: int = 30) -> tuple[subprocess.CompletedProcess, float]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS", "SLURM_"))}
+    env["RLBOLT_XPROC_FAULT"] = fault
+    env["RLBOLT_XPROC_HEARTBEAT_S"] = str(heartbeat_s)
+    if deadline_s is not None:
+        env["RLBOLT_XPROC_DEADLINE_S"] = str(deadline_s)
+    done = subprocess.run([sys.executable, "-m", "rlbolt", "launch", "--local", "4", "--devices-per-process", "1",
+                           "--grace-s", str(GRACE_S), "--", sys.executable, str(SCRIPT), str(out)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    ended = time.time()
+    assert (out / "fault_at").exists(), "the fault was not injected: " + done.stderr[-3000:]
+    took = ended - float((out / "fault_at").read_text())
+    print(f"{fault}: the launcher exited {took:.1f} s after the fault")
+    return done, took
+
+
+def _check_nothing_left(out: Path) -> None:
+    pids = [int((out / f"pid_{p}").read_text()) for p in range(4)]
+    alive = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+    assert alive == [], f"processes of the run still running: {alive}"
+    metrics = out / "run" / "metrics.jsonl"
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    for line in lines:
+        json.loads(line)  # a half-written line would not parse
+    steps = [json.loads(line).get("step") for line in lines]
+    assert len(steps) <= 1, steps  # the fault is at step 2: at most step 1 was logged
+
+
+def _one_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.startswith("rlbolt launch:")]
+    assert len(lines) == 1, stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("process", [2, 1], ids=["rollout", "train"])
+def test_a_process_killed_mid_step_ends_the_launch_in_one_line(tmp_path, process):
+    done, took = _launch(tmp_path, f"kill:{process}")
+    assert done.returncode != 0
+    line = _one_line(done.stderr)
+    assert f"process {process} of 4 was killed by SIGKILL" in line, line
+    assert took < KILL_BOUND_S, f"{took:.1f} s from the kill to the launcher's exit"
+    _check_nothing_left(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_stopped_rollout_process_ends_the_run_at_the_deadline_naming_it(tmp_path):
+    # SIGSTOP: the process is alive (no exit for the launcher to see) and its group waits on it. Its heartbeats
+    # stop too; the heartbeat timeout is raised to 300 s here so that the process stands for one that is stuck
+    # with its heartbeat thread alive (a hung kernel, a deadlock): without a deadline on the wait between the
+    # groups, the run would wait for its rows until that timeout.
+    done, took = _launch(tmp_path, "stop:3", deadline_s=DEADLINE_S, heartbeat_s=300)
+    assert done.returncode != 0
+    line = _one_line(done.stderr)
+    # a training process names the rollout process it waited on (3 itself, or 2, which waits on 3's collective)
+    assert "trainer.prefetch_timeout_s=60" in line and ("nothing from process 3" in line or
+                                                        "nothing from process 2" in line), line
+    assert DEADLINE_S < took < STOP_BOUND_S, f"{took:.1f} s from the stop to the launcher's exit"
+    _check_nothing_left(tmp_path)
