@@ -113,8 +113,8 @@ def test_sampler_on_meshes_is_token_identical_and_never_holds_the_whole_model():
     # Two key/value heads: split over tp=2, replicated over tp=4 (GQA heads that do not divide tp).
     specs = {json.dumps(r["mesh"], sort_keys=True): r["cache_key_spec"] for r in out["results"]}
     batch = list(BATCH_AXES)  # the batch axes of the mesh (data, fsdp, expert)
-    assert specs[json.dumps({"data": 2, "fsdp": 2, "expert": 1, "tp": 2}, sort_keys=True)] == [batch, "tp"]
-    assert specs[json.dumps({"data": 1, "fsdp": 2, "expert": 1, "tp": 4}, sort_keys=True)] == [batch, None]
+    assert specs[json.dumps({"data": 2, "fsdp": 2, "expert": 1, "context": 1, "tp": 2}, sort_keys=True)] == [batch, "tp"]
+    assert specs[json.dumps({"data": 1, "fsdp": 2, "expert": 1, "context": 1, "tp": 4}, sort_keys=True)] == [batch, None]
 
 
 @pytest.mark.slow

@@ -103,7 +103,7 @@ def test_two_processes_equal_one_process_and_resume_on_four_devices(tmp_path):
     finish(launch(tp_out, tmp_path / "tp_run", processes=2, devices=2, steps=2,
                   extra=["--mesh", json.dumps({"fsdp": 1, "tp": 4})]), tp_out)
     tm, _ = results(tp_out)
-    assert tm["mesh"] == {"data": 1, "fsdp": 1, "expert": 1, "tp": 4}
+    assert tm["mesh"] == {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tp": 4}
     assert [s["reward/mean"] for s in tm["steps"]] == [s["reward/mean"] for s in om["steps"][:2]]
 
     # The pair's checkpoint of step 2 restores in ONE process on 4 devices laid out fsdp=2 x tp=2.
@@ -115,7 +115,7 @@ def test_two_processes_equal_one_process_and_resume_on_four_devices(tmp_path):
     finish(launch(resumed_out, resumed_run, processes=1, devices=4, steps=4,
                   extra=["--checkpoint_every", "2", "--mesh", json.dumps({"fsdp": 2, "tp": 2})]), resumed_out)
     rm, rp = results(resumed_out)
-    assert rm["restored_step"] == 2 and rm["mesh"] == {"data": 1, "fsdp": 2, "expert": 1, "tp": 2}
+    assert rm["restored_step"] == 2 and rm["mesh"] == {"data": 1, "fsdp": 2, "expert": 1, "context": 1, "tp": 2}
     restored, saved = np.load(resumed_out / "restored_0.npz"), np.load(pair_out / "step2_0.npz")
     assert all(np.array_equal(restored[k], saved[k]) for k in saved)  # the restore itself is exact
     # ... and the run continues as the pair did: same samples, same counters, params to rounding.
