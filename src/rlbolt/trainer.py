@@ -128,6 +128,7 @@ class Trainer:
         self.mesh_spec, self.device_memory_bytes = mesh, device_memory_bytes
         self.placement, self.plans = Placement.of(placement), {}
         self.groups: ProcessGroups | None = None  # a placement across processes: this process's group (set in fit)
+        self.agree_with: tuple[int, ...] | None = None  # processes that agree on a stop (None: every process)
         self.sharding: ShardingPlan | None = None  # the train role's plan (of self.plans: role -> plan), set in fit
         self.weights = WeightStore(self.lag_steps)
         self.timeline = Timeline()  # stage start/end events; TimelineLogger writes them to the run dir
@@ -191,8 +192,11 @@ class Trainer:
     def _fit(self, module: RLModule, train_data: Any, val_data: Sequence[dict] | None, signals) -> TrainState:
         try:
             state = self._setup(module, train_data, val_data)
-            if self.groups is not None and self.groups.role == "rollout":
-                return self._fit_rollout_group(module, state)
+            if self.groups is not None and self.groups.role == "rollout":  # a rollout for each push; no callbacks
+                run_rollout_group(module, self.plan, self.source, self.groups, state.params, self.seed,
+                                  self.plans["rollout"].share, start_step=state.step, start_position=state.data_position,
+                                  max_steps=self.max_steps, max_prompts=self._max_prompts())
+                return state  # its parameters live on the training group
             try:
                 return self._fit_training(module, state, signals)
             finally:
@@ -216,7 +220,7 @@ class Trainer:
                     if not self._end_step(state, info):
                         break
                     waited = time.perf_counter()
-                if any_process(self.stop_signal is not None, self._group):
+                if any_process(self.stop_signal is not None, self.agree_with):
                     return self._end_on_signal(produced_steps, state)
         except KeyboardInterrupt as exc:  # raised by a hook: callbacks may save, threads are joined
             self.interrupted = True
@@ -259,20 +263,6 @@ class Trainer:
                         max_prompts=self._max_prompts(), timeline=self.timeline, share=self.sharding.share,
                         rollout=remote)
 
-    def _fit_rollout_group(self, module: RLModule, state: TrainState) -> TrainState:
-        """A rollout process of a placement across processes: a rollout for each weight push until the
-        training group ends (`rlbolt.producer.remote_rollout`); no callback runs here."""
-        base_rng = np.asarray(jax.random.fold_in(jax.random.PRNGKey(self.seed), 1))  # the training group's state.rng
-        run_rollout_group(module, self.plan, self.source, self.groups, state.params, base_rng,
-                          self.plans["rollout"].share, start_step=state.step, start_position=state.data_position,
-                          max_steps=self.max_steps, max_prompts=self._max_prompts())
-        return state
-
-    @property
-    def _group(self) -> tuple[int, ...] | None:
-        """The processes this one agrees with at step boundaries (its group's; None: every process)."""
-        return None if self.groups is None else (self.groups.train if self.groups.role == "train" else self.groups.rollout)
-
     def _step(self, state: TrainState, produced, began: float) -> tuple[TrainState, StepInfo]:
         """One global step on a produced batch: the hooks before the update, the update, and the
         step's `StepInfo` (the callbacks' own metrics added, then read-only) for `on_step_end`.
@@ -297,7 +287,7 @@ class Trainer:
         keeps the hook order deterministic in sync mode."""
         self.callbacks.on_step_end(self.run, info)
         self.last_state = state
-        if any_process(self.should_stop, self._group):
+        if any_process(self.should_stop, self.agree_with):
             return False
         self.weights.publish(state.step, state.params, state.policy_version)
         return True
@@ -319,8 +309,9 @@ class Trainer:
         self.plans = self.placement.plans(self.mesh_spec)
         self.sharding = self.plans["train"]
         self.groups = ProcessGroups.of(self.placement, self.plans, timeout_s=self.prefetch_timeout_s)
+        self.agree_with = None if self.groups is None else self.groups.mine
         if self.groups is not None:
-            set_default_group(self._group)  # every agreement of this fit (callbacks too) stays in this group
+            set_default_group(self.agree_with)  # every agreement of this fit (callbacks too) stays in this group
             check_fit_across(self.mode, self.plan, val_data, self.callbacks)
             self.weights.transfer = self.groups.send_weights if self.groups.role == "train" else None
         elif not self.placement.colocated:

@@ -148,6 +148,11 @@ class ProcessGroups:
         self.link = link if link is not None else GroupLink(DEFAULT_LINK_TIMEOUT_S if timeout_s is None else timeout_s)
         self._pushes = 0  # how many weight pushes this process took part in (the key of the next one)
 
+    @property
+    def mine(self) -> tuple[int, ...]:
+        """The processes of this process's group (the ones it agrees with at step boundaries)."""
+        return self.train if self.role == "train" else self.rollout
+
     @classmethod
     def of(cls, placement: Any, plans: Mapping[str, ShardingPlan],
            timeout_s: float | None = None) -> ProcessGroups | None:

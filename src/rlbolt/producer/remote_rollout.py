@@ -20,6 +20,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 
 from rlbolt.batch import Batch, check_stage
@@ -59,7 +60,7 @@ class RemoteRollout:
 
 
 def run_rollout_group(module: RLModule, plan: BatchPlan, source: PromptSource, groups: ProcessGroups,
-                      abstract_params: Any, base_rng: Any, share: DataShare, *, start_step: int, start_position: int,
+                      abstract_params: Any, seed: int, share: DataShare, *, start_step: int, start_position: int,
                       max_steps: int | None, max_prompts: int | None, stop: threading.Event | None = None) -> int:
     """The rollout group's loop (sync mode): for every weight push, the step it rolls out.
 
@@ -69,7 +70,7 @@ def run_rollout_group(module: RLModule, plan: BatchPlan, source: PromptSource, g
       source: the prompts (the training group's, in the same order).
       groups: the process groups (this process in the rollout group).
       abstract_params: the parameter tree's shapes (what the push fills in).
-      base_rng: the run's key (sample keys derive from it).
+      seed: the run's seed (the sample keys derive from the training group's `state.rng`, made from it).
       share: this process's data share on the rollout mesh.
       start_step: the first step to roll out.
       start_position: the prompt counter at that step.
@@ -80,6 +81,7 @@ def run_rollout_group(module: RLModule, plan: BatchPlan, source: PromptSource, g
     Returns:
       How many steps this process rolled out.
     """
+    base_rng = np.asarray(jax.random.fold_in(jax.random.PRNGKey(seed), 1))  # the training group's state.rng
     step, position, size = start_step, start_position, plan.rollout_micro_batch_size // share.size
     produced = 0
     while stop is None or not stop.is_set():
