@@ -3,7 +3,8 @@
 Each is `LMPolicyModule` with one or two pieces swapped; the config's algorithm defaults
 (each class's `algorithm_defaults`) pick each paper's clip range and loss aggregation. Another
 `algorithm.policy_loss` brings its own paper's settings, which win over these
-(`rlbolt.config.sections.POLICY_LOSS_DEFAULTS`: GMPO trains seq-mean-token-mean, CISPO token-mean).
+(each objective's `register_objective(..., defaults=, aggregation=)` in `rlbolt.algorithms.objectives`:
+GMPO trains seq-mean-token-mean, CISPO token-mean).
 """
 
 from __future__ import annotations
