@@ -82,10 +82,16 @@ class JsonlMetrics(Callback):
 
 
 class Sleep(Callback):
-    def __init__(self, seconds: float):
-        self.seconds = seconds
+    """Sleeps after every step; first writes the step's number to `<run_dir>/sleeping` (atomically),
+    so a test can send a signal at the start of a sleep, with the whole sleep still ahead."""
 
-    def on_step_end(self, trainer, info):
+    def __init__(self, seconds: float, run_dir: str):
+        self.seconds, self.marker = seconds, Path(run_dir) / "sleeping"
+
+    def on_step_end(self, run, info):
+        tmp = self.marker.with_suffix(".tmp")
+        tmp.write_text(str(info.step))
+        os.replace(tmp, self.marker)
         time.sleep(self.seconds)
 
 
@@ -142,7 +148,7 @@ def main(argv=None) -> None:
     callbacks = [NaNGuard()] if args.nan_at_step is not None else []
     callbacks += [JsonlMetrics(), ModelCheckpoint(every_n_steps=1, keep=args.keep, async_save=not args.sync_save)]
     if args.step_sleep:
-        callbacks.append(Sleep(args.step_sleep))
+        callbacks.append(Sleep(args.step_sleep, args.run_dir))
     trainer = Trainer(plan, max_steps=args.steps, max_epochs=None, seed=3, shuffle=args.shuffle, callbacks=callbacks,
                       mode=args.mode, max_staleness=args.max_staleness, run_dir=args.run_dir)
     if args.lora:

@@ -86,10 +86,21 @@ def test_signal_during_a_checkpoint_write(tmp_path, script_env, reference_runs):
 @pytest.mark.slow
 def test_second_signal_exits_at_once_without_saving(tmp_path, script_env):
     """The first SIGTERM asks for a stop after the step (which sleeps 5 s in a callback); the
-    second one ends the process within a second, quietly, with 143."""
+    second one ends the process within a second, quietly, with 143.
+
+    The first signal goes at the start of a step's sleep (the script's `sleeping` marker names a
+    step after the first checkpoint): sent at a random moment, it could land at the end of a sleep,
+    so that the fit ended within the 0.5 s before the second signal and the second one met the
+    default disposition of a process past its fit (-15, seen once under load)."""
     run_dir = tmp_path / "run"
     proc = start(run_dir, script_env, "--step_sleep", "5")
     wait_for_checkpoint(proc, run_dir)
+    marker = run_dir / "sleeping"
+    seen = marker.read_text() if marker.exists() else None
+    deadline = time.monotonic() + 60
+    while (marker.read_text() if marker.exists() else None) == seen:  # a new sleep has begun
+        assert proc.poll() is None and time.monotonic() < deadline, "no step ended within 60 s"
+        time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
     time.sleep(0.5)
     sent = time.monotonic()
