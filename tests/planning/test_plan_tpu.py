@@ -153,3 +153,25 @@ def test_scanned_layers_give_no_time_estimate_but_the_same_arguments():
     # XLA's cost analysis counts a loop body once: a scanned stack's flops and time would be one layer's
     assert looped.executables[0].seconds is not None and scanned.executables[0].seconds is None
     assert scanned.executables[0].argument_bytes == looped.executables[0].argument_bytes
+
+
+def test_a_reference_on_devices_of_its_own_compiles_there_and_leaves_the_training_devices():
+    """placement: train on chips [0, 2), rollout [2, 3), reference [3, 4) of a v5e:2x2. The reference's
+    forward compiles on its one chip, which holds its whole bf16 copy (2 bytes a parameter, by hand)
+    and nothing else; the training devices run no logps forward (one iteration: no old logps) and
+    hold no reference copy."""
+    import jax
+
+    from rlbolt.distributed.topology import target_devices
+    from rlbolt.planning import build_abstract, plan_run
+
+    placed = {**RUN, "trainer": {"placement": {"train": {"devices": [0, 2]}, "rollout": {"devices": [2, 3]},
+                                               "reference": {"devices": [3, 4]}}}}
+    run = build_abstract(load_config(placed), target_devices("v5e:2x2"))
+    report = plan_run(run, "v5e:2x2", names=("logps",))
+    (reference,) = report.executables
+    tokens = 8 * (32 + 16)  # the logps micro batch's ids (int32) and masks (bool), on the one chip
+    assert reference.name == "reference" and reference.calls == 1 and reference.held_outside == 0
+    arrays = len(jax.tree.leaves(run.module.scorers["ref"].params)) + 4  # each padded by under one tile
+    assert 2 * PARAMS + 5 * tokens <= reference.argument_bytes <= 2 * PARAMS + 5 * tokens + arrays * TILE
+    assert "reference" not in report.state

@@ -78,8 +78,19 @@ class PlacedReference:
         return np.asarray(self.plan.local_rows(self._forward(self.params, *inputs)), np.float32)
 
 
+    def lower(self, *inputs: Any) -> Any:
+        """The forward lowered for abstract token columns on this role's mesh (`rlbolt plan`).
+
+        Args:
+          *inputs: (prompt_ids, prompt_mask, completion_ids, completion_mask) ShapeDtypeStructs placed
+            on `self.plan`'s batch sharding.
+        """
+        return self._forward.lower(self.params, *inputs)
+
+
 def _move(params: Any, source: ShardingPlan | None, target: ShardingPlan) -> Any:
-    if source is None:
+    abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
+    if source is None or abstract:  # abstract (rlbolt plan): the shapes take the role's shardings, nothing moves
         return jax.block_until_ready(target.place(params))
     try:
         sync = WeightSync(source, target)

@@ -6,6 +6,8 @@
                holds it; `--only grad` shows its share)
     optimizer  the optimizer step alone (gradients in, parameters and state out): its share of the update
     logps      one logps micro batch's forward, the old and the reference log-probs' executable
+    reference  (compiled with logps when the reference is placed on devices of its own) its forward
+    teacher    on that role's mesh; its devices hold nothing else, and they run beside the training ones
     rollout    one sampler call: each group's prompt prefilled into the KV cache, then the decode loop
 
 Each is lowered with ShapeDtypeStructs under the run's shardings and compiled for the mesh's devices
@@ -138,7 +140,14 @@ def compile_executables(run: Any, names: tuple[str, ...] = ("update", "optimizer
             out.append(analyse(name, _lower_optimizer(run), _updates_per_step(plan), frozen_copies, started))
         elif name == "logps":
             calls = (plan.global_batch_size // plan.logps_micro_batch_size) * _forwards(run)
-            out.append(analyse(name, _lower_logps(run), calls, opt_bytes + frozen_copies, started, scanned))
+            if calls:  # none on the training devices when the only forward is a placed reference's
+                out.append(analyse(name, _lower_logps(run), calls, opt_bytes + frozen_copies, started, scanned))
+            for role, scorer in _placed_scorers(run).items():  # each on its own devices: nothing else held there
+                started = time.perf_counter()
+                inputs = schema.logps_inputs(plan.logps_micro_batch_size, prompt_width(run), module.completion_width,
+                                             scorer.plan)
+                out.append(analyse(role, scorer.lower(*inputs), plan.global_batch_size // plan.logps_micro_batch_size,
+                                   0, started, scanned))
         elif name == "rollout":
             lowered, calls = _lower_rollout(run)
             apart = run.shardings["rollout"] is not sharding  # its own devices hold only its weights and cache
@@ -168,9 +177,19 @@ def packed_layout(run: Any, samples: int) -> tuple[int, int] | None:
     return (plan.packed_rows or block), width
 
 
+_ROLE = {"ref": "reference", "teacher": "teacher"}
+
+
+def _placed_scorers(run: Any) -> dict[str, Any]:
+    """role -> the module's scorer that runs on devices of its own (`trainer.placement.reference|teacher`)."""
+    return {_ROLE.get(name, name): s for name, s in run.module.scorers.items() if not s.on_train_devices}
+
+
 def _forwards(run: Any) -> int:
-    """Logps forwards per sample: the reference's (beta > 0), the old policy's (num_iterations > 1)."""
-    return int(run.config.algorithm.beta > 0) + int(run.plan.num_iterations > 1)
+    """Logps forwards per sample on the training devices: each colocated scorer's (the reference when
+    beta > 0, a teacher) and the old policy's (num_iterations > 1)."""
+    colocated = sum(1 for s in run.module.scorers.values() if s.on_train_devices)
+    return colocated + int(run.plan.num_iterations > 1)
 
 
 def _lower_update(run: Any) -> Any:
