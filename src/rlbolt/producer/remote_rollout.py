@@ -20,7 +20,11 @@ step the rollout group joins pushes while the weights it holds are older than th
 (`takes_push`), so it rolls out up to `lag` steps ahead of training and never with weights more
 than `lag` steps old. The weights a step used are thus fixed by the step, not by timing: the
 run's rows, metrics and parameters are those of the run in one process. After its last step it
-joins the remaining pushes until the training group ends.
+joins the remaining pushes until the training group ends. Why not "every push that is ready":
+the weights of a step would then depend on which process was faster, so a run could neither
+be compared with the one-process run nor resumed exactly (the checkpoint keeps the weights
+the next steps need, by this rule); and little would be gained, since the training group
+waits at each push for the rollout group anyway.
 """
 
 from __future__ import annotations
