@@ -77,7 +77,7 @@ class Trainer:
       placement: "colocated" (every role on `mesh`) or role -> sub-mesh (`{"train": {"devices": [0, 4]},
         "rollout": {"devices": [4, 8], "mesh": {"tp": 2}}}`, `rlbolt.distributed.placement`): rollout
         (and the reference or the distillation teacher, given a range) on its own devices, weights
-        resharded after each update. Across processes (sync mode) each process runs its group's part
+        resharded after each update. Across processes (sync or async) each process runs its group's part
         only: the training group this loop, the rollout group the rollouts
         (`rlbolt.distributed.process_groups`); there `fit` returns the state as set up.
       master_weights: "auto" (default): when a trainable parameter is narrower than float32
@@ -195,7 +195,7 @@ class Trainer:
             if self.groups is not None and self.groups.role == "rollout":  # a rollout for each push; no callbacks
                 run_rollout_group(module, self.plan, self.source, self.groups, state.params, self.seed,
                                   self.plans["rollout"].share, start_step=state.step, start_position=state.data_position,
-                                  max_steps=self.max_steps, max_prompts=self._max_prompts())
+                                  max_steps=self.max_steps, max_prompts=self._max_prompts(), lag=self.lag_steps)
                 return state  # its parameters live on the training group
             try:
                 return self._fit_training(module, state, signals)
@@ -313,11 +313,11 @@ class Trainer:
         if self.groups is not None:
             set_default_group(self.agree_with)  # every agreement of this fit (callbacks too) stays in this group
             check_fit_across(self.mode, self.plan, val_data, self.callbacks)
-            self.weights.transfer = self.groups.send_weights if self.groups.role == "train" else None
+            self.groups.attach(self.weights)  # training group: each publish pushes; its producer waits for it
         elif not self.placement.colocated:
             sync = WeightSync(self.sharding, self.plans["rollout"])
-            self.weights.transfer = lambda params, _version: sync(params)
-        layout.check_batch_plan(self.plan, self.sharding, self.mode, reference=self.plans["reference"])
+            self.weights.transfer = lambda params, *_: sync(params)
+        layout.check_batch_plan(self.plan, self.sharding, self.mode, reference=self.plans["reference"], across_groups=self.groups is not None)
         module.context = context = SetupContext(plan=self.plan, seed=self.seed, mode=self.mode, shardings=self.plans)
         module.setup(context)
         rng = jax.random.PRNGKey(self.seed)

@@ -1,4 +1,4 @@
-"""A process of a placement across process groups that dies or stops answering mid-step (sync mode).
+"""A process of a placement across process groups that dies or stops answering mid-step (sync and async mode).
 
 Each test runs `xproc_checks.py` as 4 processes through `rlbolt launch --local 4` (train on
 processes 0, 1, rollout on 2, 3) with one fault injected at step 2 (`RLBOLT_XPROC_FAULT`), and
@@ -30,16 +30,21 @@ GRACE_S = 5
 KILL_BOUND_S = 3 * 5.2
 DEADLINE_S = 60.0  # above the first step's compile time (the first wait includes the other group's compile)
 STOP_BOUND_S = DEADLINE_S + 3 * 5.3
+# Async: the rollout group waits for the second push while the training group runs its first step, which compiles
+# its programs (80.6 s time/step measured in the async run, with rollout correction's forward): a 60 s deadline ends
+# a healthy run there, so 1.5x that. Then the training step it still runs after the fault: 3x the 0.87 s measured.
+ASYNC_DEADLINE_S, STEP_S = 1.5 * 80.6, 3 * 0.9
 
 
-def _launch(out: Path, fault: str, deadline_s: float | None = None, heartbeat_s: int = 30) -> tuple[subprocess.CompletedProcess, float]:
+def _launch(out: Path, fault: str, deadline_s: float | None = None, heartbeat_s: int = 30,
+            mode: str = "sync") -> tuple[subprocess.CompletedProcess, float]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS", "SLURM_"))}
     env["RLBOLT_XPROC_FAULT"] = fault
     env["RLBOLT_XPROC_HEARTBEAT_S"] = str(heartbeat_s)
     if deadline_s is not None:
         env["RLBOLT_XPROC_DEADLINE_S"] = str(deadline_s)
     done = subprocess.run([sys.executable, "-m", "rlbolt", "launch", "--local", "4", "--devices-per-process", "1",
-                           "--grace-s", str(GRACE_S), "--", sys.executable, str(SCRIPT), str(out)],
+                           "--grace-s", str(GRACE_S), "--", sys.executable, str(SCRIPT), str(out), "--mode", mode],
                           capture_output=True, text=True, env=env, timeout=900)
     ended = time.time()
     assert (out / "fault_at").exists(), "the fault was not injected: " + done.stderr[-3000:]
@@ -48,7 +53,7 @@ def _launch(out: Path, fault: str, deadline_s: float | None = None, heartbeat_s:
     return done, took
 
 
-def _check_nothing_left(out: Path) -> None:
+def _check_nothing_left(out: Path, logged: int = 1) -> None:
     pids = [int((out / f"pid_{p}").read_text()) for p in range(4)]
     alive = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
     assert alive == [], f"processes of the run still running: {alive}"
@@ -57,7 +62,7 @@ def _check_nothing_left(out: Path) -> None:
     for line in lines:
         json.loads(line)  # a half-written line would not parse
     steps = [json.loads(line).get("step") for line in lines]
-    assert len(steps) <= 1, steps  # the fault is at step 2: at most step 1 was logged
+    assert len(steps) <= logged, steps  # sync: the fault is at step 2, at most step 1 was logged
 
 
 def _one_line(stderr: str) -> str:
@@ -91,3 +96,19 @@ def test_a_stopped_rollout_process_ends_the_run_at_the_deadline_naming_it(tmp_pa
                                                         "nothing from process 2" in line), line
     assert DEADLINE_S < took < STOP_BOUND_S, f"{took:.1f} s from the stop to the launcher's exit"
     _check_nothing_left(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_stopped_rollout_process_in_async_mode_ends_the_run_at_the_deadline_naming_it(tmp_path):
+    # Async, lag 1: process 3 stops in its rollout of step 3 (index 2: it joined the push of the weights after 1
+    # step, the second push, as in sync mode). Rows of steps 1 and 2 were made, so the training group trains and
+    # logs them, then waits at the push of the weights after 2 steps for the rollout group, which never joins.
+    done, took = _launch(tmp_path, "stop:3", deadline_s=ASYNC_DEADLINE_S, heartbeat_s=300, mode="async")
+    assert done.returncode != 0
+    line = _one_line(done.stderr)
+    assert f"trainer.prefetch_timeout_s={ASYNC_DEADLINE_S:g}" in line and ("nothing from process 3" in line or
+                                                                       "nothing from process 2" in line), line
+    # the sync test's bound after the deadline, plus the training step it still runs after the stop (STEP_S)
+    bound = ASYNC_DEADLINE_S + (STOP_BOUND_S - DEADLINE_S) + STEP_S
+    assert ASYNC_DEADLINE_S < took < bound, f"{took:.1f} s from the stop to the launcher's exit"
+    _check_nothing_left(tmp_path, logged=2)

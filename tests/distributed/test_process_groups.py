@@ -68,12 +68,13 @@ class _Share:
     rank, size = 1, 2
 
 
-def _rows(keys):
-    return {"sample_keys": np.asarray(keys, np.uint32), "completion_ids": np.arange(len(keys) * 2).reshape(-1, 2)}
+def _rows(keys, version=0):
+    return {"sample_keys": np.asarray(keys, np.uint32), "completion_ids": np.arange(len(keys) * 2).reshape(-1, 2),
+            "policy_version": np.full(len(keys), version, np.int32)}
 
 
 def test_remote_rollout_takes_each_micro_batch_in_order_and_checks_it_is_the_one_asked_for():
-    asked = Batch({"sample_keys": np.asarray([[1, 2], [3, 4]], np.uint32)})
+    asked = Batch({"sample_keys": np.asarray([[1, 2], [3, 4]], np.uint32), "policy_version": np.zeros(2, np.int32)})
     link = _Link({"rows/5/0/1": (_rows([[1, 2], [3, 4]]), {"rollout/len": [2.0, 4.0]}),
                   "rows/5/1/1": (_rows([[9, 9], [3, 4]]), {})})
     remote = RemoteRollout(_Groups(link), _Share())
@@ -94,11 +95,12 @@ def test_what_is_not_run_across_processes_is_refused_in_one_line():
         check_fit_across("async", plan, [{"prompt": "x"}], [ModelCheckpoint()])
     message = str(error.value)
     assert "\n" not in message
-    for words in ("trainer.mode='async' (use sync)", "max_refill_rounds=1 (use 0)", "validation data",
-                  "ModelCheckpoint"):
+    for words in ("max_refill_rounds=1 (use 0)", "validation data", "ModelCheckpoint"):
         assert words in message
-    check_fit_across("sync", BatchPlan(prompts_per_step=4, num_generations=4, train_micro_batch_size=8), None,
-                     [object()])  # what runs passes
+    assert "mode" not in message and "async" not in message  # async runs across groups (test_async_groups.py)
+    for mode in ("sync", "async"):  # what runs passes
+        check_fit_across(mode, BatchPlan(prompts_per_step=4, num_generations=4, train_micro_batch_size=8), None,
+                         [object()])
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
-"""One process of a GRPO fit with train and rollout on separate process groups (sync mode).
+"""One process of a GRPO fit with train and rollout on separate process groups (sync or async mode).
 
     rlbolt launch --local 4 --devices-per-process 1 -- python tests/distributed/xproc_checks.py OUT
     python tests/distributed/xproc_checks.py OUT --devices 4        the same placement in one process
+    ... xproc_checks.py OUT --mode async      async mode, max_staleness 1 (lag 1), with rollout correction (tis)
 
 Placement: train on devices [0, 2) (fsdp=2), rollout on [2, 4) (fsdp=2); the reference with
 train. With 4 processes of one CPU device each that is processes 0, 1 (training group) and 2, 3
@@ -13,7 +14,7 @@ or trained).
 
 Faults (tests/distributed/test_group_faults.py): `RLBOLT_XPROC_FAULT=kill:P` SIGKILLs process P at
 step 2 (index 1): a training process at the start of its update, a rollout process at its first
-rollout after the second weight push; `stop:P` SIGSTOPs it there instead. `RLBOLT_XPROC_DEADLINE_S`
+rollout after the second weight push (async, lag 1: step index 2); `stop:P` SIGSTOPs it there instead. `RLBOLT_XPROC_DEADLINE_S`
 sets `prefetch_timeout_s` (the wait between the groups), `RLBOLT_XPROC_HEARTBEAT_S` the
 coordination service's heartbeat timeout (default 30 s). Every process writes `OUT/pid_<process>`
 at start, and process 0 logs `OUT/run/metrics.jsonl`.
@@ -36,6 +37,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--devices", type=int, default=0, help="CPU devices of a one-process run (0: the launcher's)")
+    ap.add_argument("--mode", default="sync", choices=("sync", "async"))
     args = ap.parse_args()
     if args.devices:
         jax.config.update("jax_num_cpu_devices", args.devices)
@@ -67,7 +69,8 @@ def main() -> None:
             metrics = {k: float(v) for k, v in info.metrics.items() if not k.startswith(("time/", "throughput/"))}
             steps.append({"metrics": metrics, "completions": np.asarray(info.batch["completion_ids"]).tolist()})
 
-    module = GRPO({"rollout": {"max_new_tokens": 8}, "algorithm": {"lr": 1e-3, "beta": 0.04},
+    algorithm = {"lr": 1e-3, "beta": 0.04, **({"rollout_correction": "tis"} if args.mode == "async" else {})}
+    module = GRPO({"rollout": {"max_new_tokens": 8}, "algorithm": algorithm,
                    "model": {"tiny": {"hidden_size": 32, "intermediate_size": 64, "num_heads": 4,
                                       "num_kv_heads": 2, "head_dim": 8}}}, reward=digits)
     placement = {"train": {"devices": [0, 2], "mesh": {"fsdp": 2}}, "rollout": {"devices": [2, 4], "mesh": {"fsdp": 2}}}
@@ -75,7 +78,8 @@ def main() -> None:
     from rlbolt.callbacks import MetricsLogger
 
     trainer = Trainer(plan, max_steps=3, callbacks=[Record(), MetricsLogger(writer=["jsonl"], every_n_steps=1)],
-                      run_dir=out / "run", placement=placement,
+                      run_dir=out / "run", placement=placement, mode=args.mode,
+                      max_staleness=1 if args.mode == "async" else None,
                       prefetch_timeout_s=None if deadline is None else float(deadline))
     state = trainer.fit(module, gsm8k_style_rows(16))
     role = "train" if trainer.groups is None else trainer.groups.role

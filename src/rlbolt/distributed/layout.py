@@ -60,7 +60,7 @@ def check_placed_role(plan: Any, role: ShardingPlan, name: str) -> None:
 
 
 def check_batch_plan(plan: Any, sharding: ShardingPlan, mode: str = "sync",
-                     reference: ShardingPlan | None = None) -> None:
+                     reference: ShardingPlan | None = None, across_groups: bool = False) -> None:
     """Every batch the Trainer places must split evenly over the batch shards and data shares.
 
     Args:
@@ -69,6 +69,9 @@ def check_batch_plan(plan: Any, sharding: ShardingPlan, mode: str = "sync",
       mode: "sync" or "async".
       reference: the reference role's plan when it has devices of its own (its forward takes
         logps micro batches), else None or `sharding`.
+      across_groups: train and rollout run on process groups of their own: the training group's
+        producer feeds a step only after the previous update (`ProcessGroups.attach`), so async
+        mode runs there.
 
     Raises:
       MeshError: naming the field, its value and the sizes that would work (or the mode).
@@ -77,11 +80,12 @@ def check_batch_plan(plan: Any, sharding: ShardingPlan, mode: str = "sync",
     if reference is not None and reference is not sharding:
         check_placed_role(plan, reference, "reference")
     processes = mesh_processes(sharding.mesh)  # the mesh's, not this host's
-    if mode == "async" and processes > 1:
+    if mode == "async" and processes > 1 and not across_groups:
         # The producer thread's collectives (rollout) would overlap the main thread's (update)
         # in a different order on each process, and collectives must be issued in one order.
-        raise MeshError(f"mode='async' is not supported across {processes} processes yet; use mode='sync' "
-                        "(one process on many devices runs async)")
+        raise MeshError(f"mode='async' is not supported on a training mesh of {processes} processes that also roll "
+                        "out; use mode='sync', or give rollout processes of their own (trainer.placement across "
+                        "processes), or one process on many devices")
     size = sharding.share.size
     if size == 1:
         return

@@ -2,8 +2,9 @@
 
     groups = ProcessGroups.of(placement, plans)      None: every role on every process (colocated)
     groups.role                                      "train" or "rollout": this process's group
-    groups.send_weights(params, version)             training group: the weight push of one publish
-    params, version = groups.receive_weights(abstract)   rollout group: the same push (None: the end)
+    groups.attach(weight_store)                      training group: each publish pushes (send_weights)
+    groups.send_weights(params, version, steps)      training group: the weight push of one publish
+    params, version, steps = groups.receive_weights(abstract)   rollout group: that push (None: the end)
     groups.link.put(key, obj) / groups.link.take(key)    small host objects between the groups
 
 Each process runs only its group's stages and jitted programs, on its group's sub-mesh (MPMD):
@@ -11,9 +12,13 @@ the training group runs the Trainer's loop (logps, advantages, updates, callback
 rollout group a loop of weight pushes and rollouts (`rlbolt.producer.remote_rollout`). Per step
 there are two cross-group transfers, which both groups make in the same order: the weight push
 (train -> rollout: `ProcessWeightPush`, a `jax.device_put` across processes, with the policy
-version) and the rollout rows (rollout -> train: each rollout data share's rows of each rollout
-micro batch, through the `GroupLink`). Collectives inside a group name only its processes
-(`rlbolt.distributed.agree`'s `group`, `DataShare.processes`).
+version; announced under a key that names the steps its weights completed) and the rollout rows
+(rollout -> train: each rollout data share's rows of each rollout micro batch, through the
+`GroupLink`). In async mode the rollout group runs up to the lag ahead: it joins the push of
+the weights after k steps only when a step it rolls out needs them, and until then the training
+group's push of them waits for it (the push is one transfer with both sides). Collectives
+inside a group name only its processes (`rlbolt.distributed.agree`'s `group`,
+`DataShare.processes`).
 
 The `GroupLink` is the key-value store of JAX's coordination service (the gRPC service that
 `jax.distributed.initialize` starts on process 0): one pickled object per key, read once and
@@ -167,11 +172,20 @@ class ProcessGroups:
         """The first process of this process's group (it writes the group's keys)."""
         return jax.process_index() == min(self.train if self.role == "train" else self.rollout)
 
-    def send_weights(self, params: Any, policy_version: int) -> None:
-        """Training group: announces, then makes, the next weight push (each training process calls it)."""
+    def attach(self, weights: Any) -> None:
+        """Training group: every publish to `weights` (a `WeightStore`) pushes to the rollout group, and
+        the producer feeds step s only once the weights after s steps are published: the training
+        group's own collectives (logps, gathers, updates) then run one step at a time, in one order
+        on each of its processes, while the rollout group runs ahead (async mode)."""
+        if self.role == "train":
+            weights.transfer, weights.feed_ahead = self.send_weights, 0
+
+    def send_weights(self, params: Any, policy_version: int, steps_completed: int) -> None:
+        """Training group: announces, then makes, the next weight push (each training process calls it);
+        `steps_completed`: the steps the weights are after (the rollout group knows by it which to join)."""
         if self.leader:
             for process in self.rollout:  # a key each: a key is read once
-                self.link.put(f"push/{self._pushes}/{process}", "weights")
+                self.link.put(f"push/{self._pushes}/{process}", int(steps_completed))
         for process in self.rollout:  # every receiver is at the push (see receive_weights)
             self.link.take(f"ready/{self._pushes}/{process}/{jax.process_index()}", sender=process)
         self.push(params, policy_version)
@@ -189,10 +203,11 @@ class ProcessGroups:
                     if "ALREADY_EXISTS" not in str(exc):
                         raise
 
-    def receive_weights(self, abstract: Any) -> tuple[Any, int] | None:
-        """Rollout group: the next push's parameters on the rollout mesh and their policy version
-        (None when the training group has ended)."""
-        if self.link.take(f"push/{self._pushes}/{jax.process_index()}", sender=min(self.train)) == "end":
+    def receive_weights(self, abstract: Any) -> tuple[Any, int, int] | None:
+        """Rollout group: the next push's parameters on the rollout mesh, their policy version and the
+        steps they are after (None when the training group has ended)."""
+        steps = self.link.take(f"push/{self._pushes}/{jax.process_index()}", sender=min(self.train))
+        if steps == "end":
             return None
         # Seen on CPU (JAX 0.10): a receiver that posts its side more than a minute before the senders' first
         # push gives up looking for their transfer server (it starts with that push), and set-up times differ
@@ -201,7 +216,8 @@ class ProcessGroups:
         for process in self.train:
             self.link.put(f"ready/{self._pushes}/{jax.process_index()}/{process}", True)
         self._pushes += 1
-        return self.push(abstract)
+        params, version = self.push(abstract)
+        return params, version, steps
 
 
 def check_shares(train: ShardingPlan, rollout: ShardingPlan) -> None:
@@ -223,7 +239,7 @@ def check_fit_across(mode: str, plan: Any, val_data: Any, callbacks: Any) -> Non
     """What a fit across process groups does not run yet, refused before anything compiles.
 
     Args:
-      mode: the Trainer's mode ("sync" runs).
+      mode: the Trainer's mode (both run; async: the rollout group runs ahead, `remote_rollout`).
       plan: the BatchPlan (refill rounds are not run).
       val_data: validation rows (validation is not run: it samples on the rollout group).
       callbacks: the fit's callbacks (a checkpoint is not run: Orbax's barriers span every process).
@@ -232,8 +248,8 @@ def check_fit_across(mode: str, plan: Any, val_data: Any, callbacks: Any) -> Non
       ValueError: one line naming the setting and the fix.
     """
     unsupported = []
-    if mode != "sync":
-        unsupported.append(f"trainer.mode={mode!r} (use sync)")
+    if mode not in ("sync", "async"):
+        unsupported.append(f"trainer.mode={mode!r} (use sync or async)")
     if plan.max_refill_rounds:
         unsupported.append(f"max_refill_rounds={plan.max_refill_rounds} (use 0)")
     if val_data is not None and len(val_data) > 0:
@@ -243,5 +259,5 @@ def check_fit_across(mode: str, plan: Any, val_data: Any, callbacks: Any) -> Non
         unsupported.append("ModelCheckpoint (its barriers span every process: set callbacks.checkpoint: false, or use "
                            "placement: colocated to save)")
     if unsupported:
-        raise ValueError("placement across processes runs sync mode without refills, validation or checkpoints yet; "
+        raise ValueError("placement across processes runs without refills, validation or checkpoints yet; "
                          "this fit has " + "; ".join(unsupported))

@@ -1,4 +1,4 @@
-"""The rollout made by another process group (a placement across processes, sync mode).
+"""The rollout made by another process group (a placement across processes, sync or async mode).
 
     rollout group (each process):  run_rollout_group(...)           pushes in, rollout rows out
     training group (the Producer): Producer(..., rollout=RemoteRollout(groups, share))
@@ -11,7 +11,20 @@ group's rollout stage takes from its dock (`rollout_micro_batch_size // shares`)
 mesh, where the rollout group's processes run the same jitted programs together. Each micro
 batch's rows, with what `RLModule.log` collected, go under `rows/<step>/<micro batch>/<share>`;
 the training group's rollout stage takes them in the same order (`RemoteRollout`) and checks
-that they are the rows it asked for (their sample keys).
+that they are the rows it asked for (their sample keys and policy version).
+
+Which weights roll out step s: those after `max(0, s - lag)` steps (`weights_for_step`: lag 0
+in sync mode, `Trainer.lag_steps` in async mode), the rule of the producer in one process. The
+training group pushes after every step (the weights after k steps, k = 0, 1, ...); before each
+step the rollout group joins pushes while the weights it holds are older than the step needs
+(`takes_push`), so it rolls out up to `lag` steps ahead of training and never with weights more
+than `lag` steps old. The weights a step used are thus fixed by the step, not by timing: the
+run's rows, metrics and parameters are those of the run in one process. After its last step it
+joins the remaining pushes until the training group ends. Why not "every push that is ready":
+the weights of a step would then depend on which process was faster, so a run could neither
+be compared with the one-process run nor resumed exactly (the checkpoint keeps the weights
+the next steps need, by this rule); and little would be gained, since the training group
+waits at each push for the rollout group anyway.
 """
 
 from __future__ import annotations
@@ -30,6 +43,21 @@ from rlbolt.distributed.sharding import DataShare
 from rlbolt.module import RLModule, add_log_values, collect_log_values
 from rlbolt.plan import BatchPlan
 from rlbolt.producer.prompt_rows import prompt_batch
+from rlbolt.producer.weights import weights_for_step
+
+
+def takes_push(step: int, lag: int, held: int | None) -> bool:
+    """Whether the rollout group joins the next weight push before it rolls out `step`.
+
+    Args:
+      step: the next step to roll out (0-based).
+      lag: how many steps rollout may run ahead of training (0: sync mode).
+      held: the steps completed of the weights it holds (None: none yet).
+
+    Returns:
+      True while `held` is older than the weights `step` needs (`weights_for_step(step, lag)`).
+    """
+    return held is None or held < weights_for_step(step, lag)
 
 
 class RemoteRollout:
@@ -55,14 +83,20 @@ class RemoteRollout:
             raise RuntimeError(f"step {step}: micro batch {micro} of the rollout group ({rows.num_samples} rows) is not "
                                f"the one the training group asked for ({batch.num_samples} rows); both groups must run "
                                "the same plan, data and seed")
+        made, asked = np.asarray(rows["policy_version"]), np.asarray(batch["policy_version"])
+        if not np.array_equal(made, asked):
+            raise RuntimeError(f"step {step}: the rollout group made micro batch {micro} with policy version "
+                               f"{made.max()}, the training group asked for {asked.max()}; both groups must run the "
+                               "same trainer.mode and max_staleness")
         add_log_values(logged)
         return rows
 
 
 def run_rollout_group(module: RLModule, plan: BatchPlan, source: PromptSource, groups: ProcessGroups,
                       abstract_params: Any, seed: int, share: DataShare, *, start_step: int, start_position: int,
-                      max_steps: int | None, max_prompts: int | None, stop: threading.Event | None = None) -> int:
-    """The rollout group's loop (sync mode): for every weight push, the step it rolls out.
+                      max_steps: int | None, max_prompts: int | None, lag: int = 0,
+                      stop: threading.Event | None = None) -> int:
+    """The rollout group's loop: the pushes it needs, then each step's rollout (module doc).
 
     Args:
       module: the set-up module (its `on_rollout` runs on the rollout mesh).
@@ -76,22 +110,28 @@ def run_rollout_group(module: RLModule, plan: BatchPlan, source: PromptSource, g
       start_position: the prompt counter at that step.
       max_steps: steps to produce (None: until the prompts run out).
       max_prompts: prompt counter limit, or None.
-      stop: set: return after the current push.
+      lag: how many steps it may roll out ahead of training (`Trainer.lag_steps`; 0: sync mode).
+      stop: set: return after the current push or step.
 
     Returns:
       How many steps this process rolled out.
     """
     base_rng = np.asarray(jax.random.fold_in(jax.random.PRNGKey(seed), 1))  # the training group's state.rng
     step, position, size = start_step, start_position, plan.rollout_micro_batch_size // share.size
-    produced = 0
+    produced, held, params = 0, None, None
     while stop is None or not stop.is_set():
-        pushed = groups.receive_weights(abstract_params)  # the weights after `step` steps (sync: on-policy)
-        if pushed is None:
-            break
-        params, version = pushed
-        if (max_steps is not None and step >= max_steps) or (
-                max_prompts is not None and position + plan.prompts_per_step > max_prompts):
-            continue  # the training group's last publish: nothing left to roll out; wait for its end
+        done = (max_steps is not None and step >= max_steps) or (
+            max_prompts is not None and position + plan.prompts_per_step > max_prompts)
+        if done or takes_push(step, lag, held):  # done: join the training group's remaining pushes
+            pushed = groups.receive_weights(abstract_params)
+            if pushed is None:
+                break
+            params, version, held = pushed
+            continue
+        if held != weights_for_step(step, lag):
+            raise RuntimeError(f"step {step}: the rollout group holds the weights after {held} steps, the step needs "
+                               f"those after {weights_for_step(step, lag)} (lag {lag}); both groups must run the "
+                               "same trainer.mode and max_staleness")
         prompts = -(-plan.prompts_per_step // share.size) * share.size
         batch = prompt_batch(source, share, base_rng, plan.num_generations, step, 0, position, prompts, version)
         for micro, lo in enumerate(range(0, batch.num_samples, size)):
