@@ -86,8 +86,11 @@ def build_abstract(cfg: RunConfig, devices: list[Any]) -> AbstractRun:
     module = build_module(cfg, model=lm_ops.abstract_model(model_config, cfg.trainer.seed), tokenizer=tokenizer)
     plan = build_plan(cfg)
     module.check_plan(plan)
-    shardings = Placement.of(cfg.trainer.placement).plans(dataclasses.asdict(cfg.mesh), devices=devices)
-    check_batch_plan(plan, shardings["train"], cfg.trainer.mode, reference=shardings["reference"])
+    placement = Placement.of(cfg.trainer.placement)
+    shardings = placement.plans(dataclasses.asdict(cfg.mesh), devices=devices)
+    # as `ProcessGroups.of` decides for the Trainer: a placement on a slice of several hosts runs across groups
+    across = not placement.colocated and len({d.process_index for d in devices}) > 1
+    check_batch_plan(plan, shardings["train"], cfg.trainer.mode, reference=shardings["reference"], across_groups=across)
     module.context = context = SetupContext(plan=plan, seed=cfg.trainer.seed, mode=cfg.trainer.mode,
                                             shardings=shardings)
     module.setup(context)
