@@ -178,17 +178,19 @@ def test_a_reference_on_devices_of_its_own_compiles_there_and_leaves_the_trainin
 
 
 def test_async_across_the_hosts_groups_is_planned_and_async_in_lockstep_is_refused():
-    """v5p:2x2x2 is two hosts of 4 chips. Train on host 0 and rollout on host 1 (a placement across
-    process groups) plans in async mode, as the Trainer runs it; the same mode with every role on
-    both hosts is refused, as the Trainer refuses it."""
+    """v5p:2x2x4 is four hosts of 4 chips. Train on hosts 0-1 and rollout on hosts 2-3 (a placement
+    across process groups, the training group itself two processes) plans in async mode, as the
+    Trainer runs it; the same mode with every role on every host is refused, as the Trainer refuses it."""
     from rlbolt.distributed.mesh import MeshError
     from rlbolt.distributed.topology import target_devices
     from rlbolt.planning import build_abstract
 
-    devices = target_devices("v5p:2x2x2")
-    split = {**RUN, "trainer": {"mode": "async", "max_staleness": 1, "placement": {"train": {"devices": [0, 4]},
-                                                               "rollout": {"devices": [4, 8]}}}}
+    devices = target_devices("v5p:2x2x4")
+    split = {**RUN, "trainer": {"mode": "async", "max_staleness": 1,
+                                "placement": {"train": {"devices": [0, 8]}, "rollout": {"devices": [8, 16]}}}}
     run = build_abstract(load_config(split), devices)
-    assert {d.process_index for d in run.shardings["rollout"].mesh.devices.flat} == {1}
-    with pytest.raises(MeshError, match="mode='async' is not supported on a training mesh of 2 processes"):
-        build_abstract(load_config({**RUN, "trainer": {"mode": "async", "max_staleness": 1}}), devices)
+    assert {d.process_index for d in run.sharding.mesh.devices.flat} == {0, 1}
+    assert {d.process_index for d in run.shardings["rollout"].mesh.devices.flat} == {2, 3}
+    with pytest.raises(MeshError, match="mode='async' is not supported on a training mesh of 4 processes"):
+        build_abstract(load_config({**RUN, "mesh": {"fsdp": 8, "tp": 2}, "trainer": {"mode": "async", "max_staleness": 1}}),
+                       devices)
