@@ -67,7 +67,7 @@ def _one_line(stderr: str) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("process", [2, 1], ids=["rollout", "train"])
+@pytest.mark.parametrize("process", [2, 1, 0], ids=["rollout", "train", "coordinator"])
 def test_a_process_killed_mid_step_ends_the_launch_in_one_line(tmp_path, process):
     done, took = _launch(tmp_path, f"kill:{process}")
     assert done.returncode != 0

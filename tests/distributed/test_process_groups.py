@@ -94,11 +94,11 @@ def test_what_is_not_run_across_processes_is_refused_in_one_line():
         check_fit_across("async", plan, [{"prompt": "x"}], [ModelCheckpoint()])
     message = str(error.value)
     assert "\n" not in message
-    for words in ("trainer.mode='async' (use sync)", "max_refill_rounds=1 (use 0)", "validation data",
-                  "ModelCheckpoint"):
+    for words in ("trainer.mode='async' (use sync)", "max_refill_rounds=1 (use 0)", "validation data"):
         assert words in message
+    assert "ModelCheckpoint" not in message and "checkpoint" not in message  # the training group saves alone
     check_fit_across("sync", BatchPlan(prompts_per_step=4, num_generations=4, train_micro_batch_size=8), None,
-                     [object()])  # what runs passes
+                     [object(), ModelCheckpoint()])  # what runs passes, a checkpoint included
 
 
 @pytest.mark.slow
