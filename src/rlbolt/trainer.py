@@ -193,7 +193,7 @@ class Trainer:
             state = self._setup(module, train_data, val_data)
             if self.groups is not None and self.groups.role == "rollout":  # a rollout for each push; no callbacks
                 run_rollout_group(module, self.plan, self.source, self.groups, state.params, self.seed,
-                                  self.plans["rollout"].share, **self.groups.receive_start(),  # a resume: the saved step
+                                  self.plans["rollout"].share, **self.groups.receive_start(),  # a resume's step
                                   max_steps=self.max_steps, max_prompts=self._max_prompts())
                 return state  # its parameters live on the training group
             try:

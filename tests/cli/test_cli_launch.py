@@ -134,8 +134,9 @@ def test_rlbolt_resume_on_a_process_other_than_0_leaves_the_lock_to_process_0(tm
     run_dir.mkdir()
     save_config(load_config("recipes/configs/grpo_gsm8k.yaml"), run_dir / "config.yaml")
     lock = run_dir / ".rlbolt.lock"  # runlock's file: another process's lockf on it is what a refusal sees
-    holder = subprocess.Popen([sys.executable, "-c", f"import fcntl, os, sys; fd = os.open({str(lock)!r}, os.O_RDWR | "
-                               "os.O_CREAT); fcntl.lockf(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()"],
+    hold = (f"import fcntl, os, sys; fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT); "
+            "fcntl.lockf(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", hold],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"  # process 0 of the run holds the folder
