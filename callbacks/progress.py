@@ -72,7 +72,9 @@ class ProgressBar(Callback):
             self._bar = tqdm(total=self._total, initial=state.step, file=self._out, **self.tqdm_kwargs)
         else:
             every = self.plain_every_n_steps or (max(1, self._total // 20) if self._total else 10)
-            self._plain = Periodic(every_n_steps=every, every_secs=self.plain_every_secs, clock=self.clock)
+            # agree=False: process 0 alone prints, so its clock decides alone (an agreement would be a collective
+            # the other processes never join: a hang, or a mismatch with their next collective)
+            self._plain = Periodic(every_n_steps=every, every_secs=self.plain_every_secs, clock=self.clock, agree=False)
 
     def on_step_end(self, run: RunInfo, info) -> None:
         if self._bar is None and self._plain is None:  # not process 0, or fit not started

@@ -56,6 +56,9 @@ SKIPPED = {
     "rlbolt fit CONFIG":
         "the reader's config with train and rollout on process groups of their own; the same launch of a tiny "
         "GRPO run on 4 CPU processes: tests/distributed/test_process_groups.py (slow tier)",
+    "rlbolt resume RUN_DIR":
+        "the reader's run across process groups; the same resume of a tiny GRPO run on 4 CPU processes through "
+        "the launcher, killed inside a save: tests/distributed/test_group_resume.py (slow tier)",
     "rlbolt fit my_config.yaml --trainer.run_dir=/shared/runs/two":
         "one process of a run by hand on two machines; the same environment variables on one machine: "
         "tests/cli/test_cli_launch.py",

@@ -258,25 +258,27 @@ class Periodic:
       every_n_steps: fire when `step % every_n_steps == 0`.
       every_secs: fire when at least this many seconds passed since the last firing.
       clock: a zero-argument function returning seconds (injectable for tests).
+      agree: with `every_secs`, agree across processes (a collective every process must join);
+        False for a decision one process makes alone (what process 0 prints).
     Either condition fires; with neither set, `should_fire` is always False (use `force`).
     Clocks differ between processes, so with `every_secs` the processes agree (it fires on all
     when it fires on one): a periodic action may then be a collective such as a checkpoint.
     """
 
     def __init__(self, every_n_steps: int | None = None, every_secs: float | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, agree: bool = True):
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"every_n_steps={every_n_steps} must be >= 1 (or None to disable)")
         if every_secs is not None and every_secs <= 0:
             raise ValueError(f"every_secs={every_secs} must be > 0 (or None to disable)")
-        self.every_n_steps, self.every_secs, self.clock = every_n_steps, every_secs, clock
+        self.every_n_steps, self.every_secs, self.clock, self.agree = every_n_steps, every_secs, clock, agree
         self._last_time = clock()
         self._last_step: int | None = None
 
     def should_fire(self, step: int) -> bool:
         by_steps = self.every_n_steps is not None and step % self.every_n_steps == 0
         by_time = self.every_secs is not None and self.clock() - self._last_time >= self.every_secs
-        if self.every_secs is not None:
+        if self.every_secs is not None and self.agree:
             from rlbolt.distributed.agree import any_process  # lazy: callbacks stay importable without JAX
 
             by_time = any_process(by_time)

@@ -92,8 +92,7 @@ class Trainer:
     `StepInfo.previous_state` holds None for the fields the update donated.
 
     Attributes:
-      timeline: every stage call and update as start/end events (`rlbolt.timeline.Timeline`);
-        `rlbolt.callbacks.TimelineLogger` writes them to the run directory.
+      timeline: every stage call and update as start/end events (`rlbolt.timeline.Timeline`, written by TimelineLogger).
     """
 
     def __init__(self, plan: BatchPlan, *, max_steps: int | None = None, max_epochs: int | None = None,
@@ -194,7 +193,7 @@ class Trainer:
             state = self._setup(module, train_data, val_data)
             if self.groups is not None and self.groups.role == "rollout":  # a rollout for each push; no callbacks
                 run_rollout_group(module, self.plan, self.source, self.groups, state.params, self.seed,
-                                  self.plans["rollout"].share, start_step=state.step, start_position=state.data_position,
+                                  self.plans["rollout"].share, **self.groups.receive_start(),  # a resume's step
                                   max_steps=self.max_steps, max_prompts=self._max_prompts(), lag=self.lag_steps)
                 return state  # its parameters live on the training group
             try:
@@ -256,7 +255,9 @@ class Trainer:
         return restore.state
 
     def _producer(self, module: RLModule, state: TrainState) -> Producer:
-        """The producer of the steps after `state`, with `state`'s weights published for its first rollout."""
+        """The producer of the steps after `state`, whose weights it publishes (across groups: starting there too)."""
+        if self.groups is not None:
+            self.groups.send_start(state.step, state.data_position)
         self.weights.publish(state.step, state.params, state.policy_version)
         remote = None if self.groups is None else RemoteRollout(self.groups, self.sharding.share)
         return Producer(module, self.plan, self.source, self.weights, host_value(state.rng), max_steps=self.max_steps,
@@ -264,9 +265,8 @@ class Trainer:
                         rollout=remote)
 
     def _step(self, state: TrainState, produced, began: float) -> tuple[TrainState, StepInfo]:
-        """One global step on a produced batch: the hooks before the update, the update, and the
-        step's `StepInfo` (the callbacks' own metrics added, then read-only) for `on_step_end`.
-        `began`: when the trainer started waiting for this batch."""
+        """One global step on a produced batch: the hooks, the update, and the step's `StepInfo` (the callbacks'
+        own metrics added, then read-only) for `on_step_end`. `began`: when the wait for this batch began."""
         data_wait = time.perf_counter() - began
         self.callbacks.on_step_start(self.run, state.step)
         self.callbacks.on_rollout_end(self.run, produced)

@@ -60,6 +60,21 @@ def test_plain_lines_also_fire_by_time_and_at_the_last_step():
         "step 3/7 (42%)", "step 6/7 (85%)", "step 7/7 (100%)"]
 
 
+def test_plain_lines_by_time_are_decided_by_process_0_alone(monkeypatch):
+    # process 0 alone runs this: an agreement across processes there would be a collective the others never
+    # join (seen: `rlbolt launch -- rlbolt fit` with its output piped hung or broke the next collective)
+    import rlbolt.distributed.agree as agree
+
+    def no_collective(*args, **kwargs):
+        raise AssertionError("ProgressBar called a collective on process 0 alone")
+
+    monkeypatch.setattr(agree, "any_process", no_collective)
+    out, now = io.StringIO(), [0.0]
+    bar = ProgressBar(plain_every_n_steps=100, plain_every_secs=5.0, file=out, clock=lambda: now[0])
+    _drive(bar, _trainer(max_steps=4), range(1, 5), clock=now)
+    assert [line.split(" | ")[0] for line in out.getvalue().splitlines()] == ["step 3/4 (75%)", "step 4/4 (100%)"]
+
+
 def test_tqdm_bar_on_a_tty_shows_count_and_postfix():
     out = FakeTTY()
     bar = ProgressBar(file=out)

@@ -113,6 +113,44 @@ def test_a_signal_to_the_launcher_reaches_every_process_once(tmp_path):
     assert "rlbolt launch: process" not in launcher.stderr.read()  # stopping on request is not a failure
 
 
+def test_the_process_index_is_read_from_the_config_then_the_environment_before_jax_starts():
+    from rlbolt.utils.jax_env import named_process_id
+
+    assert named_process_id(None, {}) is None
+    assert named_process_id(None, {"JAX_PROCESS_ID": "3"}) == 3
+    assert named_process_id(2, {"JAX_PROCESS_ID": "3"}) == 2  # the config first, as jax.distributed's start reads it
+    assert named_process_id(None, {"SLURM_PROCID": "5", "SLURM_NTASKS": "8"}) == 5
+    assert named_process_id(None, {"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) is None  # one Slurm task: one process
+    assert named_process_id(True, {"JAX_PROCESS_ID": " x"}) is None  # hostile: a bool, a value that is no index
+
+
+def test_rlbolt_resume_on_a_process_other_than_0_leaves_the_lock_to_process_0(tmp_path, monkeypatch):
+    # `rlbolt launch --local N -- rlbolt resume D` (seen: process 0 refused, "in use by another rlbolt process"): every
+    # process used to lock D before JAX started, so on one machine the first to lock refused the others
+    import rlbolt.app.cli_run
+    from rlbolt.config import load_config, save_config
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    save_config(load_config("recipes/configs/grpo_gsm8k.yaml"), run_dir / "config.yaml")
+    lock = run_dir / ".rlbolt.lock"  # runlock's file: another process's lockf on it is what a refusal sees
+    hold = (f"import fcntl, os, sys; fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT); "
+            "fcntl.lockf(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()")
+    holder = subprocess.Popen([sys.executable, "-c", hold],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"  # process 0 of the run holds the folder
+        resumed = []
+        monkeypatch.setattr(rlbolt.app.cli_run, "run_config", lambda cfg, **kwargs: resumed.append(kwargs))
+        monkeypatch.setenv("JAX_PROCESS_ID", "1")
+        assert main(["resume", str(run_dir)]) == 0 and resumed[0]["resume"] is True
+        monkeypatch.setenv("JAX_PROCESS_ID", "0")  # a second process 0, or a second run: refused at once
+        assert main(["resume", str(run_dir)]) == 2 and len(resumed) == 1
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+
+
 def test_rlbolt_commands_run_with_this_python_and_others_as_given():
     assert child_command(["--", "rlbolt", "fit", "c.yaml", "--trainer.max_steps=2"]) == [
         sys.executable, "-m", "rlbolt", "fit", "c.yaml", "--trainer.max_steps=2"]

@@ -95,12 +95,15 @@ def test_what_is_not_run_across_processes_is_refused_in_one_line():
         check_fit_across("async", plan, [{"prompt": "x"}], [ModelCheckpoint()])
     message = str(error.value)
     assert "\n" not in message
-    for words in ("max_refill_rounds=1 (use 0)", "validation data", "ModelCheckpoint"):
+    for words in ("max_refill_rounds=1 (use 0)", "validation data", "ModelCheckpoint in async mode"):
         assert words in message
-    assert "mode" not in message and "async" not in message  # async runs across groups (test_async_groups.py)
+    assert "trainer.mode" not in message  # async runs across groups (test_async_groups.py)
+    plan = BatchPlan(prompts_per_step=4, num_generations=4, train_micro_batch_size=8)
     for mode in ("sync", "async"):  # what runs passes
-        check_fit_across(mode, BatchPlan(prompts_per_step=4, num_generations=4, train_micro_batch_size=8), None,
-                         [object()])
+        check_fit_across(mode, plan, None, [object()])
+    check_fit_across("sync", plan, None, [object(), ModelCheckpoint()])  # the training group saves alone
+    with pytest.raises(ValueError, match=r"ModelCheckpoint in async mode \(a resume would have to push"):
+        check_fit_across("async", plan, None, [ModelCheckpoint()])
 
 
 @pytest.mark.slow

@@ -14,7 +14,11 @@ or trained).
 
 Faults (tests/distributed/test_group_faults.py): `RLBOLT_XPROC_FAULT=kill:P` SIGKILLs process P at
 step 2 (index 1): a training process at the start of its update, a rollout process at its first
-rollout after the second weight push (async, lag 1: step index 2); `stop:P` SIGSTOPs it there instead. `RLBOLT_XPROC_DEADLINE_S`
+rollout after the second weight push (async, lag 1: step index 2); `stop:P` SIGSTOPs it there instead;
+`killsave:P:S` SIGKILLs training process P inside the checkpoint of step S, once its own shards are
+written and before the commit (Orbax's barrier before the primary renames the step into place: the
+worst moment). `RLBOLT_XPROC_CHECKPOINT=N` adds a ModelCheckpoint every N steps (keep all), which
+resumes from the newest checkpoint in `OUT/run/checkpoints` when the same command runs again. `RLBOLT_XPROC_DEADLINE_S`
 sets `prefetch_timeout_s` (the wait between the groups), `RLBOLT_XPROC_HEARTBEAT_S` the
 coordination service's heartbeat timeout (default 30 s). Every process writes `OUT/pid_<process>`
 at start, and process 0 logs `OUT/run/metrics.jsonl`.
@@ -67,7 +71,8 @@ def main() -> None:
     class Record(Callback):
         def on_step_end(self, run, info):
             metrics = {k: float(v) for k, v in info.metrics.items() if not k.startswith(("time/", "throughput/"))}
-            steps.append({"metrics": metrics, "completions": np.asarray(info.batch["completion_ids"]).tolist()})
+            steps.append({"step": info.step, "metrics": metrics,
+                          "completions": np.asarray(info.batch["completion_ids"]).tolist()})
 
     algorithm = {"lr": 1e-3, "beta": 0.04, **({"rollout_correction": "tis"} if args.mode == "async" else {})}
     module = GRPO({"rollout": {"max_new_tokens": 8}, "algorithm": algorithm,
@@ -75,11 +80,13 @@ def main() -> None:
                                       "num_kv_heads": 2, "head_dim": 8}}}, reward=digits)
     placement = {"train": {"devices": [0, 2], "mesh": {"fsdp": 2}}, "rollout": {"devices": [2, 4], "mesh": {"fsdp": 2}}}
     plan = BatchPlan(prompts_per_step=4, num_generations=4, train_micro_batch_size=8)
-    from rlbolt.callbacks import MetricsLogger
+    from rlbolt.callbacks import MetricsLogger, ModelCheckpoint
 
-    trainer = Trainer(plan, max_steps=3, callbacks=[Record(), MetricsLogger(writer=["jsonl"], every_n_steps=1)],
-                      run_dir=out / "run", placement=placement, mode=args.mode,
-                      max_staleness=1 if args.mode == "async" else None,
+    callbacks = [Record(), MetricsLogger(writer=["jsonl"], every_n_steps=1)]
+    if os.environ.get("RLBOLT_XPROC_CHECKPOINT"):
+        callbacks.append(ModelCheckpoint(every_n_steps=int(os.environ["RLBOLT_XPROC_CHECKPOINT"]), keep=None))
+    trainer = Trainer(plan, max_steps=3, callbacks=callbacks, run_dir=out / "run", placement=placement,
+                      mode=args.mode, max_staleness=1 if args.mode == "async" else None,
                       prefetch_timeout_s=None if deadline is None else float(deadline))
     state = trainer.fit(module, gsm8k_style_rows(16))
     role = "train" if trainer.groups is None else trainer.groups.role
@@ -102,15 +109,19 @@ def _inject_fault(fault: str) -> None:
     """`kill:P` / `stop:P`: process P sends itself SIGKILL / SIGSTOP at step index 1 (see the module doc)."""
     if not fault:
         return
-    how, target = fault.split(":")
+    how, target, *at = fault.split(":")
     if int(target) != jax.process_index():
         return
-    sig = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}[how]
+    sig = {"kill": signal.SIGKILL, "killsave": signal.SIGKILL, "stop": signal.SIGSTOP}[how]
     out = Path(sys.argv[1])
 
     def fault() -> None:
         (out / "fault_at").write_text(repr(time.time()))  # when, for the test's bound on the launcher's exit
         os.kill(os.getpid(), sig)
+
+    if how == "killsave":
+        _kill_inside_save(int(at[0]), fault)
+        return
 
     from rlbolt.distributed.process_groups import ProcessGroups
     from rlbolt.modules import GRPO
@@ -135,6 +146,23 @@ def _inject_fault(fault: str) -> None:
 
     Trainer._train_on, GRPO.on_rollout = train_on_then_fault, on_rollout_then_fault
     ProcessGroups.receive_weights = receive_counted
+
+
+def _kill_inside_save(step: int, fault) -> None:
+    """Runs `fault` in Orbax's background save of `step`: after this process's shards are on disk (its
+    commit futures done), before the barrier at which the primary waits to rename the step into place."""
+    from orbax.checkpoint._src.checkpointers import async_checkpointer
+    from orbax.checkpoint._src.futures import future
+
+    wait = async_checkpointer._background_wait_for_commit_futures
+
+    def wait_then_fault(directory, commit_futures, on_commit_callback, **kwargs):
+        if directory.name == str(step):
+            future.ChainedFuture(commit_futures, cb=lambda: None).result(timeout=kwargs["timeout_secs"])
+            fault()
+        return wait(directory, commit_futures, on_commit_callback, **kwargs)
+
+    async_checkpointer._background_wait_for_commit_futures = wait_then_fault
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ discarded. Set RLBOLT_DEBUG=1 to see tracebacks instead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -192,6 +193,7 @@ def _cmd_resume(args: argparse.Namespace) -> int:
     from rlbolt.app import rundir
     from rlbolt.demo.config import is_demo_config
     from rlbolt.utils import runlock
+    from rlbolt.utils.jax_env import named_process_id
 
     run_dir = Path(args.run_dir)
     if not run_dir.is_dir():
@@ -199,7 +201,11 @@ def _cmd_resume(args: argparse.Namespace) -> int:
     if not (run_dir / rundir.CONFIG_FILE).is_file():
         raise CLIError(rundir.not_a_run_message(run_dir))
     data = rundir.read_config(run_dir)
-    with runlock.hold(run_dir):  # before JAX is imported: a second writer is refused at once
+    # Before JAX is imported, a second writer is refused at once. Of a run's processes only process 0 locks (as
+    # `rlbolt fit` does): the others would find their own process 0's lock on the same folder.
+    section = data.get("distributed")
+    process = named_process_id(section.get("process_id") if isinstance(section, dict) else None, os.environ)
+    with runlock.hold(run_dir) if process in (None, 0) else contextlib.nullcontext():
         if is_demo_config(data):
             from rlbolt.app.cli_run import run_demo
             from rlbolt.demo.config import DemoConfig

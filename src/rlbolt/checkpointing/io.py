@@ -16,7 +16,9 @@ field of the right type, via `check_meta`), that the stored arrays are the ones 
 (names, shapes, dtypes), the checksum of every array (`checkpoint_integrity`), and that the
 parameters are finite. A step that fails is reported with its reason and skipped in favour of
 the one before it; the bad step is then renamed `<step>.corrupt` (Orbax ignores the name) so
-the resumed run can write that step again. A reader (`read_only=True`: export, evaluation
+the resumed run can write that step again. With training and rollout on process groups of their
+own, the training group's processes alone save and restore, over barriers that name only them
+(`checkpointing/processes.py`). A reader (`read_only=True`: export, evaluation
 scripts) never deletes, renames or cleans anything: a training process may be writing.
 """
 
@@ -36,6 +38,8 @@ import orbax.checkpoint as ocp
 
 from rlbolt.checkpointing import integrity
 from rlbolt.checkpointing.integrity import CheckpointCorrupt
+from rlbolt.checkpointing.processes import barrier, multiprocessing_options
+from rlbolt.distributed.agree import default_group
 from rlbolt.utils.files import format_size, is_disk_full, write_text_atomic
 
 STATE, META, RETAINED = "state", "meta", "retained_weights"
@@ -61,20 +65,34 @@ class CheckpointIO:
         before `save` returns, so later updates cannot change what is written).
       read_only: open for reading only: nothing in the folder is created, cleaned, renamed or
         deleted (what `rlbolt export` uses while a run may be training).
+      processes: the processes that save and restore together (`checkpointing.processes`; default:
+        the fit's process group, `agree.default_group`, else every process); the first is the
+        primary host, which writes the side files and renames.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, async_save: bool = True, read_only: bool = False):
+    def __init__(self, directory: str | os.PathLike, *, async_save: bool = True, read_only: bool = False,
+                 processes: tuple[int, ...] | None = None):
         self.directory = Path(directory).absolute()
         self.read_only = read_only
+        self.processes = default_group() if processes is None else tuple(sorted(set(processes)))
+        if self.processes is not None and jax.process_index() not in self.processes:
+            raise RuntimeError(f"process {jax.process_index()} opened a checkpoint of processes {list(self.processes)} "
+                               "without being one of them; only the training group saves")
+        self.primary = 0 if self.processes is None else self.processes[0]
+        group = multiprocessing_options(self.processes, jax.process_count())
         self.failed: CheckpointWriteError | None = None
         self._pending: tuple[int, int] | None = None  # (step, bytes) of the save in flight
         self._ledger_written = read_only
         if read_only:
             options = ocp.CheckpointManagerOptions(read_only=True, create=False, cleanup_tmp_directories=False,
-                                                   save_interval_steps=0)
+                                                   save_interval_steps=0, multiprocessing_options=group)
         else:
-            options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=async_save,
-                                                   cleanup_tmp_directories=True)
+            # Orbax creates the folder only when every process saves; for a group, each member makes it
+            if group.active_processes is not None:
+                self.directory.mkdir(parents=True, exist_ok=True)
+            options = ocp.CheckpointManagerOptions(create=group.active_processes is None,
+                                                   enable_async_checkpointing=async_save,
+                                                   cleanup_tmp_directories=True, multiprocessing_options=group)
         self.async_save = async_save and not read_only
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
@@ -127,7 +145,7 @@ class CheckpointIO:
         pending = self._pending
         if self._ledger_written or pending is None or not (self.directory / str(pending[0])).is_dir():
             return
-        if jax.process_index() == 0 and self.first_saved() is None:
+        if jax.process_index() == self.primary and self.first_saved() is None:
             write_text_atomic(self.directory / SAVED_FILE, json.dumps({"first_saved_step": pending[0]}))
         self._ledger_written = True
 
@@ -190,12 +208,9 @@ class CheckpointIO:
         n = 1
         while target.exists():
             target, n = self.directory / f"{step}.{reason}.{n}", n + 1
-        if jax.process_index() == 0:
+        if jax.process_index() == self.primary:
             source.rename(target)
-        if jax.process_count() > 1:  # nobody re-reads the folder before process 0 renamed it
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices(f"rlbolt set_aside {step} {reason}")
+        barrier(f"rlbolt set_aside {step} {reason}", self.processes)  # nobody re-reads the folder before the rename
         self.manager.reload()
         return target
 

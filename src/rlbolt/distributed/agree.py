@@ -36,6 +36,12 @@ def set_default_group(group: Group) -> None:
     _DEFAULT_GROUP = None if group is None else tuple(sorted(set(group)))
 
 
+def default_group() -> tuple[int, ...] | None:
+    """The processes a helper called without a group agrees in (None: every process); a checkpoint
+    (`CheckpointIO`) saves with them."""
+    return _DEFAULT_GROUP
+
+
 def group_size(group: Group) -> int:
     """How many processes take part: the group's (None: the default group's), or every process's."""
     group = _DEFAULT_GROUP if group is None else group

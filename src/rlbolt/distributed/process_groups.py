@@ -6,6 +6,7 @@
     groups.send_weights(params, version, steps)      training group: the weight push of one publish
     params, version, steps = groups.receive_weights(abstract)   rollout group: that push (None: the end)
     groups.link.put(key, obj) / groups.link.take(key)    small host objects between the groups
+    groups.send_start(step, position) / groups.receive_start()   where the rollout group starts (a resume)
 
 Each process runs only its group's stages and jitted programs, on its group's sub-mesh (MPMD):
 the training group runs the Trainer's loop (logps, advantages, updates, callbacks), the
@@ -152,6 +153,7 @@ class ProcessGroups:
         self.push = ProcessWeightPush(plans["train"], plans["rollout"])
         self.link = link if link is not None else GroupLink(DEFAULT_LINK_TIMEOUT_S if timeout_s is None else timeout_s)
         self._pushes = 0  # how many weight pushes this process took part in (the key of the next one)
+        self._started = False  # whether send_start ran (the training group)
 
     @property
     def mine(self) -> tuple[int, ...]:
@@ -191,8 +193,24 @@ class ProcessGroups:
         self.push(params, policy_version)
         self._pushes += 1
 
+    def send_start(self, step: int, data_position: int) -> None:
+        """Training group: tells each rollout process the first step to roll out and its prompt counter
+        (on a resume, the restored checkpoint's), before the first push."""
+        if self.leader:
+            for process in self.rollout:
+                self.link.put(f"start/{process}", (int(step), int(data_position)))
+        self._started = True
+
+    def receive_start(self) -> dict[str, int]:
+        """Rollout group: `{"start_step", "start_position"}` from the training group (`send_start`)."""
+        step, position = self.link.take(f"start/{jax.process_index()}", sender=min(self.train))
+        return {"start_step": step, "start_position": position}
+
     def end(self) -> None:
-        """Training group: tells the rollout group that no push follows (its loop returns)."""
+        """Training group: tells the rollout group that no push follows (its loop returns; ended before the
+        start, e.g. a restore that failed, it is sent a start first, so that it reaches the end)."""
+        if not self._started:
+            self.send_start(0, 0)
         if self.leader:
             for process in self.rollout:
                 try:
@@ -242,7 +260,8 @@ def check_fit_across(mode: str, plan: Any, val_data: Any, callbacks: Any) -> Non
       mode: the Trainer's mode (both run; async: the rollout group runs ahead, `remote_rollout`).
       plan: the BatchPlan (refill rounds are not run).
       val_data: validation rows (validation is not run: it samples on the rollout group).
-      callbacks: the fit's callbacks (a checkpoint is not run: Orbax's barriers span every process).
+      callbacks: the fit's callbacks (each runs on the training group; ModelCheckpoint saves there, in sync
+        mode: an async resume would need the retained behaviour weights pushed first).
 
     Raises:
       ValueError: one line naming the setting and the fix.
@@ -255,9 +274,9 @@ def check_fit_across(mode: str, plan: Any, val_data: Any, callbacks: Any) -> Non
     if val_data is not None and len(val_data) > 0:
         unsupported.append("validation data (validate after the run, or use placement: colocated)")
     saving = [type(cb).__name__ for cb in callbacks if type(cb).__name__ == "ModelCheckpoint"]
-    if saving:
-        unsupported.append("ModelCheckpoint (its barriers span every process: set callbacks.checkpoint: false, or use "
-                           "placement: colocated to save)")
+    if saving and mode == "async":  # sync checkpoints run: the training group saves alone (checkpointing.processes)
+        unsupported.append("ModelCheckpoint in async mode (a resume would have to push the retained behaviour "
+                           "weights first: checkpoint in sync mode, or set callbacks.checkpoint: false)")
     if unsupported:
-        raise ValueError("placement across processes runs without refills, validation or checkpoints yet; "
+        raise ValueError("placement across processes runs without refills, validation or async checkpoints yet; "
                          "this fit has " + "; ".join(unsupported))

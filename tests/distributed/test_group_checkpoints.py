@@ -1,0 +1,123 @@
+"""Checkpoints across process groups, without launching processes: which processes save, and where the
+rollout group starts (`rlbolt.checkpointing.processes`, `ProcessGroups.send_start`).
+
+The slow tests that launch 4 processes (a training process killed inside a save, then the exact
+resume; process 0 killed) are in test_group_resume.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rlbolt.checkpointing import io as checkpoint_io
+from rlbolt.checkpointing.io import CheckpointIO
+from rlbolt.checkpointing.processes import multiprocessing_options, save_processes
+from rlbolt.distributed.agree import set_default_group
+from rlbolt.distributed.process_groups import ProcessGroups
+
+
+def test_the_training_group_saves_its_first_process_primary_and_no_other_process_takes_part():
+    groups = {"train": (1, 0), "rollout": (2, 3)}
+    assert save_processes(groups, 4) == (0, 1)
+    assert save_processes(None, 3) == (0, 1, 2)  # colocated: every process saves
+    options = multiprocessing_options(save_processes(groups, 4), 4)
+    assert options.active_processes == {0, 1} and options.primary_host == 0
+    # a training group that does not start at process 0: its first process writes and renames
+    options = multiprocessing_options(save_processes({"train": [3, 2], "rollout": [0, 1]}, 4), 4)
+    assert options.active_processes == {2, 3} and options.primary_host == 2
+    assert options.barrier_sync_key_prefix == "rlbolt-processes-2-3"  # no barrier name shared with another group
+    # every process, or no group: Orbax's defaults (all processes, process 0 primary)
+    for processes in (None, (0, 1, 2, 3), [3, 1, 0, 2]):
+        default = multiprocessing_options(processes, 4)
+        assert default.active_processes is None and default.primary_host == 0
+    # hostile: no training group, a process outside the run, an empty group
+    with pytest.raises(ValueError, match="have no 'train' group"):
+        save_processes({"rollout": (0, 1)}, 2)
+    with pytest.raises(ValueError, match=r"training group \[0, 4\] names processes outside the run's 0..3"):
+        save_processes({"train": (0, 4), "rollout": (1,)}, 4)
+    with pytest.raises(ValueError, match=r"non-empty subset of 0..3"):
+        multiprocessing_options((), 4)
+
+
+def _state(value: float) -> dict:
+    return {"params": {"w": jnp.full((2, 3), value, jnp.float32)}, "opt_state": {"mu": jnp.zeros((2, 3))},
+            "rng": jnp.asarray([7, 1], jnp.uint32)}
+
+
+def test_a_group_checkpoint_saves_restores_and_never_takes_a_half_written_step(tmp_path, monkeypatch):
+    # A one-process stand-in for a group: CheckpointIO sees 2 processes and the group {0}, so it opens Orbax's
+    # manager on the group path (active_processes={0}, the folder made by the group, process 0 primary); Orbax
+    # itself sees the one real process and skips the barriers of a one-member group.
+    monkeypatch.setattr(checkpoint_io, "jax", _TwoProcesses())
+    folder = tmp_path / "run" / "checkpoints"
+    set_default_group((0,))  # what a fit across groups sets on a training process
+    try:
+        io = CheckpointIO(folder, async_save=False)
+        assert io.processes == (0,) and io.primary == 0
+        assert io.manager._options.multiprocessing_options.active_processes == {0}
+        io.save(1, _state(1.0), {"progress": {"step": 1}})
+        io.save(2, _state(2.0), {"progress": {"step": 2}})
+        io.close()
+        assert (folder / "saved.json").is_file()  # written by the group's primary
+        # a save killed after its shards were written: Orbax's temporary folder, never a step
+        half = folder / "3.orbax-checkpoint-tmp-1234"
+        (half / "state").mkdir(parents=True)
+        (half / "state" / "garbage").write_bytes(b"\0" * 16)
+        io = CheckpointIO(folder, async_save=False)
+        assert io.steps() == [1, 2]
+        step, arrays, meta, _ = io.restore_usable(io.steps(), _state(0.0), _state(0.0)["params"])
+        assert step == 2 and meta["progress"] == {"step": 2}
+        np.testing.assert_array_equal(np.asarray(arrays["params"]["w"]), np.full((2, 3), 2.0, np.float32))
+        io.close()
+        assert not half.exists()  # cleaned up by the primary when the resumed run opened the folder
+    finally:
+        set_default_group(None)
+    # hostile: a process outside the saving group opens the folder
+    with pytest.raises(RuntimeError, match=r"process 0 opened a checkpoint of processes \[1, 2\] without being one"):
+        CheckpointIO(folder, processes=(1, 2))
+
+
+class _TwoProcesses:
+    def __getattr__(self, name):
+        return (lambda: 2) if name == "process_count" else getattr(jax, name)
+
+
+class _Link:
+    def __init__(self):
+        self.store, self.taken = {}, []
+
+    def put(self, key, obj):
+        assert key not in self.store, f"{key} written twice"
+        self.store[key] = obj
+
+    def take(self, key, stop=lambda: False, sender=None):
+        self.taken.append((key, sender))
+        return self.store.pop(key)
+
+
+def _groups(link: _Link) -> ProcessGroups:
+    groups = object.__new__(ProcessGroups)  # no runtime: the link is a dict, the push is not used
+    groups.train, groups.rollout, groups.role, groups.link = (0, 1), (2, 3), "train", link
+    groups._pushes, groups._started = 0, False
+    return groups
+
+
+def test_the_rollout_group_starts_at_the_training_groups_restored_step(monkeypatch):
+    link = _Link()
+    train = _groups(link)
+    train.send_start(5, 40)  # a resume from the checkpoint of step 5, 40 prompts consumed
+    assert link.store == {"start/2": (5, 40), "start/3": (5, 40)}  # one key per rollout process, read once
+    rollout = _groups(link)
+    rollout.role = "rollout"
+    monkeypatch.setattr(jax, "process_index", lambda: 3)
+    assert rollout.receive_start() == {"start_step": 5, "start_position": 40}
+    assert link.taken == [("start/3", 0)] and "start/3" not in link.store
+    # a training group that ends before its start (a restore that failed) still sends one, then the end:
+    # the rollout loop takes the start, then finds the end instead of waiting for its deadline
+    link = _Link()
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    _groups(link).end()
+    assert link.store == {"start/2": (0, 0), "start/3": (0, 0), "push/0/2": "end", "push/0/3": "end"}
