@@ -51,10 +51,13 @@ def resolve_moe_matmul(choice: str, platform: str) -> str:
     return choice
 
 
-def _tiles(m: int, k: int, n: int) -> tuple[int, int, int]:
-    """gmm's (row, contraction, output) tiles: 128, or the whole dimension when smaller (rows: a multiple of 8)."""
-    tm = min(_TILE, -(-m // 8) * 8)
-    return tm, min(_TILE, k), min(_TILE, n)
+def _tiles(m: int) -> tuple[int, int, int]:
+    """gmm's (row, contraction, output) tiles. The backward reuses them with the contraction and
+    output roles swapped, and tgmm puts the rows last, so each must suit Mosaic's block rule (a
+    multiple of 128 in the last dimension, of 8 in the one before, or the whole dimension) in every
+    role: 128 for the contraction and output (gmm masks a ragged last tile), and for the rows 128 or,
+    below that, all of them (rounded up to 8)."""
+    return min(_TILE, -(-m // 8) * 8), _TILE, _TILE
 
 
 def grouped_matmul(lhs: jnp.ndarray, rhs: jnp.ndarray, sizes: jnp.ndarray, kernel: str = "ragged_dot") -> jnp.ndarray:
@@ -75,8 +78,8 @@ def grouped_matmul(lhs: jnp.ndarray, rhs: jnp.ndarray, sizes: jnp.ndarray, kerne
         raise ValueError(f"grouped_matmul: kernel={kernel!r}; use one of {KERNELS}.")
     from jax.experimental.pallas.ops.tpu.megablox import gmm
 
-    m, k = lhs.shape
-    tiles = _tiles(m, k, rhs.shape[2])
+    m = lhs.shape[0]
+    tiles = _tiles(m)
     padded = -(-m // tiles[0]) * tiles[0]  # gmm takes whole row tiles
     if padded != m:
         lhs = jnp.pad(lhs, ((0, padded - m), (0, 0)))
