@@ -8,12 +8,14 @@ choice to a kernel:
     gmm         TPU: gmm   else: an error (a Mosaic kernel: TPU only)
     ragged_dot  ragged_dot everywhere
 
-Why gmm on TPU: the TPU compiler of the installed jax/libtpu lowers `jax.lax.ragged_dot` densely,
-every row against every group's kernel: a [E, rows, out] product per projection (measured from the
-buffer assignment, benchmarks/RESULTS.md), so Qwen3-30B-A3B's 128 experts ask hundreds of GiB per chip.
-Megablox `gmm` (`jax.experimental.pallas.ops.tpu.megablox`) visits only the row tiles of each group:
-work and memory proportional to the rows. Its backward (a custom VJP in jax) is `gmm` of the
-transposed kernels for the rows and `tgmm` for the kernels.
+Why gmm on TPU (measured from the TPU compiler's buffer assignment, benchmarks/RESULTS.md, "MoE on
+TPU"): the TPU lowering of `ragged_dot` is a grouped kernel too, but it builds one [E, rows, 1]
+predicate mask per matmul, tiled to 128 lanes (128 B per expert and row), and without a shard_map
+XLA's partitioner runs the global sort and `ragged_dot` on every chip over all chips' rows (that way
+Qwen3-30B-A3B's update at 4k asked 531 GiB per chip of v5p:4x4x4). Megablox `gmm`
+(`jax.experimental.pallas.ops.tpu.megablox`) visits only the row tiles of each group and builds no
+mask; its backward (a custom VJP in jax) is `gmm` of the transposed kernels for the rows and `tgmm`
+for the kernels.
 
 A Mosaic kernel cannot be partitioned by XLA, so on a mesh of several devices the caller runs it
 under `jax.shard_map` (`rlbolt.models.moe.expert_parallel_experts`). "gmm-interpret" runs the same
