@@ -4,6 +4,7 @@ expert weights are really split over that axis. Prints one JSON line.
 
     python tests/models/expert_mesh_check.py '[{"expert": 2, "fsdp": 2, "tp": 2}, {"expert": 4, "data": 2}]'
     python tests/models/expert_mesh_check.py train '{"expert": 2, "fsdp": 4}'   GRPO with router replay
+    python tests/models/expert_mesh_check.py gmm '[{"fsdp": 8}]'   the meshes run Pallas gmm (interpret mode)
 """
 
 from __future__ import annotations
@@ -41,11 +42,15 @@ def _loss(graphdef, params, ids, mask):
     return -jnp.sum(jnp.where(mask[:, 1:], picked, 0.0)) / jnp.sum(mask[:, 1:]), logits
 
 
-def _run(plan, ids, mask, prompts, keys) -> dict:
+def _run(plan, ids, mask, prompts, keys, kernel: str = "ragged_dot") -> dict:
+    from rlbolt.models.moe import moe_layers
+
     model = _model()
     if plan is not None:
         nnx.update(model, plan.place(nnx.state(model)))
         plan.shard_activations(model)
+    for block in moe_layers(model):  # model.moe_matmul's kernel
+        block.matmul = kernel
     graphdef, params = nnx.split(model)
     batch = (jnp.asarray(ids), jnp.asarray(mask)) if plan is None else plan.put_full((ids, mask))
     step = jax.jit(jax.value_and_grad(lambda p, i, m: _loss(graphdef, p, i, m), has_aux=True))
@@ -58,11 +63,13 @@ def _run(plan, ids, mask, prompts, keys) -> dict:
             "grads": {jax.tree_util.keystr(p): np.asarray(g) for p, g in jax.tree_util.tree_leaves_with_path(grads)},
             # the expert-parallel path's collective is in the program (not a fallback that gathers the experts)
             "reduce_scatter": "reduce_scatter" in step.lower(params, *batch).as_text(),
+            "shard_map_gmm": "shard_map" in str(step.trace(params, *batch).jaxpr) and "pallas_call" in str(
+                step.trace(params, *batch).jaxpr),
             "gate_up_shape": list(gate_up.shape), "gate_up_shard": list(gate_up.addressable_shards[0].data.shape),
             "gate_up_spec": str(getattr(gate_up.sharding, "spec", None))}
 
 
-def main(meshes: list[dict]) -> dict:
+def main(meshes: list[dict], kernel: str = "ragged_dot") -> dict:
     rng = np.random.default_rng(0)
     rows, width = 8, 12
     ids = rng.integers(1, 128, (rows, width)).astype(np.int32)
@@ -75,13 +82,14 @@ def main(meshes: list[dict]) -> dict:
     one = _run(None, ids, mask, prompts, keys)
     results = {}
     for mesh in meshes:
-        sharded = _run(ShardingPlan(MeshSpec(**mesh).build()), ids, mask, prompts, keys)
+        sharded = _run(ShardingPlan(MeshSpec(**mesh).build()), ids, mask, prompts, keys, kernel)
         grad_diff = {k: float(np.abs(one["grads"][k] - sharded["grads"][k]).max()) for k in one["grads"]}
         results[json.dumps(mesh, sort_keys=True)] = {
             "loss_diff": abs(one["loss"] - sharded["loss"]),
             "logit_diff": float(np.abs(np.where(mask[:, :, None], one["logits"] - sharded["logits"], 0)).max()),
             "grad_diff": max(grad_diff.values()), "grad_scale": max(float(np.abs(g).max()) for g in one["grads"].values()),
             "worst_grad": max(grad_diff, key=grad_diff.get), "reduce_scatter": sharded["reduce_scatter"],
+            "shard_map_gmm": sharded["shard_map_gmm"],
             "greedy_equal": bool((one["ids"] == sharded["ids"]).all()), "distinct": int(len(np.unique(one["ids"]))),
             "gate_up_shape": sharded["gate_up_shape"], "gate_up_shard": sharded["gate_up_shard"],
             "gate_up_spec": sharded["gate_up_spec"]}
@@ -136,5 +144,7 @@ def train(mesh: dict) -> dict:
 if __name__ == "__main__":
     if sys.argv[1] == "train":
         print(json.dumps(train(json.loads(sys.argv[2]))))
+    elif sys.argv[1] == "gmm":
+        print(json.dumps(main(json.loads(sys.argv[2]), "gmm-interpret")))
     else:
         print(json.dumps(main(json.loads(sys.argv[1]))))

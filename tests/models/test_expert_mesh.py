@@ -45,6 +45,19 @@ def test_expert2_x_fsdp2_x_tp2_equals_one_device_and_splits_the_experts():
 
 
 @pytest.mark.slow
+def test_gmm_under_shard_map_equals_one_device_with_ragged_dot():
+    """model.moe_matmul: gmm (Pallas interpret mode) on meshes with and without an expert axis: the
+    kernel runs under shard_map (a Mosaic kernel XLA cannot partition), and logits, gradients and
+    greedy tokens equal one device's ragged_dot path (the same bounds as expert parallelism)."""
+    results = _check([{"fsdp": 8}, {"expert": 2, "fsdp": 2, "tp": 2}], ("gmm",))
+    for mesh, r in results.items():
+        assert r["shard_map_gmm"], (mesh, r)
+        assert r["loss_diff"] <= 1e-5 and r["logit_diff"] <= 1e-4, (mesh, r)
+        assert r["grad_diff"] <= 1e-5 * max(1.0, r["grad_scale"]), (mesh, r)
+        assert r["greedy_equal"] and r["distinct"] >= 8, (mesh, r)
+
+
+@pytest.mark.slow
 def test_expert4_with_data_or_fsdp_equals_one_device():
     _assert_equal_to_one_device(_check([{"expert": 4, "data": 2, "fsdp": 1}, {"expert": 4, "fsdp": 2},
                                         {"expert": 2, "data": 4, "fsdp": 1}]))

@@ -29,6 +29,8 @@ def default_reward_weights(has_env: bool) -> dict:
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "offload")
 # The attention kernel of the training, logps and prefill forwards (rlbolt.models.attention_kernels resolves it per platform).
 ATTENTION_CHOICES = ("auto", "xla", "flash")
+# The grouped matmul of the mixture-of-experts layers (rlbolt.models.moe_matmul resolves it per platform).
+MOE_MATMUL_CHOICES = ("auto", "ragged_dot", "gmm")
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
@@ -47,6 +49,7 @@ class ModelSection:
     remat: str = _f("none", "activation rematerialisation of each decoder layer in every training forward (the backward recomputes what the policy does not keep; same losses and gradients): none (keep everything), full (keep only each layer's input), dots_saveable (keep the matmul outputs), dots_with_no_batch_dims_saveable (keep the weight products, recompute attention), offload (as the last, kept in host memory); docs/performance.md", REMAT_POLICIES)
     scan_layers: bool = _f(False, "run the decoder's layers as one jax.lax.scan body in the unshared cache-free forwards (compile time stops growing with depth; parameters stay stored per layer and are stacked at each forward: one more copy of the layer weights); mixture-of-experts models and layers that differ in structure keep the loop; the prompt-shared forward and decoding always loop")
     attention: str = _f("auto", "the attention of the training, logps and prefill forwards: flash (a fused kernel that keeps no [T, T] score matrix, memory linear in length: Pallas splash attention on TPU, cuDNN on GPU; an error on CPU), xla (XLA's products and softmax over 128-row query chunks), auto (flash where the platform has a kernel, else xla); a layer the kernel cannot run (cuDNN: float32 params, soft-capping, packed rows) runs xla, logged once; decode steps always run xla; docs/architecture.md", ATTENTION_CHOICES)
+    moe_matmul: str = _f("auto", "mixture-of-experts models: the experts' grouped matmul: gmm (Pallas megablox, TPU only: visits only each expert's row tiles, run under shard_map over the mesh so each chip sorts and multiplies its own rows), ragged_dot (jax.lax.ragged_dot; on a TPU slice XLA's partitioner runs every chip's tokens on every chip unless mesh.expert > 1), auto (gmm on TPU, else ragged_dot); same outputs and gradients to float32 accumulation; docs/architecture.md", MOE_MATMUL_CHOICES)
     logits_chunk_tokens: int | None = _f(1024, "tokens per chunk of the output projection + log-softmax in the logps and training forwards (all rows of a micro batch together; the backward recomputes each chunk's logits), so the [B, T, V] float32 logits never exist at once; same results to float32 rounding; 0 or null: unchunked", at_least=0)
 
 

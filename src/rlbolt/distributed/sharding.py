@@ -148,6 +148,9 @@ class ShardingPlan:
 
     def _expert_parallel(self, model: nnx.Module) -> None:
         ways = self.mesh.shape["expert"]
+        for layer in getattr(model, "layers", ()):  # a Pallas grouped matmul runs under shard_map over this mesh
+            if hasattr(layer.mlp, "row_mesh"):
+                layer.mlp.row_mesh = self.mesh if self.mesh.size > 1 else None
         if ways == 1 or not hasattr(model, "config"):
             for layer in getattr(model, "layers", ()):  # a view of a model placed elsewhere: not that mesh's experts
                 if hasattr(layer.mlp, "expert_mesh"):

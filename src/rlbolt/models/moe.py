@@ -7,9 +7,11 @@ a float32 softmax over the E experts, the top k probabilities (renormalised to s
 `sum_j w_j * down_e(act(gate_e(x)) * up_e(x))` over its k experts e = experts[j].
 
 The experts run as two grouped matmuls, not a loop over experts: the N * k (token, expert) pairs
-are sorted by expert, each expert's rows are one contiguous group, and `jax.lax.ragged_dot`
-multiplies every group by its expert's kernel; the results are weighted and scatter-added back
-to their tokens. Work is proportional to N * k, not N * E.
+are sorted by expert, each expert's rows are one contiguous group, and a grouped matmul
+(`model.moe_matmul`, `rlbolt.models.moe_matmul`: `jax.lax.ragged_dot`, or Pallas megablox gmm on
+TPU) multiplies every group by its expert's kernel; the results are weighted and scatter-added
+back to their tokens. Work is proportional to N * k, not N * E. gmm, a Mosaic kernel XLA cannot
+partition, runs under a shard_map over the whole mesh (`row_mesh`) also without an expert axis.
 
 Expert parallelism (`mesh.expert` > 1, set by `ShardingPlan.shard_activations`): the stacked
 expert weights are split over the `expert` mesh axis (E / X experts per device) and the token
@@ -41,6 +43,7 @@ Parameter layout (experts stacked on axis 0, kernels [in, out]):
 
 from __future__ import annotations
 
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -49,6 +52,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from rlbolt.distributed.mesh import BATCH_AXES, batch_shards
+from rlbolt.models.moe_matmul import grouped_matmul
 
 
 def route(logits: jnp.ndarray, top_k: int, norm_topk_prob: bool,
@@ -76,8 +80,8 @@ def route(logits: jnp.ndarray, top_k: int, norm_topk_prob: bool,
 
 
 def grouped_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, gate_up: jnp.ndarray,
-                    down: jnp.ndarray, hidden_act: str = "silu") -> jnp.ndarray:
-    """`sum_j weights[:, j] * expert_{experts[:, j]}(x)` with one ragged matmul per projection.
+                    down: jnp.ndarray, hidden_act: str = "silu", kernel: str = "ragged_dot") -> jnp.ndarray:
+    """`sum_j weights[:, j] * expert_{experts[:, j]}(x)` with one grouped matmul per projection.
 
     Args:
       x: [N, H] tokens.
@@ -86,6 +90,7 @@ def grouped_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, 
       gate_up: [E, H, 2I] fused gate|up kernels.
       down: [E, I, H].
       hidden_act: "silu" (SwiGLU experts).
+      kernel: the grouped matmul (`rlbolt.models.moe_matmul.KERNELS`).
 
     Returns:
       [N, H] in x's dtype.
@@ -96,20 +101,25 @@ def grouped_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, 
     order = jnp.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
     token = order // k
     # [E] rows per expert; an expert id E (expert parallelism: another device's expert) counts in
-    # no group, sorts last and its rows come out 0 from ragged_dot.
+    # no group, sorts last and its rows come out 0 from the grouped matmul.
     sizes = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
-    h = jax.lax.ragged_dot(jnp.take(x, token, axis=0), gate_up, sizes)  # [N*k, 2I]
+    h = grouped_matmul(jnp.take(x, token, axis=0), gate_up, sizes, kernel)  # [N*k, 2I]
     gate, up = jnp.split(h, 2, axis=-1)
     if hidden_act != "silu":
         raise ValueError(f"grouped_experts: hidden_act={hidden_act!r}; the MoE experts support 'silu'.")
-    y = jax.lax.ragged_dot(jax.nn.silu(gate) * up, down, sizes)  # [N*k, H]
+    y = grouped_matmul(jax.nn.silu(gate) * up, down, sizes, kernel)  # [N*k, H]
     w = jnp.take(weights.reshape(-1), order)[:, None]
     return jnp.zeros_like(x).at[token].add((y * w).astype(x.dtype))
 
 
 def expert_parallel_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, gate_up: jnp.ndarray,
-                            down: jnp.ndarray, hidden_act: str, mesh: jax.sharding.Mesh) -> jnp.ndarray:
+                            down: jnp.ndarray, hidden_act: str, mesh: jax.sharding.Mesh,
+                            kernel: str = "ragged_dot") -> jnp.ndarray:
     """`grouped_experts` with the experts split over `mesh`'s `expert` axis (module docstring).
+
+    With `ragged_dot` the shard_map is manual over the batch axes only (tp stays automatic); a Pallas
+    kernel (gmm) cannot be partitioned by XLA, so then every axis is manual: the expert weights are
+    gathered over fsdp and tp at the shard_map's edge and each device computes its rows whole.
 
     Args:
       x: [N, H]; rows over the batch axes (N must divide them), as for `experts` and `weights`.
@@ -119,6 +129,7 @@ def expert_parallel_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.n
       down: [E, I, H], axis 0 over `expert`.
       hidden_act: as in `grouped_experts`.
       mesh: the mesh (axes data, fsdp, expert, context, tp).
+      kernel: the grouped matmul (`rlbolt.models.moe_matmul.KERNELS`).
 
     Returns:
       [N, H] like x, rows over the batch axes.
@@ -131,10 +142,13 @@ def expert_parallel_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.n
         first = jax.lax.axis_index("expert") * per_device
         mine = (experts >= first) & (experts < first + per_device)
         local_experts = jnp.where(mine, experts - first, per_device)  # others: the empty trailing group
-        y = grouped_experts(x, local_experts, jnp.where(mine, weights, 0), gate_up, down, hidden_act)
+        y = grouped_experts(x, local_experts, jnp.where(mine, weights, 0), gate_up, down, hidden_act, kernel)
         return jax.lax.psum_scatter(y, "expert", scatter_dimension=0, tiled=True)
 
     rows = P(BATCH_AXES)
+    if kernel != "ragged_dot":  # a Mosaic kernel: every axis manual
+        return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, P("expert"), P("expert")),
+                             out_specs=rows, check_vma=False)(x, experts, weights, gate_up, down)
     return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, P("expert"), P("expert")), out_specs=rows,
                          axis_names=set(BATCH_AXES))(x, experts, weights, gate_up, down)
 
@@ -198,6 +212,11 @@ class MoeMLP(nnx.Module):
         # Expert parallelism: the mesh whose `expert` axis splits the experts (set by
         # ShardingPlan.shard_activations; static, part of the graph definition), or None.
         self.expert_mesh = None
+        # The training mesh when it has several devices (ShardingPlan.shard_activations), or None: a
+        # Pallas grouped matmul runs under shard_map over it also without an expert axis.
+        self.row_mesh = None
+        # The grouped matmul (`rlbolt.models.moe_matmul.resolve_moe_matmul` of model.moe_matmul; static).
+        self.matmul = "ragged_dot"
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
         return self.routed(x)[0]
@@ -209,12 +228,17 @@ class MoeMLP(nnx.Module):
         weights, experts, probs = route(logits, self.top_k, self.norm_topk_prob, self.replay)
         if self.record:
             self.sow(nnx.Intermediate, "routing", (experts, probs))
-        mesh = self.expert_mesh
+        kernel = self.matmul
+        mesh = self.expert_mesh if kernel == "ragged_dot" else (self.expert_mesh or self.row_mesh)
+        gate_up, down = self.gate_up[...], self.down[...]
         if mesh is not None and x2.shape[0] % batch_shards(mesh) == 0:
-            out = expert_parallel_experts(x2, experts, weights, self.gate_up[...], self.down[...], self.hidden_act,
-                                          mesh)
-        else:  # no expert axis, or rows that do not split (XLA then gathers the experts' weights)
-            out = grouped_experts(x2, experts, weights, self.gate_up[...], self.down[...], self.hidden_act)
+            out = expert_parallel_experts(x2, experts, weights, gate_up, down, self.hidden_act, mesh, kernel)
+        elif mesh is not None and kernel != "ragged_dot":  # rows that do not split: every device all rows
+            out = jax.shard_map(functools.partial(grouped_experts, hidden_act=self.hidden_act, kernel=kernel),
+                                mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)(
+                x2, experts, weights, gate_up, down)
+        else:  # no mesh, no expert axis, or rows that do not split (XLA then gathers the experts' weights)
+            out = grouped_experts(x2, experts, weights, gate_up, down, self.hidden_act, kernel)
         return out.reshape(x.shape), experts
 
 

@@ -35,6 +35,8 @@ from rlbolt.modules.prompts import PromptEncoder, builtin_tokenizer
 from rlbolt.modules.rewarding import build_reward as reward_from_weights
 from rlbolt.modules.scorers import ColocatedScorer, LogpsScorer
 from rlbolt.models.attention_kernels import resolve_attention
+from rlbolt.models.moe import moe_layers
+from rlbolt.models.moe_matmul import resolve_moe_matmul
 from rlbolt.models.decoder import Decoder
 from rlbolt.rewards import RewardFn, RewardRunner, WeightedReward
 from rlbolt.packing import packing_spec
@@ -123,8 +125,11 @@ def build_policy(cfg: RunConfig, model: Decoder | None, tokenizer: Tokenizer, co
     platform = jax.default_backend() if sharding is None else sharding.mesh.devices.flat[0].platform
     try:
         model.attention_kernel = resolve_attention(cfg.model.attention, platform)
+        moe_kernel = resolve_moe_matmul(cfg.model.moe_matmul, platform)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    for block in moe_layers(model):  # model.moe_matmul (rlbolt.models.moe_matmul)
+        block.matmul = moe_kernel
     if sharding is not None:  # the weights move onto the mesh once (no copy if built there)
         nnx.update(model, sharding.place(nnx.state(model)))
         sharding.shard_activations(model)
