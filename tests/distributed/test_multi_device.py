@@ -66,6 +66,9 @@ def check_training(result: dict) -> None:
     assert plan["params"] == result["params_per_device"] and plan["reference"] == plan["params"]
     # A Hugging Face folder loads straight into the shardings, with the same values.
     assert result["hf_equal"] and result["hf_sharded_as_planned"]
+    if mesh["fsdp"] * mesh["tp"] == 1:  # no axis splits parameters (context 8 alone): each device holds them whole
+        assert result["hf_per_device"] == result["hf_total"]
+        return
     replicated = result["hf_replicated"]  # a few small vectors: < 1% of the model
     assert replicated < result["hf_total"] / 100
     assert result["hf_per_device"] <= (result["hf_total"] - replicated) / mesh["fsdp"] + replicated
