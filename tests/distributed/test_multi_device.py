@@ -156,3 +156,18 @@ def test_grpo_with_context_parallelism_equals_one_device(mesh):
     # the ring ran: the mesh's compiled forwards (update, old and reference log-probs) went through it
     assert result["ring_traces"][0] == 0 and result["ring_traces"][1] >= 2
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh, quantize", [({"context": 2, "fsdp": 2}, None), ({"context": 2, "fsdp": 2, "tp": 2}, "int8")])
+def test_lora_and_qlora_with_context_parallelism_equal_one_device(mesh, quantize):
+    """LoRA adapters sit in the projections, the ring in attention: three GRPO steps on a context mesh
+    (QLoRA's int8 base with tp too) equal one device's; the frozen base is sharded over fsdp x tp only."""
+    r = run_checks("lora", [{**mesh, "steps": 3}, {"rank": 4, "quantize": quantize}],
+                   devices=mesh["context"] * mesh["fsdp"] * mesh.get("tp", 1))
+    assert r["completions_equal"] and len(r["steps"]) == 3
+    for ref, got in zip(r["ref_steps"], r["steps"], strict=True):
+        assert got["reward/mean"] == ref["reward/mean"] and abs(got["loss"] - ref["loss"]) <= 1e-6
+        assert math.isclose(got["grad_norm"], ref["grad_norm"], rel_tol=1e-5)
+    assert r["max_param_diff"] <= 1e-6
+    assert r["ring_traces"][0] == 0 and r["ring_traces"][1] >= 2
+    assert r["frozen_per_device"] <= r["frozen_one_device"] / mesh["fsdp"]
