@@ -7,10 +7,14 @@ Context 1 is today's XLA path (causal attention in 128-row query chunks, whose k
 with T^2); context n > 1 runs ring attention (`rlbolt.models.context_attention`). The figure is
 the compiled program's per-device memory (`jit(...).lower(...).compile().memory_analysis()`:
 temp + arguments + outputs), so nothing runs and every point is given; `--run T` also executes
-one step at length T with the largest context (wall time and its loss, to show it trains).
+one step at length T with the largest context (wall time and its loss, to show it trains);
+`--optimizer` makes that step a whole training step (loss, gradient and an AdamW update applied to
+the parameters, one jitted program) and `--steps N` runs N of them (the loss of step 2 is the loss
+after the first update).
 
     python benchmarks/context_memory.py                       # the table, lengths 1k..64k
     python benchmarks/context_memory.py --run 65536 --no-table   # one executed step at 64k, context 8
+    python benchmarks/context_memory.py --run 65536 --no-table --optimizer --steps 2   # with AdamW updates
     python benchmarks/context_memory.py --quick               # tiny lengths (a smoke run)
     python benchmarks/context_memory.py --ab 8192 --no-table  # the ring's causal halving: time, whole vs half
 
@@ -80,6 +84,37 @@ def run_once(context: int, length: int) -> dict:
                                                            for g in jax.tree.leaves(grads)))}
 
 
+def train_steps(context: int, length: int, steps: int, lr: float = 1e-3) -> dict:
+    """`steps` whole training steps (loss, gradient, AdamW update applied) on one sequence of `length`."""
+    import optax
+
+    grad_step, params, plan = step_fn(context)
+    optimizer = optax.adamw(lr)
+
+    @jax.jit
+    def train_step(params, opt_state, ids):
+        value, grads = grad_step(params, ids)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return value, optax.apply_updates(params, updates), opt_state
+
+    ids = jax.device_put(np.random.default_rng(0).integers(0, SHAPE["vocab_size"], (1, length), np.int32),
+                         plan.replicated)
+    first = params
+    opt_state = optimizer.init(params)
+    losses, seconds = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        value, params, opt_state = train_step(params, opt_state, ids)
+        jax.block_until_ready(params)
+        losses.append(float(value))
+        seconds.append(round(time.perf_counter() - start, 1))
+    moved = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+                for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(params)))
+    return {"context": context, "length": length, "optimizer": f"adamw({lr})", "seconds": seconds, "losses": losses,
+            "max_param_change": moved,
+            "params_finite": bool(all(np.isfinite(np.asarray(p)).all() for p in jax.tree.leaves(params)))}
+
+
 def halving_ab(length: int, context: int, rounds: int) -> dict:
     """Ring attention's forward + backward alone at `length` tokens on `{context: n}`: every block whole
     (`balanced=False`) against only the visible half of each later step (`balanced=True`), the two
@@ -117,6 +152,8 @@ def main() -> None:
     parser.add_argument("--run", type=int, default=0, help="also execute one step at this length (largest context)")
     parser.add_argument("--max-context1", type=int, default=16384, help="longest length compiled with context 1")
     parser.add_argument("--no-table", action="store_true", help="only the executed step (--run)")
+    parser.add_argument("--optimizer", action="store_true", help="--run: whole training steps (AdamW applied)")
+    parser.add_argument("--steps", type=int, default=1, help="--run --optimizer: how many steps")
     parser.add_argument("--ab", type=int, default=0, help="time the ring's causal halving at this length (context 4)")
     args = parser.parse_args()
     lengths = () if args.no_table else (64, 128) if args.quick else (1024, 4096, 16384, 32768, 65536)
@@ -135,7 +172,10 @@ def main() -> None:
     for length in lengths:
         cells = {r["context"]: f"{r['per_device_mib']:,} MiB" for r in rows if r["length"] == length}
         print(f"| {length:,} | " + " | ".join(cells.get(c, "-") for c in contexts) + " |")
-    executed = run_once(max(contexts), args.run) if args.run else None
+    if args.run and args.optimizer:
+        executed = train_steps(max(contexts), args.run, args.steps)
+    else:
+        executed = run_once(max(contexts), args.run) if args.run else None
     if executed:
         print(f"executed: {executed}")
     halving = halving_ab(args.ab, 4, 3) if args.ab else None

@@ -4,8 +4,11 @@
     python tests/distributed/mesh_checks.py sampler '[{"fsdp": 8}, {"tp": 4, "fsdp": 2}]'
     python tests/distributed/mesh_checks.py lora '[{"fsdp": 4, "tp": 2}, {"rank": 4, "quantize": "int8"}]'
 
+A mesh dict may also carry `packing` (plan.packing of both runs) and `steps` (GRPO steps, default 2).
+
 `train` runs the same GRPO fit twice in this process, on a one-device mesh and on the given mesh,
-and reports per-step metrics, the largest parameter difference, and for every parameter and
+and reports per-step metrics, the largest parameter difference, how many forwards were traced through
+the ring (`ring_traces`, mesh.context > 1: `rlbolt.models.context_parallel`), and for every parameter and
 optimizer-state leaf its global bytes, the bytes of one live shard and its PartitionSpec.
 The optimizer is SGD with momentum: its update is linear in the gradient, so a parameter
 difference measures the gradient's float rounding directly (Adam would divide near-zero
@@ -39,6 +42,17 @@ def one_device_plan() -> ShardingPlan:
 def train(mesh: dict, lora: dict | None = None) -> dict:
     mesh = dict(mesh)
     packing = mesh.pop("packing", "off")  # plan.packing of both runs (not a mesh axis)
+    max_steps = mesh.pop("steps", 2)
+    import rlbolt.models.decoder as decoder_module
+
+    ring_traces = [0]
+    context_forward = decoder_module.context_forward
+
+    def counted_context_forward(*args, **kwargs):  # traced once per compiled forward that runs the ring
+        ring_traces[0] += 1
+        return context_forward(*args, **kwargs)
+
+    decoder_module.context_forward = counted_context_forward
     from rlbolt.callback import Callback
     from rlbolt.data import gsm8k_style_rows
     from rlbolt.modules import GRPO
@@ -66,14 +80,16 @@ def train(mesh: dict, lora: dict | None = None) -> dict:
         module = SGDGRPO({"rollout": {"max_new_tokens": 8}, "algorithm": {"beta": 0.04}, "model": model},
                          reward=digits)
         plan = BatchPlan(prompts_per_step=4, num_generations=4, train_micro_batch_size=8, packing=packing)
-        trainer = Trainer(plan, max_steps=2, mesh=plan_or_mesh, callbacks=[Record()], run_dir="unused")
+        trainer = Trainer(plan, max_steps=max_steps, mesh=plan_or_mesh, callbacks=[Record()], run_dir="unused")
         state = trainer.fit(module, gsm8k_style_rows(16))
         trainer.frozen_per_device = per_device_bytes(module.lora.base) if module.lora is not None else None
         trainer.train_group_size = module.train_group_size  # 4: each prompt once per group; 1: unshared
         return trainer, state, steps, completions
 
     ref_trainer, ref_state, ref_steps, ref_completions = fit(one_device_plan())
+    ref_ring_traces, ring_traces[0] = ring_traces[0], 0
     trainer, state, steps, completions = fit(mesh)
+    ring = {"ring_traces": [ref_ring_traces, ring_traces[0]]}
 
     def leaves(tree):
         out = []
@@ -87,12 +103,12 @@ def train(mesh: dict, lora: dict | None = None) -> dict:
     diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
                for a, b in zip(jax.tree.leaves(ref_state.params), jax.tree.leaves(state.params)))
     if lora is not None:
-        return {"mesh": dict(trainer.sharding.mesh.shape), "ref_steps": ref_steps, "steps": steps,
+        return {**ring, "mesh": dict(trainer.sharding.mesh.shape), "ref_steps": ref_steps, "steps": steps,
                 "max_param_diff": diff, "completions_equal": ref_completions == completions,
                 "frozen_per_device": trainer.frozen_per_device, "frozen_one_device": ref_trainer.frozen_per_device,
                 "adapters_per_device": per_device_bytes(state.params),
                 "adapters_one_device": per_device_bytes(ref_state.params)}
-    return {**hf_load(trainer.sharding),
+    return {**hf_load(trainer.sharding), **ring,
             "mesh": dict(trainer.sharding.mesh.shape), "ref_steps": ref_steps, "steps": steps, "max_param_diff": diff,
             "completions_equal": ref_completions == completions,
             "train_group_size": [ref_trainer.train_group_size, trainer.train_group_size],

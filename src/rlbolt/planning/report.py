@@ -179,7 +179,7 @@ def plan_run(run: Any, target: str = "this host", names: tuple[str, ...] = ("upd
 
 def boundary_activation_bytes(run: Any) -> int:
     """One [rows, P + C, hidden] residual per layer per device for a train micro batch (what full
-    remat keeps), in the compute dtype."""
+    remat keeps), in the compute dtype; with mesh.context = n a device holds 1/n of each row's tokens."""
     config, plan = run.module.model.config, run.plan
     rows = -(-(plan.train_micro_batch_size) // run.sharding.batch_shards)
     tokens = prompt_width(run) + run.module.completion_width
@@ -187,6 +187,7 @@ def boundary_activation_bytes(run: Any) -> int:
     if packed is not None:  # plan.packing: the packed rows' tokens
         rows, tokens = packed
     itemsize = np.dtype(jax.numpy.dtype(config.dtype)).itemsize
+    tokens = -(-tokens // run.sharding.mesh.shape.get("context", 1))
     return config.num_layers * rows * tokens * config.hidden_size * itemsize
 
 
