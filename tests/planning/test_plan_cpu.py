@@ -132,10 +132,11 @@ def test_a_compile_error_other_than_memory_is_raised():
     assert refused.temp_bytes == int(2.5 * (1 << 30)) and refused.total_bytes == refused.temp_bytes and refused.refused
 
 
-@pytest.mark.parametrize("remat, says_remat", [("none", True), ("full", False)])
-def test_advice_past_one_row_names_only_knobs_not_yet_turned(remat, says_remat):
+@pytest.mark.parametrize("remat, says_remat, context", [("none", True, 1), ("full", False, 1), ("full", False, 4)])
+def test_advice_past_one_row_names_only_knobs_not_yet_turned(remat, says_remat, context):
     """The 7B update at 16k on v6e:2x4 (remat full already) was told to 'rematerialise activations':
-    past one row per shard, the advice names model.remat only when it is not full, and mesh.context."""
+    past one row per shard, the advice names model.remat only when it is not full, and mesh.context (a
+    larger one, with its size now, when the mesh already splits sequences)."""
     from types import SimpleNamespace
 
     from rlbolt.planning.compile import Executable
@@ -147,7 +148,8 @@ def test_advice_past_one_row_names_only_knobs_not_yet_turned(remat, says_remat):
     run = SimpleNamespace(config=SimpleNamespace(model=SimpleNamespace(remat=remat)),
                           plan=SimpleNamespace(train_micro_batch_size=8, logps_micro_batch_size=8,
                                                rollout_micro_batch_size=8),
-                          sharding=SimpleNamespace(batch_shards=8))
+                          sharding=SimpleNamespace(batch_shards=8, mesh=SimpleNamespace(shape={"context": context})))
     (line,) = advice(report, run)
     assert line.startswith("update: even plan.train_micro_batch_size=8 (one row per batch shard) would not fit")
     assert ("model.remat: full" in line) is says_remat and "mesh.context" in line and "mesh.tp" in line
+    assert (f"a larger mesh.context (now {context}" in line) is (context > 1)

@@ -236,15 +236,17 @@ def advice(report: PlanReport, run: Any) -> list[str]:
                        .replace(f"({hbm - fixed:.0f} B", f"({(hbm - fixed) / GIB:.2f} GiB"))
         else:
             out.append(f"{e.name}: even {field}={shards} (one row per batch shard) would not fit; "
-                       + ", ".join(_per_row_knobs(run.config.model.remat, e.name)))
+                       + ", ".join(_per_row_knobs(run.config.model.remat, e.name, run.sharding.mesh.shape["context"])))
     return out
 
 
-def _per_row_knobs(remat: str, executable: str) -> list[str]:
-    """What is left to turn when one row per batch shard does not fit: the knobs not yet at their end."""
+def _per_row_knobs(remat: str, executable: str, context: int = 1) -> list[str]:
+    """What is left to turn when one row per batch shard does not fit: the knobs not yet at their end
+    (`context`: the mesh's context size now)."""
     knobs = [] if remat == "full" or executable != "update" else [f"model.remat: full (now {remat})"]
     if executable in ("update", "logps"):
-        knobs.append("mesh.context (each sequence split over devices)")
+        knobs.append("mesh.context (each sequence split over devices)" if context == 1 else
+                     f"a larger mesh.context (now {context}; each sequence split over more devices)")
     return knobs + ["move devices to mesh.tp", "or use a larger slice"]
 
 
