@@ -260,7 +260,7 @@ def test_rows_sharded_over_data_and_the_vocabulary_over_tp_give_the_one_device_g
 
 
 def test_a_frozen_weight_gets_no_gradient_product():
-    """Under LoRA the lm_head (or tied table) is frozen: the backward must not form its [H, V] gradient."""
+    """Under LoRA the lm_head (or tied table) is frozen: the backward must not form any block of its [H, V] gradient."""
     hidden, weight, targets, g_logps, g_entropy = _inputs(seed=4)
     only_hidden = jax.make_jaxpr(jax.grad(lambda h: _loss(5, targets, g_logps, g_entropy, 1.0, None)(h, weight)[0]))
     both = jax.make_jaxpr(jax.grad(lambda h, w: _loss(5, targets, g_logps, g_entropy, 1.0, None)(h, w)[0], (0, 1)))
@@ -276,5 +276,6 @@ def test_a_frozen_weight_gets_no_gradient_product():
                     out += products(inner)
         return out
 
-    assert (H, V) in products(both(hidden, weight).jaxpr)  # the measure can fail
-    assert (H, V) not in products(only_hidden(hidden).jaxpr)
+    weight_grads = lambda jaxpr: [s for s in products(jaxpr) if len(s) == 2 and s[0] == H]  # noqa: E731
+    assert weight_grads(both(hidden, weight).jaxpr)  # the measure can fail: [H, block] products of dW
+    assert not weight_grads(only_hidden(hidden).jaxpr)
