@@ -213,7 +213,8 @@ def block_columns(vocab: int, tokens: int, chunk_tokens: int) -> int:
     """Vocabulary columns per block of the backward: about half of `chunk_tokens` x `vocab` logits over
     all `tokens` (half the forward's chunk: a block's pass holds four such float32 blocks at once, the
     logits, their softmax and the cotangent once per product, where a token chunk held about three),
-    whole multiples of 128 (a TPU lane), or a power of two below 128: a width the tp axis divides.
+    whole multiples of 128 (a TPU lane: a narrower block would be padded to it in memory anyway, and tp
+    divides it), or the whole vocabulary when that is smaller.
 
     Args:
       vocab: V, the vocabulary size.
@@ -224,8 +225,7 @@ def block_columns(vocab: int, tokens: int, chunk_tokens: int) -> int:
       The block width, between 1 and `vocab`.
     """
     width = -(-vocab * chunk_tokens // max(2 * tokens, 1))
-    width = -(-width // 128) * 128 if width > 128 else 1 << (max(width, 1) - 1).bit_length()
-    return min(vocab, width)
+    return min(vocab, max(1, -(-width // 128)) * 128)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)
