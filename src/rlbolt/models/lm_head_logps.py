@@ -7,9 +7,17 @@ and 32 x 1,024 tokens it alone is 20 GB, and autodiff of `log_softmax(hidden @ W
 of them (the logits, the softmax, their cotangent). Here the projection runs over chunks of about
 `chunk_tokens` tokens (every row's next `max(1, chunk_tokens // B)` positions: the batch axis is
 never cut, so a batch sharded over devices stays so), and a custom VJP makes the backward pass
-recompute each chunk's logits from the hidden states instead of storing them. What is kept
-between the passes is one float per token (the log-partition, and the entropy when asked for);
-each pass holds one or two [B, chunk, V] float32 blocks at a time.
+recompute the logits from the hidden states instead of storing them. What is kept between the
+passes is one float per token (the log-partition, and the entropy when asked for); each pass holds
+one or two [B, chunk, V] float32 blocks at a time.
+
+The backward runs over blocks of vocabulary columns, every token at once (about half a forward
+chunk of logits per block, `block_columns`; block j holds the columns j, j + k, j + 2k, ..., so a
+vocabulary sharded over tp keeps an equal share of each block per device), not over token chunks: a block's columns of dW are
+whole after one pass, so when the batch is sharded over devices each block is summed across them
+once, into the weight's own sharding. Over token chunks every device carried a whole [H, V]
+float32 partial sum of its own tokens until one all-reduce at the end (2 GiB per chip at
+Qwen2.5-7B; benchmarks/RESULTS.md, "The lm_head's gradient in the weight's sharding").
 
 With logits y = cap(h W) / t (cap: Gemma 2's final soft-capping `c * tanh(z / c)`), p = softmax(y),
 log p_v = y_v - logsumexp(y), the token's log-prob is log p_target and the entropy is
@@ -18,8 +26,8 @@ H = -sum_v p_v log p_v. Their gradients with respect to y are
     d log p_target / d y_v = [v = target] - p_v
     d H / d y_v            = -p_v (log p_v + H)
 
-then d/dz = d/dy / t times (1 - (cap(z) / c)^2) under soft-capping, and dh = dz W^T,
-dW = sum over chunks of h^T dz (accumulated in float32). Matmuls run in the parameter dtype and
+then d/dz = d/dy / t times (1 - (cap(z) / c)^2) under soft-capping, and dh = dz W^T (summed
+over the vocabulary blocks in float32), dW = h^T dz (each block's columns in float32). Matmuls run in the parameter dtype and
 logits are upcast to float32, as `Decoder.logits` does, so bfloat16 parameters give the logits
 the sampler saw.
 
@@ -158,32 +166,66 @@ def _fused_bwd(temperature, softcap, with_entropy, residuals, cotangents):
     if (g_logps is None and g_entropy is None) or not (want_hidden or want_weight):
         return None, None, None
     compute = jnp.result_type(hidden_chunks.dtype, weight.dtype)  # the dtype of the forward's product
+    vocab = weight.shape[-1]
+    tokens = hidden_chunks.size // hidden_chunks.shape[-1]
+    # Over vocabulary blocks of every token at once, each block's logits about half the forward's chunk
+    # of tokens x V: a block's dW columns are whole after one pass, so a batch sharded over devices sums
+    # each block once across them, into the weight's own sharding, instead of carrying a whole [H, V]
+    # float32 partial sum through every token chunk. Block j is the strided columns j, j + k, j + 2k, ...
+    # ([H, V] seen as [H, width, k]): a vocabulary sharded over tp in contiguous pieces puts an equal
+    # share of every block on each tp device, so no block is gathered or computed twice.
+    width = block_columns(vocab, tokens, hidden_chunks.shape[1] * hidden_chunks.shape[2])
+    k = -(-vocab // width)
+    padded = jnp.pad(weight, ((0, 0), (0, width * k - vocab))).reshape(weight.shape[0], width, k)
 
-    def one_chunk(grad_weight, args):
-        h, targets, lse, entropy, g_lp, g_ent = args  # [B, s, H], then [B, s] each (None: a zero cotangent)
-        y, capped = _scaled_logits(h, weight, temperature, softcap)
-        logp_all = y - lse[..., None]
+    def one_block(carry, j):
+        grad_weight, grad_hidden = carry
+        w = jax.lax.dynamic_index_in_dim(padded, j, axis=2, keepdims=False)  # [H, width]
+        y, capped = _scaled_logits(hidden_chunks, w, temperature, softcap)  # [n, B, s, width]
+        logp_all = y - lse_chunks[..., None]
         p = jnp.exp(logp_all)
+        ids = jnp.arange(width, dtype=jnp.int32) * k + j
         grad_y = jnp.zeros_like(y)
-        if g_lp is not None:
-            vocab = jnp.arange(y.shape[-1], dtype=jnp.int32)
-            grad_y = jnp.where(vocab == targets[..., None], g_lp[..., None], 0.0) - p * g_lp[..., None]
-        if g_ent is not None:
-            grad_y = grad_y - p * (logp_all + entropy[..., None]) * g_ent[..., None]
+        if g_logps is not None:
+            grad_y = jnp.where(ids == target_chunks[..., None], g_logps[..., None], 0.0) - p * g_logps[..., None]
+        if g_entropy is not None:
+            grad_y = grad_y - p * (logp_all + entropy_chunks[..., None]) * g_entropy[..., None]
         grad_z = grad_y / temperature
         if softcap is not None:
             grad_z = grad_z * (1.0 - jnp.square(capped / softcap))
-        grad_z = grad_z.astype(compute)
-        # grad_z W^T as one contraction over V (no transposed copy of the table is formed).
-        grad_h = jnp.einsum("bsv,hv->bsh", grad_z, weight).astype(hidden_chunks.dtype) if want_hidden else None
+        grad_z = jnp.where(ids < vocab, grad_z, 0.0).astype(compute)  # the padding columns are no token
+        if want_hidden:  # grad_z w^T as one contraction over the block (no transposed copy of the table)
+            grad_hidden = grad_hidden + jnp.einsum("nbsv,hv->nbsh", grad_z, w, preferred_element_type=jnp.float32)
         if want_weight:
-            grad_weight = grad_weight + jnp.einsum("bsh,bsv->hv", h, grad_z, preferred_element_type=jnp.float32)
-        return grad_weight, grad_h
+            block = jnp.einsum("nbsh,nbsv->hv", hidden_chunks, grad_z, preferred_element_type=jnp.float32)
+            grad_weight = jax.lax.dynamic_update_index_in_dim(grad_weight, block, j, axis=2)
+        return (grad_weight, grad_hidden), None
 
-    init = jnp.zeros(weight.shape, jnp.float32) if want_weight else None
-    grad_weight, grad_hidden = jax.lax.scan(
-        one_chunk, init, (hidden_chunks, target_chunks, lse_chunks, entropy_chunks, g_logps, g_entropy))
-    return grad_hidden, None if grad_weight is None else grad_weight.astype(weight.dtype), None
+    init = (jnp.zeros(padded.shape, jnp.float32) if want_weight else None,
+            jnp.zeros(hidden_chunks.shape, jnp.float32) if want_hidden else None)
+    (grad_weight, grad_hidden), _ = jax.lax.scan(one_block, init, jnp.arange(k, dtype=jnp.int32))
+    if grad_weight is not None:
+        grad_weight = grad_weight.reshape(weight.shape[0], width * k)[:, :vocab].astype(weight.dtype)
+    return (None if grad_hidden is None else grad_hidden.astype(hidden_chunks.dtype), grad_weight, None)
+
+
+def block_columns(vocab: int, tokens: int, chunk_tokens: int) -> int:
+    """Vocabulary columns per block of the backward: about half of `chunk_tokens` x `vocab` logits over
+    all `tokens` (half the forward's chunk: a block's pass holds four such float32 blocks at once, the
+    logits, their softmax and the cotangent once per product, where a token chunk held about three),
+    whole multiples of 128 (a TPU lane: a narrower block would be padded to it in memory anyway, and tp
+    divides it), or the whole vocabulary when that is smaller.
+
+    Args:
+      vocab: V, the vocabulary size.
+      tokens: the tokens of the call, all rows and padded positions together.
+      chunk_tokens: the forward's tokens per chunk (every row's positions of one chunk).
+
+    Returns:
+      The block width, between 1 and `vocab`.
+    """
+    width = -(-vocab * chunk_tokens // max(2 * tokens, 1))
+    return min(vocab, max(1, -(-width // 128)) * 128)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)
