@@ -24,7 +24,7 @@ from rlbolt.data.source import PromptSource
 from rlbolt.distributed import any_process, host_value, layout
 from rlbolt.distributed.agree import set_default_group
 from rlbolt.distributed.placement import Placement, WeightSync
-from rlbolt.distributed.process_groups import ProcessGroups, check_fit_across
+from rlbolt.distributed.process_groups import ProcessGroups
 from rlbolt.distributed.sharding import ShardingPlan
 from rlbolt.fit_checks import check_fit, lag_steps
 from rlbolt.module import RLModule
@@ -310,10 +310,8 @@ class Trainer:
         self.sharding = self.plans["train"]
         self.groups = ProcessGroups.of(self.placement, self.plans, timeout_s=self.prefetch_timeout_s)
         self.agree_with = None if self.groups is None else self.groups.mine
-        if self.groups is not None:
-            set_default_group(self.agree_with)  # every agreement of this fit (callbacks too) stays in this group
-            check_fit_across(self.mode, self.plan, val_data, self.callbacks)
-            self.groups.attach(self.weights)  # training group: each publish pushes; its producer waits for it
+        if self.groups is not None:  # refusals, the group's agreements, the training group's pushes
+            self.groups.join_fit(self.mode, self.plan, val_data, self.callbacks, self.weights)
         elif not self.placement.colocated:
             sync = WeightSync(self.sharding, self.plans["rollout"])
             self.weights.transfer = lambda params, *_: sync(params)

@@ -2,6 +2,7 @@
 
     groups = ProcessGroups.of(placement, plans)      None: every role on every process (colocated)
     groups.role                                      "train" or "rollout": this process's group
+    groups.join_fit(mode, plan, val, callbacks, ws)  a fit's set-up: refusals, the group's agreements, attach
     groups.attach(weight_store)                      training group: each publish pushes (send_weights)
     groups.send_weights(params, version, steps)      training group: the weight push of one publish
     params, version, steps = groups.receive_weights(abstract)   rollout group: that push (None: the end)
@@ -40,6 +41,7 @@ from typing import Any
 
 import jax
 
+from rlbolt.distributed.agree import set_default_group
 from rlbolt.distributed.mesh import MeshError
 from rlbolt.distributed.sharding import ShardingPlan
 from rlbolt.distributed.weight_push import ProcessWeightPush
@@ -173,6 +175,22 @@ class ProcessGroups:
     def leader(self) -> bool:
         """The first process of this process's group (it writes the group's keys)."""
         return jax.process_index() == min(self.train if self.role == "train" else self.rollout)
+
+    def join_fit(self, mode: str, plan: Any, val_data: Any, callbacks: Any, weights: Any) -> None:
+        """A fit's set-up across groups: what is not run is refused (`check_fit_across`), every agreement
+        of the fit (callbacks' too) stays in this process's group, and the training group's publishes
+        push to the rollout group (`attach`).
+
+        Args:
+          mode: the Trainer's mode.
+          plan: the BatchPlan.
+          val_data: the fit's validation rows, or None.
+          callbacks: the fit's callbacks.
+          weights: the Trainer's `WeightStore`.
+        """
+        check_fit_across(mode, plan, val_data, callbacks)
+        set_default_group(self.mine)
+        self.attach(weights)
 
     def attach(self, weights: Any) -> None:
         """Training group: every publish to `weights` (a `WeightStore`) pushes to the rollout group, and
