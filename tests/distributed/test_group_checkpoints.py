@@ -1,12 +1,17 @@
 """Checkpoints across process groups, without launching processes: which processes save, and where the
 rollout group starts (`rlbolt.checkpointing.processes`, `ProcessGroups.send_start`): the restored step,
-data position and rng, told before a resume's retained weights are pushed.
+data position and rng, told before a resume's retained weights are pushed; and (slow, two plain
+subprocesses) a checkpoint written on 2 devices read on a process with 1, as `rlbolt export` does.
 
 The slow tests that launch 4 processes (a training process killed inside a save, then the exact
 resume; process 0 killed) are in test_group_resume.py.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -183,3 +188,41 @@ def test_the_rollout_group_draws_its_sample_keys_from_the_restored_rng_not_the_s
     np.testing.assert_array_equal(np.asarray(keys[0]), expected)
     from_seed = np.asarray(fold(fold(fold(fold(jax.random.PRNGKey(0), 1), 2), 0), 0))
     assert not np.array_equal(np.asarray(keys[0])[0], from_seed)  # not this run's seed
+
+
+_WRITE = """
+import sys, jax, numpy as np
+jax.config.update("jax_num_cpu_devices", 2)
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from rlbolt.checkpointing.io import CheckpointIO
+rows = NamedSharding(Mesh(np.array(jax.devices()), ("fsdp",)), P("fsdp"))
+w = jax.device_put(np.arange(12, dtype=np.float32).reshape(4, 3) / 7, rows)  # half the rows on each device
+io = CheckpointIO(sys.argv[1], async_save=False)
+io.save(3, {"params": {"w": w}, "opt_state": {"mu": jax.device_put(np.ones((4, 3), np.float32), rows)},
+            "rng": np.asarray([7, 1], np.uint32)}, {"progress": {"step": 3}})
+io.close()
+"""
+_READ = """
+import sys, jax, numpy as np
+from rlbolt.checkpointing.io import CheckpointIO
+io = CheckpointIO(sys.argv[1], read_only=True)
+step, params, meta, _ = io.restore_usable(io.steps())
+io.close()
+np.save(sys.argv[2], np.asarray(params["w"]))
+print(step, jax.device_count(), params["w"].sharding)
+"""
+
+
+@pytest.mark.slow
+def test_a_checkpoint_sharded_over_devices_the_reader_lacks_is_read_on_one_device(tmp_path):
+    # What `rlbolt export` does with a checkpoint of a training group of 2 processes, on a process that lacks the
+    # writers' devices: two CPU devices write it, one reads it (Orbax alone, without a target, refuses: "Topology
+    # mismatch"). The end-to-end check (4 processes, export, the weights bitwise) is in test_group_resume.py.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_PLATFORMS", "XLA_FLAGS"))}
+    folder, out = tmp_path / "checkpoints", tmp_path / "w.npy"
+    done = subprocess.run([sys.executable, "-c", _WRITE, str(folder)], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = subprocess.run([sys.executable, "-c", _READ, str(folder), str(out)], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[:2] == ["3", "1"]  # step 3, read by a process with one device
+    np.testing.assert_array_equal(np.load(out), np.arange(12, dtype=np.float32).reshape(4, 3) / 7)  # bitwise

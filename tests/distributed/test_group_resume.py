@@ -8,7 +8,8 @@ checkpoint after every step (`RLBOLT_XPROC_CHECKPOINT=1`):
   uninterrupted one bitwise.
 - the same in async mode (lag 1), the resume with another `trainer.seed` (allowed): the checkpoint
   holds the retained behaviour weights, the resume's first push carries them, and the sample keys
-  come from the restored rng, so the resumed step equals the uninterrupted one bitwise.
+  come from the restored rng, so the resumed step equals the uninterrupted one bitwise; then
+  `rlbolt export` reads the checkpoint the training group (2 processes) wrote on one process.
 - process 0 (the coordination service's host) SIGKILLed at step 2 without a launcher (as under
   `srun` or by hand): every other process stops by itself, and none is left.
 """
@@ -92,7 +93,7 @@ def test_a_training_process_killed_inside_a_save_leaves_whole_checkpoints_and_re
 
 
 @pytest.mark.slow
-def test_async_checkpoints_across_groups_resume_exactly_with_another_seed(tmp_path):
+def test_async_checkpoints_across_groups_resume_exactly_with_another_seed_and_export_on_one_process(tmp_path):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     # beta 0: the KL reference is the initial parameters, which another seed changes (in one process too)
     async_run = {"RLBOLT_XPROC_CHECKPOINT": "1", "RLBOLT_XPROC_BETA": "0"}
@@ -122,6 +123,29 @@ def test_async_checkpoints_across_groups_resume_exactly_with_another_seed(tmp_pa
     for name in p_whole:
         np.testing.assert_array_equal(p_cut[name], p_whole[name], err_msg=name)
 
+    # rlbolt export on ONE process reads the checkpoint the training group of 2 processes wrote (Orbax restored it
+    # onto the writers' devices and refused: "Topology mismatch"); the exported weights are the trained ones
+    exported = tmp_path / "hf"
+    done = subprocess.run([sys.executable, "-m", "rlbolt", "export", str(cut / "run"), str(exported)],
+                          capture_output=True, text=True, env=_env(), timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "checkpoint step 3" in done.stdout
+    check_export(exported, p_whole)
+
+
+def check_export(folder: Path, params: dict) -> None:
+    """The HF folder's weights, read back into a Decoder, equal `params` (path -> array) bitwise."""
+    from flax import nnx
+
+    from rlbolt.models.hf_io import load_hf
+
+    decoder, _ = load_hf(folder)
+    flat = {".".join(map(str, path)): np.asarray(v.get_value()) for path, v in nnx.to_flat_state(
+        nnx.state(decoder, nnx.Param))}
+    assert sorted(flat) == sorted(params)
+    for name, value in params.items():
+        assert flat[name].dtype == value.dtype, name
+        np.testing.assert_array_equal(flat[name], value, err_msg=name)
 
 
 @pytest.mark.slow
