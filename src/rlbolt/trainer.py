@@ -192,8 +192,8 @@ class Trainer:
         try:
             state = self._setup(module, train_data, val_data)
             if self.groups is not None and self.groups.role == "rollout":  # a rollout for each push; no callbacks
-                run_rollout_group(module, self.plan, self.source, self.groups, state.params, self.seed,
-                                  self.plans["rollout"].share, **self.groups.receive_start(),  # a resume's step
+                run_rollout_group(module, self.plan, self.source, self.groups, state.params,  # a resume's step, rng
+                                  self.plans["rollout"].share, **self.groups.receive_start(),
                                   max_steps=self.max_steps, max_prompts=self._max_prompts(), lag=self.lag_steps)
                 return state  # its parameters live on the training group
             try:
@@ -246,9 +246,11 @@ class Trainer:
         return state
 
     def _apply_restore(self, restore: Restore) -> TrainState:
-        """What an `on_restore` returned: every callback's state loaded, the retained weights
-        published for the producer (oldest first: publishing prunes keys older than k - lag)."""
+        """What an `on_restore` returned: every callback's state loaded, the retained weights published
+        (oldest first: a publish prunes keys older than k - lag; across groups a push: the start goes first)."""
         self.callbacks.load_state_dict(dict(restore.callback_states or {}))
+        if self.groups is not None:
+            self.groups.send_start(restore.state.step, restore.state.data_position, host_value(restore.state.rng))
         for k in sorted(restore.weights):
             params, version = restore.weights[k]
             self.weights.publish(k, params, version)
@@ -257,7 +259,7 @@ class Trainer:
     def _producer(self, module: RLModule, state: TrainState) -> Producer:
         """The producer of the steps after `state`, whose weights it publishes (across groups: starting there too)."""
         if self.groups is not None:
-            self.groups.send_start(state.step, state.data_position)
+            self.groups.send_start(state.step, state.data_position, host_value(state.rng))
         self.weights.publish(state.step, state.params, state.policy_version)
         remote = None if self.groups is None else RemoteRollout(self.groups, self.sharding.share)
         return Producer(module, self.plan, self.source, self.weights, host_value(state.rng), max_steps=self.max_steps,
@@ -311,7 +313,7 @@ class Trainer:
         self.groups = ProcessGroups.of(self.placement, self.plans, timeout_s=self.prefetch_timeout_s)
         self.agree_with = None if self.groups is None else self.groups.mine
         if self.groups is not None:  # refusals, the group's agreements, the training group's pushes
-            self.groups.join_fit(self.mode, self.plan, val_data, self.callbacks, self.weights)
+            self.groups.join_fit(self.mode, self.plan, val_data, self.weights)
         elif not self.placement.colocated:
             sync = WeightSync(self.sharding, self.plans["rollout"])
             self.weights.transfer = lambda params, *_: sync(params)

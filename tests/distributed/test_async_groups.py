@@ -90,8 +90,9 @@ def _run(monkeypatch, keys, lag, max_steps, start_step=0):
     events: list[str] = []
     groups = _Groups(keys, events)
     plan = BatchPlan(prompts_per_step=2, num_generations=2, train_micro_batch_size=4)
-    produced = run_rollout_group(_Module(events), plan, None, groups, None, 0, _Share(), start_step=start_step,
-                                 start_position=0, max_steps=max_steps, max_prompts=None, lag=lag)
+    produced = run_rollout_group(_Module(events), plan, None, groups, None, _Share(), base_rng=None,
+                                 start_step=start_step, start_position=0, max_steps=max_steps, max_prompts=None,
+                                 lag=lag)
     return events, produced, groups
 
 

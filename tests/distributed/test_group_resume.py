@@ -6,6 +6,10 @@ checkpoint after every step (`RLBOLT_XPROC_CHECKPOINT=1`):
   written, before the commit), then the same command again, which resumes from step 2 and trains
   step 3. The run directory holds only whole checkpoints, and the resumed step equals the
   uninterrupted one bitwise.
+- the same in async mode (lag 1), the resume with another `trainer.seed` (allowed): the checkpoint
+  holds the retained behaviour weights, the resume's first push carries them, and the sample keys
+  come from the restored rng, so the resumed step equals the uninterrupted one bitwise; then
+  `rlbolt export` reads the checkpoint the training group (2 processes) wrote on one process.
 - process 0 (the coordination service's host) SIGKILLed at step 2 without a launcher (as under
   `srun` or by hand): every other process stops by itself, and none is left.
 """
@@ -38,9 +42,9 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _launch(out: Path, **extra: str) -> subprocess.CompletedProcess:
+def _launch(out: Path, *args: str, **extra: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "rlbolt", "launch", "--local", "4", "--devices-per-process", "1",
-                           "--grace-s", str(GRACE_S), "--", sys.executable, str(SCRIPT), str(out)],
+                           "--grace-s", str(GRACE_S), "--", sys.executable, str(SCRIPT), str(out), *args],
                           capture_output=True, text=True, env=_env(**extra), timeout=900)
 
 
@@ -86,6 +90,62 @@ def test_a_training_process_killed_inside_a_save_leaves_whole_checkpoints_and_re
     assert sorted(p_whole) == sorted(p_cut)
     for name in p_whole:
         np.testing.assert_array_equal(p_cut[name], p_whole[name], err_msg=name)
+
+
+@pytest.mark.slow
+def test_async_checkpoints_across_groups_resume_exactly_with_another_seed_and_export_on_one_process(tmp_path):
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    # beta 0: the KL reference is the initial parameters, which another seed changes (in one process too)
+    async_run = {"RLBOLT_XPROC_CHECKPOINT": "1", "RLBOLT_XPROC_BETA": "0"}
+    done = _launch(whole, "--mode", "async", **async_run)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = _launch(cut, "--mode", "async", **async_run, RLBOLT_XPROC_FAULT="killsave:1:3")
+    assert done.returncode != 0 and "process 1 of 4 was killed by SIGKILL" in _one_line(done.stderr)
+    checkpoints = cut / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["1", "2", "3.orbax-checkpoint-tmp", "saved.json"]
+    # lag 1: step 3 rolls out with the weights after 1 step, which the checkpoint of step 2 keeps
+    assert (checkpoints / "2" / "retained_weights").is_dir()
+
+    # the same command with another trainer.seed: sample keys from the restored rng, not the seed
+    done = _launch(cut, "--mode", "async", **async_run, RLBOLT_XPROC_SEED="7")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    roles = [json.loads((cut / f"role_{p}.json").read_text()) for p in range(4)]
+    assert [r["trained_steps"] for r in roles] == [1, 1, 0, 0]  # step 3 only: restored at step 2
+    first, resumed = json.loads((whole / "steps.json").read_text()), json.loads((cut / "steps.json").read_text())
+    assert [s["step"] for s in first] == [1, 2, 3] and [s["step"] for s in resumed] == [3]
+    assert first[2]["metrics"]["staleness/max"] == 1.0  # the resumed step trains samples of the retained weights
+    # Bitwise, as in sync mode: the same programs on the same processes from restored bits, the retained weights
+    # pushed first (by weights_for_step), and the restored rng's sample keys.
+    assert resumed[0]["completions"] == first[2]["completions"]
+    assert resumed[0]["metrics"] == first[2]["metrics"]
+    p_whole, p_cut = dict(np.load(whole / "params.npz")), dict(np.load(cut / "params.npz"))
+    assert sorted(p_whole) == sorted(p_cut)
+    for name in p_whole:
+        np.testing.assert_array_equal(p_cut[name], p_whole[name], err_msg=name)
+
+    # rlbolt export on ONE process reads the checkpoint the training group of 2 processes wrote (Orbax restored it
+    # onto the writers' devices and refused: "Topology mismatch"); the exported weights are the trained ones
+    exported = tmp_path / "hf"
+    done = subprocess.run([sys.executable, "-m", "rlbolt", "export", str(cut / "run"), str(exported)],
+                          capture_output=True, text=True, env=_env(), timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "checkpoint step 3" in done.stdout
+    check_export(exported, p_whole)
+
+
+def check_export(folder: Path, params: dict) -> None:
+    """The HF folder's weights, read back into a Decoder, equal `params` (path -> array) bitwise."""
+    from flax import nnx
+
+    from rlbolt.models.hf_io import load_hf
+
+    decoder, _ = load_hf(folder)
+    flat = {".".join(map(str, path)): np.asarray(v.get_value()) for path, v in nnx.to_flat_state(
+        nnx.state(decoder, nnx.Param))}
+    assert sorted(flat) == sorted(params)
+    for name, value in params.items():
+        assert flat[name].dtype == value.dtype, name
+        np.testing.assert_array_equal(flat[name], value, err_msg=name)
 
 
 @pytest.mark.slow

@@ -90,20 +90,18 @@ def test_remote_rollout_takes_each_micro_batch_in_order_and_checks_it_is_the_one
 
 def test_what_is_not_run_across_processes_is_refused_in_one_line():
     plan = BatchPlan(prompts_per_step=4, num_generations=4, train_micro_batch_size=8, max_refill_rounds=1)
-    ModelCheckpoint = type("ModelCheckpoint", (), {})
     with pytest.raises(ValueError) as error:
-        check_fit_across("async", plan, [{"prompt": "x"}], [ModelCheckpoint()])
+        check_fit_across("async", plan, [{"prompt": "x"}])
     message = str(error.value)
     assert "\n" not in message
-    for words in ("max_refill_rounds=1 (use 0)", "validation data", "ModelCheckpoint in async mode"):
+    for words in ("max_refill_rounds=1 (use 0)", "validation data"):
         assert words in message
     assert "trainer.mode" not in message  # async runs across groups (test_async_groups.py)
+    with pytest.raises(ValueError, match=r"trainer.mode='offline' \(use sync or async\)"):
+        check_fit_across("offline", BatchPlan(prompts_per_step=4, num_generations=4, train_micro_batch_size=8), None)
     plan = BatchPlan(prompts_per_step=4, num_generations=4, train_micro_batch_size=8)
-    for mode in ("sync", "async"):  # what runs passes
-        check_fit_across(mode, plan, None, [object()])
-    check_fit_across("sync", plan, None, [object(), ModelCheckpoint()])  # the training group saves alone
-    with pytest.raises(ValueError, match=r"ModelCheckpoint in async mode \(a resume would have to push"):
-        check_fit_across("async", plan, None, [ModelCheckpoint()])
+    for mode in ("sync", "async"):  # what runs passes; checkpoints in both (the training group saves alone, and
+        check_fit_across(mode, plan, None)  # an async resume pushes the retained weights first: test_group_resume.py)
 
 
 @pytest.mark.slow

@@ -18,7 +18,9 @@ rollout after the second weight push (async, lag 1: step index 2); `stop:P` SIGS
 `killsave:P:S` SIGKILLs training process P inside the checkpoint of step S, once its own shards are
 written and before the commit (Orbax's barrier before the primary renames the step into place: the
 worst moment). `RLBOLT_XPROC_CHECKPOINT=N` adds a ModelCheckpoint every N steps (keep all), which
-resumes from the newest checkpoint in `OUT/run/checkpoints` when the same command runs again. `RLBOLT_XPROC_DEADLINE_S`
+resumes from the newest checkpoint in `OUT/run/checkpoints` when the same command runs again;
+`RLBOLT_XPROC_SEED=S` runs with `trainer.seed` S (data_seed stays 0) and lets a resume change it
+(`allow_config_change`), `RLBOLT_XPROC_BETA` sets the KL coefficient (0.04). `RLBOLT_XPROC_DEADLINE_S`
 sets `prefetch_timeout_s` (the wait between the groups), `RLBOLT_XPROC_HEARTBEAT_S` the
 coordination service's heartbeat timeout (default 30 s). Every process writes `OUT/pid_<process>`
 at start, and process 0 logs `OUT/run/metrics.jsonl`.
@@ -74,7 +76,8 @@ def main() -> None:
             steps.append({"step": info.step, "metrics": metrics,
                           "completions": np.asarray(info.batch["completion_ids"]).tolist()})
 
-    algorithm = {"lr": 1e-3, "beta": 0.04, **({"rollout_correction": "tis"} if args.mode == "async" else {})}
+    beta = float(os.environ.get("RLBOLT_XPROC_BETA", "0.04"))
+    algorithm = {"lr": 1e-3, "beta": beta, **({"rollout_correction": "tis"} if args.mode == "async" else {})}
     module = GRPO({"rollout": {"max_new_tokens": 8}, "algorithm": algorithm,
                    "model": {"tiny": {"hidden_size": 32, "intermediate_size": 64, "num_heads": 4,
                                       "num_kv_heads": 2, "head_dim": 8}}}, reward=digits)
@@ -84,8 +87,11 @@ def main() -> None:
 
     callbacks = [Record(), MetricsLogger(writer=["jsonl"], every_n_steps=1)]
     if os.environ.get("RLBOLT_XPROC_CHECKPOINT"):
-        callbacks.append(ModelCheckpoint(every_n_steps=int(os.environ["RLBOLT_XPROC_CHECKPOINT"]), keep=None))
+        callbacks.append(ModelCheckpoint(every_n_steps=int(os.environ["RLBOLT_XPROC_CHECKPOINT"]), keep=None,
+                                         allow_config_change="RLBOLT_XPROC_SEED" in os.environ))
+    seed = int(os.environ.get("RLBOLT_XPROC_SEED", "0"))
     trainer = Trainer(plan, max_steps=3, callbacks=callbacks, run_dir=out / "run", placement=placement,
+                      seed=seed, data_seed=0,
                       mode=args.mode, max_staleness=1 if args.mode == "async" else None,
                       prefetch_timeout_s=None if deadline is None else float(deadline))
     state = trainer.fit(module, gsm8k_style_rows(16))

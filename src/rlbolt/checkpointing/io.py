@@ -271,14 +271,20 @@ class CheckpointIO:
         return dict(out[STATE]), meta, retained
 
     def restore_params(self, step: int) -> tuple[Any, dict]:
-        """Restores a step's parameters as saved (nested dicts), without a target to restore into
-        (what export uses: it needs no module); checksums and finiteness are verified.
+        """Restores a step's parameters as saved (nested dicts), without a module to restore into
+        (what export uses); checksums and finiteness are verified. Every array is read whole onto
+        this process's first device (`local_target`), whatever mesh and processes wrote it.
 
         Returns:
           (params, meta).
         """
         meta = self.read_meta(step)
-        out = self._restore_items(step, {STATE: ocp.args.StandardRestore()})
+        try:
+            target = local_target(self.directory / str(step) / STATE)
+        except Exception as exc:  # noqa: BLE001 - any read error makes the step unusable
+            raise CheckpointCorrupt(f"its array metadata cannot be read ({type(exc).__name__}: "
+                                   f"{_first_line(exc, directory=self.directory)})") from exc
+        out = self._restore_items(step, {STATE: ocp.args.StandardRestore(target)})
         integrity.verify(out[STATE], meta["integrity"][STATE], finite=(PARAMS_PREFIX,))
         return out[STATE]["params"], meta
 
@@ -326,6 +332,23 @@ class CheckpointIO:
         details = "; ".join(f"step {s}: {e}" for s, e in failures)
         raise NoUsableCheckpoint(f"no usable checkpoint in {self.directory} ({details}); restore them from a copy, "
                                  "or start over in a fresh run directory")
+
+
+def local_target(item: Path) -> Any:
+    """A StandardSave item's tree as arrays on this process's first device. Without a target Orbax restores
+    onto the shardings it saved, which name the writers' devices: a checkpoint several processes wrote
+    (a training group of 2) then fails on one with "Topology mismatch".
+
+    Args:
+      item: the item's folder inside a finalized step.
+
+    Returns:
+      The saved tree (nested dicts and lists) with a `jax.ShapeDtypeStruct` for every array.
+    """
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    saved = ocp.StandardCheckpointHandler().metadata(item).tree
+    return jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device)
+                        if hasattr(m, "shape") and hasattr(m, "dtype") else m, saved)
 
 
 def abstract(tree: Any) -> Any:

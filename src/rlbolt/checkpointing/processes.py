@@ -10,8 +10,9 @@ metadata and renames the finished step into place. With training and rollout on 
 of their own (`rlbolt.distributed.process_groups`), only the training group holds the state:
 its processes save, over barriers that name only them (`active_processes`), with its first
 process as the primary host; the rollout group saves nothing (what it needs to start again,
-the step and the data position, it takes from the training group when the run starts, and the
-weights from the first push). Without groups every process saves, process 0 primary.
+the step, the data position and the rng, it takes from the training group when the run starts,
+and the weights from the pushes: in async mode the retained behaviour weights first). Without
+groups every process saves, process 0 primary.
 """
 
 from __future__ import annotations

@@ -2,12 +2,12 @@
 
     groups = ProcessGroups.of(placement, plans)      None: every role on every process (colocated)
     groups.role                                      "train" or "rollout": this process's group
-    groups.join_fit(mode, plan, val, callbacks, ws)  a fit's set-up: refusals, the group's agreements, attach
+    groups.join_fit(mode, plan, val, ws)             a fit's set-up: refusals, the group's agreements, attach
     groups.attach(weight_store)                      training group: each publish pushes (send_weights)
     groups.send_weights(params, version, steps)      training group: the weight push of one publish
     params, version, steps = groups.receive_weights(abstract)   rollout group: that push (None: the end)
     groups.link.put(key, obj) / groups.link.take(key)    small host objects between the groups
-    groups.send_start(step, position) / groups.receive_start()   where the rollout group starts (a resume)
+    groups.send_start(step, position, rng) / groups.receive_start()   where the rollout group starts (a resume)
 
 Each process runs only its group's stages and jitted programs, on its group's sub-mesh (MPMD):
 the training group runs the Trainer's loop (logps, advantages, updates, callbacks), the
@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
 from rlbolt.distributed.agree import set_default_group
 from rlbolt.distributed.mesh import MeshError
@@ -155,7 +156,7 @@ class ProcessGroups:
         self.push = ProcessWeightPush(plans["train"], plans["rollout"])
         self.link = link if link is not None else GroupLink(DEFAULT_LINK_TIMEOUT_S if timeout_s is None else timeout_s)
         self._pushes = 0  # how many weight pushes this process took part in (the key of the next one)
-        self._started = False  # whether send_start ran (the training group)
+        self._started: tuple | None = None  # what send_start sent (the training group)
 
     @property
     def mine(self) -> tuple[int, ...]:
@@ -176,7 +177,7 @@ class ProcessGroups:
         """The first process of this process's group (it writes the group's keys)."""
         return jax.process_index() == min(self.train if self.role == "train" else self.rollout)
 
-    def join_fit(self, mode: str, plan: Any, val_data: Any, callbacks: Any, weights: Any) -> None:
+    def join_fit(self, mode: str, plan: Any, val_data: Any, weights: Any) -> None:
         """A fit's set-up across groups: what is not run is refused (`check_fit_across`), every agreement
         of the fit (callbacks' too) stays in this process's group, and the training group's publishes
         push to the rollout group (`attach`).
@@ -185,10 +186,9 @@ class ProcessGroups:
           mode: the Trainer's mode.
           plan: the BatchPlan.
           val_data: the fit's validation rows, or None.
-          callbacks: the fit's callbacks.
           weights: the Trainer's `WeightStore`.
         """
-        check_fit_across(mode, plan, val_data, callbacks)
+        check_fit_across(mode, plan, val_data)
         set_default_group(self.mine)
         self.attach(weights)
 
@@ -211,24 +211,45 @@ class ProcessGroups:
         self.push(params, policy_version)
         self._pushes += 1
 
-    def send_start(self, step: int, data_position: int) -> None:
-        """Training group: tells each rollout process the first step to roll out and its prompt counter
-        (on a resume, the restored checkpoint's), before the first push."""
+    def send_start(self, step: int, data_position: int, base_rng: Any) -> None:
+        """Training group: tells each rollout process where to start, before the first push: the first step
+        to roll out, its prompt counter and the run's base key (`state.rng`; on a resume, the restored
+        checkpoint's, so the sample keys are the ones the run had, whatever `trainer.seed` is now).
+
+        Sent once per fit; a second call with the same start does nothing (the Trainer sends it before a
+        restore's retained weights are pushed, and again when its producer starts).
+
+        Args:
+          step: the first step to roll out (steps completed).
+          data_position: the prompt counter at that step.
+          base_rng: the run's base key as raw uint32 (None: no step follows, see `end`).
+
+        Raises:
+          RuntimeError: a second call with another start (the rollout group already has the first).
+        """
+        start = (int(step), int(data_position), None if base_rng is None else np.asarray(base_rng))
+        if self._started:
+            sent = self._started
+            if sent[:2] != start[:2] or not np.array_equal(sent[2], start[2]):
+                raise RuntimeError(f"the rollout group was told to start at step {sent[0]} (prompt {sent[1]}), now "
+                                   f"at step {start[0]} (prompt {start[1]}): a callback's on_fit_start must not move "
+                                   "the step, data position or rng across process groups")
+            return
         if self.leader:
             for process in self.rollout:
-                self.link.put(f"start/{process}", (int(step), int(data_position)))
-        self._started = True
+                self.link.put(f"start/{process}", start)
+        self._started = start
 
-    def receive_start(self) -> dict[str, int]:
-        """Rollout group: `{"start_step", "start_position"}` from the training group (`send_start`)."""
-        step, position = self.link.take(f"start/{jax.process_index()}", sender=min(self.train))
-        return {"start_step": step, "start_position": position}
+    def receive_start(self) -> dict[str, Any]:
+        """Rollout group: `{"start_step", "start_position", "base_rng"}` from the training group (`send_start`)."""
+        step, position, base_rng = self.link.take(f"start/{jax.process_index()}", sender=min(self.train))
+        return {"start_step": step, "start_position": position, "base_rng": base_rng}
 
     def end(self) -> None:
         """Training group: tells the rollout group that no push follows (its loop returns; ended before the
         start, e.g. a restore that failed, it is sent a start first, so that it reaches the end)."""
         if not self._started:
-            self.send_start(0, 0)
+            self.send_start(0, 0, None)  # no step follows: the rollout group never draws a key
         if self.leader:
             for process in self.rollout:
                 try:
@@ -271,15 +292,13 @@ def check_shares(train: ShardingPlan, rollout: ShardingPlan) -> None:
                         f"{counts['rollout'][0]} on {counts['rollout'][1]}); put tp inside a process")
 
 
-def check_fit_across(mode: str, plan: Any, val_data: Any, callbacks: Any) -> None:
+def check_fit_across(mode: str, plan: Any, val_data: Any) -> None:
     """What a fit across process groups does not run yet, refused before anything compiles.
 
     Args:
       mode: the Trainer's mode (both run; async: the rollout group runs ahead, `remote_rollout`).
       plan: the BatchPlan (refill rounds are not run).
       val_data: validation rows (validation is not run: it samples on the rollout group).
-      callbacks: the fit's callbacks (each runs on the training group; ModelCheckpoint saves there, in sync
-        mode: an async resume would need the retained behaviour weights pushed first).
 
     Raises:
       ValueError: one line naming the setting and the fix.
@@ -291,10 +310,6 @@ def check_fit_across(mode: str, plan: Any, val_data: Any, callbacks: Any) -> Non
         unsupported.append(f"max_refill_rounds={plan.max_refill_rounds} (use 0)")
     if val_data is not None and len(val_data) > 0:
         unsupported.append("validation data (validate after the run, or use placement: colocated)")
-    saving = [type(cb).__name__ for cb in callbacks if type(cb).__name__ == "ModelCheckpoint"]
-    if saving and mode == "async":  # sync checkpoints run: the training group saves alone (checkpointing.processes)
-        unsupported.append("ModelCheckpoint in async mode (a resume would have to push the retained behaviour "
-                           "weights first: checkpoint in sync mode, or set callbacks.checkpoint: false)")
     if unsupported:
-        raise ValueError("placement across processes runs without refills, validation or async checkpoints yet; "
+        raise ValueError("placement across processes runs without refills or validation yet; "
                          "this fit has " + "; ".join(unsupported))

@@ -33,7 +33,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import numpy as np
 
 from rlbolt.batch import Batch, check_stage
@@ -93,7 +92,7 @@ class RemoteRollout:
 
 
 def run_rollout_group(module: RLModule, plan: BatchPlan, source: PromptSource, groups: ProcessGroups,
-                      abstract_params: Any, seed: int, share: DataShare, *, start_step: int, start_position: int,
+                      abstract_params: Any, share: DataShare, *, base_rng: Any, start_step: int, start_position: int,
                       max_steps: int | None, max_prompts: int | None, lag: int = 0,
                       stop: threading.Event | None = None) -> int:
     """The rollout group's loop: the pushes it needs, then each step's rollout (module doc).
@@ -104,8 +103,9 @@ def run_rollout_group(module: RLModule, plan: BatchPlan, source: PromptSource, g
       source: the prompts (the training group's, in the same order).
       groups: the process groups (this process in the rollout group).
       abstract_params: the parameter tree's shapes (what the push fills in).
-      seed: the run's seed (the sample keys derive from the training group's `state.rng`, made from it).
       share: this process's data share on the rollout mesh.
+      base_rng: the training group's `state.rng` (`ProcessGroups.receive_start`: on a resume, the
+        restored one), from which every sample key derives, as in the one-process producer.
       start_step: the first step to roll out.
       start_position: the prompt counter at that step.
       max_steps: steps to produce (None: until the prompts run out).
@@ -116,7 +116,6 @@ def run_rollout_group(module: RLModule, plan: BatchPlan, source: PromptSource, g
     Returns:
       How many steps this process rolled out.
     """
-    base_rng = np.asarray(jax.random.fold_in(jax.random.PRNGKey(seed), 1))  # the training group's state.rng
     step, position, size = start_step, start_position, plan.rollout_micro_batch_size // share.size
     produced, held, params = 0, None, None
     while stop is None or not stop.is_set():
