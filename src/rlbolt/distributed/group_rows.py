@@ -26,6 +26,7 @@ A training process that takes a key other than the next one the dock holds is re
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -34,6 +35,7 @@ from typing import Any
 import jax
 import numpy as np
 
+log = logging.getLogger(__name__)
 ROWS_STAGE = "train"  # the stage of the training process's dock: a micro batch is ready once added (whole)
 _SLICE_S = 0.5  # a wait on the dock, between looks at `stop` and the deadline
 
@@ -94,6 +96,7 @@ class FlightRows:
             self.server = DockServer(self.dock, "grpc://0.0.0.0:0", lease_s=self.timeout_s * 4 / 3)
             self.location = f"grpc://{advertised_host(coordinator)}:{self.server.port}"
             link.put(f"rows-at/{rank}", self.location)
+            log.info("rollout rows of data share %d: Arrow Flight, served at %s", rank, self.location)
 
     def put(self, key: str, rows: tuple[Mapping[str, Any], Any]) -> None:
         """Rollout process: the micro batch's host objects through the link, then its columns into the dock.
@@ -115,6 +118,7 @@ class FlightRows:
             location = self.link.take(f"rows-at/{self.rank}", sender=self.peer)
             self._client = RemoteDock(location, process=str(jax.process_index()), stage="rollout",
                                       connect_timeout_s=self.timeout_s, call_timeout_s=self.timeout_s)
+            log.info("rollout rows of data share %d: Arrow Flight, to %s", self.rank, location)
         return self._client
 
     def take(self, key: str, stop: Callable[[], bool] = lambda: False, sender: int | None = None

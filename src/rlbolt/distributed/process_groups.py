@@ -17,8 +17,9 @@ there are two cross-group transfers, which both groups make in the same order: t
 (train -> rollout: `ProcessWeightPush`, a `jax.device_put` across processes, with the policy
 version; announced under a key that names the steps its weights completed) and the rollout rows
 (rollout -> train: each rollout data share's rows of each rollout micro batch, as Arrow columns
-into a dock that the training process of that share serves over Arrow Flight: `FlightRows`). In async mode the rollout group runs up to the lag ahead: it joins the push of
-the weights after k steps only when a step it rolls out needs them, and until then the training
+into a dock that the training process of that share serves over Arrow Flight: `FlightRows`).
+In async mode the rollout group runs up to the lag ahead: it joins the push of the weights
+after k steps only when a step it rolls out needs them, and until then the training
 group's push of them waits for it (the push is one transfer with both sides). Collectives
 inside a group name only its processes (`rlbolt.distributed.agree`'s `group`,
 `DataShare.processes`).
