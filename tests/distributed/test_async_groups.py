@@ -57,7 +57,7 @@ class _Groups:
     """Scripted pushes: the weights after each of `keys` steps (a string names them), then the end."""
 
     def __init__(self, keys, events):
-        self.keys, self.events, self.link = list(keys), events, _Link()
+        self.keys, self.events, self.rows = list(keys), events, _Link()
 
     def receive_weights(self, abstract):
         if not self.keys:
@@ -119,7 +119,7 @@ def test_the_rollout_loop_uses_the_weights_of_step_minus_lag_and_joins_every_pus
     assert events == expected
     assert produced == max_steps - start
     # each step's one micro batch (4 samples) goes to the training group under its step
-    assert groups.link.puts == [f"rows/{s}/0/0" for s in range(start, max_steps)]
+    assert groups.rows.puts == [f"rows/{s}/0/0" for s in range(start, max_steps)]
 
 
 def test_a_push_newer_than_the_step_needs_is_refused_in_one_line(monkeypatch):
@@ -161,7 +161,7 @@ class _RowLink:
 def test_rows_made_with_other_weights_than_the_training_group_asked_for_are_refused():
     keys = np.asarray([[1, 2], [3, 4]], np.uint32)
     asked = Batch({"sample_keys": keys, "policy_version": np.zeros(2, np.int32)})
-    groups = type("G", (), {"rollout": (2,), "link": _RowLink({"sample_keys": keys,
+    groups = type("G", (), {"rollout": (2,), "rows": _RowLink({"sample_keys": keys,
                                                                "policy_version": np.ones(2, np.int32)})})()
     share = type("S", (), {"rank": 0, "size": 1})()
     with pytest.raises(RuntimeError, match=r"^step 3: the rollout group made micro batch 0 with policy version 1, the "

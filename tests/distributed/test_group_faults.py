@@ -48,6 +48,7 @@ def _launch(out: Path, fault: str, deadline_s: float | None = None, heartbeat_s:
                            "--grace-s", str(GRACE_S), "--", sys.executable, str(SCRIPT), str(out), "--mode", mode],
                           capture_output=True, text=True, env=env, timeout=900)
     ended = time.time()
+    (out / "launch_stderr.txt").write_text(done.stderr)  # every process's lines, for a failure's diagnosis
     assert (out / "fault_at").exists(), "the fault was not injected: " + done.stderr[-3000:]
     took = ended - float((out / "fault_at").read_text())
     print(f"{fault}: the launcher exited {took:.1f} s after the fault")
@@ -81,6 +82,19 @@ def test_a_process_killed_mid_step_ends_the_launch_in_one_line(tmp_path, process
     assert f"process {process} of 4 was killed by SIGKILL" in line, line
     assert took < KILL_BOUND_S, f"{took:.1f} s from the kill to the launcher's exit"
     _check_nothing_left(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_rollout_process_killed_mid_put_ends_the_launch_and_no_step_trains_on_its_half_micro_batch(tmp_path):
+    # Process 2 dies in the Flight put of step 2's first micro batch after one row of it crossed: the training
+    # process's dock applies a put only once its stream is whole (test_group_rows.py checks the dock holds
+    # nothing of it, and, without a launcher, the training process's line naming process 2 and its last rows).
+    done, took = _launch(tmp_path, "killput:2")
+    assert done.returncode != 0
+    line = _one_line(done.stderr)
+    assert "process 2 of 4 was killed by SIGKILL" in line, line
+    assert took < KILL_BOUND_S, f"{took:.1f} s from the kill to the launcher's exit"
+    _check_nothing_left(tmp_path)  # step 1 at most was trained and logged: not step 2, whose rows were cut
 
 
 @pytest.mark.slow

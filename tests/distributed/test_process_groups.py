@@ -61,7 +61,7 @@ class _Groups:
     rollout = (2, 3)
 
     def __init__(self, link):
-        self.link = link
+        self.link = self.rows = link  # the rows' transport takes as the link does (FlightRows, GroupLink)
 
 
 class _Share:

@@ -15,6 +15,8 @@ or trained).
 Faults (tests/distributed/test_group_faults.py): `RLBOLT_XPROC_FAULT=kill:P` SIGKILLs process P at
 step 2 (index 1): a training process at the start of its update, a rollout process at its first
 rollout after the second weight push (async, lag 1: step index 2); `stop:P` SIGSTOPs it there instead;
+`killput:P` SIGKILLs rollout process P in the put of that rollout's first micro batch, once its first row
+has crossed to the training process's Flight dock (the rest of the micro batch never does);
 `killsave:P:S` SIGKILLs training process P inside the checkpoint of step S, once its own shards are
 written and before the commit (Orbax's barrier before the primary renames the step into place: the
 worst moment). `RLBOLT_XPROC_CHECKPOINT=N` adds a ModelCheckpoint every N steps (keep all), which
@@ -118,7 +120,7 @@ def _inject_fault(fault: str) -> None:
     how, target, *at = fault.split(":")
     if int(target) != jax.process_index():
         return
-    sig = {"kill": signal.SIGKILL, "killsave": signal.SIGKILL, "stop": signal.SIGSTOP}[how]
+    sig = {"kill": signal.SIGKILL, "killsave": signal.SIGKILL, "killput": signal.SIGKILL, "stop": signal.SIGSTOP}[how]
     out = Path(sys.argv[1])
 
     def fault() -> None:
@@ -150,8 +152,32 @@ def _inject_fault(fault: str) -> None:
             fault()
         return on_rollout(self, params, batch)
 
-    Trainer._train_on, GRPO.on_rollout = train_on_then_fault, on_rollout_then_fault
     ProcessGroups.receive_weights = receive_counted
+    if how == "killput":
+        _kill_mid_put(pushes, fault)
+        return
+    Trainer._train_on, GRPO.on_rollout = train_on_then_fault, on_rollout_then_fault
+
+
+def _kill_mid_put(pushes: list[int], fault) -> None:
+    """Runs `fault` inside the first Flight put after the second push: its micro batch's columns go one row
+    per message, and the fault comes once the first message is written."""
+    from rlbolt.distributed.group_rows import FlightRows
+    from rlbolt.producer.dock.flight import wire
+
+    put, whole = FlightRows.put, wire.messages
+
+    def one_row_then_fault(batch):
+        yield batch.slice(0, 1)
+        fault()
+
+    def put_then_fault(self, key, rows):
+        if pushes[0] == 2:
+            wire.messages = one_row_then_fault
+        put(self, key, rows)
+        wire.messages = whole
+
+    FlightRows.put = put_then_fault
 
 
 def _kill_inside_save(step: int, fault) -> None:

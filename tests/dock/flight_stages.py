@@ -78,7 +78,7 @@ def killed_writer(dock, location: str, indices: list[int]) -> None:
     dock.put(completions(np.ones((len(first), PROMPT), np.int32)), first)
     rows = completions(np.ones((len(second), PROMPT), np.int32))
     batch = wire.to_record_batch(rows, "put")
-    args = {"call": "put", "client": f"{dock.process}/{dock.stage}", "indices": second}
+    args = {"call": "put", "client": f"{dock.process}/{dock.stage}", "indices": second, "rows": len(second)}
     descriptor = flight.FlightDescriptor.for_command(wire.dumps(args))
     writer, _ = flight.FlightClient(location).do_put(descriptor, batch.schema)
     writer.write_batch(batch.slice(0, 1))  # one row of the put's stream is on the wire, the rest never comes

@@ -6,6 +6,7 @@
     groups.attach(weight_store)                      training group: each publish pushes (send_weights)
     groups.send_weights(params, version, steps)      training group: the weight push of one publish
     params, version, steps = groups.receive_weights(abstract)   rollout group: that push (None: the end)
+    groups.rows.put(key, rows) / groups.rows.take(key)    the rollout rows (Arrow Flight: group_rows.py)
     groups.link.put(key, obj) / groups.link.take(key)    small host objects between the groups
     groups.send_start(step, position, rng) / groups.receive_start()   where the rollout group starts (a resume)
 
@@ -15,17 +16,19 @@ rollout group a loop of weight pushes and rollouts (`rlbolt.producer.remote_roll
 there are two cross-group transfers, which both groups make in the same order: the weight push
 (train -> rollout: `ProcessWeightPush`, a `jax.device_put` across processes, with the policy
 version; announced under a key that names the steps its weights completed) and the rollout rows
-(rollout -> train: each rollout data share's rows of each rollout micro batch, through the
-`GroupLink`). In async mode the rollout group runs up to the lag ahead: it joins the push of
-the weights after k steps only when a step it rolls out needs them, and until then the training
+(rollout -> train: each rollout data share's rows of each rollout micro batch, as Arrow columns
+into a dock that the training process of that share serves over Arrow Flight: `FlightRows`).
+In async mode the rollout group runs up to the lag ahead: it joins the push of the weights
+after k steps only when a step it rolls out needs them, and until then the training
 group's push of them waits for it (the push is one transfer with both sides). Collectives
 inside a group name only its processes (`rlbolt.distributed.agree`'s `group`,
 `DataShare.processes`).
 
 The `GroupLink` is the key-value store of JAX's coordination service (the gRPC service that
 `jax.distributed.initialize` starts on process 0): one pickled object per key, read once and
-deleted. Why it carries the rollout rows and not a `device_put` like the weights:
-docs/howto/multi-host.md.
+deleted. It carries the control messages (starts, push announcements, the Flight dock's address)
+and each micro batch's few host objects; why the rows go through Arrow Flight and not the
+key-value store or a `device_put` like the weights: docs/howto/multi-host.md.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import jax
 import numpy as np
 
 from rlbolt.distributed.agree import set_default_group
+from rlbolt.distributed.group_rows import FlightRows
 from rlbolt.distributed.mesh import MeshError
 from rlbolt.distributed.sharding import ShardingPlan
 from rlbolt.distributed.weight_push import ProcessWeightPush
@@ -154,7 +158,11 @@ class ProcessGroups:
         self.plans = plans
         check_shares(plans["train"], plans["rollout"])
         self.push = ProcessWeightPush(plans["train"], plans["rollout"])
-        self.link = link if link is not None else GroupLink(DEFAULT_LINK_TIMEOUT_S if timeout_s is None else timeout_s)
+        timeout_s = DEFAULT_LINK_TIMEOUT_S if timeout_s is None else timeout_s
+        self.link = link if link is not None else GroupLink(timeout_s)
+        rank = plans[self.role].share.rank  # the rows go between the two processes of one data share
+        self.rows = FlightRows(self.link, self.role, peer=(self.rollout if self.role == "train" else self.train)[rank],
+                               rank=rank, timeout_s=timeout_s)
         self._pushes = 0  # how many weight pushes this process took part in (the key of the next one)
         self._started: tuple | None = None  # what send_start sent (the training group)
 
@@ -259,6 +267,7 @@ class ProcessGroups:
                     # on the way out is the step's, not this one
                     if "ALREADY_EXISTS" not in str(exc):
                         raise
+        self.rows.close()
 
     def receive_weights(self, abstract: Any) -> tuple[Any, int, int] | None:
         """Rollout group: the next push's parameters on the rollout mesh, their policy version and the

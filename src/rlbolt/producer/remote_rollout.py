@@ -9,8 +9,10 @@ prompt rows of the step (`prompt_batch`, the same rows and sample keys as the tr
 of that share makes), and runs `on_rollout` on them in the same micro batches the training
 group's rollout stage takes from its dock (`rollout_micro_batch_size // shares`), on the rollout
 mesh, where the rollout group's processes run the same jitted programs together. Each micro
-batch's rows, with what `RLModule.log` collected, go under `rows/<step>/<micro batch>/<share>`;
-the training group's rollout stage takes them in the same order (`RemoteRollout`) and checks
+batch's rows, with what `RLModule.log` collected, go under `rows/<step>/<micro batch>/<share>`
+into the dock of the training process of the same share (Arrow Flight: `groups.rows`,
+`rlbolt.distributed.group_rows`); the training group's rollout stage takes them in the same
+order (`RemoteRollout`) and checks
 that they are the rows it asked for (their sample keys and policy version).
 
 Which weights roll out step s: those after `max(0, s - lag)` steps (`weights_for_step`: lag 0
@@ -63,7 +65,7 @@ class RemoteRollout:
     """The training group's rollout stage: `(step, batch) -> the rollout group's rows for it`.
 
     Args:
-      groups: the process groups (their `link`).
+      groups: the process groups (their `rows`).
       share: this training process's data share (the rollout process of the same share sent its rows).
       stop: polled while waiting (True: give up with TimeoutError).
     """
@@ -75,7 +77,7 @@ class RemoteRollout:
     def __call__(self, step: int, batch: Batch) -> Batch:
         micro = self._taken.get(step, 0)
         self._taken[step] = micro + 1
-        columns, logged = self.groups.link.take(f"rows/{step}/{micro}/{self.share.rank}", self.stop,
+        columns, logged = self.groups.rows.take(f"rows/{step}/{micro}/{self.share.rank}", self.stop,
                                                 sender=self.groups.rollout[self.share.rank])
         rows = Batch(columns)
         if rows.num_samples != batch.num_samples or not np.array_equal(rows["sample_keys"], batch["sample_keys"]):
@@ -136,6 +138,6 @@ def run_rollout_group(module: RLModule, plan: BatchPlan, source: PromptSource, g
         for micro, lo in enumerate(range(0, batch.num_samples, size)):
             with collect_log_values() as logged:
                 rows = check_stage(module.on_rollout(params, batch.slice(lo, lo + size)), "rollout")
-            groups.link.put(f"rows/{step}/{micro}/{share.rank}", (dict(rows), logged))
+            groups.rows.put(f"rows/{step}/{micro}/{share.rank}", (dict(rows), logged))
         step, position, produced = step + 1, position + prompts, produced + 1
     return produced

@@ -194,7 +194,8 @@ class RemoteDock:
 
     def _write(self, call: str, arrays: dict[str, np.ndarray], args: dict) -> dict:
         batch = wire.to_record_batch(arrays, call)
-        descriptor = flight.FlightDescriptor.for_command(wire.dumps({"call": call, "client": self._id, **args}))
+        descriptor = flight.FlightDescriptor.for_command(wire.dumps({"call": call, "client": self._id,
+                                                                     "rows": batch.num_rows, **args}))
         with self._calling(call, self._call_timeout):
             writer, reader = self._client.do_put(descriptor, batch.schema, _options(self._call_timeout))
             for message in wire.messages(batch):

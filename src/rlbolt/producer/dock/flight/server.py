@@ -3,8 +3,8 @@
 Calls map onto Flight's three verbs: `add`/`put` are `do_put` streams (the columns as Arrow record
 batches, the arguments in the descriptor, the reply in the stream's metadata); `get` is `do_get`
 (the arguments in the ticket, the taken rows as the stream, indices/keys in its schema metadata);
-every other call is an action. A `put` is applied only once its whole stream has arrived, so a
-writer that dies mid-put leaves nothing behind.
+every other call is an action. A `put` is applied only once its whole stream has arrived (the rows
+the writer announced in the descriptor), so a writer that dies mid-put leaves nothing behind.
 
 Liveness: every client names its process and stage and beats every lease/4 seconds; the server
 keeps each client's last call, its time and the last step (batch key) it wrote or took. A client
@@ -104,8 +104,8 @@ class DockServer(flight.FlightServerBase):
                writer: flight.FlightMetadataWriter) -> None:
         """`add` and `put`: the whole stream first (atomic), then one call on the dock."""
         args = wire.loads(descriptor.command)
-        table = reader.read_all()  # a writer that dies mid-stream raises here: nothing is written
-        reply = self._serve(args["call"], args, lambda: self._write(args, wire.from_table(table)))
+        table = reader.read_all()  # a writer that dies mid-stream: an error here, or (seen) the rows that came
+        reply = self._serve(args["call"], args, lambda: self._write(args, self._whole(args, table)))
         writer.write(pa.py_buffer(wire.dumps(reply)))
 
     def do_get(self, context: Any, ticket: flight.Ticket) -> flight.RecordBatchStream:
@@ -174,6 +174,15 @@ class DockServer(flight.FlightServerBase):
                                 "already connected; give each RemoteDock its own process (and stage) name")
             self.clients[client] = ClientRecord(args["process"], args["stage"], self._clock())
         return {"lease_s": self.lease_s}
+
+    @staticmethod
+    def _whole(args: dict, table: pa.Table) -> dict[str, np.ndarray]:
+        """The put's columns, once every row it announced arrived (a stream cut by the writer's death can end
+        like a whole one: pyarrow 26, a SIGKILLed client after its first message), else nothing is written."""
+        if table.num_rows != args["rows"]:
+            raise DockError(f"{args['call']}: {table.num_rows} of the {args['rows']} rows arrived (the writer "
+                            "stopped mid-put); nothing was written")
+        return wire.from_table(table)
 
     def _write(self, args: dict, arrays: dict[str, np.ndarray]) -> dict:
         call = args["call"]
