@@ -12,8 +12,13 @@ so the step in progress completes (its callbacks too). Fit then sets `trainer.in
 and ends through `on_fit_end` (ModelCheckpoint saves the last completed step, the loggers
 flush; callbacks that do long end-of-run work skip it when `trainer.interrupted`), and joins
 the producer thread. The first signal
-also prints one line on stderr, and a second signal ends the process at once, quietly, with
-the conventional status 128 + signum (130 for SIGINT, 143 for SIGTERM); the checkpoints on
+also prints one line on stderr, and a second signal ends the process at once, quietly: the
+first one restores the signals' default action, so the kernel ends the process the moment the
+second arrives (the shell's status 128 + signum: 130 for SIGINT, 143 for SIGTERM; a parent's
+`Popen.returncode` -signum). A Python handler could not promise that: the kernel hands a
+process's signal to any of its threads, and when another thread takes it the handler runs only
+once the main thread is back in Python, after the sleep or blocking call it is in (seen: a
+second SIGTERM during a callback's 5 s sleep ended the process 5 s late). The checkpoints on
 disk stay valid because every save is atomic.
 
 Handlers are installed only from the main thread (Python delivers signals there) and the
@@ -91,18 +96,13 @@ class StopOnSignal:
             raise Interrupted(signum)
         self.trainer.stop_signal = signum
         self.trainer.should_stop = True
-        for other in self._previous:
-            signal.signal(other, _exit_now)
+        for other in self._previous:  # the kernel acts on the next one, whichever thread it reaches
+            signal.signal(other, signal.SIG_DFL)
         if self.announce:
             name = signal.Signals(signum).name
             # os.write, not print: a handler may run in the middle of another write to stderr.
             _write_stderr(f"\nrlbolt: {name} received: stopping after the current step and saving a checkpoint "
                           f"(send it again to exit at once without saving)\n")
-
-
-def _exit_now(signum: int, frame) -> None:
-    del frame
-    os._exit(128 + signum)
 
 
 def _write_stderr(text: str) -> None:

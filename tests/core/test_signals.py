@@ -1,8 +1,9 @@
 """SIGINT / SIGTERM inside `Trainer.fit`, in-process (the process signals itself at a chosen
 moment, so the moment is exact and nothing needs a subprocess): the step in progress completes,
 the last completed step is saved, fit reports the interruption, the handlers are restored, and
-a resume matches a run that never stopped. The command-line exit codes (130 / 143) and the
-second signal (exit at once) are tested in tests/cli/test_cli_signals.py."""
+a resume matches a run that never stopped. The command-line exit codes (130 / 143) are tested in
+tests/cli/test_cli_faults.py, the second signal during a real fit in tests/callbacks/test_signal_resume.py
+(slow); here, in a small subprocess, that a second signal taken by another thread ends the process at once."""
 
 from __future__ import annotations
 
@@ -150,3 +151,41 @@ def test_fit_in_a_thread_installs_no_handlers(tmp_path):
     worker.start()
     worker.join(120)
     assert seen["handler"] is before
+
+
+SECOND_SIGNAL_ON_ANOTHER_THREAD = """
+import signal, sys, threading, time
+from rlbolt.signals import StopOnSignal
+
+class Flags:
+    should_stop, stop_signal = False, None
+
+flags = Flags()
+with StopOnSignal(flags, announce=False) as handlers:
+    handlers.defer()
+    signal.raise_signal(signal.SIGTERM)  # the first: its handler runs here, on the main thread
+    assert flags.should_stop
+    def second():
+        time.sleep(0.3)
+        print("sent", time.monotonic(), flush=True)
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)  # taken by this thread, not the main one
+    threading.Thread(target=second).start()
+    time.sleep(20)  # the main thread sleeps in C: a Python handler would run only after it
+print("survived", flush=True)
+"""
+
+
+def test_a_second_signal_taken_by_another_thread_ends_the_process_at_once():
+    """The kernel hands a process's signal to any of its threads; a Python handler then runs only once
+    the main thread is back in Python (after a 20 s sleep here). The first signal restores the default
+    action, so the second ends the process when it arrives, killed by it (the shell's 143)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", SECOND_SIGNAL_ON_ANOTHER_THREAD], capture_output=True, text=True,
+                          timeout=120)
+    ended = time.monotonic()
+    assert proc.returncode == -signal.SIGTERM, proc.stderr[-2000:]
+    assert "survived" not in proc.stdout
+    sent = float(proc.stdout.split("sent ")[1].split()[0])
+    assert ended - sent < 10.0  # the sleep had 19.7 s to go; the bound leaves room for a loaded box's exit
