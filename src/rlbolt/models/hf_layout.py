@@ -10,6 +10,7 @@ from typing import Any
 from flax import nnx
 
 from rlbolt.models.config import ModelConfig
+from rlbolt.models.stacked_layers import unstack_layer_state
 
 __all__ = ["HfTensor", "flat_params", "hf_tensor_layout", "split_sizes"]
 
@@ -78,5 +79,10 @@ def split_sizes(path: str, config: ModelConfig, count: int, total: int) -> list[
 
 
 def flat_params(state) -> dict[str, Any]:
-    """An nnx state as {"layers.0.attn.qkv_proj.kernel": variable}: the layout's keys."""
+    """An nnx state as {"layers.0.attn.qkv_proj.kernel": variable}: the layout's keys.
+
+    Layers stored stacked (`rlbolt.models.stacked_layers`) come out per layer, each variable
+    holding its layer's slice (a copy: read it, do not set it); per-layer states keep their
+    own variables."""
+    state = unstack_layer_state(state)
     return {".".join(str(part) for part in path): variable for path, variable in nnx.to_flat_state(state)}
