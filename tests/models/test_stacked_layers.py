@@ -23,7 +23,8 @@ from rlbolt.models import Decoder, tiny_config
 from rlbolt.models.cache import init_cache
 from rlbolt.models.hf_io import load_hf, save_hf
 from rlbolt.models.logps import token_logps
-from rlbolt.models.stacked_layers import (StackedLayers, is_stacked, stack_layer_state, stack_layers,
+from rlbolt.models.hf_layout import flat_params
+from rlbolt.models.stacked_layers import (LayerSlice, StackedLayers, is_stacked, stack_layer_state, stack_layers,
                                           unstack_layer_state)
 
 LAYERS = 3
@@ -78,8 +79,10 @@ def test_the_stored_stack_scans_to_the_loops_logits_and_gradients_without_a_copy
     assert all(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(grads))
 
 
+@pytest.mark.slow
 def test_the_looping_passes_read_per_layer_views():
-    """Decode with a KV cache and the prompt-shared forward loop over `model.layers[i]`."""
+    """Decode with a KV cache and the prompt-shared forward loop over `model.layers[i]` (slow: the
+    default tier's GRPO-free cover is the scan test; the slow GRPO fit below samples through them too)."""
     per_layer, stacked = _models()
     for model in (per_layer, stacked):
         model.scan_layers = True  # the cache path and the shared prompt loop whatever the flag
@@ -128,6 +131,9 @@ def test_hugging_face_export_of_a_stacked_model_round_trips_bit_exact(tmp_path):
     loaded, config = load_hf(tmp_path / "a")
     stack_layers(loaded)
     assert is_stacked(loaded)
+    flat = flat_params(nnx.state(loaded, nnx.Param))  # export reads one layer's slice at a time
+    assert isinstance(flat["layers.2.mlp.down_proj.kernel"], LayerSlice)
+    assert flat["layers.2.mlp.down_proj.kernel"].get_metadata()["out_sharding"] == ("mlp", "embed")
     save_hf(loaded, config, tmp_path / "b")
     a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
     assert sorted(a) == sorted(b) and any(".layers.2." in name for name in a)

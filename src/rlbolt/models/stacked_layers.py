@@ -144,6 +144,41 @@ def stack_layer_state(tree: Any) -> Any:
     return _walk(tree, _per_layer_keys, convert)
 
 
+class LayerSlice:
+    """Layer i of a stacked variable, sliced when read (`get_value`): export walks the layers one
+    parameter at a time, so no second copy of the layer weights is made on the device."""
+
+    def __init__(self, variable: nnx.Variable, i: int):
+        self.variable, self.index = variable, i
+
+    def get_value(self) -> Any:
+        """The layer's array (a new slice at each call)."""
+        return _take_value(self.variable.get_value(), self.index)
+
+    def get_metadata(self) -> dict[str, Any]:
+        """The variable's metadata, the leading "layers" axis dropped."""
+        meta = dict(self.variable.get_metadata())
+        if meta.get("out_sharding"):
+            meta["out_sharding"] = tuple(meta["out_sharding"][1:])
+        return meta
+
+
+def flat_layer_slices(state: Any) -> list[tuple[tuple, Any]]:
+    """`nnx.to_flat_state(state)` with every stacked `('layers', 'block', ...)` variable given as
+    its per-layer `('layers', i, ...)` LayerSlices (read-only); other variables as they are.
+
+    Args:
+      state: an nnx.State of a Decoder, stacked or per layer.
+    """
+    out = []
+    for path, variable in nnx.to_flat_state(state):
+        if len(path) > 1 and path[0] == LAYER_AXIS and path[1] == BLOCK:
+            out.extend(((LAYER_AXIS, i, *path[2:]), LayerSlice(variable, i)) for i in range(variable.shape[0]))
+        else:
+            out.append((path, variable))
+    return out
+
+
 def saved_layout(names: Iterable[str]) -> str | None:
     """"stacked", "per_layer" or None (no layers) for the array names of a checkpoint record
     (`params/layers/block/...` or `params/layers/0/...`, as `rlbolt.checkpointing.integrity` names them)."""
