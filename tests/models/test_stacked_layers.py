@@ -184,6 +184,18 @@ def test_a_checkpoint_restores_into_the_other_layout(tmp_path, saved_stacked):
     assert jax.tree.structure(params) == jax.tree.structure(want.params)
     for got, ref in zip(jax.tree.leaves(params), jax.tree.leaves(want.params)):
         assert np.array_equal(got, ref)
+    if saved_stacked:  # `rlbolt export` rebuilds a per-layer Decoder from the stacked arrays as saved
+        import dataclasses
+
+        from rlbolt.app.cli_export import decoder_from_checkpoint
+        from rlbolt.checkpointing.io import CheckpointIO
+
+        raw, _ = CheckpointIO(tmp_path / "checkpoints", read_only=True).restore_params(2)
+        exported = decoder_from_checkpoint(raw, {"config": dataclasses.asdict(per_layer.config)}, tmp_path)
+        ref = nnx.state(per_layer, nnx.Param)
+        assert jax.tree.structure(nnx.state(exported, nnx.Param)) == jax.tree.structure(ref)
+        for got, want_leaf in zip(jax.tree.leaves(nnx.state(exported, nnx.Param)), jax.tree.leaves(ref)):
+            assert np.array_equal(got, want_leaf)
 
 
 
