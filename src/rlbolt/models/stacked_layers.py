@@ -64,7 +64,11 @@ class StackedLayers(nnx.Module):
 
 
 def is_stacked(model: nnx.Module) -> bool:
-    """Whether `model` (a Decoder) holds its layers stacked."""
+    """Whether `model` holds its layers stacked.
+
+    Args:
+      model: a Decoder (anything without a StackedLayers `layers` attribute: False).
+    """
     return isinstance(getattr(model, "layers", None), StackedLayers)
 
 
@@ -89,21 +93,6 @@ def stack_layers(model: nnx.Module) -> nnx.Module:
     states = [nnx.state(layer) for layer in layers]
     stacked = jax.tree.map(lambda *vs: _stack_variables(vs), *states, is_leaf=_is_variable)
     model.layers = StackedLayers(nnx.merge(graphdef, stacked), len(layers))
-    return model
-
-
-def unstack_layers(model: nnx.Module) -> nnx.Module:
-    """Replaces a StackedLayers `model.layers` by the per-layer nnx.List, in place (a copy of the slices).
-
-    Args:
-      model: a Decoder; per layer already: unchanged.
-
-    Returns:
-      `model`.
-    """
-    if is_stacked(model):
-        stacked = model.layers
-        model.layers = nnx.List([stacked[i] for i in range(stacked.count)])
     return model
 
 
@@ -146,7 +135,12 @@ def stack_layer_state(tree: Any) -> Any:
 
 class LayerSlice:
     """Layer i of a stacked variable, sliced when read (`get_value`): export walks the layers one
-    parameter at a time, so no second copy of the layer weights is made on the device."""
+    parameter at a time, so no second copy of the layer weights is made on the device.
+
+    Args:
+      variable: the stacked nnx Variable ([L, ...]).
+      i: the layer.
+    """
 
     def __init__(self, variable: nnx.Variable, i: int):
         self.variable, self.index = variable, i
@@ -180,8 +174,12 @@ def flat_layer_slices(state: Any) -> list[tuple[tuple, Any]]:
 
 
 def saved_layout(names: Iterable[str]) -> str | None:
-    """"stacked", "per_layer" or None (no layers) for the array names of a checkpoint record
-    (`params/layers/block/...` or `params/layers/0/...`, as `rlbolt.checkpointing.integrity` names them)."""
+    """"stacked", "per_layer" or None (no layers) for the array names of a checkpoint record.
+
+    Args:
+      names: array names as `rlbolt.checkpointing.integrity` writes them (`params/layers/block/...`
+        or `params/layers/0/...`).
+    """
     for name in names:
         parts = name.split("/")
         for j, part in enumerate(parts[:-1]):
