@@ -1,5 +1,8 @@
 """Compile time of the whole GRPO update against depth (`rlbolt plan`'s update executable): looped vs scanned
 layers, on this CPU and for a TPU slice (`benchmarks/compile_depth.py` times the gradient alone on this CPU).
+Scanned layers come in two storages: `stacked` (what a run with `model.scan_layers` does: one [L, ...]
+array per parameter kind, `rlbolt.models.stacked_layers`) and `per_layer` (the layers stored one by
+one and stacked inside the update at every forward, as before stacked storage).
 
 Each row writes a small Qwen2-shaped config.json (width 512; no weights exist), builds the run
 abstractly and compiles only the update executable (`rlbolt.planning`): with `--target host` for
@@ -7,7 +10,8 @@ this process's CPU device, with `--target v5p:2x2x2` (any slice name) with libtp
 Rows run interleaved (every depth and layout once per round) so a load change on a shared box
 hits them alike; the table gives the median over the rounds.
 
-    python benchmarks/update_compile_depth.py --layers 2 8 28 --targets host v5p:2x2x2 --rounds 3
+    python benchmarks/update_compile_depth.py --layers 2 8 28 --targets host v5p:2x2x2 --rounds 3 \
+        --variants looped per_layer stacked
 
 Prints one JSON line per compile, then the medians.
 """
@@ -29,21 +33,31 @@ SMALL = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_a
          "num_key_value_heads": 2, "vocab_size": 32000, "tie_word_embeddings": False}
 
 
-def compile_update(layers: int, scan: bool, target: str, tokens: int, remat: str) -> float:
+VARIANTS = ("looped", "per_layer", "stacked")  # scan off; scanned with per-layer storage; scanned, stored stacked
+
+
+def compile_update(layers: int, variant: str, target: str, tokens: int, remat: str) -> float:
     """Seconds to build the abstract run and compile its update (lowering included)."""
     from plan_table import run_config
 
+    import rlbolt.modules.policy_setup as policy_setup
     from rlbolt.config import load_config
     from rlbolt.distributed.topology import target_devices
     from rlbolt.planning import build_abstract, plan_run
 
     devices = target_devices(None if target == "host" else target)
     micro = max(8, len(devices))
-    with tempfile.TemporaryDirectory() as folder:
-        (Path(folder) / "config.json").write_text(json.dumps({**SMALL, "num_hidden_layers": layers}))
-        cfg = load_config(run_config(folder, tokens, micro, False, remat, scan))
-        run = build_abstract(cfg, devices)
-        report = plan_run(run, target, ("update",))
+    stack = policy_setup.stack_layers
+    if variant == "per_layer":  # the layers stay stored per layer: the scan stacks them in every forward
+        policy_setup.stack_layers = lambda model: model
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            (Path(folder) / "config.json").write_text(json.dumps({**SMALL, "num_hidden_layers": layers}))
+            cfg = load_config(run_config(folder, tokens, micro, False, remat, variant != "looped"))
+            run = build_abstract(cfg, devices)
+            report = plan_run(run, target, ("update",))
+    finally:
+        policy_setup.stack_layers = stack
     return report.executables[0].compile_seconds
 
 
@@ -54,6 +68,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=1024, help="tokens per sequence (512 of them prompt)")
     parser.add_argument("--remat", default="full")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from machine import cpu_model
@@ -63,16 +78,16 @@ def main(argv=None) -> int:
     for _ in range(args.rounds):
         for target in args.targets:
             for layers in args.layers:
-                for scan in (False, True):
-                    seconds = compile_update(layers, scan, target, args.tokens, args.remat)
-                    times.setdefault((target, layers, scan), []).append(seconds)
-                    print(json.dumps({"target": target, "layers": layers, "scan_layers": scan, "seconds": seconds,
+                for variant in args.variants:
+                    seconds = compile_update(layers, variant, target, args.tokens, args.remat)
+                    times.setdefault((target, layers, variant), []).append(seconds)
+                    print(json.dumps({"target": target, "layers": layers, "variant": variant, "seconds": seconds,
                                       "load": os.getloadavg()[0]}), flush=True)
-    print(f"{'target':<12}{'layers':>7}{'looped s':>10}{'scanned s':>11}")
+    print(f"{'target':<12}{'layers':>7}" + "".join(f"{v + ' s':>13}" for v in args.variants))
     for target in args.targets:
         for layers in args.layers:
-            looped, scanned = (statistics.median(times[(target, layers, s)]) for s in (False, True))
-            print(f"{target:<12}{layers:>7}{looped:>10.1f}{scanned:>11.1f}")
+            medians = (statistics.median(times[(target, layers, v)]) for v in args.variants)
+            print(f"{target:<12}{layers:>7}" + "".join(f"{m:>13.1f}" for m in medians))
     return 0
 
 

@@ -39,9 +39,10 @@ def _run(model, scan: bool):
     return scans, np.where(mask[..., None], logits, 0.0), grads
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", [pytest.param("llama", marks=pytest.mark.slow), "gemma3"])
 def test_the_scanned_forward_equals_the_loop(family):
-    """Gemma 3 carries its per-layer window and RoPE base through the scan as arrays."""
+    """Gemma 3 carries its per-layer window and RoPE base through the scan as arrays. (llama is in the
+    slow tier: tests/models/test_stacked_layers.py scans a llama's stored stack against the loop by default.)"""
     model = Decoder(tiny_config(num_layers=3, **(GEMMA3 if family == "gemma3" else {})), rngs=nnx.Rngs(0))
     loop_scans, loop_logits, loop_grads = _run(model, False)
     scans, logits, grads = _run(model, True)

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.tpu
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 from rlbolt.config import load_config  # noqa: E402
-from plan_tiny import PARAMS, RUN  # noqa: E402
+from plan_tiny import PARAMS, RUN, L  # noqa: E402
 
 # TPU buffers are laid out in (sublane x 128) tiles: a shard whose last dimensions are not whole
 # tiles is padded, by less than one bf16/f32 tile (16 x 128 x 4 bytes = 8 KiB) per array.
@@ -143,16 +143,24 @@ def test_a_compile_refused_for_memory_is_does_not_fit_with_the_compilers_figure(
 def test_scanned_layers_give_no_time_estimate_but_the_same_arguments():
     import copy
 
+    import jax
+
     from rlbolt.distributed.topology import target_devices
     from rlbolt.planning import build_abstract, plan_run
 
     config = copy.deepcopy(RUN)
     config["model"]["scan_layers"] = True
-    scanned = plan_run(build_abstract(load_config(config), target_devices("v5e:2x2")), "v5e:2x2", names=("update",))
-    looped = plan_run(_run("v5e:2x2"), "v5e:2x2", names=("update",))
+    scanned_run = build_abstract(load_config(config), target_devices("v5e:2x2"))
+    scanned = plan_run(scanned_run, "v5e:2x2", names=("update",))
+    looped_run = _run("v5e:2x2")
+    looped = plan_run(looped_run, "v5e:2x2", names=("update",))
     # XLA's cost analysis counts a loop body once: a scanned stack's flops and time would be one layer's
     assert looped.executables[0].seconds is not None and scanned.executables[0].seconds is None
-    assert scanned.executables[0].argument_bytes == looped.executables[0].argument_bytes
+    # The same parameters, stored stacked (rlbolt.models.stacked_layers): fewer arrays, so less tile padding.
+    leaves = [len(jax.tree.leaves(r.params)) for r in (scanned_run, looped_run)]
+    assert leaves == [3 + 6, 3 + 6 * L]
+    padding = looped.executables[0].argument_bytes - scanned.executables[0].argument_bytes
+    assert 0 <= padding < 3 * (leaves[1] - leaves[0]) * TILE  # params, AdamW's two moments: each array padded
 
 
 def test_a_reference_on_devices_of_its_own_compiles_there_and_leaves_the_training_devices():

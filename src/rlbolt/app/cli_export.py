@@ -92,13 +92,15 @@ def decoder_from_checkpoint(params: Any, model: dict | None, run_dir: Path):
     from rlbolt.checkpointing.integrity import named_leaves, path_name
     from rlbolt.models import Decoder
     from rlbolt.models.config import ModelConfig
+    from rlbolt.models.stacked_layers import unstack_layer_state
 
     if model is None:
         raise rundir.RunDirError(f"the checkpoints in {run_dir} record no rlbolt Decoder (the module's `model` was "
                                  "not an rlbolt.models.Decoder), so there is nothing export can write")
     config = ModelConfig(**model["config"]).validate()
     key = model.get("params_key")
-    saved = named_leaves(params[key] if key is not None else params)
+    # A run with model.scan_layers may hold its layers stacked (rlbolt.models.stacked_layers): per layer here.
+    saved = named_leaves(unstack_layer_state(params[key] if key is not None else params))
     graphdef, template = nnx.split(nnx.eval_shape(lambda: Decoder(config, rngs=nnx.Rngs(0))), nnx.Param)
 
     def fill(path, leaf):

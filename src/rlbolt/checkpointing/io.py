@@ -40,6 +40,7 @@ from rlbolt.checkpointing import integrity
 from rlbolt.checkpointing.integrity import CheckpointCorrupt
 from rlbolt.checkpointing.processes import barrier, multiprocessing_options
 from rlbolt.distributed.agree import default_group
+from rlbolt.models.stacked_layers import saved_layout, to_layout
 from rlbolt.utils.files import format_size, is_disk_full, write_text_atomic
 
 STATE, META, RETAINED = "state", "meta", "retained_weights"
@@ -257,10 +258,16 @@ class CheckpointIO:
             check_meta(step, meta)
         record = meta["integrity"]
         keys = [int(k) for k, _ in meta.get("retained_weights", [])]
-        integrity.check_layout(record[STATE], abstract_arrays)
-        items = {STATE: ocp.args.StandardRestore(abstract(abstract_arrays))}
+        # The decoder's layers stored stacked or per layer (rlbolt.models.stacked_layers): the step is
+        # read in the layout it was saved in, then converted to this run's.
+        saved, wanted = saved_layout(record[STATE]), saved_layout(integrity.named_leaves(abstract_arrays))
+        convert = saved is not None and wanted is not None and saved != wanted
+        arrays_target = to_layout(abstract(abstract_arrays), saved if convert else None)  # no array is copied
+        integrity.check_layout(record[STATE], arrays_target)
+        items = {STATE: ocp.args.StandardRestore(arrays_target)}
         if keys:
-            target = {str(k): abstract(abstract_params) for k in keys}
+            params_target = to_layout(abstract(abstract_params), saved if convert else None)
+            target = {str(k): params_target for k in keys}
             integrity.check_layout(record[RETAINED], target)
             items[RETAINED] = ocp.args.StandardRestore(target)
         out = self._restore_items(step, items)
@@ -268,6 +275,10 @@ class CheckpointIO:
         if keys:
             integrity.verify(out[RETAINED], record[RETAINED], finite=("",))
         retained = {k: out[RETAINED][str(k)] for k in keys} if keys else {}
+        if convert:
+            arrays = _placed_like(to_layout(dict(out[STATE]), wanted), abstract(abstract_arrays))
+            retained = {k: _placed_like(to_layout(p, wanted), abstract(abstract_params)) for k, p in retained.items()}
+            return arrays, meta, retained
         return dict(out[STATE]), meta, retained
 
     def restore_params(self, step: int) -> tuple[Any, dict]:
@@ -363,6 +374,15 @@ def abstract(tree: Any) -> Any:
         return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
     return jax.tree.map(leaf, tree)
+
+
+def _placed_like(tree: Any, target: Any) -> Any:
+    """`tree`'s arrays moved onto the shardings of `target` (ShapeDtypeStructs of the same structure)."""
+    def put(x, t):
+        sharding = getattr(t, "sharding", None)
+        return x if sharding is None else jax.device_put(x, sharding)
+
+    return jax.tree.map(put, tree, target)
 
 
 def read_json(path: Path) -> dict | None:

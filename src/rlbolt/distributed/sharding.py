@@ -45,6 +45,7 @@ DEFAULT_RULES: tuple[tuple[str, Any], ...] = (
     ("mlp", "tp"),
     ("head_dim", None),
     ("experts", "expert"),  # a mixture of experts' stacked expert weights [E, ...]
+    ("layers", None),  # the leading axis of layers stored stacked (rlbolt.models.stacked_layers): every device holds all
 )
 
 
@@ -148,11 +149,14 @@ class ShardingPlan:
 
     def _expert_parallel(self, model: nnx.Module) -> None:
         ways = self.mesh.shape["expert"]
-        for layer in getattr(model, "layers", ()):  # a Pallas grouped matmul runs under shard_map over this mesh
+        # Stacked layers (rlbolt.models.stacked_layers) are dense and give read-only views: not iterated.
+        layers = getattr(model, "layers", ())
+        layers = () if type(layers).__name__ == "StackedLayers" else layers
+        for layer in layers:  # a Pallas grouped matmul runs under shard_map over this mesh
             if hasattr(layer.mlp, "row_mesh"):
                 layer.mlp.row_mesh = self.mesh if self.mesh.size > 1 else None
         if ways == 1 or not hasattr(model, "config"):
-            for layer in getattr(model, "layers", ()):  # a view of a model placed elsewhere: not that mesh's experts
+            for layer in layers:  # a view of a model placed elsewhere: not that mesh's experts
                 if hasattr(layer.mlp, "expert_mesh"):
                     layer.mlp.expert_mesh = None
             return

@@ -18,7 +18,10 @@ Parameter layout (a contract with `rlbolt.models.hf_io`; nnx state paths, kernel
     lm_head.kernel                         [H, V]              ("embed", "vocab") absent when tied
 
 `layers` is an `nnx.List`, so layer i appears in `nnx.State` under the integer key i
-(`nnx.to_flat_state` path `('layers', 0, 'attn', 'qkv_proj', 'kernel')`). Every nnx.Param carries
+(`nnx.to_flat_state` path `('layers', 0, 'attn', 'qkv_proj', 'kernel')`). A run with
+`model.scan_layers` stores them stacked instead (`rlbolt.models.stacked_layers`: path
+`('layers', 'block', 'attn', 'qkv_proj', 'kernel')`, [L, H, Q]); the table above stays the
+external layout. Every nnx.Param carries
 its logical axes as `out_sharding` metadata (with `eager_sharding=False`, so building a model
 needs no mesh); `nnx.get_partition_spec(state)` under `flax.linen.logical_axis_rules` maps them
 to mesh axes.

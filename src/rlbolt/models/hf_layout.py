@@ -7,9 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from flax import nnx
-
 from rlbolt.models.config import ModelConfig
+from rlbolt.models.stacked_layers import flat_layer_slices
 
 __all__ = ["HfTensor", "flat_params", "hf_tensor_layout", "split_sizes"]
 
@@ -78,5 +77,9 @@ def split_sizes(path: str, config: ModelConfig, count: int, total: int) -> list[
 
 
 def flat_params(state) -> dict[str, Any]:
-    """An nnx state as {"layers.0.attn.qkv_proj.kernel": variable}: the layout's keys."""
-    return {".".join(str(part) for part in path): variable for path, variable in nnx.to_flat_state(state)}
+    """An nnx state as {"layers.0.attn.qkv_proj.kernel": variable}: the layout's keys.
+
+    Layers stored stacked (`rlbolt.models.stacked_layers`) come out per layer as read-only
+    `LayerSlice`s (`get_value()` slices one layer when read); per-layer states give their own
+    variables (the loaders set them)."""
+    return {".".join(str(part) for part in path): variable for path, variable in flat_layer_slices(state)}

@@ -53,6 +53,7 @@ from jax.sharding import PartitionSpec as P
 
 from rlbolt.distributed.mesh import BATCH_AXES, batch_shards
 from rlbolt.models.moe_matmul import grouped_matmul
+from rlbolt.models.stacked_layers import is_stacked
 
 
 def route(logits: jnp.ndarray, top_k: int, norm_topk_prob: bool,
@@ -243,7 +244,10 @@ class MoeMLP(nnx.Module):
 
 
 def moe_layers(model) -> list[MoeMLP]:
-    """The MoE blocks of a Decoder, in layer order."""
+    """The MoE blocks of a Decoder, in layer order (none where the layers are stored stacked: those
+    are dense, and iterating them would slice every layer's weights)."""
+    if is_stacked(model):
+        return []
     return [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoeMLP)]
 
 

@@ -7,11 +7,11 @@ compile of a 28-layer update takes 14x that of a 2-layer one. Here the cache-fre
 choices travel as scanned arrays: whether it is a sliding-window layer (its mask and, for
 Gemma 3, its RoPE table are picked with `jnp.where`).
 
-The parameters stay stored per layer (`layers.{i}...`): checkpoints, Hugging Face / GGUF / PEFT
-load and export, LoRA and the shardings see the same layout as without the scan. The cost of
-that choice: each forward copies the layers' parameters into the stacked arrays (one more copy
-of the layer weights, live during the forward and its backward). Storing them stacked would
-remove the copy; it is not done yet.
+Where the layers are stored stacked (`rlbolt.models.stacked_layers`: what a run with
+`model.scan_layers` does when the layers can scan and no LoRA adapts them), the scan runs over
+that state as it is: no copy. A model whose layers are stored per layer (`layers.{i}...`: built
+outside a run, or a LoRA run) is stacked here at trace time, `jnp.stack` of every layer's state
+at each forward: one more copy of the layer weights, live during the forward and its backward.
 
 Falls back to the loop (returns None) when the layers differ in structure (Qwen3-MoE's
 mlp-only layers, a LoRA that targets some layers only), when a layer is a mixture of experts
@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from rlbolt.models.moe import MoeMLP
+from rlbolt.models.stacked_layers import is_stacked
 
 
 def scan_reason(model: nnx.Module) -> str | None:
@@ -36,6 +37,8 @@ def scan_reason(model: nnx.Module) -> str | None:
     Args:
       model: the Decoder.
     """
+    if is_stacked(model):
+        return None  # stacked only when the layers could scan (rlbolt.models.stacked_layers)
     layers = list(model.layers)
     if any(isinstance(layer.mlp, MoeMLP) for layer in layers):
         return "mixture-of-experts layers record their routing as module state"
@@ -62,9 +65,12 @@ def scanned_layers(model: nnx.Module, x: jnp.ndarray, ropes: list[tuple[jnp.ndar
       [B, T, H], as the loop over the layers (to float32 rounding: another fusion of the same ops).
     """
     cfg = model.config
-    layers = list(model.layers)
-    graphdef = nnx.graphdef(layers[0])
-    stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *(nnx.state(layer) for layer in layers))
+    if is_stacked(model):  # stored stacked: the scan reads the parameters where they are
+        graphdef, stacked = nnx.split(model.layers.block)
+    else:  # stored per layer: stacked here, one more copy of the layer weights per forward
+        layers = list(model.layers)
+        graphdef = nnx.graphdef(layers[0])
+        stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *(nnx.state(layer) for layer in layers))
     sliding = jnp.asarray([cfg.is_sliding(i) for i in range(cfg.num_layers)])
     kinds = {cfg.is_sliding(i): ropes[i] for i in range(cfg.num_layers)}  # a rope per kind of layer
     global_rope, local_rope = kinds.get(False, kinds.get(True)), kinds.get(True, kinds.get(False))
