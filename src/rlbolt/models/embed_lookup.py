@@ -83,7 +83,8 @@ def _layout(table_shape, ids_shape, stored, rows):
     shards = [math.prod(mesh.shape[a] for a in batch), math.prod(mesh.shape[a] for a in tokens)]
     if ids_shape[0] % shards[0] or ids_shape[1] % shards[1]:
         return None  # rows the activations leave to XLA (a one-row probe): the plain path
-    if vocab is not None and table_shape[0] % mesh.shape[vocab] or hidden is not None and table_shape[1] % mesh.shape[hidden]:
+    if (vocab is not None and table_shape[0] % mesh.shape[vocab]
+            or hidden is not None and table_shape[1] % mesh.shape[hidden]):
         return None
     summed = tuple(a for a in split if a != hidden and mesh.shape[a] > 1)
     return vocab, hidden, P(*row_spec), summed
