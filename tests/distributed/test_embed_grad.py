@@ -4,7 +4,8 @@ The plain lookup gathers the table whole ([V / tp, H] per chip) and autodiff's b
 chip's token cotangents into another whole [V / tp, H] before reducing it into the fsdp shards;
 `rlbolt.models.embed_lookup` touches only the chip's [V / tp, H / fsdp] shard. Run in a fresh process with
 8 CPU devices (the device count is fixed when JAX starts). Checked: the rows bit for bit and the gradient
-against a float64 NumPy scatter-add (ids 0 and V - 1, repeated ids) on three meshes; the compiled lookup and backward hold no [V / tp, H] float buffer; and a tiny Decoder's gradients, tied
+against a float64 NumPy scatter-add (ids 0 and V - 1, repeated ids) on three meshes; the compiled lookup
+and backward hold no [V / tp, H] float buffer; and a tiny Decoder's gradients, tied
 and untied, against the plain lookup's on the same mesh, the table's within the summation-order bound.
 """
 
@@ -130,7 +131,8 @@ print("ok")
 """
 
 
-@pytest.mark.slow  # 13 s on a quiet box (a fresh 8-device process, four meshes compiled): over the default tier's budget
+# 13 s on a quiet box (a fresh 8-device process, four meshes compiled): over the default tier's budget
+@pytest.mark.slow
 def test_the_embedding_gradient_is_formed_in_the_tables_shards_with_autodiffs_values():
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"}
