@@ -153,3 +153,17 @@ def test_advice_past_one_row_names_only_knobs_not_yet_turned(remat, says_remat, 
     assert line.startswith("update: even plan.train_micro_batch_size=8 (one row per batch shard) would not fit")
     assert ("model.remat: full" in line) is says_remat and "mesh.context" in line and "mesh.tp" in line
     assert (f"a larger mesh.context (now {context}" in line) is (context > 1)
+
+
+def test_the_config_callbacks_leave_the_planned_optimizer_as_the_run_compiles_it(tmp_path):
+    """The Trainer passes the module's optimizer through every callback's `wrap_optimizer` before the float32
+    masters; `build_abstract` plans it without them. That is the run's optimizer exactly while the callbacks a
+    config builds return it unchanged (NaNGuard's default "stop"; "skip" would wrap it in apply_if_finite and is
+    reachable only from Python). A config field that changes this must be applied in `build_abstract` too."""
+    from rlbolt.app.build import build_callbacks
+
+    tx = optax.adamw(1e-3)
+    callbacks = build_callbacks(load_config(RUN), tmp_path)
+    assert any(type(c).__name__ == "NaNGuard" for c in callbacks)  # the one built-in that can wrap
+    for callback in callbacks:
+        assert callback.wrap_optimizer(None, tx) is tx, type(callback).__name__

@@ -136,7 +136,7 @@ class ShardingPlan:
         """
         self._expert_parallel(model)
         if hasattr(model, "activation_sharding"):  # every setting, each time: a view may carry another mesh's
-            model.activation_sharding = model.embedding_read_sharding = None
+            model.activation_sharding = model.embedding_read_sharding = model.embedding_sharding = None
             model.token_sharding = None
             if self.mesh.size > 1:
                 model.activation_sharding = self.batch_sharding()
@@ -145,6 +145,8 @@ class ShardingPlan:
                 table = model.embed.embedding.get_value()
                 vocab = self.spec_for(("vocab",), table.shape[:1], "embed.embedding")[0]
                 model.embedding_read_sharding = NamedSharding(self.mesh, P(vocab, None))
+                model.embedding_sharding = NamedSharding(self.mesh, self.spec_for(
+                    _logical_axes(model.embed.embedding), table.shape, "embed.embedding"))
         return model
 
     def _expert_parallel(self, model: nnx.Module) -> None:

@@ -54,6 +54,7 @@ from rlbolt.models.cache import KVCache
 from rlbolt.models.config import ModelConfig
 from rlbolt.models.context_parallel import context_forward, context_kernel_calls, context_mesh_ways
 from rlbolt.models.decoder_layer import MLP, Attention, DecoderLayer, _swiglu  # noqa: F401  (also imported from here)
+from rlbolt.models.embed_lookup import embed_lookup
 # The building blocks, also imported from here (LoRA, quantisation, tests).
 from rlbolt.models.layers import Dense, Embed, RMSNorm, _norm, _normal, _param  # noqa: F401
 from rlbolt.models.moe import MoeMLP
@@ -105,6 +106,7 @@ class Decoder(nnx.Module):
         # Static attributes: part of the graph definition, not parameters.
         self.activation_sharding = None
         self.embedding_read_sharding = None
+        self.embedding_sharding = None  # the table's own (its gradient's): `rlbolt.models.embed_lookup`
         # With mesh.context > 1: the residual stream with its token axis over `context` too (else None).
         self.token_sharding = None
         # Forwards without a cache (training, logps) run causal attention in chunks of this many
@@ -269,9 +271,10 @@ class Decoder(nnx.Module):
         rows constrained to the batch axes), times sqrt(H) in the parameter dtype for Gemma."""
         if self.embedding_read_sharding is None:
             x = self.embed(input_ids)
-        else:
-            table = jax.lax.with_sharding_constraint(self.embed.embedding[...], self.embedding_read_sharding)
-            x = self._constrain(jnp.take(table, input_ids, axis=0))
+        else:  # the table's gradient formed in its own shards (`rlbolt.models.embed_lookup`)
+            x = self._constrain(embed_lookup(self.embed.embedding[...], input_ids, read=self.embedding_read_sharding,
+                                             stored=getattr(self, "embedding_sharding", None),
+                                             rows=self._row_sharding(input_ids[..., None])))
         if self.config.scale_embeddings:  # HF rounds sqrt(H) to the weight dtype first
             x = x * jnp.asarray(math.sqrt(self.config.hidden_size), x.dtype)
         return x
@@ -280,13 +283,18 @@ class Decoder(nnx.Module):
         # Without it XLA may shard activations over the hidden axis like the fsdp weights and
         # then reshard them through full copies. Rows that do not split evenly (a one-row probe,
         # e.g. qwix tracing the model) are left to XLA.
+        sharding = self._row_sharding(x)
+        return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+    def _row_sharding(self, x: jnp.ndarray):
+        """The sharding `_constrain` gives x [B, T, ...], or None where it leaves x to XLA."""
         sharding = self.activation_sharding
         if sharding is None or x.shape[0] % _row_shards(sharding):
-            return x
+            return None
         tokens = getattr(self, "token_sharding", None)
         if tokens is not None and x.ndim == 3 and x.shape[1] % context_mesh_ways(self) == 0:
             sharding = tokens  # mesh.context > 1: the token axis split over it too
-        return jax.lax.with_sharding_constraint(x, sharding)
+        return sharding
 
     def logits(self, hidden: jnp.ndarray) -> jnp.ndarray:
         """Output projection through lm_head, or the tied embedding table, then final soft-capping.

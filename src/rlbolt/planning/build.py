@@ -97,6 +97,8 @@ def build_abstract(cfg: RunConfig, devices: list[Any]) -> AbstractRun:
     sharding = shardings["train"]
     params = sharding.place(module.init_params(abstract_key()))
     # As the Trainer does: float32 master weights and moments behind bfloat16 params (model.master_weights).
+    # The Trainer first passes the optimizer through the callbacks' wrap_optimizer: the callbacks a config builds
+    # leave it unchanged (NaNGuard's default "stop"; tests/planning/test_plan_cpu.py), so the plan skips them.
     optimizer = master_weights.wrap(module.configure_optimizers(), params, cfg.model.master_weights)
     opt_state = init_optimizer(optimizer, params, sharding)
     _check_abstract(params, opt_state)

@@ -1,0 +1,45 @@
+"""The update compiled for a TPU slice moves no whole embedding table between chips (`rlbolt.models.embed_lookup`).
+
+Read as an fsdp weight, the table [V, H] was all-gathered whole for the lookup and its gradient, a
+scatter-add into a whole [V, H], all-reduced whole (benchmarks/RESULTS.md: 0.43 GiB each at Qwen2.5-1.5B
+on v5e:4x4). Now each chip reads and forms only its [V, H / fsdp] shard: no collective of the compiled
+update has a [V, H] result. Marked `tpu` (libtpu's compiler for v5e:2x2 on this CPU); skipped without libtpu.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+pytest.importorskip("libtpu")
+pytestmark = pytest.mark.tpu
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+from plan_tiny import H, RUN, V  # noqa: E402
+
+
+def _collective_shapes(hlo: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, shape) of every array in the results of the all-gathers, all-reduces and reduce-scatters."""
+    out = []
+    for line in hlo.splitlines():
+        m = re.search(r"= (\(.*?\)|\S+) (all-gather|all-reduce|reduce-scatter)(-start)?\(", line)
+        if m:
+            out += [(dt, tuple(int(d) for d in dims.split(",")))
+                    for dt, dims in re.findall(r"(\w+)\[([\d,]+)\]", m.group(1))]
+    return out
+
+
+def test_the_update_never_gathers_or_all_reduces_the_whole_embedding_table():
+    from rlbolt.config import load_config
+    from rlbolt.distributed.topology import target_devices
+    from rlbolt.planning import build_abstract
+    from rlbolt.planning.compile import _lower_update
+
+    run = build_abstract(load_config({**RUN, "model": {**RUN["model"], "remat": "full"}}), target_devices("v5e:2x2"))
+    assert run.sharding.mesh.shape["fsdp"] == 4
+    shapes = _collective_shapes(_lower_update(run).compile().as_text())
+    assert any(s[-2:] == (H, V) for _, s in shapes), "the head's [H, V] gather is missing: the measure is blind"
+    whole = [(dt, s) for dt, s in shapes if s[-2:] == (V, H)]
+    assert not whole, f"a whole [V, H] embedding table crosses the chips: {whole}"
