@@ -115,9 +115,23 @@ class _Link:
         return self.store.pop(key)
 
 
+class _Rows:
+    """The rows' transport (Arrow Flight in a run): kept in a dict."""
+
+    def __init__(self):
+        self.store = {}
+
+    def put(self, key, obj):
+        self.store[key] = obj
+
+    def close(self):
+        pass
+
+
 def _groups(link: _Link) -> ProcessGroups:
     groups = object.__new__(ProcessGroups)  # no runtime: the link is a dict, the push is not used
     groups.train, groups.rollout, groups.role, groups.link = (0, 1), (2, 3), "train", link
+    groups.rows = _Rows()
     groups._pushes, groups._started = 0, None
     return groups
 
