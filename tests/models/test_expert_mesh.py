@@ -40,6 +40,7 @@ def _assert_equal_to_one_device(results: dict) -> None:
         assert r["gate_up_shard"][0] == e // ways and r["gate_up_spec"].startswith("P('expert'"), (mesh, r)
 
 
+@pytest.mark.slow  # 17 s on 2 cores; the refusals and the mesh spec below stay in the default tier
 def test_expert2_x_fsdp2_x_tp2_equals_one_device_and_splits_the_experts():
     _assert_equal_to_one_device(_check([{"expert": 2, "fsdp": 2, "tp": 2}]))
 

@@ -225,7 +225,9 @@ def test_model_config_validates_family_fields(overrides, field):
         ModelConfig(**fields, **overrides).validate()
 
 
-@pytest.mark.parametrize("name", ["gemma2_softcap_tied", "gemma3_two_bases", "mistral_window", "qwen3_moe_top2"])
+# Default tier: gemma3 and mistral; every family's bf16 cast is also in test_hf_checkpoint (slow: gemma2, MoE).
+@pytest.mark.parametrize("name", [pytest.param("gemma2_softcap_tied", marks=pytest.mark.slow), "gemma3_two_bases",
+                                  "mistral_window", pytest.param("qwen3_moe_top2", marks=pytest.mark.slow)])
 def test_bfloat16_checkpoint_loads(tmp_path, name):
     """A checkpoint saved by transformers in bfloat16 loads as bfloat16, and as float32 with the logits
     of transformers' model on the same (bf16-rounded) weights."""

@@ -37,7 +37,9 @@ def _module(cls, model, tokenizer, share, **algorithm):
     return module
 
 
-@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+# Default tier: GRPO's policy path and PPO's trunk + value head; DAPO and GSPO share GRPO's forward (slow).
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("dapo", "gspo") else n
+                                  for n in sorted(ALGORITHMS)])
 def test_shared_prompt_equals_the_unshared_path(name, model, tokenizer):
     cls, algorithm = ALGORITHMS[name]
     shared, unshared = (_module(cls, model, tokenizer, share, **algorithm) for share in (True, False))

@@ -125,6 +125,7 @@ def test_compacted_samples_equal_the_loop_that_keeps_every_row(model, temperatur
                                    np.where(got.completion_mask, np.asarray(ref), 0), rtol=0, atol=tolerance)
 
 
+@pytest.mark.slow  # the grouped rows above take the same compaction path
 def test_rows_without_groups_compact_the_same(model):
     rows = _rows(groups=8, group=1, seed=1)  # 8 different prompts: nothing shared
     keys = _keys(len(rows), seed=5)
