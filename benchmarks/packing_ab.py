@@ -100,8 +100,9 @@ def main(argv=None) -> dict:
         def training_step(prm, b):
             inputs = (b["prompt_ids"], b["prompt_mask"], b["completion_ids"], b["completion_mask"])
             if packed:
+                sources = b["pack_sources"] if args.sources else None
                 logps, entropy = packed_sequence_logps(graphdef, prm, *inputs, b["pack_rows"], b["pack_starts"],
-                                                       row_tokens=None, with_entropy=True)
+                                                       sources, row_tokens=None, with_entropy=True)
             else:
                 logps, entropy = sequence_logps(graphdef, prm, *inputs, temperature=1.0, with_entropy=True)
             per_token = -(logps * b["advantages"][:, None]) - 0.01 * entropy
@@ -140,6 +141,9 @@ def _parse(argv):
     p.add_argument("--max-len", type=int, default=512, help="the longest sample (prompt + completion), the padded width")
     p.add_argument("--layers", type=int, default=8, help="of SmolLM2-135M's 30")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--no-sources", dest="sources", action="store_false",
+                   help="packed: project every packed token (or the N x C gathered states), not only the states "
+                        "that predict completion tokens (`pack_sources`), as before 2026-11-28's evening")
     p.add_argument("--quick", action="store_true", help="8 samples of 32..128 tokens (prompts cut to fit), 1 layer, 2 rounds (a smoke run)")
     return p.parse_args(argv)
 
