@@ -83,7 +83,8 @@ def _batch(rng, n=8, p=6, c=7):
 # with long prompts and short completions, and with plan.packed_rows one more than needed (a row of
 # padding only in each block).
 @pytest.mark.parametrize("p, c, row_tokens, projection, spare", [(6, 7, 14, "packed", 0), (12, 3, None, "gathered", 0),
-                                                                  (6, 7, 14, "sources", 0), (12, 3, None, "sources", 1)])
+                                                                  (6, 7, 14, "sources", 0),
+                                                                  (12, 3, None, "sources", 1)])
 def test_packed_logps_entropy_and_gradient_equal_the_padded_path(p, c, row_tokens, projection, spare):
     model = Decoder(tiny_config(**SMALL), rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
@@ -110,7 +111,8 @@ def test_packed_logps_entropy_and_gradient_equal_the_padded_path(p, c, row_token
 
     def packed(params):
         logps, entropy = packed_sequence_logps(graphdef, params, pi, pm, ci, cm, cols["pack_rows"], cols["pack_starts"],
-                                               sources, row_tokens=row_tokens, blocks=2, temperature=0.7, with_entropy=True)
+                                               sources, row_tokens=row_tokens, blocks=2, temperature=0.7,
+                                               with_entropy=True)
         return jnp.sum(logps * weights), (logps, entropy)
 
     (_, (lu, eu)), gu = jax.jit(jax.value_and_grad(padded, has_aux=True))(params)

@@ -12,4 +12,5 @@ from rlbolt.packing.layout import (PACKING_MODES, PackingError, PackingSpec, buc
 PACK_COLUMNS = ("pack_rows", "pack_starts", "pack_sources")
 
 __all__ = ["PACKING_MODES", "PACK_COLUMNS", "PackingError", "PackingSpec", "bucket_rows", "first_fit_decreasing",
-           "pack_columns", "pack_sources", "packed_sequence_logps", "packing_spec", "sample_lengths", "with_pack_columns"]
+           "pack_columns", "pack_sources", "packed_sequence_logps", "packing_spec", "sample_lengths",
+           "with_pack_columns"]
