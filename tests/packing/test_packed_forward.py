@@ -4,7 +4,9 @@
   the logits it gets alone in a row of its own: attention never crosses samples, sliding windows
   included.
 - `packed_sequence_logps` equals the padded `sequence_logps` (logps, entropies and the gradient of
-  a weighted sum), with two blocks, a row budget of its own, unequal prompts and an empty completion.
+  a weighted sum), with two blocks, a row budget of its own, unequal prompts, an empty completion and
+  one of a single token, for each way of running the output projection (over every packed token, the
+  gathered N x C states, or `pack_sources`' predictors only, with a row of padding only too).
 
 Tolerances: the network's float32 bound (tests/float_tolerance.py), the two evaluations summing the
 same products in other orders; gradients to three times it (each product runs forward and twice
@@ -20,7 +22,7 @@ from float_tolerance import decoder_logps_tolerance, decoder_tolerance
 
 from rlbolt.models import Decoder, tiny_config
 from rlbolt.models.cache import init_cache
-from rlbolt.packing import PackingSpec, pack_columns, packed_sequence_logps, sample_lengths
+from rlbolt.packing import PackingSpec, pack_columns, pack_sources, packed_sequence_logps, sample_lengths
 from rlbolt.models.logps import sequence_logps
 
 SMALL = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
@@ -68,23 +70,39 @@ def test_segment_ids_refuse_a_cache():
 def _batch(rng, n=8, p=6, c=7):
     prompt_len, completion_len = rng.integers(1, p + 1, n), rng.integers(0, c + 1, n)
     completion_len[2] = 0  # an empty completion
+    completion_len[5] = 1  # a single completion token
     pm = np.arange(p)[None] >= p - prompt_len[:, None]
     cm = np.arange(c)[None] < completion_len[:, None]
     return (rng.integers(1, 64, (n, p)).astype(np.int32) * pm, pm, rng.integers(1, 64, (n, c)).astype(np.int32) * cm,
             cm)
 
 
-# (prompt width, completion width, row tokens): the output projection over the packed tokens (fewer
-# than rows x completion slots), and over the gathered predicting states (long prompts).
-@pytest.mark.parametrize("p, c, row_tokens, over_packed", [(6, 7, 14, True), (12, 3, None, False)])
-def test_packed_logps_entropy_and_gradient_equal_the_padded_path(p, c, row_tokens, over_packed):
+# (prompt width, completion width, row tokens, projection, padding rows): the output projection over
+# every packed token (fewer than rows x completion slots), over the gathered N x C predicting states
+# (long prompts), and over `pack_sources` (the completion tokens' predictors only: the update's path),
+# with long prompts and short completions, and with plan.packed_rows one more than needed (a row of
+# padding only in each block).
+@pytest.mark.parametrize("p, c, row_tokens, projection, spare", [(6, 7, 14, "packed", 0), (12, 3, None, "gathered", 0),
+                                                                  (6, 7, 14, "sources", 0),
+                                                                  (12, 3, None, "sources", 1)])
+def test_packed_logps_entropy_and_gradient_equal_the_padded_path(p, c, row_tokens, projection, spare):
     model = Decoder(tiny_config(**SMALL), rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model, nnx.Param)
     pi, pm, ci, cm = _batch(np.random.default_rng(1), p=p, c=c)
-    cols = pack_columns(sample_lengths(pm, cm), 8, PackingSpec(row_tokens=row_tokens, blocks=2), p + c)
+    lengths = sample_lengths(pm, cm)
+    spec = PackingSpec(row_tokens=row_tokens, blocks=2)
+    if spare:
+        needed = pack_columns(lengths, 8, spec, p + c)["pack_rows"].shape[1]
+        spec = PackingSpec(row_tokens=row_tokens, blocks=2, rows=needed + 1)
+    cols = pack_columns(lengths, 8, spec, p + c)
     rows = cols["pack_rows"].shape[1] * 2
-    assert rows < 8  # fewer rows than samples
-    assert (rows * (row_tokens or p + c) <= 8 * c) == over_packed
+    assert rows - 2 * spare < 8  # fewer rows than samples (before the spare ones)
+    if projection != "sources":  # without sources the shapes pick the way
+        assert (rows * (row_tokens or p + c) <= 8 * c) == (projection == "packed")
+    assert not spare or cols["pack_rows"][:4].any(0).sum() < rows // 2  # a row no sample sits in
+    sources = pack_sources(pm, cm, cols, 8, spec, p + c) if projection == "sources" else None
+    if sources is not None and not spare:  # (fixed rows: as many slots as the fewer of the other two, data-free)
+        assert sources.size < min(rows * (row_tokens or p + c), 8 * c)  # fewer states than either other way
     weights = jnp.asarray(np.random.default_rng(2).normal(size=cm.shape), jnp.float32)
 
     def padded(params):
@@ -93,7 +111,8 @@ def test_packed_logps_entropy_and_gradient_equal_the_padded_path(p, c, row_token
 
     def packed(params):
         logps, entropy = packed_sequence_logps(graphdef, params, pi, pm, ci, cm, cols["pack_rows"], cols["pack_starts"],
-                                               row_tokens=row_tokens, blocks=2, temperature=0.7, with_entropy=True)
+                                               sources, row_tokens=row_tokens, blocks=2, temperature=0.7,
+                                               with_entropy=True)
         return jnp.sum(logps * weights), (logps, entropy)
 
     (_, (lu, eu)), gu = jax.jit(jax.value_and_grad(padded, has_aux=True))(params)

@@ -6,7 +6,7 @@ import pytest
 
 from rlbolt.config import ConfigError
 from rlbolt.config.load import load_config
-from rlbolt.packing import PackingError, PackingSpec, bucket_rows, first_fit_decreasing, pack_columns
+from rlbolt.packing import PackingError, PackingSpec, bucket_rows, first_fit_decreasing, pack_columns, pack_sources
 from rlbolt.plan import BatchPlan, PlanError
 
 
@@ -98,6 +98,11 @@ def test_run_updates_hands_each_micro_batch_its_packed_rows():
     rows = np.concatenate([m["pack_rows"].reshape(4, 2).argmax(1) for m in seen]).tolist()
     starts = np.concatenate([m["pack_starts"].reshape(4) for m in seen]).tolist()
     assert rows == [0, 0, 1, 0, 0, 0, 0, 1] and starts == [0, 5, 0, 0, 0, 3, 0, 0]
+    # Predictors of each completion token (row * 8 + column - 1), by hand for the first mini batch: samples
+    # 0 (prompt 1, completion 4, row 0 at 0) -> 0 1 2 3, sample 1 none; sample 3 (prompt 3, completion 4, row 0)
+    # -> 2 3 4 5, sample 2 (prompt 2, completion 1, row 1) -> 8 + 1. The most any block holds: 2 + 4 = 6 (samples
+    # 4, 5), so 6 slots, 3 a sample.
+    assert seen[0]["pack_sources"].tolist() == [[[0, 1, 2], [3, 0, 0]], [[9, 2, 3], [4, 5, 0]]]
     off = BatchPlan(2, 4, mini_batch_size=4, train_micro_batch_size=2)
     seen.clear()
     run_updates(update, batch, off, sharding, None, None, 0)
@@ -130,3 +135,23 @@ def test_fixed_packed_rows_refuse_a_micro_batch_that_needs_more():
     assert cols["pack_rows"].shape == (3, 3)  # fixed: 3 rows although 2 hold the samples
     with pytest.raises(PackingError, match=r"plan.packed_rows=1 is fewer than the 2 rows a micro batch block needs"):
         pack_columns(np.array([4, 4, 4]), 3, PackingSpec(row_tokens=8, rows=1), padded_width=8)
+
+
+def test_pack_sources_list_each_completion_tokens_predictor_by_hand():
+    # Rows of 8: samples 0 (prompt 2 of 3, completion 2) and 1 (prompt 1, completion 3) share row 0 at columns
+    # 0 and 4; sample 2 (prompt 3, no completion) sits in row 1. Sample 0's completion tokens sit at columns
+    # 2, 3 (predicted from 1, 2); sample 1's at 5, 6, 7 (from 4, 5, 6). Five tokens: 5 slots, 2 a sample.
+    prompt = np.array([[False, True, True], [False, False, True], [True, True, True]])
+    completion = np.array([[True, True, False], [True, True, True], [False, False, False]])
+    spec = PackingSpec(row_tokens=8)
+    cols = pack_columns(prompt.sum(1) + completion.sum(1), 3, spec, padded_width=6)
+    assert cols["pack_rows"].argmax(1).tolist() == [0, 0, 1] and cols["pack_starts"].tolist() == [0, 4, 0]
+    assert pack_sources(prompt, completion, cols, 3, spec, 6).tolist() == [[1, 2], [4, 5], [6, 0]]
+    # plan.packed_rows fixed: the slots do not follow the data (min(3 rows x 8, 3 samples x 3) = 9, 3 a sample).
+    fixed = PackingSpec(row_tokens=8, rows=3)
+    cols = pack_columns(prompt.sum(1) + completion.sum(1), 3, fixed, padded_width=6)
+    assert pack_sources(prompt, completion, cols, 3, fixed, 6).tolist() == [[1, 2, 4], [5, 6, 0], [0, 0, 0]]
+    # No completion token at all: one slot a sample, never read.
+    none = np.zeros_like(completion)
+    cols = pack_columns(prompt.sum(1), 3, spec, padded_width=6)
+    assert pack_sources(prompt, none, cols, 3, spec, 6).tolist() == [[0], [0], [0]]

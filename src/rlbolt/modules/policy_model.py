@@ -114,11 +114,13 @@ class PolicyModel:
 
         Args:
           lm_params: the language model's parameters (joined with the frozen base).
-          batch: the micro batch with its token columns and `pack_rows` / `pack_starts`.
+          batch: the micro batch with its token columns and `pack_rows` / `pack_starts` (and
+            `pack_sources`: the output projection over the forward tokens' predictors only).
           row_tokens: tokens per packed row (`plan.packed_row_tokens`).
         """
+        sources = batch["pack_sources"] if "pack_sources" in batch else None
         return packed_sequence_logps(self.graphdef, lm_params, *token_inputs(batch), batch["pack_rows"],
-                                     batch["pack_starts"], row_tokens=row_tokens, with_entropy=True,
+                                     batch["pack_starts"], sources, row_tokens=row_tokens, with_entropy=True,
                                      blocks=1 if self.sharding is None else self.sharding.batch_shards, **self.options)
 
     # -- the rollout's view ---------------------------------------------------------------------------

@@ -2,10 +2,12 @@
 
 A padded micro batch costs rows x the longest sequence; a packed one lays each sample's real
 tokens (its prompt's, then its completion's or episode's) end to end in rows of `row_tokens`
-tokens, so the tokens set the cost. The layout travels with the batch as two columns:
+tokens, so the tokens set the cost. The layout travels with the batch as three columns:
 
-    pack_rows    [N, R] bool   True at the packed row (0..R-1, within its block) sample i sits in
-    pack_starts  [N]    int32  the column of the row where sample i's first real token lands
+    pack_rows     [N, R] bool   True at the packed row (0..R-1, within its block) sample i sits in
+    pack_starts   [N]    int32  the column of the row where sample i's first real token lands
+    pack_sources  [N, S] int32  per block, the packed index of each forward token's predicting state
+                                (`pack_sources`: the output projection runs over these only)
 
 R, the rows per block, is the width of `pack_rows`, so it is a static shape under jit; `plan.packed_rows`
 fixes it (one compiled shape), else it follows each step's need. A micro
@@ -170,6 +172,47 @@ def pack_columns(lengths: np.ndarray, micro_size: int, spec: PackingSpec, padded
     return {"pack_rows": pack_rows, "pack_starts": starts.astype(np.int32)}
 
 
+def pack_sources(prompt_mask: np.ndarray, forward_mask: np.ndarray, columns: dict[str, np.ndarray], micro_size: int,
+                 spec: PackingSpec, padded_width: int) -> np.ndarray:
+    """`pack_sources` [N, S] int32: where in its block's packed rows each forward token's predicting state sits.
+
+    The output projection needs only the hidden states that predict a forward token (the column
+    before it), not every packed token (prompts included). Per block of m samples, the m x S entries
+    (row-major) list the flat packed index `row * L + column - 1` of each forward token's predictor,
+    samples in index order, tokens in order; the rest are 0 (read, never used). S is one static shape
+    for the step: the most forward tokens any block holds, rounded up to three binary digits
+    (`bucket_rows`), over m; with `spec.rows` fixed it is data-free, min(R * L, m * C) over m, so
+    the run keeps one compiled shape.
+
+    Args:
+      prompt_mask: [N, P] bool.
+      forward_mask: [N, C] bool, the tokens the forward runs (completion_mask or sequence_mask).
+      columns: `pack_columns`' {"pack_rows", "pack_starts"} for the same samples.
+      micro_size: samples per micro batch.
+      spec: the PackingSpec.
+      padded_width: P + C.
+    """
+    prompt_len = np.asarray(prompt_mask, bool).sum(-1)
+    forward = np.asarray(forward_mask, bool)
+    n, c = forward.shape
+    length, block = spec.width(padded_width), micro_size // spec.blocks
+    rows = columns["pack_rows"].shape[1]
+    if spec.rows is not None:
+        slots = min(rows * length, block * c)
+    else:
+        slots = bucket_rows(max((int(forward[s:s + block].sum()) for s in range(0, n, block)), default=1) or 1)
+    per_sample = max(1, -(-slots // block))
+    row = np.argmax(columns["pack_rows"], axis=1)
+    out = np.zeros((n, per_sample), np.int32)
+    for s in range(0, n, block):
+        i, t = np.nonzero(forward[s:s + block])  # sample-major, tokens in order
+        i = i + s
+        rank = np.cumsum(forward[s:s + block], axis=1)[i - s, t] - 1  # the token's place among its sample's own
+        before = np.clip(columns["pack_starts"][i] + prompt_len[i] + rank - 1, 0, length - 1)
+        out[s:s + block].reshape(-1)[:len(i)] = row[i] * length + before
+    return out
+
+
 def with_pack_columns(batch: Any, micro_size: int, spec: PackingSpec) -> Any:
     """`batch` (a host `rlbolt.batch.Batch`) with `pack_rows` and `pack_starts` for micro batches of `micro_size`.
 
@@ -184,8 +227,10 @@ def with_pack_columns(batch: Any, micro_size: int, spec: PackingSpec) -> Any:
     forward = batch["sequence_mask"] if "sequence_mask" in batch else batch["completion_mask"]
     prompt = np.asarray(batch["prompt_mask"])
     width = prompt.shape[1] + np.shape(forward)[1]
-    return batch.with_columns(pack_columns(sample_lengths(prompt, forward), micro_size, spec, width))
+    columns = pack_columns(sample_lengths(prompt, forward), micro_size, spec, width)
+    sources = pack_sources(prompt, forward, columns, micro_size, spec, width)
+    return batch.with_columns({**columns, "pack_sources": sources})
 
 
 __all__ = ["PACKING_MODES", "PackingError", "PackingSpec", "bucket_rows", "first_fit_decreasing", "pack_columns",
-           "packing_spec", "sample_lengths", "with_pack_columns"]
+           "pack_sources", "packing_spec", "sample_lengths", "with_pack_columns"]

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from rlbolt.packing.forward import packed_sequence_logps
-from rlbolt.packing.layout import PackingSpec, pack_columns, sample_lengths
+from rlbolt.packing.layout import PackingSpec, pack_columns, pack_sources, sample_lengths
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +66,9 @@ class PackedLogps:
         shards = 1 if self.sharding is None else self.sharding.batch_shards
         blocks = shards if n % shards == 0 else 1
         spec = PackingSpec(self.spec.row_tokens, blocks)  # rows as this batch needs (plan.packed_rows is the update's)
-        cols = pack_columns(sample_lengths(pm, cm), n, spec, pm.shape[1] + cm.shape[1])
-        placed = (cols["pack_rows"], cols["pack_starts"])
+        width = pm.shape[1] + cm.shape[1]
+        cols = pack_columns(sample_lengths(pm, cm), n, spec, width)
+        placed = (cols["pack_rows"], cols["pack_starts"], pack_sources(pm, cm, cols, n, spec, width))
         if self.sharding is not None:
             placed = self.sharding.put_full(placed)
         return self._packed(params, prompt_ids, prompt_mask, completion_ids, completion_mask, *placed,
@@ -94,10 +95,10 @@ class PackedLogps:
                                   row_tokens=self.spec.row_tokens, blocks=blocks)
 
 
-def _logps_only(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, pack_rows, pack_starts, *,
-                row_tokens, blocks, temperature, chunk_size):
+def _logps_only(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, pack_rows, pack_starts,
+                pack_sources=None, *, row_tokens, blocks, temperature, chunk_size):
     logps, _ = packed_sequence_logps(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                     pack_rows, pack_starts, row_tokens=row_tokens, blocks=blocks,
+                                     pack_rows, pack_starts, pack_sources, row_tokens=row_tokens, blocks=blocks,
                                      temperature=temperature, chunk_size=chunk_size)
     return logps
 
