@@ -84,12 +84,7 @@ def test_a_training_process_killed_inside_a_save_leaves_whole_checkpoints_and_re
     # Bitwise: the resumed step runs the same programs on the same processes and devices, from restored bits
     # (params, AdamW moments, the rng, the data position) and the push of the restored weights, so the rollout
     # group samples the same tokens and the training group reduces in the same order.
-    assert resumed[0]["completions"] == first[2]["completions"]
-    assert resumed[0]["metrics"] == first[2]["metrics"]
-    p_whole, p_cut = dict(np.load(whole / "params.npz")), dict(np.load(cut / "params.npz"))
-    assert sorted(p_whole) == sorted(p_cut)
-    for name in p_whole:
-        np.testing.assert_array_equal(p_cut[name], p_whole[name], err_msg=name)
+    _assert_bitwise(first[2], resumed[0], whole, cut)
 
 
 @pytest.mark.slow
@@ -116,12 +111,7 @@ def test_async_checkpoints_across_groups_resume_exactly_with_another_seed_and_ex
     assert first[2]["metrics"]["staleness/max"] == 1.0  # the resumed step trains samples of the retained weights
     # Bitwise, as in sync mode: the same programs on the same processes from restored bits, the retained weights
     # pushed first (by weights_for_step), and the restored rng's sample keys.
-    assert resumed[0]["completions"] == first[2]["completions"]
-    assert resumed[0]["metrics"] == first[2]["metrics"]
-    p_whole, p_cut = dict(np.load(whole / "params.npz")), dict(np.load(cut / "params.npz"))
-    assert sorted(p_whole) == sorted(p_cut)
-    for name in p_whole:
-        np.testing.assert_array_equal(p_cut[name], p_whole[name], err_msg=name)
+    _assert_bitwise(first[2], resumed[0], whole, cut)
 
     # rlbolt export on ONE process reads the checkpoint the training group of 2 processes wrote (Orbax restored it
     # onto the writers' devices and refused: "Topology mismatch"); the exported weights are the trained ones
@@ -130,7 +120,7 @@ def test_async_checkpoints_across_groups_resume_exactly_with_another_seed_and_ex
                           capture_output=True, text=True, env=_env(), timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "checkpoint step 3" in done.stdout
-    check_export(exported, p_whole)
+    check_export(exported, dict(np.load(whole / "params.npz")))
 
 
 def check_export(folder: Path, params: dict) -> None:
@@ -175,3 +165,13 @@ def test_process_0_killed_without_a_launcher_stops_every_other_process(tmp_path)
             errors[index][-3000:]
     assert took < COORDINATOR_BOUND_S, f"{took:.1f} s from the kill to the last exit"
     assert _alive(out) == []
+
+
+def _assert_bitwise(step: dict, resumed: dict, whole, cut) -> None:
+    """The resumed step's completions and metrics, and the final parameters, equal the uninterrupted run's."""
+    assert resumed["completions"] == step["completions"]
+    assert resumed["metrics"] == step["metrics"]
+    p_whole, p_cut = dict(np.load(whole / "params.npz")), dict(np.load(cut / "params.npz"))
+    assert sorted(p_whole) == sorted(p_cut)
+    for name in p_whole:
+        np.testing.assert_array_equal(p_cut[name], p_whole[name], err_msg=name)
