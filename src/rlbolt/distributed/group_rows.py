@@ -35,6 +35,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from rlbolt.distributed.shutdown import skip_shutdown_barrier
+
 log = logging.getLogger(__name__)
 ROWS_STAGE = "train"  # the stage of the training process's dock: a micro batch is ready once added (whole)
 _SLICE_S = 0.5  # a wait on the dock, between looks at `stop` and the deadline
@@ -135,7 +137,6 @@ class FlightRows:
             one line naming it, its last key and `trainer.prefetch_timeout_s`; or `stop()` became True.
           RuntimeError: the dock's next micro batch has another key.
         """
-        from rlbolt.distributed.process_groups import _skip_shutdown_barrier
         from rlbolt.producer.dock import DockClosed
 
         sender = self.peer if sender is None else sender
@@ -151,7 +152,7 @@ class FlightRows:
             if stop():
                 raise TimeoutError(f"process {me}: stopped while waiting for {key!r}")
             if taken is None or waited > self.timeout_s:
-                _skip_shutdown_barrier()
+                skip_shutdown_barrier()
                 raise TimeoutError(f"process {me}: nothing from process {sender} under {key!r} for {waited:.0f} s "
                                    f"(trainer.prefetch_timeout_s={self.timeout_s:g}; Arrow Flight rows): "
                                    f"{self.last_words()}")

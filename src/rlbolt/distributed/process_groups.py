@@ -33,11 +33,8 @@ key-value store or a `device_put` like the weights: docs/howto/multi-host.md.
 
 from __future__ import annotations
 
-import atexit
 import itertools
-import os
 import pickle
-import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -49,30 +46,12 @@ from rlbolt.distributed.agree import set_default_group
 from rlbolt.distributed.group_rows import FlightRows
 from rlbolt.distributed.mesh import MeshError
 from rlbolt.distributed.sharding import ShardingPlan
+from rlbolt.distributed.shutdown import skip_shutdown_barrier
 from rlbolt.distributed.weight_push import ProcessWeightPush
 
 _LINKS = itertools.count()  # one key prefix per GroupLink: every process makes its links in the same order
 _POLL_MS = 500
 DEFAULT_LINK_TIMEOUT_S = 1800.0  # a wait between the groups when trainer.prefetch_timeout_s is None
-_exit_armed = False
-
-
-def _exit_without_shutdown_barrier() -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1)
-
-
-def _skip_shutdown_barrier() -> None:
-    """After a silent process: at exit, leave with status 1 before JAX's atexit `jax.distributed.shutdown`,
-    whose barrier waits for every process, the silent one too (up to its 300 s shutdown timeout).
-    Registered after JAX's handler, so it runs first (atexit is last in, first out)."""
-    global _exit_armed
-    if not _exit_armed:
-        _exit_armed = True
-        atexit.register(_exit_without_shutdown_barrier)
-
-
 class GroupLink:
     """Host objects from one process group to another, through the coordination service's key-value store.
 
@@ -125,7 +104,7 @@ class GroupLink:
                 raise TimeoutError(f"process {jax.process_index()}: stopped while waiting for {key!r}")
             if self.timeout_s is not None and waited > self.timeout_s:
                 who = "the other process group" if sender is None else f"process {sender}"
-                _skip_shutdown_barrier()
+                skip_shutdown_barrier()
                 raise TimeoutError(f"process {jax.process_index()}: nothing from {who} under {key!r} for {waited:.0f} s "
                                    f"(trainer.prefetch_timeout_s={self.timeout_s:g}): it is stopped or stuck (see its "
                                    "stack, e.g. py-spy dump), or its step is slower: raise trainer.prefetch_timeout_s")
