@@ -168,7 +168,8 @@ def _naive_model_logps(model, prompt_ids, prompt_mask, completion_ids, temperatu
     return logps, -(np.exp(logp_all) * logp_all).sum(-1), np.abs(np.asarray(logits)).max() / temperature
 
 
-@pytest.mark.parametrize("tied, softcap", [(True, None), (False, 1.5), (True, 1.5)])
+@pytest.mark.parametrize("tied, softcap", [(True, None), (False, 1.5),
+                                           pytest.param(True, 1.5, marks=pytest.mark.slow)])  # both features above
 def test_a_decoder_through_token_logps_matches_its_own_logits(tied, softcap):
     """Tied and untied output projections, with and without Gemma 2's final soft-cap."""
     model = Decoder(tiny_config(vocab_size=61, tie_word_embeddings=tied, final_logit_softcapping=softcap),

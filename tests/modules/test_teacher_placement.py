@@ -53,6 +53,9 @@ def test_a_teacher_range_that_collides_is_refused_in_one_line(teacher, message):
                       "teacher": {"devices": [7, 8]}})
 
 
+# the reference's twin stays in the default tier:
+# tests/distributed/test_placement.py::test_the_reference_on_its_own_devices_holds_its_copy_only_there
+@pytest.mark.slow
 def test_the_teacher_on_its_own_devices_holds_its_weights_only_there(tmp_path):
     r = run_checks("setup", tmp_path / "teacher")
     assert r["devices"] == 8

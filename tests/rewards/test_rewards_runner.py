@@ -136,6 +136,7 @@ def test_empty_batch_and_bad_arguments():
         RewardRunner(parity_reward, timeout_s=0)
 
 
+@pytest.mark.slow  # the runner's hostile cases above stay in the default tier; this is the whole fit around them
 def test_a_fit_survives_hostile_rewards_and_stops_on_one_that_always_fails(tmp_path, caplog):
     """Steps 1-3: os._exit, a GIL-holding regex, a hang, a string and a NaN reward cost only their
     samples, with the worker pool bounded. Then the reward raises for every sample (issue 15: that

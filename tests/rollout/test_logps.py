@@ -60,6 +60,7 @@ def test_matches_naive_float64_reference(temperature, chunk_size, tied):
     assert (np.asarray(logps)[~batch[3]] == 0).all()
 
 
+@pytest.mark.slow  # tests/models/test_lm_head_logps.py checks the chunked gradient against autodiff (default tier)
 def test_gradient_matches_unchunked_gradient():
     model = Decoder(tiny_config(), rngs=nnx.Rngs(2))
     graphdef, params = nnx.split(model)
