@@ -39,6 +39,7 @@ import orbax.checkpoint as ocp
 from rlbolt.checkpointing import integrity
 from rlbolt.checkpointing.integrity import CheckpointCorrupt
 from rlbolt.checkpointing.processes import barrier, multiprocessing_options
+from rlbolt.checkpointing.targets import abstract, local_target, placed_like
 from rlbolt.distributed.agree import default_group
 from rlbolt.models.stacked_layers import saved_layout, to_layout
 from rlbolt.utils.files import format_size, is_disk_full, write_text_atomic
@@ -276,8 +277,8 @@ class CheckpointIO:
             integrity.verify(out[RETAINED], record[RETAINED], finite=("",))
         retained = {k: out[RETAINED][str(k)] for k in keys} if keys else {}
         if convert:
-            arrays = _placed_like(to_layout(dict(out[STATE]), wanted), abstract(abstract_arrays))
-            retained = {k: _placed_like(to_layout(p, wanted), abstract(abstract_params)) for k, p in retained.items()}
+            arrays = placed_like(to_layout(dict(out[STATE]), wanted), abstract(abstract_arrays))
+            retained = {k: placed_like(to_layout(p, wanted), abstract(abstract_params)) for k, p in retained.items()}
             return arrays, meta, retained
         return dict(out[STATE]), meta, retained
 
@@ -343,46 +344,6 @@ class CheckpointIO:
         details = "; ".join(f"step {s}: {e}" for s, e in failures)
         raise NoUsableCheckpoint(f"no usable checkpoint in {self.directory} ({details}); restore them from a copy, "
                                  "or start over in a fresh run directory")
-
-
-def local_target(item: Path) -> Any:
-    """A StandardSave item's tree as arrays on this process's first device. Without a target Orbax restores
-    onto the shardings it saved, which name the writers' devices: a checkpoint several processes wrote
-    (a training group of 2) then fails on one with "Topology mismatch".
-
-    Args:
-      item: the item's folder inside a finalized step.
-
-    Returns:
-      The saved tree (nested dicts and lists) with a `jax.ShapeDtypeStruct` for every array.
-    """
-    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    saved = ocp.StandardCheckpointHandler().metadata(item).tree
-    return jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device)
-                        if hasattr(m, "shape") and hasattr(m, "dtype") else m, saved)
-
-
-def abstract(tree: Any) -> Any:
-    """Arrays -> ShapeDtypeStructs keeping their shardings (already abstract leaves pass through)."""
-
-    def leaf(x):
-        if isinstance(x, jax.ShapeDtypeStruct):
-            return x
-        if isinstance(x, jax.Array):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-        x = np.asarray(x)
-        return jax.ShapeDtypeStruct(x.shape, x.dtype)
-
-    return jax.tree.map(leaf, tree)
-
-
-def _placed_like(tree: Any, target: Any) -> Any:
-    """`tree`'s arrays moved onto the shardings of `target` (ShapeDtypeStructs of the same structure)."""
-    def put(x, t):
-        sharding = getattr(t, "sharding", None)
-        return x if sharding is None else jax.device_put(x, sharding)
-
-    return jax.tree.map(put, tree, target)
 
 
 def read_json(path: Path) -> dict | None:
