@@ -38,6 +38,7 @@ from rlbolt.timeline import Timeline
 from rlbolt.train_batch import run_updates
 from rlbolt.update import make_update_fn
 from rlbolt.utils.runlock import hold_run_dir
+from rlbolt.utils.step_beacon import record_step
 from rlbolt.validation import run_validation
 from rlbolt.producer.weights import WeightStore
 from rlbolt.producer.remote_rollout import RemoteRollout, run_rollout_group
@@ -289,6 +290,7 @@ class Trainer:
         keeps the hook order deterministic in sync mode."""
         self.callbacks.on_step_end(self.run, info)
         self.last_state = state
+        record_step(f"step {state.step}")  # for `rlbolt launch`'s line if this process dies
         if any_process(self.should_stop, self.agree_with):
             return False
         self.weights.publish(state.step, state.params, state.policy_version)

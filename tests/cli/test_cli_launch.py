@@ -90,6 +90,19 @@ def test_a_process_that_ignores_sigterm_is_killed_after_the_grace_period():
     assert err[-1] == "rlbolt launch: process 0 of 2 was killed by SIGKILL; stopped the other 1"
 
 
+def test_the_line_names_the_last_step_the_dead_process_recorded():
+    """Each process records its last completed step (`step_beacon.record_step`, as the Trainer and a rollout
+    group do after every step); the launcher's line names the dead one's, not another process's."""
+    program = ("import os, signal, time; from rlbolt.utils.step_beacon import record_step\n"
+               "i = int(os.environ['JAX_PROCESS_ID'])\n"
+               "for s in range(1, 4 + 3 * i): record_step(f'step {s}')\n"
+               "if i == 1: os.kill(os.getpid(), signal.SIGKILL)\n"
+               "time.sleep(60)")
+    code, _, err = launched([sys.executable, "-c", program], 2, grace_s=0.5)
+    assert code == 128 + signal.SIGKILL
+    assert err[-1] == "rlbolt launch: process 1 of 2 was killed by SIGKILL after step 6; stopped the other 1"
+
+
 def test_a_signal_to_the_launcher_reaches_every_process_once(tmp_path):
     # each process records every SIGTERM it gets, then exits 143 like `rlbolt fit` does after saving
     program = ("import os, signal, sys, time\ni = os.environ['JAX_PROCESS_ID']\n"

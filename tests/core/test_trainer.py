@@ -57,7 +57,8 @@ def test_gradient_accumulation_equals_full_mini_batch_update(micro):
     assert not np.allclose(full.params["table"], ToyModule().init_params(jax.random.fold_in(jax.random.PRNGKey(0), 0))["table"])
 
 
-def test_iterations_mini_batches_versions_and_staleness():
+def test_iterations_mini_batches_versions_and_staleness(monkeypatch, tmp_path):
+    monkeypatch.setenv("RLBOLT_STEP_FILE", str(tmp_path / "step"))  # as `rlbolt launch` sets it (step_beacon)
     rec = Record()
     state = Trainer(_plan(mini_batch_size=8, num_iterations=2), max_steps=3, callbacks=[rec]).fit(ToyModule(), prompt_rows(16))
     assert state.policy_version == 3 * 2 * 2  # steps x iterations x mini batches
@@ -65,6 +66,7 @@ def test_iterations_mini_batches_versions_and_staleness():
         assert set(np.asarray(produced.batch["policy_version"]).tolist()) == {produced.policy_version}
         assert info.metrics["staleness/max"] == 3  # the 4th update of a step trains on version v samples
     assert [p.policy_version for p in rec.produced] == [0, 4, 8]
+    assert (tmp_path / "step").read_text() == "step 3"  # the last completed step, for the launcher's line
 
 
 def test_max_epochs_visits_every_prompt_once_per_epoch_across_boundaries():

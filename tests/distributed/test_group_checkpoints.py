@@ -177,7 +177,7 @@ def test_a_resume_tells_the_rollout_group_where_it_starts_before_pushing_the_ret
     assert events == [("start", 5, 40, [7, 9]), ("push", "p3", 3, 3), ("push", "p4", 4, 4)]
 
 
-def test_the_rollout_group_draws_its_sample_keys_from_the_restored_rng_not_the_seed(monkeypatch):
+def test_the_rollout_group_draws_its_sample_keys_from_the_restored_rng_not_the_seed(monkeypatch, tmp_path):
     # A resume with another trainer.seed (allowed): the one-process producer keeps drawing from the restored
     # state.rng, so must the rollout group. The checkpoint's rng is the one of a run seeded 3; this run's seed is 0.
     restored = np.asarray(jax.random.fold_in(jax.random.PRNGKey(3), 1))
@@ -186,6 +186,7 @@ def test_the_rollout_group_draws_its_sample_keys_from_the_restored_rng_not_the_s
     rollout = _groups(link)
     rollout.role = "rollout"
     monkeypatch.setattr(jax, "process_index", lambda: 2)
+    monkeypatch.setenv("RLBOLT_STEP_FILE", str(tmp_path / "step"))  # as `rlbolt launch` sets it (step_beacon)
     pushes = [("w1", 1, 1), None]  # lag 1: step 2 rolls out with the weights after 1 step, then the end
     rollout.receive_weights = lambda abstract: pushes.pop(0)
     keys = []
@@ -196,6 +197,7 @@ def test_the_rollout_group_draws_its_sample_keys_from_the_restored_rng_not_the_s
     produced = run_rollout_group(module, plan, source, rollout, None, DataShare(), **rollout.receive_start(),
                                  max_steps=3, max_prompts=None, lag=1)
     assert produced == 1
+    assert (tmp_path / "step").read_text() == "rolled out step 3"  # 0-based step 2: the launcher's count is 1-based
     # by hand: sample i of step 2 (round 0) has the key fold_in(fold_in(fold_in(rng, 2), 0), i)
     fold = jax.random.fold_in
     expected = np.stack([np.asarray(fold(fold(fold(restored, 2), 0), i)) for i in range(4)])

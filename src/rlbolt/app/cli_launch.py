@@ -6,7 +6,8 @@ Starts N copies of the command on loopback, each with the environment `jax.distr
 process groups), so the copies meet as one multi-process run, as they would on N hosts. Each
 output line is prefixed with its process index (`[1] ...`; stderr stays stderr). The first
 process that fails stops the others (SIGTERM, then SIGKILL after `--grace-s`) and the launcher
-ends with one line naming that process, its exit status and its last line on stderr, and with
+ends with one line naming that process, its exit status, its last completed step (each process
+records it in `$RLBOLT_STEP_FILE`, `rlbolt.utils.step_beacon`) and its last line on stderr, and with
 its exit status. SIGINT / SIGTERM to the launcher are passed on once to every process (a second
 one kills them). Imports no JAX: it only supervises.
 """
@@ -19,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -27,6 +29,7 @@ from typing import IO
 
 from rlbolt.app.arg_types import positive_int
 from rlbolt.utils.jax_env import ENV_ADDRESS, ENV_COUNT, ENV_ID, ENV_LOCAL_DEVICES, ENV_TRANSFER
+from rlbolt.utils.step_beacon import ENV_STEP_FILE, last_step
 
 # rlbolt subcommands that join a multi-process run (they call `jax.distributed.initialize`); the
 # others would run N independent copies.
@@ -179,6 +182,7 @@ def run_local(argv: Sequence[str], count: int, *, port: int | None = None, devic
     base = os.environ if env is None else env
     children: list[_Child] = []
     received: list[int] = []
+    steps = tempfile.TemporaryDirectory(prefix="rlbolt-launch-")  # each process's last step (step_beacon)
 
     def on_signal(signum: int, frame) -> None:
         del frame
@@ -192,10 +196,11 @@ def run_local(argv: Sequence[str], count: int, *, port: int | None = None, devic
         previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for index in range(count):
+            env = process_env(base, index=index, count=count, port=port, devices_per_process=devices_per_process,
+                              gpus_per_process=gpus_per_process)
+            env[ENV_STEP_FILE] = os.path.join(steps.name, f"process_{index}")
             proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                    env=process_env(base, index=index, count=count, port=port,
-                                                    devices_per_process=devices_per_process,
-                                                    gpus_per_process=gpus_per_process))
+                                    env=env)
             child = _Child(index, proc)
             child.pumps = [threading.Thread(target=_pump, args=(child, s, o, lock, e), daemon=True)
                            for s, o, e in ((proc.stdout, out, False), (proc.stderr, err, True))]
@@ -216,12 +221,15 @@ def run_local(argv: Sequence[str], count: int, *, port: int | None = None, devic
                 c.proc.wait()
         for s, handler in previous.items():
             signal.signal(s, handler)
+    recorded = None if failed is None else last_step(os.path.join(steps.name, f"process_{failed.index}"))
+    steps.cleanup()
     if received:
         return 128 + received[0]
     if failed is None:
         return 0
     code = failed.proc.returncode
     status = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with status {code}"
+    status += f" after {recorded}" if recorded else ""  # nothing recorded: not an rlbolt run, or no step done
     last = f": {failed.last_err}" if failed.last_err else ""
     others = f"; stopped the other {count - 1}" if count > 1 else ""
     with lock:

@@ -45,6 +45,7 @@ from rlbolt.module import RLModule, add_log_values, collect_log_values
 from rlbolt.plan import BatchPlan
 from rlbolt.producer.prompt_rows import prompt_batch
 from rlbolt.producer.weights import weights_for_step
+from rlbolt.utils.step_beacon import record_step
 
 
 def takes_push(step: int, lag: int, held: int | None) -> bool:
@@ -139,5 +140,6 @@ def run_rollout_group(module: RLModule, plan: BatchPlan, source: PromptSource, g
             with collect_log_values() as logged:
                 rows = check_stage(module.on_rollout(params, batch.slice(lo, lo + size)), "rollout")
             groups.rows.put(f"rows/{step}/{micro}/{share.rank}", (dict(rows), logged))
+        record_step(f"rolled out step {step + 1}")  # 1-based, as the training group counts (`rlbolt launch`)
         step, position, produced = step + 1, position + prompts, produced + 1
     return produced
