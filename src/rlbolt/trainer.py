@@ -283,11 +283,9 @@ class Trainer:
         return state, self.callbacks.add_step_metrics(self.run, info)
 
     def _end_step(self, state: TrainState, info: StepInfo) -> bool:
-        """After a step's update: `on_step_end` (validation when it is due: `Evaluation`), then False when the run
-        stops here (a callback or a signal asked), else the step's weights published for the
-        producer. Every process stops after the same step, agreed before publishing so the
-        producer's next collectives cannot interleave with this one; publishing after the callbacks
-        keeps the hook order deterministic in sync mode."""
+        """After a step's update: `on_step_end` (validation when due), then False when the run stops here, else
+        the weights published (after the callbacks: a deterministic hook order in sync mode). Every process
+        stops after the same step, agreed before publishing: the producer's collectives cannot interleave."""
         self.callbacks.on_step_end(self.run, info)
         self.last_state = state
         record_step(f"step {state.step}")  # for `rlbolt launch`'s line if this process dies
