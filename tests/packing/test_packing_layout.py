@@ -6,7 +6,8 @@ import pytest
 
 from rlbolt.config import ConfigError
 from rlbolt.config.load import load_config
-from rlbolt.packing import PackingError, PackingSpec, bucket_rows, first_fit_decreasing, pack_columns, pack_sources
+from rlbolt.packing import (PackingError, PackingSpec, bucket_rows, first_fit_decreasing, pack_columns, pack_sources,
+                            source_slots)
 from rlbolt.plan import BatchPlan, PlanError
 
 
@@ -113,7 +114,7 @@ def test_the_planner_counts_packed_tokens(monkeypatch):
     from types import SimpleNamespace
 
     import rlbolt.planning.compile as compile_module
-    from rlbolt.planning.compile import packed_layout
+    from rlbolt.planning.compile import packed_layout, packed_sources
     from rlbolt.planning.schema import train_batch
 
     def run(**plan):  # what packed_layout reads: the plan, the batch shards, the widths (prompt 32 + completion 96)
@@ -127,7 +128,27 @@ def test_the_planner_counts_packed_tokens(monkeypatch):
     assert packed_layout(run(packing="on", packed_row_tokens=256, packed_rows=1), 8) == (1, 256)
     batch = train_batch(2, 4, 32, 96, reference=False, packed_rows=3)
     assert batch["pack_rows"].shape == (2, 4, 3) and batch["pack_starts"].shape == (2, 4)
-    assert "pack_rows" not in train_batch(2, 4, 32, 96, reference=False)
+    assert "pack_sources" not in batch and "pack_rows" not in train_batch(2, 4, 32, 96, reference=False)
+    batch = train_batch(2, 4, 32, 96, reference=False, packed_rows=3, packed_sources=5)
+    assert batch["pack_sources"].shape == (2, 4, 5) and batch["pack_sources"].dtype == np.int32
+    # The pack_sources column the planner compiles, per sample: blocks of 4 samples, completions of 96.
+    # Rows not fixed: the most a block can hold, 4 x 96 = 384 (already three binary digits), over 4 = 96.
+    assert packed_sources(run(packing="on", packed_row_tokens=None, packed_rows=None), 8) == 96
+    # One fixed row of 256 tokens: min(256, 384) = 256 slots, 64 a sample.
+    assert packed_sources(run(packing="on", packed_row_tokens=256, packed_rows=1), 8) == 64
+    assert packed_sources(run(packing="off"), 8) is None
+
+
+def test_the_planners_pack_sources_width_is_the_runs_at_its_worst():
+    # A block of 3 samples whose completions (width 5) are all real: the run's own pack_sources is as
+    # wide as the shape source_slots gives the planner (3 x 5 = 15 -> bucketed 16, over 3 -> 6).
+    prompt, completion = np.ones((3, 2), bool), np.ones((3, 5), bool)
+    spec = PackingSpec()
+    cols = pack_columns(prompt.sum(1) + completion.sum(1), 3, spec, padded_width=7)
+    assert pack_sources(prompt, completion, cols, 3, spec, 7).shape == (3, source_slots(3, 5, 7)) == (3, 6)
+    half = completion.copy()
+    half[:, 3:] = False  # fewer real tokens: narrower at run time (9, bucketed 10, 4 a sample), never wider
+    assert pack_sources(prompt, half, cols, 3, spec, 7).shape == (3, source_slots(3, 5, 7, forward_tokens=9)) == (3, 4)
 
 
 def test_fixed_packed_rows_refuse_a_micro_batch_that_needs_more():

@@ -7,10 +7,11 @@ returns the same [N, C] arrays as the padded forward; `logps` wraps the jitted l
 
 from rlbolt.packing.forward import packed_sequence_logps
 from rlbolt.packing.layout import (PACKING_MODES, PackingError, PackingSpec, bucket_rows, first_fit_decreasing,
-                                   pack_columns, pack_sources, packing_spec, sample_lengths, with_pack_columns)
+                                   pack_columns, pack_sources, packing_spec, sample_lengths, source_slots,
+                                   with_pack_columns)
 
 PACK_COLUMNS = ("pack_rows", "pack_starts", "pack_sources")
 
 __all__ = ["PACKING_MODES", "PACK_COLUMNS", "PackingError", "PackingSpec", "bucket_rows", "first_fit_decreasing",
            "pack_columns", "pack_sources", "packed_sequence_logps", "packing_spec", "sample_lengths",
-           "with_pack_columns"]
+           "source_slots", "with_pack_columns"]

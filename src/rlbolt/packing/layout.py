@@ -172,6 +172,29 @@ def pack_columns(lengths: np.ndarray, micro_size: int, spec: PackingSpec, padded
     return {"pack_rows": pack_rows, "pack_starts": starts.astype(np.int32)}
 
 
+def source_slots(block: int, completion: int, length: int, *, rows: int | None = None,
+                 forward_tokens: int | None = None) -> int:
+    """S, the `pack_sources` entries per sample: one static shape for a step's micro batches.
+
+    With the rows per block fixed it is data-free, min(R * L, m * C) over m; else the most forward
+    tokens any block holds, rounded up to three binary digits (`bucket_rows`), over m. Without
+    `forward_tokens` it is the most a block can hold (m * C): the shape `rlbolt plan` compiles.
+
+    Args:
+      block: m, samples per packed block.
+      completion: C, the completion (forward mask) width.
+      length: L, tokens per packed row.
+      rows: R, `plan.packed_rows` when fixed; None: bucketed.
+      forward_tokens: the most forward tokens a block of this batch holds (rows None), or None for the
+        worst case.
+    """
+    if rows is not None:
+        slots = min(rows * length, block * completion)
+    else:
+        slots = bucket_rows((block * completion if forward_tokens is None else forward_tokens) or 1)
+    return max(1, -(-slots // block))
+
+
 def pack_sources(prompt_mask: np.ndarray, forward_mask: np.ndarray, columns: dict[str, np.ndarray], micro_size: int,
                  spec: PackingSpec, padded_width: int) -> np.ndarray:
     """`pack_sources` [N, S] int32: where in its block's packed rows each forward token's predicting state sits.
@@ -180,9 +203,7 @@ def pack_sources(prompt_mask: np.ndarray, forward_mask: np.ndarray, columns: dic
     before it), not every packed token (prompts included). Per block of m samples, the m x S entries
     (row-major) list the flat packed index `row * L + column - 1` of each forward token's predictor,
     samples in index order, tokens in order; the rest are 0 (read, never used). S is one static shape
-    for the step: the most forward tokens any block holds, rounded up to three binary digits
-    (`bucket_rows`), over m; with `spec.rows` fixed it is data-free, min(R * L, m * C) over m, so
-    the run keeps one compiled shape.
+    for the step (`source_slots`).
 
     Args:
       prompt_mask: [N, P] bool.
@@ -197,11 +218,9 @@ def pack_sources(prompt_mask: np.ndarray, forward_mask: np.ndarray, columns: dic
     n, c = forward.shape
     length, block = spec.width(padded_width), micro_size // spec.blocks
     rows = columns["pack_rows"].shape[1]
-    if spec.rows is not None:
-        slots = min(rows * length, block * c)
-    else:
-        slots = bucket_rows(max((int(forward[s:s + block].sum()) for s in range(0, n, block)), default=1) or 1)
-    per_sample = max(1, -(-slots // block))
+    needed = None if spec.rows is not None else max((int(forward[s:s + block].sum()) for s in range(0, n, block)),
+                                                    default=1)
+    per_sample = source_slots(block, c, length, rows=rows if spec.rows is not None else None, forward_tokens=needed)
     row = np.argmax(columns["pack_rows"], axis=1)
     out = np.zeros((n, per_sample), np.int32)
     for s in range(0, n, block):
@@ -233,4 +252,4 @@ def with_pack_columns(batch: Any, micro_size: int, spec: PackingSpec) -> Any:
 
 
 __all__ = ["PACKING_MODES", "PackingError", "PackingSpec", "bucket_rows", "first_fit_decreasing", "pack_columns",
-           "pack_sources", "packing_spec", "sample_lengths", "with_pack_columns"]
+           "pack_sources", "packing_spec", "sample_lengths", "source_slots", "with_pack_columns"]

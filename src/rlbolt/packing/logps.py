@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from rlbolt.packing.forward import packed_sequence_logps
-from rlbolt.packing.layout import PackingSpec, pack_columns, pack_sources, sample_lengths
+from rlbolt.packing.layout import PackingSpec, pack_columns, pack_sources, sample_lengths, source_slots
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +87,15 @@ class PackedLogps:
           rows_per_block: R, packed rows per block.
           blocks: blocks the N samples are packed in (the batch shards).
         """
-        n = prompt_ids.shape[0]
+        n, completion = completion_ids.shape
         place = {} if self.sharding is None else {"sharding": self.sharding.batch_sharding()}
         rows = jax.ShapeDtypeStruct((n, rows_per_block), np.bool_, **place)
         starts = jax.ShapeDtypeStruct((n,), np.int32, **place)
+        length = PackingSpec(self.spec.row_tokens).width(prompt_ids.shape[1] + completion)
+        slots = source_slots(max(1, n // blocks), completion, length)  # the most a block can need
+        sources = jax.ShapeDtypeStruct((n, slots), np.int32, **place)
         return self._packed.lower(params, prompt_ids, prompt_mask, completion_ids, completion_mask, rows, starts,
-                                  row_tokens=self.spec.row_tokens, blocks=blocks)
+                                  sources, row_tokens=self.spec.row_tokens, blocks=blocks)
 
 
 def _logps_only(graphdef, params, prompt_ids, prompt_mask, completion_ids, completion_mask, pack_rows, pack_starts,

@@ -27,6 +27,7 @@ import optax
 
 from rlbolt import master_weights
 from rlbolt.models.scan_layers import scan_reason
+from rlbolt.packing.layout import source_slots
 from rlbolt.packing.logps import PackedLogps
 from rlbolt.planning import schema
 
@@ -177,6 +178,16 @@ def packed_layout(run: Any, samples: int) -> tuple[int, int] | None:
     return (plan.packed_rows or block), width
 
 
+def packed_sources(run: Any, samples: int) -> int | None:
+    """plan.packing: S, the `pack_sources` entries per sample of a micro batch of `samples` (the most a
+    step can need when `plan.packed_rows` is not fixed); None: padded."""
+    layout = packed_layout(run, samples)
+    if layout is None:
+        return None
+    block = max(1, samples // run.sharding.batch_shards)
+    return source_slots(block, run.module.completion_width, layout[1], rows=run.plan.packed_rows)
+
+
 _ROLE = {"ref": "reference", "teacher": "teacher"}
 
 
@@ -203,7 +214,8 @@ def _lower_update(run: Any) -> Any:
     packed = packed_layout(run, plan.mini_batch_size // accum)
     micro = schema.train_batch(accum, plan.mini_batch_size // accum, prompt_width(run), module.completion_width,
                                reference=run.config.algorithm.beta > 0, sharding=run.sharding,
-                               packed_rows=packed and packed[0])
+                               packed_rows=packed and packed[0],
+                               packed_sources=packed_sources(run, plan.mini_batch_size // accum))
     return update.func.lower(run.params, run.opt_state, micro, module.frozen_params())
 
 
@@ -215,7 +227,8 @@ def _lower_grad(run: Any) -> Any:
     packed = packed_layout(run, plan.mini_batch_size // accum)
     micro = schema.train_batch(1, plan.mini_batch_size // accum, prompt_width(run), module.completion_width,
                                reference=run.config.algorithm.beta > 0, sharding=run.sharding,
-                               packed_rows=packed and packed[0])
+                               packed_rows=packed and packed[0],
+                               packed_sources=packed_sources(run, plan.mini_batch_size // accum))
     micro = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=run.sharding.batch_sharding()),
                          micro)
     rows = micro["completion_mask"].shape[0]

@@ -35,7 +35,8 @@ def _shape(dims: tuple[str, ...], prompt: int, completion: int) -> tuple[int, ..
 
 
 def train_batch(accum: int, micro: int, prompt: int, completion: int, *, reference: bool,
-                sharding: ShardingPlan | None = None, packed_rows: int | None = None) -> Batch:
+                sharding: ShardingPlan | None = None, packed_rows: int | None = None,
+                packed_sources: int | None = None) -> Batch:
     """The update's micro batches [A, M/A, ...] (sample axis 1 over the batch shards when `sharding`).
 
     Args:
@@ -47,6 +48,9 @@ def train_batch(accum: int, micro: int, prompt: int, completion: int, *, referen
       sharding: the training ShardingPlan, or None.
       packed_rows: plan.packing: R, the packed rows per batch shard (adds `pack_rows` [A, M/A, R] and
         `pack_starts` [A, M/A], `rlbolt.packing`); None: padded rows.
+      packed_sources: plan.packing: S, `pack_sources` entries per sample (adds `pack_sources`
+        [A, M/A, S]: the output projection over the completion tokens' predictors,
+        `rlbolt.packing.source_slots`); None: without that column.
     """
     columns = {**TRAIN_COLUMNS, **(REFERENCE_COLUMNS if reference else {})}
     place = None if sharding is None else sharding.batch_sharding(1)
@@ -54,8 +58,11 @@ def train_batch(accum: int, micro: int, prompt: int, completion: int, *, referen
                    for name, (dims, dtype) in columns.items()})
     if packed_rows is None:
         return batch
-    return batch.with_columns(pack_rows=S((accum, micro, packed_rows), jnp.bool_, sharding=place),
-                              pack_starts=S((accum, micro), jnp.int32, sharding=place))
+    batch = batch.with_columns(pack_rows=S((accum, micro, packed_rows), jnp.bool_, sharding=place),
+                               pack_starts=S((accum, micro), jnp.int32, sharding=place))
+    if packed_sources is None:
+        return batch
+    return batch.with_columns(pack_sources=S((accum, micro, packed_sources), jnp.int32, sharding=place))
 
 
 def logps_inputs(rows: int, prompt: int, completion: int, sharding: ShardingPlan | None = None) -> tuple[S, S, S, S]:
