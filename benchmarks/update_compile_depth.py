@@ -12,6 +12,8 @@ hits them alike; the table gives the median over the rounds.
 
     python benchmarks/update_compile_depth.py --layers 2 8 28 --targets host v5p:2x2x2 --rounds 3 \
         --variants looped per_layer stacked
+    python benchmarks/update_compile_depth.py --model qwen2.5-7b --layers 28 --targets v5p:2x2x2 \
+        --variants before stacked --rounds 3      # the planner issue's 7B update, as found and now
 
 Prints one JSON line per compile, then the medians.
 """
@@ -33,13 +35,19 @@ SMALL = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_a
          "num_key_value_heads": 2, "vocab_size": 32000, "tie_word_embeddings": False}
 
 
-VARIANTS = ("looped", "per_layer", "stacked")  # scan off; scanned with per-layer storage; scanned, stored stacked
+# scan off; scanned with per-layer storage; scanned, stored stacked; and "before": the update as the
+# planner issue found it (layers looped, the attention's query chunks unrolled, XLA attention, no remat)
+VARIANTS = ("looped", "per_layer", "stacked", "before")
 
 
-def compile_update(layers: int, variant: str, target: str, tokens: int, remat: str) -> float:
-    """Seconds to build the abstract run and compile its update (lowering included)."""
-    from plan_table import run_config
+def compile_update(layers: int, variant: str, target: str, tokens: int, remat: str, model: str | None = None) -> float:
+    """Seconds to build the abstract run and compile its update (lowering included).
 
+    `model`: a `plan_table.MODELS` name (its real widths, `layers` of its layers), or None for the
+    width-512 model above."""
+    from plan_table import MODELS, run_config
+
+    import rlbolt.models.attention_chunks as attention_chunks
     import rlbolt.modules.policy_setup as policy_setup
     from rlbolt.config import load_config
     from rlbolt.distributed.topology import target_devices
@@ -47,17 +55,23 @@ def compile_update(layers: int, variant: str, target: str, tokens: int, remat: s
 
     devices = target_devices(None if target == "host" else target)
     micro = max(8, len(devices))
-    stack = policy_setup.stack_layers
+    stack, groups = policy_setup.stack_layers, attention_chunks.CHUNK_GROUPS
     if variant == "per_layer":  # the layers stay stored per layer: the scan stacks them in every forward
         policy_setup.stack_layers = lambda model: model
+    if variant == "before":  # every query chunk its own copy in the program (CHUNK_GROUPS past the chunk count)
+        attention_chunks.CHUNK_GROUPS = 10 ** 6
+    shape = SMALL if model is None else MODELS[model]
     try:
         with tempfile.TemporaryDirectory() as folder:
-            (Path(folder) / "config.json").write_text(json.dumps({**SMALL, "num_hidden_layers": layers}))
-            cfg = load_config(run_config(folder, tokens, micro, False, remat, variant != "looped"))
-            run = build_abstract(cfg, devices)
+            (Path(folder) / "config.json").write_text(json.dumps({**shape, "num_hidden_layers": layers}))
+            cfg = run_config(folder, tokens, micro, False, "none" if variant == "before" else remat,
+                             variant in ("per_layer", "stacked"))
+            if variant == "before":
+                cfg["model"]["attention"] = "xla"
+            run = build_abstract(load_config(cfg), devices)
             report = plan_run(run, target, ("update",))
     finally:
-        policy_setup.stack_layers = stack
+        policy_setup.stack_layers, attention_chunks.CHUNK_GROUPS = stack, groups
     return report.executables[0].compile_seconds
 
 
@@ -68,7 +82,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=1024, help="tokens per sequence (512 of them prompt)")
     parser.add_argument("--remat", default="full")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS[:3]), choices=VARIANTS)
+    parser.add_argument("--model", default=None, help="a plan_table.py model name (real widths); default width 512")
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from machine import cpu_model
@@ -79,7 +94,7 @@ def main(argv=None) -> int:
         for target in args.targets:
             for layers in args.layers:
                 for variant in args.variants:
-                    seconds = compile_update(layers, variant, target, args.tokens, args.remat)
+                    seconds = compile_update(layers, variant, target, args.tokens, args.remat, args.model)
                     times.setdefault((target, layers, variant), []).append(seconds)
                     print(json.dumps({"target": target, "layers": layers, "variant": variant, "seconds": seconds,
                                       "load": os.getloadavg()[0]}), flush=True)
