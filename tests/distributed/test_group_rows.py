@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 
 from rlbolt.distributed.group_rows import FlightRows, advertised_host, arrow_columns
+from rlbolt.producer.dock import DockError
+from rlbolt.producer.dock.flight import RemoteDock
 
 LOOPBACK = "127.0.0.1:1"  # the coordinator's address: the server advertises loopback
 SLACK_S = 3.0  # the dock's watchdog tick and thread scheduling on a loaded 2-core host (test_flight.py's bound)
@@ -55,6 +57,13 @@ def test_rows_cross_whole_in_order_with_their_host_objects_and_a_wrong_key_is_re
     rollout = FlightRows(link, "rollout", peer=0, rank=0, timeout_s=10.0)
     try:
         assert train.location.startswith("grpc://127.0.0.1:")
+        assert link.values["rows-at/0"] == (train.location, train.token) and len(train.token) >= 32
+        # The server listens on every interface: a client without this run's token is refused, writes nothing.
+        with pytest.raises(DockError, match="refused this client's token"):
+            RemoteDock(train.location, connect_timeout_s=5.0)
+        with pytest.raises(DockError, match="refused this client's token"):
+            RemoteDock(train.location, token="x" * 43, connect_timeout_s=5.0)
+        assert len(train.dock) == 0
         sent = {key: _rows(s) for s, key in enumerate(["rows/0/0/0", "rows/0/1/0", "rows/1/0/0"])}
         for s, (key, rows) in enumerate(sent.items()):  # async: the rollout side runs ahead of the reader
             rollout.put(key, (rows, {"rollout/len": [float(s)]}))
@@ -90,7 +99,7 @@ WRITER = textwrap.dedent("""
 
     class Link:
         def put(self, key, obj): pass  # the test's link holds the host objects already
-        def take(self, key, stop=lambda: False, sender=None): return sys.argv[1]
+        def take(self, key, stop=lambda: False, sender=None): return sys.argv[1], sys.argv[3]
 
     rows = FlightRows(Link(), "rollout", peer=0, rank=0, timeout_s=float(sys.argv[2]))
     n = 4
@@ -113,11 +122,11 @@ def test_a_rollout_process_killed_mid_put_is_named_with_its_last_rows_and_its_ha
     lease = 2.0
     link = _Link()
     train = FlightRows(link, "train", peer=2, rank=0, timeout_s=lease, coordinator=LOOPBACK)
-    link.values.clear()  # the address goes on the writer's command line; the host objects are put here
+    link.values.clear()  # the address and token go on the writer's command line; the host objects are put here
     link.put("rows/0/0/0", ({}, {}))
     link.put("rows/0/1/0", ({}, {}))
-    writer = subprocess.Popen([sys.executable, "-c", WRITER, train.location, str(lease)], stdout=subprocess.PIPE,
-                              text=True)
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, train.location, str(lease), train.token],
+                              stdout=subprocess.PIPE, text=True)
     try:
         assert writer.stdout.readline().strip() == "HALF"  # (the writer's start may take longer than the deadline)
         assert writer.wait(30) == -signal.SIGKILL

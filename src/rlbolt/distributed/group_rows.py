@@ -6,8 +6,9 @@
     columns, logged = rows.take("rows/<step>/<micro>/<share>")         training process, the same order
 
 Each training process serves an `ExperienceDock` of its share's rows (`DockServer`, on a free port
-of every interface) and publishes its address once, through the `GroupLink` (the coordination
-service's key-value store), under `rows-at/<share>`; the rollout process of that share reads it at
+of every interface, taking calls that carry this run's token only: `$RLBOLT_DOCK_TOKEN`, else a fresh
+random one) and publishes its address and token once, through the `GroupLink` (the coordination
+service's key-value store), under `rows-at/<share>`; the rollout process of that share reads them at
 its first put and from then on adds each micro batch's columns to that dock (`RemoteDock.add`,
 keyed by the rows' key). Why the training process serves:
   - a put is one Flight stream that the server applies only once it has arrived whole, so a
@@ -27,6 +28,7 @@ A training process that takes a key other than the next one the dock holds is re
 from __future__ import annotations
 
 import logging
+import secrets
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -84,6 +86,7 @@ class FlightRows:
                  coordinator: str | None = None):
         from rlbolt.producer.dock import ExperienceDock
         from rlbolt.producer.dock.flight import DockServer
+        from rlbolt.producer.dock.flight.access import resolve_token
 
         self.link, self.role, self.peer, self.rank, self.timeout_s = link, role, peer, rank, float(timeout_s)
         self.server, self._client = None, None
@@ -95,9 +98,12 @@ class FlightRows:
             self.dock = ExperienceDock({ROWS_STAGE: ("sample_keys",)})
             # The lease: a writer silent for the deadline (the `GroupLink`'s rule) is lost; its heartbeats come every
             # lease/4, so a lease of 4/3 the deadline never names a writer before the deadline from its last act.
-            self.server = DockServer(self.dock, "grpc://0.0.0.0:0", lease_s=self.timeout_s * 4 / 3)
+            # Served on every interface, so only calls with this run's token are taken: a fresh one per run
+            # (or $RLBOLT_DOCK_TOKEN), handed to the rollout process through the coordination service.
+            self.token = resolve_token(None) or secrets.token_urlsafe(32)
+            self.server = DockServer(self.dock, "grpc://0.0.0.0:0", lease_s=self.timeout_s * 4 / 3, token=self.token)
             self.location = f"grpc://{advertised_host(coordinator)}:{self.server.port}"
-            link.put(f"rows-at/{rank}", self.location)
+            link.put(f"rows-at/{rank}", (self.location, self.token))
             log.info("rollout rows of data share %d: Arrow Flight, served at %s", rank, self.location)
 
     def put(self, key: str, rows: tuple[Mapping[str, Any], Any]) -> None:
@@ -117,9 +123,9 @@ class FlightRows:
         if self._client is None:
             from rlbolt.producer.dock.flight import RemoteDock
 
-            location = self.link.take(f"rows-at/{self.rank}", sender=self.peer)
+            location, token = self.link.take(f"rows-at/{self.rank}", sender=self.peer)
             self._client = RemoteDock(location, process=str(jax.process_index()), stage="rollout",
-                                      connect_timeout_s=self.timeout_s, call_timeout_s=self.timeout_s)
+                                      connect_timeout_s=self.timeout_s, call_timeout_s=self.timeout_s, token=token)
             log.info("rollout rows of data share %d: Arrow Flight, to %s", self.rank, location)
         return self._client
 

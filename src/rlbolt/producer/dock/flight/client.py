@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,9 +25,10 @@ import pyarrow.flight as flight
 
 from rlbolt.batch import Batch
 from rlbolt.producer.dock.columns import as_arrays, common_size
-from rlbolt.producer.dock.flight import wire
+from rlbolt.producer.dock.flight import access, wire
 from rlbolt.producer.dock.flight.server import REPLY
 from rlbolt.producer.dock.queues import StageStats
+from rlbolt.producer.dock.selection import DockError
 from rlbolt.producer.dock.store import DockClosed, Taken, as_indices
 
 
@@ -46,6 +48,10 @@ class RemoteDock:
         as not answering.
       call_timeout_s: the most seconds any call other than a blocking `get` may take; a `get`
         with a time-out gets that time-out plus this.
+      token: the server's token, sent with every call (`rlbolt.producer.dock.flight.access`);
+        default `$RLBOLT_DOCK_TOKEN`, else none.
+      tls_root_cert: the PEM file to verify a `grpc+tls://` server's certificate against (its own
+        certificate when self-signed); None: the system's roots.
 
     Example:
       dock = RemoteDock(server_location, process="rollout-0", stage="rollout")
@@ -54,18 +60,21 @@ class RemoteDock:
     """
 
     def __init__(self, location: str, *, process: str | None = None, stage: str = "-",
-                 connect_timeout_s: float = 10.0, call_timeout_s: float = 60.0):
+                 connect_timeout_s: float = 10.0, call_timeout_s: float = 60.0, token: str | None = None,
+                 tls_root_cert: str | Path | None = None):
         self.location = location
         self.process = process or f"{socket.gethostname()}:{os.getpid()}"
         self.stage = stage
         self._id = f"{self.process}/{stage}"
         self._call_timeout = float(call_timeout_s)
+        self._headers = access.call_headers(access.resolve_token(token))
+        roots = access.client_roots(tls_root_cert)
         try:
-            self._client = flight.FlightClient(location)
-            self._beat_client = flight.FlightClient(location)
+            self._client = flight.FlightClient(location, tls_root_certs=roots)
+            self._beat_client = flight.FlightClient(location, tls_root_certs=roots)
         except (flight.FlightError, OSError, ValueError) as exc:
             raise DockUnreachable(f"RemoteDock: cannot use location {location!r} ({_first_line(exc)}); "
-                                  "pass the grpc://host:port a DockServer listens on") from None
+                                  "pass the grpc://host:port (grpc+tls:// with TLS) a DockServer listens on") from None
         reply = self._act("hello", {"process": self.process, "stage": stage}, timeout=connect_timeout_s)
         self.lease_s = float(reply["lease_s"])
         self._answered_at = time.monotonic()  # the last reply to a heartbeat
@@ -102,7 +111,7 @@ class RemoteDock:
                 "one_batch": bool(one_batch), "timeout": None if timeout is None else float(timeout),
                 "partial": bool(partial)}
         deadline = None if timeout is None else max(0.0, float(timeout)) + self._call_timeout
-        ticket, options = flight.Ticket(wire.dumps(args)), _options(deadline)
+        ticket, options = flight.Ticket(wire.dumps(args)), self._options(deadline)
         if timeout is not None and timeout <= self.lease_s / 4:  # short: no need to watch the server
             with self._calling("get", deadline):
                 table = self._client.do_get(ticket, options).read_all()
@@ -162,7 +171,7 @@ class RemoteDock:
         body = wire.dumps({"client": self._id})
         while not self._stop.wait(interval):
             with contextlib.suppress(Exception):  # a server gone is reported by the next call
-                list(self._beat_client.do_action(flight.Action("heartbeat", body), _options(self.lease_s)))
+                list(self._beat_client.do_action(flight.Action("heartbeat", body), self._options(self.lease_s)))
                 self._answered_at = time.monotonic()
 
     def _watched(self, call: str, deadline: float | None, fn: Callable[[], Any]) -> Any:
@@ -187,7 +196,7 @@ class RemoteDock:
         body = wire.dumps({"client": self._id, **args})
         deadline = self._call_timeout if timeout is None else timeout
         with self._calling(call, deadline):
-            results = list(self._client.do_action(flight.Action(call, body), _options(deadline)))
+            results = list(self._client.do_action(flight.Action(call, body), self._options(deadline)))
         reply = wire.loads(results[0].body.to_pybytes())
         wire.raise_if_error(reply)
         return reply
@@ -197,7 +206,7 @@ class RemoteDock:
         descriptor = flight.FlightDescriptor.for_command(wire.dumps({"call": call, "client": self._id,
                                                                      "rows": batch.num_rows, **args}))
         with self._calling(call, self._call_timeout):
-            writer, reader = self._client.do_put(descriptor, batch.schema, _options(self._call_timeout))
+            writer, reader = self._client.do_put(descriptor, batch.schema, self._options(self._call_timeout))
             for message in wire.messages(batch):
                 writer.write_batch(message)
             writer.done_writing()
@@ -207,10 +216,16 @@ class RemoteDock:
         wire.raise_if_error(reply)
         return reply
 
+    def _options(self, timeout: float | None) -> flight.FlightCallOptions:
+        return flight.FlightCallOptions(timeout=timeout, headers=self._headers)
+
     @contextlib.contextmanager
     def _calling(self, call: str, deadline: float | None) -> Iterator[None]:
         try:
             yield
+        except flight.FlightUnauthenticatedError:
+            raise DockError(f"{call}: the dock at {self.location} refused this client's token; set the server's "
+                            f"token here (token=, or the same ${access.TOKEN_ENV} on both sides)") from None
         except flight.FlightTimedOutError:
             raise DockUnreachable(f"{call}: the dock at {self.location} did not answer within {deadline:g} s; "
                                   "is its DockServer running and reachable from here?") from None
@@ -259,10 +274,6 @@ class _Helpers:
             with self._lock:
                 self._idle.append(jobs)
             done.set()
-
-
-def _options(timeout: float | None) -> flight.FlightCallOptions:
-    return flight.FlightCallOptions(timeout=timeout)
 
 
 def _plain(n: Any) -> Any:

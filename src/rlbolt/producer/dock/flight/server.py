@@ -18,6 +18,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -25,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from rlbolt.producer.dock.flight import wire
+from rlbolt.producer.dock.flight import access, wire
 from rlbolt.producer.dock.selection import DockError
 from rlbolt.producer.dock.store import DockClosed, ExperienceDock
 
@@ -65,21 +66,32 @@ class DockServer(flight.FlightServerBase):
       lease_s: a client silent (no call, no heartbeat) for longer than this is declared lost and
         the dock is closed naming it; a consumer's `get` fails within about lease_s * 1.25.
       clock: monotonic seconds (injectable in tests).
+      token: the token every call must carry (`rlbolt.producer.dock.flight.access`); default
+        `$RLBOLT_DOCK_TOKEN`, and without either, calls are taken from anyone who reaches the port.
+      tls_cert: the certificate (chain) PEM file: with `tls_key`, the server listens on
+        `grpc+tls://` (a `grpc://` location is served with TLS).
+      tls_key: the certificate's private key PEM file.
     """
 
     def __init__(self, dock: ExperienceDock, location: str = "grpc://127.0.0.1:0", *, lease_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, token: str | None = None,
+                 tls_cert: str | Path | None = None, tls_key: str | Path | None = None):
         if not lease_s > 0:
             raise DockError(f"DockServer: lease_s={lease_s!r} must be a positive number of seconds")
+        token, tls = access.resolve_token(token), access.server_tls(tls_cert, tls_key)
+        scheme = "grpc+tls" if tls else "grpc"
+        if tls and location.startswith("grpc://"):
+            location = "grpc+tls://" + location[len("grpc://"):]
         try:
-            super().__init__(location)
+            super().__init__(location, tls_certificates=tls,
+                             middleware=None if token is None else {"token": access.TokenCheck(token)})
         except (pa.ArrowException, OSError) as exc:
             line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise DockError(f"DockServer: cannot listen on {location!r} ({line}); pass grpc://<an address of this "
-                            "host>:<a free port> (port 0: any free port)") from None
+            raise DockError(f"DockServer: cannot listen on {location!r} ({line}); pass {scheme}://<an address of "
+                            "this host>:<a free port> (port 0: any free port)") from None
         self.dock, self.lease_s, self._clock = dock, float(lease_s), clock
         host = urlparse(location).hostname or "127.0.0.1"
-        self.location = f"grpc://{host}:{self.port}"
+        self.location = f"{scheme}://{host}:{self.port}"
         self.clients: dict[str, ClientRecord] = {}
         self.lost: str | None = None  # the line the dock was closed with, once a client was lost
         self._lock = threading.Lock()
