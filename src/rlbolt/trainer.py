@@ -265,7 +265,7 @@ class Trainer:
         remote = None if self.groups is None else RemoteRollout(self.groups, self.sharding.share)
         return Producer(module, self.plan, self.source, self.weights, host_value(state.rng), max_steps=self.max_steps,
                         max_prompts=self._max_prompts(), timeline=self.timeline, share=self.sharding.share,
-                        rollout=remote)
+                        rollout=remote, decided=remote and remote.decided)
 
     def _step(self, state: TrainState, produced, began: float) -> tuple[TrainState, StepInfo]:
         """One global step on a produced batch: the hooks, the update, and the step's `StepInfo` (the callbacks'

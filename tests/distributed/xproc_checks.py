@@ -3,6 +3,8 @@
     rlbolt launch --local 4 --devices-per-process 1 -- python tests/distributed/xproc_checks.py OUT
     python tests/distributed/xproc_checks.py OUT --devices 4        the same placement in one process
     ... xproc_checks.py OUT --mode async      async mode, max_staleness 1 (lag 1), with rollout correction (tis)
+    ... xproc_checks.py OUT --dapo            DAPO's dynamic sampling: half the prompts (in pairs) score one value
+                                              for every sample, their groups are dropped, refill rounds fill the step
 
 Placement: train on devices [0, 2) (fsdp=2), rollout on [2, 4) (fsdp=2); the reference with
 train. With 4 processes of one CPU device each that is processes 0, 1 (training group) and 2, 3
@@ -46,6 +48,7 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--devices", type=int, default=0, help="CPU devices of a one-process run (0: the launcher's)")
     ap.add_argument("--mode", default="sync", choices=("sync", "async"))
+    ap.add_argument("--dapo", action="store_true", help="DAPO with refill rounds (a parity reward)")
     args = ap.parse_args()
     if args.devices:
         jax.config.update("jax_num_cpu_devices", args.devices)
@@ -57,7 +60,7 @@ def main() -> None:
 
     from rlbolt.callback import Callback
     from rlbolt.data import gsm8k_style_rows
-    from rlbolt.modules import GRPO
+    from rlbolt.modules import DAPO, GRPO
     from rlbolt.plan import BatchPlan
     from rlbolt.trainer import Trainer
 
@@ -70,6 +73,14 @@ def main() -> None:
     def digits(completion: str, sample) -> float:  # a dense reward: the fraction of digit characters
         return sum(ch.isdigit() for ch in completion) / max(len(completion), 1)
 
+    def parity(completion: str, sample) -> float:
+        # Prompts in pairs: 0-1, 4-5, ... score one value for every sample (their groups are dropped), 2-3, 6-7, ...
+        # spread. A step then always misses whole pairs, so a refill round draws the same prompts on one process
+        # as on two data shares (which round each round up to a multiple of 2 prompts).
+        if sample["prompt_index"] // 2 % 2 == 0:
+            return 1.0
+        return float(sum(map(ord, completion)) % 7)
+
     steps: list[dict] = []
 
     class Record(Callback):
@@ -80,11 +91,15 @@ def main() -> None:
 
     beta = float(os.environ.get("RLBOLT_XPROC_BETA", "0.04"))
     algorithm = {"lr": 1e-3, "beta": beta, **({"rollout_correction": "tis"} if args.mode == "async" else {})}
-    module = GRPO({"rollout": {"max_new_tokens": 8}, "algorithm": algorithm,
-                   "model": {"tiny": {"hidden_size": 32, "intermediate_size": 64, "num_heads": 4,
-                                      "num_kv_heads": 2, "head_dim": 8}}}, reward=digits)
+    if args.dapo:
+        algorithm["overlong_cache_length"] = 0  # its shaping would spread the constant groups' rewards
+    module = (DAPO if args.dapo else GRPO)({"rollout": {"max_new_tokens": 8}, "algorithm": algorithm,
+                                            "model": {"tiny": {"hidden_size": 32, "intermediate_size": 64,
+                                                               "num_heads": 4, "num_kv_heads": 2, "head_dim": 8}}},
+                                           reward=parity if args.dapo else digits)
     placement = {"train": {"devices": [0, 2], "mesh": {"fsdp": 2}}, "rollout": {"devices": [2, 4], "mesh": {"fsdp": 2}}}
-    plan = BatchPlan(prompts_per_step=4, num_generations=4, train_micro_batch_size=8)
+    plan = BatchPlan(prompts_per_step=4, num_generations=4, train_micro_batch_size=8,
+                     max_refill_rounds=4 if args.dapo else 0)
     from rlbolt.callbacks import MetricsLogger, ModelCheckpoint
 
     callbacks = [Record(), MetricsLogger(writer=["jsonl"], every_n_steps=1)]
@@ -93,10 +108,10 @@ def main() -> None:
                                          allow_config_change="RLBOLT_XPROC_SEED" in os.environ))
     seed = int(os.environ.get("RLBOLT_XPROC_SEED", "0"))
     trainer = Trainer(plan, max_steps=3, callbacks=callbacks, run_dir=out / "run", placement=placement,
-                      seed=seed, data_seed=0,
+                      seed=seed, data_seed=0, shuffle=not args.dapo,  # dapo: prompt_index is the draw order
                       mode=args.mode, max_staleness=1 if args.mode == "async" else None,
                       prefetch_timeout_s=None if deadline is None else float(deadline))
-    state = trainer.fit(module, gsm8k_style_rows(16))
+    state = trainer.fit(module, gsm8k_style_rows(48 if args.dapo else 16))
     role = "train" if trainer.groups is None else trainer.groups.role
     (out / f"role_{jax.process_index()}.json").write_text(json.dumps({
         "role": role, "trained_steps": len(steps), "process_count": jax.process_count(),

@@ -285,7 +285,7 @@ def check_fit_across(mode: str, plan: Any, val_data: Any) -> None:
 
     Args:
       mode: the Trainer's mode (both run; async: the rollout group runs ahead, `remote_rollout`).
-      plan: the BatchPlan (refill rounds are not run).
+      plan: the BatchPlan (refill rounds run: the rollout group makes them, `remote_rollout`).
       val_data: validation rows (validation is not run: it samples on the rollout group).
 
     Raises:
@@ -294,10 +294,8 @@ def check_fit_across(mode: str, plan: Any, val_data: Any) -> None:
     unsupported = []
     if mode not in ("sync", "async"):
         unsupported.append(f"trainer.mode={mode!r} (use sync or async)")
-    if plan.max_refill_rounds:
-        unsupported.append(f"max_refill_rounds={plan.max_refill_rounds} (use 0)")
     if val_data is not None and len(val_data) > 0:
         unsupported.append("validation data (validate after the run, or use placement: colocated)")
     if unsupported:
-        raise ValueError("placement across processes runs without refills or validation yet; "
+        raise ValueError("placement across processes runs without validation yet; "
                          "this fit has " + "; ".join(unsupported))

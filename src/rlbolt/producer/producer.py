@@ -140,13 +140,18 @@ class Producer:
         which process made it; every process trains on the same whole global batch.
       rollout: replaces the rollout stage's `on_rollout` call: `(step, batch) -> batch with the
         rollout columns` (a rollout made by another process group: `rlbolt.producer.remote_rollout`).
+      decided: with refill rounds, told each of a step's decisions after a round: `(step, round,
+        missing samples)`, 0 when the step is full (the rollout group makes the refills:
+        `RemoteRollout.decided`).
     """
 
     def __init__(self, module: RLModule, plan: BatchPlan, source: PromptSource, weights: WeightStore,
                  base_rng: jax.Array, *, max_steps: int | None, max_prompts: int | None,
                  timeline: Timeline | None = None, share: DataShare | None = None,
-                 rollout: Callable[[int, Batch], Batch] | None = None):
+                 rollout: Callable[[int, Batch], Batch] | None = None,
+                 decided: Callable[[int, int, int], None] | None = None):
         self.module, self.plan, self.source, self.weights = module, plan, source, weights
+        self.decided = decided
         self.base_rng, self.max_steps, self.max_prompts = base_rng, max_steps, max_prompts
         self.timeline = timeline if timeline is not None else Timeline()
         self.share = share or DataShare()
@@ -240,6 +245,8 @@ class _Run:
                 if not plan.max_refill_rounds and parts == 1:  # shares: wait for the step's train rows before finish()
                     break
                 missing = _wait_for(record.decisions, stop)
+                if plan.max_refill_rounds and p.decided is not None:
+                    p.decided(step, round_index, missing)
                 if not missing:
                     break
                 round_index, prompts = round_index + 1, -(-missing // plan.num_generations)

@@ -15,6 +15,13 @@ into the dock of the training process of the same share (Arrow Flight: `groups.r
 order (`RemoteRollout`) and checks
 that they are the rows it asked for (their sample keys and policy version).
 
+With refill rounds (`plan.max_refill_rounds`, DAPO's dynamic sampling) the training group's advantage
+stage decides after each round how many samples the step still misses; its first process sends
+that to each rollout process (`RemoteRollout.decided`, under `refill/<step>/<round>/<process>`),
+which rolls out the refill round's prompts (the next ones in the data, with the round's sample
+keys, as the one-process feeder draws them) into the same step's micro batches, or goes on to the
+next step on 0. The prompt counter thus advances by the refills on both sides.
+
 Which weights roll out step s: those after `max(0, s - lag)` steps (`weights_for_step`: lag 0
 in sync mode, `Trainer.lag_steps` in async mode), the rule of the producer in one process. The
 training group pushes after every step (the weights after k steps, k = 0, 1, ...); before each
@@ -35,6 +42,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 
 from rlbolt.batch import Batch, check_stage
@@ -93,6 +101,21 @@ class RemoteRollout:
         add_log_values(logged)
         return rows
 
+    def decided(self, step: int, round_index: int, missing: int) -> None:
+        """With refill rounds: tells each rollout process what the training group's advantage stage decided
+        after round `round_index` of `step` (the samples still missing; 0: the step is full), so it makes
+        the refill round's rows or goes on to the next step (`refill_rounds`). The group's first process
+        sends; every training process reaches the same decision (the advantage stage sees the whole round).
+
+        Args:
+          step: the step (0-based).
+          round_index: the round just decided (0: the step's first prompts).
+          missing: samples still missing.
+        """
+        if self.groups.leader:
+            for process in self.groups.rollout:
+                self.groups.link.put(f"refill/{step}/{round_index}/{process}", int(missing))
+
 
 def run_rollout_group(module: RLModule, plan: BatchPlan, source: PromptSource, groups: ProcessGroups,
                       abstract_params: Any, share: DataShare, *, base_rng: Any, start_step: int, start_position: int,
@@ -134,12 +157,36 @@ def run_rollout_group(module: RLModule, plan: BatchPlan, source: PromptSource, g
             raise RuntimeError(f"step {step}: the rollout group holds the weights after {held} steps, the step needs "
                                f"those after {weights_for_step(step, lag)} (lag {lag}); both groups must run the "
                                "same trainer.mode and max_staleness")
-        prompts = -(-plan.prompts_per_step // share.size) * share.size
-        batch = prompt_batch(source, share, base_rng, plan.num_generations, step, 0, position, prompts, version)
-        for micro, lo in enumerate(range(0, batch.num_samples, size)):
-            with collect_log_values() as logged:
-                rows = check_stage(module.on_rollout(params, batch.slice(lo, lo + size)), "rollout")
-            groups.rows.put(f"rows/{step}/{micro}/{share.rank}", (dict(rows), logged))
+        micro, prompts, round_index = 0, plan.prompts_per_step, 0
+        while True:  # the step's first prompts, then each refill round the training group asks for
+            prompts = -(-prompts // share.size) * share.size  # equal shares, as the producer's feeder
+            batch = prompt_batch(source, share, base_rng, plan.num_generations, step, round_index, position, prompts,
+                                 version)
+            position += prompts
+            for lo in range(0, batch.num_samples, size):  # micro batches counted over the step's rounds
+                with collect_log_values() as logged:
+                    rows = check_stage(module.on_rollout(params, batch.slice(lo, lo + size)), "rollout")
+                groups.rows.put(f"rows/{step}/{micro}/{share.rank}", (dict(rows), logged))
+                micro += 1
+            missing = refill_decision(groups, plan, step, round_index)
+            if not missing:
+                break
+            round_index, prompts = round_index + 1, -(-missing // plan.num_generations)
         record_step(f"rolled out step {step + 1}")  # 1-based, as the training group counts (`rlbolt launch`)
-        step, position, produced = step + 1, position + prompts, produced + 1
+        step, produced = step + 1, produced + 1
     return produced
+
+
+def refill_decision(groups: ProcessGroups, plan: BatchPlan, step: int, round_index: int) -> int:
+    """Rollout group: the samples `step` still misses after round `round_index` (`RemoteRollout.decided`);
+    0 without refill rounds (the step is its first round).
+
+    Args:
+      groups: the process groups (this process in the rollout group).
+      plan: the batch sizes (`max_refill_rounds`).
+      step: the step (0-based).
+      round_index: the round just rolled out.
+    """
+    if not plan.max_refill_rounds:
+        return 0
+    return int(groups.link.take(f"refill/{step}/{round_index}/{jax.process_index()}", sender=min(groups.train)))
