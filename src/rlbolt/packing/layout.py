@@ -217,10 +217,9 @@ def pack_sources(prompt_mask: np.ndarray, forward_mask: np.ndarray, columns: dic
     forward = np.asarray(forward_mask, bool)
     n, c = forward.shape
     length, block = spec.width(padded_width), micro_size // spec.blocks
-    rows = columns["pack_rows"].shape[1]
     needed = None if spec.rows is not None else max((int(forward[s:s + block].sum()) for s in range(0, n, block)),
                                                     default=1)
-    per_sample = source_slots(block, c, length, rows=rows if spec.rows is not None else None, forward_tokens=needed)
+    per_sample = source_slots(block, c, length, rows=spec.rows, forward_tokens=needed)
     row = np.argmax(columns["pack_rows"], axis=1)
     out = np.zeros((n, per_sample), np.int32)
     for s in range(0, n, block):
