@@ -23,8 +23,8 @@ from rlbolt.callbacks.evaluation import FIT_VALIDATION, Evaluation
 from rlbolt.data.source import PromptSource
 from rlbolt.distributed import any_process, host_value, layout
 from rlbolt.distributed.agree import set_default_group
-from rlbolt.distributed.placement import Placement, WeightSync
-from rlbolt.distributed.process_groups import ProcessGroups
+from rlbolt.distributed.placement import Placement
+from rlbolt.distributed.process_groups import ProcessGroups, join_placement
 from rlbolt.distributed.sharding import ShardingPlan
 from rlbolt.fit_checks import check_fit, lag_steps
 from rlbolt.module import RLModule
@@ -41,7 +41,7 @@ from rlbolt.utils.runlock import hold_run_dir
 from rlbolt.utils.step_beacon import record_step
 from rlbolt.validation import run_validation
 from rlbolt.producer.weights import WeightStore
-from rlbolt.producer.remote_rollout import RemoteRollout, run_rollout_group
+from rlbolt.producer.remote_rollout import remote_stages, run_rollout_group
 from rlbolt.run_info import Control, Restore, RunInfo, total_steps
 
 MODES = ("sync", "async")
@@ -262,10 +262,9 @@ class Trainer:
         if self.groups is not None:
             self.groups.send_start(state.step, state.data_position, host_value(state.rng))
         self.weights.publish(state.step, state.params, state.policy_version)
-        remote = None if self.groups is None else RemoteRollout(self.groups, self.sharding.share)
         return Producer(module, self.plan, self.source, self.weights, host_value(state.rng), max_steps=self.max_steps,
                         max_prompts=self._max_prompts(), timeline=self.timeline, share=self.sharding.share,
-                        rollout=remote, decided=remote and remote.decided)
+                        **remote_stages(self.groups, self.sharding.share))
 
     def _step(self, state: TrainState, produced, began: float) -> tuple[TrainState, StepInfo]:
         """One global step on a produced batch: the hooks, the update, and the step's `StepInfo` (the callbacks'
@@ -310,13 +309,9 @@ class Trainer:
         self.source = train_data if isinstance(train_data, PromptSource) else PromptSource(train_data, shuffle=self.shuffle, seed=self.data_seed)
         self.plans = self.placement.plans(self.mesh_spec)
         self.sharding = self.plans["train"]
-        self.groups = ProcessGroups.of(self.placement, self.plans, timeout_s=self.prefetch_timeout_s)
+        self.groups = join_placement(self.placement, self.plans, self.weights, mode=self.mode, plan=self.plan,
+                                     val_data=val_data, timeout_s=self.prefetch_timeout_s)
         self.agree_with = None if self.groups is None else self.groups.mine
-        if self.groups is not None:  # refusals, the group's agreements, the training group's pushes
-            self.groups.join_fit(self.mode, self.plan, val_data, self.weights)
-        elif not self.placement.colocated:
-            sync = WeightSync(self.sharding, self.plans["rollout"])
-            self.weights.transfer = lambda params, *_: sync(params)
         layout.check_batch_plan(self.plan, self.sharding, self.mode, reference=self.plans["reference"], across_groups=self.groups is not None)
         module.context = context = SetupContext(plan=self.plan, seed=self.seed, mode=self.mode, shardings=self.plans)
         module.setup(context)

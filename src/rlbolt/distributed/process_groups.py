@@ -1,6 +1,7 @@
 """A placement across processes: each process in one group, the rendezvous points between groups.
 
     groups = ProcessGroups.of(placement, plans)      None: every role on every process (colocated)
+    groups = join_placement(placement, plans, weights, ...)   a fit's placement wired (groups, or WeightSync)
     groups.role                                      "train" or "rollout": this process's group
     groups.join_fit(mode, plan, val, ws)             a fit's set-up: refusals, the group's agreements, attach
     groups.attach(weight_store)                      training group: each publish pushes (send_weights)
@@ -45,6 +46,7 @@ import numpy as np
 from rlbolt.distributed.agree import set_default_group
 from rlbolt.distributed.group_rows import FlightRows
 from rlbolt.distributed.mesh import MeshError
+from rlbolt.distributed.placement import WeightSync
 from rlbolt.distributed.sharding import ShardingPlan
 from rlbolt.distributed.shutdown import skip_shutdown_barrier
 from rlbolt.distributed.weight_push import ProcessWeightPush
@@ -263,6 +265,33 @@ class ProcessGroups:
         self._pushes += 1
         params, version = self.push(abstract)
         return params, version, steps
+
+
+def join_placement(placement: Any, plans: Mapping[str, ShardingPlan], weights: Any, *, mode: str, plan: Any,
+                   val_data: Any, timeout_s: float | None) -> ProcessGroups | None:
+    """A fit's placement, wired to its `WeightStore`: across processes this process's groups, joined (the
+    refusals, the group's agreements, each publish a push: `ProcessGroups.join_fit`); on sub-meshes of one
+    process each publish reshards onto the rollout mesh (`WeightSync`); colocated, nothing.
+
+    Args:
+      placement: the Trainer's `Placement`.
+      plans: role -> ShardingPlan (`Placement.plans`).
+      weights: the Trainer's `WeightStore`.
+      mode: the Trainer's mode.
+      plan: the BatchPlan.
+      val_data: the fit's validation rows, or None.
+      timeout_s: the wait for the other group (`trainer.prefetch_timeout_s`).
+
+    Returns:
+      The ProcessGroups across processes, else None.
+    """
+    groups = ProcessGroups.of(placement, plans, timeout_s=timeout_s)
+    if groups is not None:
+        groups.join_fit(mode, plan, val_data, weights)
+    elif not placement.colocated:
+        sync = WeightSync(plans["train"], plans["rollout"])
+        weights.transfer = lambda params, *_: sync(params)
+    return groups
 
 
 def check_shares(train: ShardingPlan, rollout: ShardingPlan) -> None:

@@ -117,6 +117,20 @@ class RemoteRollout:
                 self.groups.link.put(f"refill/{step}/{round_index}/{process}", int(missing))
 
 
+def remote_stages(groups: ProcessGroups | None, share: DataShare) -> dict[str, Any]:
+    """The Producer's `rollout` and `decided` arguments on a training process of `groups` (the rollout
+    group makes the rollouts and the refill rounds); none without groups (the producer's own stages).
+
+    Args:
+      groups: the process groups, or None.
+      share: this training process's data share.
+    """
+    if groups is None:
+        return {}
+    remote = RemoteRollout(groups, share)
+    return {"rollout": remote, "decided": remote.decided}
+
+
 def run_rollout_group(module: RLModule, plan: BatchPlan, source: PromptSource, groups: ProcessGroups,
                       abstract_params: Any, share: DataShare, *, base_rng: Any, start_step: int, start_position: int,
                       max_steps: int | None, max_prompts: int | None, lag: int = 0,
