@@ -22,9 +22,10 @@ from flax import nnx
 from float_tolerance import attention_tolerance, bf16_tolerance, decoder_tolerance, log_softmax_tolerance
 from rlbolt.models import Decoder, tiny_config
 from rlbolt.models.attention import attend
-from rlbolt.models.attention_kernels import (KernelCall, cudnn_attention, layer_kernel_calls, resolve_attention,
-                                             splash_attention)
+from rlbolt.models.attention_kernels import (KernelByKind, KernelCall, cudnn_attention, fused_attention,
+                                             layer_kernel_calls, resolve_attention, splash_attention)
 from rlbolt.models.cache import init_cache
+from rlbolt.models.scan_layers import kernel_kinds
 from rlbolt.rollout import token_logps
 
 GEMMA_LIKE = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -213,6 +214,65 @@ def test_scanned_layers_run_the_kernel_too():
     (l_x, _), (l_s, _) = (_logps_and_grads(config, k, batch, scan=True) for k in ("xla", "splash-interpret"))
     np.testing.assert_allclose(l_s, l_x, rtol=0,
                                atol=log_softmax_tolerance(decoder_tolerance(8.0, config, seq), config.vocab_size))
+
+
+GEMMA3_LIKE = dict(GEMMA_LIKE, attn_logit_softcapping=None, num_layers=3, rope_local_theta=1000.0,
+                   layer_types=("sliding_attention", "full_attention", "sliding_attention"))
+
+
+def test_kernel_by_kind_runs_the_layers_own_kernel_under_one_jit():
+    """KernelByKind with a traced flag (as the scan carries it): one compiled program, the windowed
+    kernel for True and the causal one for False, each against the XLA reference; they differ."""
+    b, t, window = 2, 40, 6
+    q, k, v = _qkv(b, t, seed=1)
+    segments = jnp.asarray(np.where(np.arange(t)[None] >= np.asarray([[0], [9]]), 1, 0), jnp.int32)
+    scale = 8 ** -0.5
+    full = KernelCall("splash-interpret", segments)
+    local = KernelCall("splash-interpret", segments, window)
+    run = jax.jit(lambda sliding: fused_attention(KernelByKind(sliding, full, local), q, k, v, scale=scale))
+    real = np.asarray(segments > 0)
+    for sliding, w in ((True, window), (False, None)):
+        want = np.asarray(_reference(q, k, v, segments, scale, None, w)).reshape(b, t, -1)
+        np.testing.assert_allclose(np.asarray(run(jnp.asarray(sliding)))[real], want[real], rtol=0,
+                                   atol=attention_tolerance(q * scale, k, v, t))
+    assert np.abs(np.asarray(run(jnp.asarray(True)) - run(jnp.asarray(False)))[real]).max() > 0.1
+    assert run._cache_size() == 1
+
+
+@pytest.mark.slow  # ~8 s of CPU (the kernels interpreted, a loop and a scan, forward and backward)
+@pytest.mark.parametrize("kernel", ["splash-interpret", "xla"])
+def test_layers_of_two_kinds_scan_with_a_kernel_each(kernel):
+    """Gemma 3's sliding and full layers under splash need two kernels (static masks): the scanned body
+    picks the layer's with `lax.cond` (KernelByKind) instead of falling back to the loop. Against the
+    loop running the same kernels, logps and every gradient; the scan really ran (one scan, one cond)."""
+    config = tiny_config(**GEMMA3_LIKE)
+    batch = _batch(rows=2, completion=13)
+    seq = batch[0].shape[1] + batch[2].shape[1]
+    (l_loop, g_loop), (l_scan, g_scan) = (_logps_and_grads(config, kernel, batch, scan=s) for s in (False, True))
+    np.testing.assert_allclose(l_scan, l_loop, rtol=0,
+                               atol=log_softmax_tolerance(decoder_tolerance(8.0, config, seq), config.vocab_size))
+    for a, b in zip(jax.tree.leaves(g_scan), jax.tree.leaves(g_loop)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=3 * decoder_tolerance(b, config, seq) + 1e-12)
+    assert float(jnp.abs(jax.tree.leaves(g_loop)[0]).max()) > 0
+    counts = {}
+    for scan in (False, True):
+        model = Decoder(config, rngs=nnx.Rngs(3))
+        model.attention_kernel, model.scan_layers = kernel, scan
+        ids, mask = jnp.concatenate(batch[:3:2], 1), jnp.concatenate(batch[1::2], 1)
+        jaxpr = str(jax.make_jaxpr(lambda i, m: model(i, jnp.cumsum(m, 1), attention_mask=m)[0])(ids, mask))
+        counts[scan] = (jaxpr.count(" scan["), jaxpr.count(" cond["))  # Pallas' interpreter has its own
+    # The scanned forward: one more scan (the layers) and, under a kernel, one more cond (the kind's kernel).
+    assert (counts[True][0] - counts[False][0], counts[True][1] - counts[False][1]) == (1, int(kernel != "xla"))
+
+
+def test_kernel_kinds_of_the_layers():
+    config = tiny_config(**GEMMA3_LIKE)
+    full, local = KernelCall("splash", None), KernelCall("splash", None, 7)
+    assert kernel_kinds(config, [local, full, local]) == (full, local)
+    assert kernel_kinds(config, [None, None, None]) == (None, None)
+    assert kernel_kinds(config, [local, full, KernelCall("splash", None, 7)]) is None  # a kind split in two
+    assert kernel_kinds(config, [local, None, local]) is None  # fused and XLA in one scan: the loop runs
+    assert kernel_kinds(tiny_config(num_layers=2), [full, full]) == (full, full)
 
 
 def test_cudnn_falls_back_per_reason_and_logs_once(caplog):

@@ -44,3 +44,36 @@ def test_update_scratch_is_linear_in_length_with_flash_and_quadratic_with_xla():
     assert {kernel for kernel, _ in xla.values()} == {"xla"}
     assert xla[4096][1] / 4096 >= 1.7 * xla[2048][1] / 2048, xla
     assert xla[4096][1] / 4096 > 4 * per_token[8192], (xla, per_token)
+
+
+GEMMA3 = dict(architecture="Gemma3ForCausalLM", hidden_act="gelu_pytorch_tanh", norm_unit_offset=True,
+              sandwich_norms=True, scale_embeddings=True, qk_norm=True, sliding_window=64, rope_local_theta=1000.0)
+
+
+def _gemma3_run(layers: int):
+    from rlbolt.distributed.topology import target_devices
+    from rlbolt.planning import build_abstract
+
+    kinds = ("sliding_attention", "sliding_attention", "full_attention") * (layers // 3)
+    config = {**RUN, "model": {**RUN["model"], "attention": "flash", "scan_layers": True,
+                               "tiny": {**RUN["model"]["tiny"], **GEMMA3, "num_layers": layers, "layer_types": kinds,
+                                        "max_position_embeddings": 1024}},
+              "data": {"max_prompt_tokens": 256}, "rollout": {"max_new_tokens": 256}}
+    return build_abstract(load_config(config), target_devices(TOPOLOGY))
+
+
+def test_gemma3_layers_scan_with_their_two_splash_kernels():
+    """Gemma 3's sliding and full layers need two splash kernels (static masks); the scanned update picks
+    the layer's in the body (a `case`), so its program does not grow with depth, and it compiles for
+    the slice. Before, the two kernels sent the layers to the loop: the 6-layer program was longer
+    than the 3-layer one and held no case."""
+    from rlbolt.planning import plan_run
+    from rlbolt.planning.compile import _lower_update
+
+    texts = {layers: _lower_update(_gemma3_run(layers)).as_text() for layers in (3, 6)}
+    assert "stablehlo.case" in texts[6]
+    assert texts[6].count("\n") == texts[3].count("\n")  # one body whatever the depth
+    run = _gemma3_run(6)
+    assert run.module.model.attention_kernel == "splash"
+    (update,) = plan_run(run, TOPOLOGY, names=("update",)).executables
+    assert update.refused is None and update.temp_bytes > 0

@@ -96,6 +96,23 @@ class KernelCall:
     slots: Any = None
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelByKind:
+    """A scanned layer's kernel when the two kinds of layer run different ones (Gemma's sliding and
+    full layers under splash: their masks are static, so two kernels): `local` where the traced
+    `sliding` holds, else `full`, through one `jax.lax.cond` (each kernel compiled once in the body).
+
+    Attributes:
+      sliding: a scalar bool, this layer's `config.is_sliding(i)` as the scan carries it.
+      full: the full-attention layers' KernelCall.
+      local: the sliding layers' KernelCall.
+    """
+
+    sliding: jax.Array
+    full: KernelCall
+    local: KernelCall
+
+
 def fallback_reason(kernel: str, *, dtype: Any, head_dim: int, cap: float | None, packed: bool) -> str | None:
     """Why a layer cannot run `kernel` (it then runs XLA), or None when it can.
 
@@ -127,12 +144,12 @@ def log_fallback_once(kernel: str, reason: str, where: str) -> None:
         _log.warning(message)
 
 
-def fused_attention(call: KernelCall, q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
+def fused_attention(call: KernelCall | KernelByKind, q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float,
                     cap: float | None = None, implementation: str = "cudnn") -> jax.Array:
     """Causal self-attention of T queries over the same T keys through `call.kernel`.
 
     Args:
-      call: the kernel, segment ids and window.
+      call: the kernel, segment ids and window (a KernelByKind: the layer's kind picks one).
       q: [B, T, nH, D] rotated queries.
       k: [B, T, nKV, D] rotated keys.
       v: [B, T, nKV, D].
@@ -144,6 +161,10 @@ def fused_attention(call: KernelCall, q: jax.Array, k: jax.Array, v: jax.Array, 
     Returns:
       [B, T, nH * D] in q's dtype.
     """
+    if isinstance(call, KernelByKind):
+        def run(chosen):
+            return lambda q, k, v: fused_attention(chosen, q, k, v, scale=scale, cap=cap, implementation=implementation)
+        return jax.lax.cond(call.sliding, run(call.local), run(call.full), q, k, v)
     if call.kernel in ("splash", "splash-interpret"):
         def splash(q, k, v, segment_ids):
             return splash_attention(q, k, v, segment_ids, scale=scale, cap=cap, window=call.window,

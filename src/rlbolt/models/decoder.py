@@ -60,7 +60,7 @@ from rlbolt.models.layers import Dense, Embed, RMSNorm, _norm, _normal, _param  
 from rlbolt.models.moe import MoeMLP
 from rlbolt.models.remat import checkpoint_policy, check_remat
 from rlbolt.models.rope import layer_rope
-from rlbolt.models.scan_layers import scan_reason, scanned_layers
+from rlbolt.models.scan_layers import kernel_kinds, scan_reason, scanned_layers
 
 _attend = attend  # the name tests and older callers import
 
@@ -209,9 +209,9 @@ class Decoder(nnx.Module):
 
         x = self.embed_ids(input_ids)
         new_keys, new_values = [], []
-        one_call = all(c is calls[0] for c in calls)  # a scanned body runs one kernel choice for every layer
-        if self.scan_layers and cache is None and routing_out is None and one_call and scan_reason(self) is None:
-            hidden = self.final_norm(scanned_layers(self, x, ropes, visible, local_visible, calls[0]))
+        kinds = kernel_kinds(cfg, calls)  # a scanned body runs one kernel per kind of layer
+        if self.scan_layers and cache is None and routing_out is None and kinds and scan_reason(self) is None:
+            hidden = self.final_norm(scanned_layers(self, x, ropes, visible, local_visible, kinds))
             return (hidden if return_hidden else self.logits(hidden)), None
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else (cache.keys[i], cache.values[i], index)

@@ -5,7 +5,9 @@ compile of a 28-layer update takes 14x that of a 2-layer one. Here the cache-fre
 (training, logps) stacks the layers' states along a leading axis at trace time and runs one
 `jax.lax.scan` over them: one layer body is compiled whatever the depth. Each layer's own static
 choices travel as scanned arrays: whether it is a sliding-window layer (its mask and, for
-Gemma 3, its RoPE table are picked with `jnp.where`).
+Gemma 3, its RoPE table are picked with `jnp.where`; under a fused kernel whose two kinds of
+layer need two kernels, static masks, the layer's kernel is picked by `jax.lax.cond`:
+`rlbolt.models.attention_kernels.KernelByKind`).
 
 Where the layers are stored stacked (`rlbolt.models.stacked_layers`: what a run with
 `model.scan_layers` does when the layers can scan and no LoRA adapts them), the scan runs over
@@ -27,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from rlbolt.models.attention_kernels import KernelByKind
 from rlbolt.models.moe import MoeMLP
 from rlbolt.models.stacked_layers import is_stacked
 
@@ -48,8 +51,28 @@ def scan_reason(model: nnx.Module) -> str | None:
     return None
 
 
+def kernel_kinds(config: Any, calls: list) -> tuple[Any, Any] | None:
+    """(full, local): the kernel every full-attention layer runs and the one every sliding layer runs
+    (each a KernelCall or None for XLA; a model of one kind: the same twice), or None when the layers
+    of one kind differ or one kind is fused and the other XLA (the scan then declines: the loop runs).
+
+    Args:
+      config: the ModelConfig (`is_sliding`).
+      calls: per layer, its KernelCall or None (`rlbolt.models.attention_kernels.layer_kernel_calls`).
+    """
+    kinds: dict[bool, Any] = {}
+    for i, call in enumerate(calls):
+        if kinds.setdefault(config.is_sliding(i), call) is not call:
+            return None
+    full = kinds.get(False, kinds.get(True))
+    local = kinds.get(True, full)
+    if (full is None) != (local is None):
+        return None
+    return full, local
+
+
 def scanned_layers(model: nnx.Module, x: jnp.ndarray, ropes: list[tuple[jnp.ndarray, jnp.ndarray]], visible: jnp.ndarray,
-                   local_visible: jnp.ndarray | None, kernel: Any = None) -> jnp.ndarray:
+                   local_visible: jnp.ndarray | None, kernels: tuple[Any, Any] = (None, None)) -> jnp.ndarray:
     """The residual stream after every layer, computed as one `jax.lax.scan` over the stacked layers.
 
     Args:
@@ -58,8 +81,9 @@ def scanned_layers(model: nnx.Module, x: jnp.ndarray, ropes: list[tuple[jnp.ndar
       ropes: per layer (cos, sin) [B, T, D] (`rlbolt.models.rope.layer_rope`).
       visible: [B, T, T] bool mask of the full-attention layers.
       local_visible: [B, T, T] bool mask of the sliding-window layers.
-      kernel: every layer's fused attention (`rlbolt.models.attention_kernels.KernelCall`; the
-        masks are then None), or None for XLA.
+      kernels: (full, local) as `kernel_kinds` gives them: the fused attention of the full and
+        the sliding layers (`rlbolt.models.attention_kernels.KernelCall`; the masks are then None),
+        or (None, None) for XLA.
 
     Returns:
       [B, T, H], as the loop over the layers (to float32 rounding: another fusion of the same ops).
@@ -75,6 +99,7 @@ def scanned_layers(model: nnx.Module, x: jnp.ndarray, ropes: list[tuple[jnp.ndar
     kinds = {cfg.is_sliding(i): ropes[i] for i in range(cfg.num_layers)}  # a rope per kind of layer
     global_rope, local_rope = kinds.get(False, kinds.get(True)), kinds.get(True, kinds.get(False))
     mixed = visible is not local_visible
+    full_kernel, local_kernel = kernels
 
     def body(x, per_layer):
         state, is_sliding = per_layer
@@ -82,6 +107,7 @@ def scanned_layers(model: nnx.Module, x: jnp.ndarray, ropes: list[tuple[jnp.ndar
         cos = jnp.where(is_sliding, local_rope[0], global_rope[0]) if local_rope is not global_rope else global_rope[0]
         sin = jnp.where(is_sliding, local_rope[1], global_rope[1]) if local_rope is not global_rope else global_rope[1]
         mask = jnp.where(is_sliding, local_visible, visible) if mixed else visible
+        kernel = full_kernel if local_kernel is full_kernel else KernelByKind(is_sliding, full_kernel, local_kernel)
         y, _ = model._layer_step(layer, x, cos, sin, mask, None, None, kernel)
         return model._constrain(y), None
 
