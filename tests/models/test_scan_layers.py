@@ -15,7 +15,8 @@ import pytest
 from flax import nnx
 
 from rlbolt.models import Decoder, tiny_config
-from rlbolt.models.scan_layers import scan_reason
+from rlbolt.models.moe import record_routing, replay_routing
+from rlbolt.models.scan_layers import scan_reason, stack_reason
 from float_tolerance import decoder_tolerance
 
 GEMMA3 = dict(architecture="Gemma3ForCausalLM", hidden_act="gelu_pytorch_tanh", norm_unit_offset=True,
@@ -54,9 +55,35 @@ def test_the_scanned_forward_equals_the_loop(family):
     assert any(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(grads))
 
 
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+
+
 def test_layers_that_differ_keep_the_loop():
-    moe = Decoder(tiny_config(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=(0,)),
-                  rngs=nnx.Rngs(0))
-    assert "mixture-of-experts" in scan_reason(moe)
+    moe = Decoder(tiny_config(**MOE, mlp_only_layers=(0,)), rngs=nnx.Rngs(0))
+    assert "differ in structure" in scan_reason(moe)
     assert _run(moe, True)[0] == 0
     assert scan_reason(Decoder(tiny_config(), rngs=nnx.Rngs(0))) is None
+
+
+def test_mixture_of_experts_layers_scan_unless_their_routing_is_recorded_or_replayed():
+    """Every layer an MoE: the scanned forward gives the loop's logits and gradients (router and
+    experts included), the layers stay stored per layer (replay writes to each block); a block that
+    records or replays its routing sends the forward back to the loop."""
+    model = Decoder(tiny_config(num_layers=3, **MOE), rngs=nnx.Rngs(0))
+    assert scan_reason(model) is None and "router replay" in stack_reason(model)
+    loop_scans, loop_logits, loop_grads = _run(model, False)
+    scans, logits, grads = _run(model, True)
+    assert (loop_scans, scans) == (0, 1)
+    config = model.config
+    np.testing.assert_allclose(logits, loop_logits, rtol=0, atol=decoder_tolerance(loop_logits, config, 20))
+    for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(loop_grads)):
+        np.testing.assert_allclose(g, ref, rtol=0, atol=3 * decoder_tolerance(np.asarray(ref), config, 20) + 1e-30)
+    router = grads["layers"][1]["mlp"]["router_kernel"][...]
+    assert np.any(np.asarray(router) != 0)  # the router trains through the scan too
+    record_routing(model)
+    assert "record or replay" in scan_reason(model)  # Decoder._forward scans only when it is None
+    record_routing(model, False)
+    replay_routing(model, [jnp.zeros((40, 2), jnp.int32)] * 3)
+    assert "record or replay" in scan_reason(model)
+    replay_routing(model, None)
+    assert scan_reason(model) is None

@@ -80,3 +80,33 @@ def test_a_moe_run_plans_with_gmm_on_the_slice():
     assert all(b.row_mesh is not None and b.row_mesh.size == 8 for b in blocks)
     (update,) = plan_run(run, TOPOLOGY, names=("update",)).executables
     assert update.temp_bytes > 0
+
+
+def _moe_run(layers: int, scan: bool):
+    from rlbolt.distributed.topology import target_devices
+    from rlbolt.planning import build_abstract
+
+    config = {**RUN, "model": {**RUN["model"], "scan_layers": scan, "remat": "full",
+                               "tiny": {**RUN["model"]["tiny"], "num_layers": layers, "num_experts": E,
+                                        "num_experts_per_tok": K, "moe_intermediate_size": I}}}
+    return build_abstract(load_config(config), target_devices(TOPOLOGY))
+
+
+def test_moe_layers_scan_and_keep_one_layers_expert_gradients_at_a_time():
+    """The MoE layers (gmm under shard_map) as one scanned body: at 8 layers the update's compiled
+    scratch is well below the loop's, where every layer's whole expert-kernel gradient (all-reduced
+    over fsdp) stayed live at once (measured: 25.4 MB scanned, 62.0 MB looped; from 4 to 8 layers
+    the loop grows 6.0 MB per layer, the scan 1.8). Before, MoE layers never scanned (the two
+    compiles gave the same program)."""
+    from rlbolt.planning import plan_run
+    from rlbolt.planning.compile import _lower_update
+
+    temps, loops = {}, {}
+    for scan in (False, True):
+        run = _moe_run(8, scan)
+        assert run.module.model.layers[0].mlp.matmul == "gmm"
+        loops[scan] = _lower_update(run).as_text().count("stablehlo.while")
+        (update,) = plan_run(run, TOPOLOGY, names=("update",)).executables
+        temps[scan] = update.temp_bytes
+    assert loops[True] > loops[False]  # the layers' scan
+    assert temps[True] < 0.6 * temps[False], temps

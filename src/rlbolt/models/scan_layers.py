@@ -15,10 +15,12 @@ that state as it is: no copy. A model whose layers are stored per layer (`layers
 outside a run, or a LoRA run) is stacked here at trace time, `jnp.stack` of every layer's state
 at each forward: one more copy of the layer weights, live during the forward and its backward.
 
-Falls back to the loop (returns None) when the layers differ in structure (Qwen3-MoE's
-mlp-only layers, a LoRA that targets some layers only), when a layer is a mixture of experts
-(its routing is recorded as module state, which a scan body does not return), and when the
-forward collects routing.
+Mixture-of-experts layers scan too (their experts' grouped matmul inside the body), stored per
+layer (`stack_reason`: router replay and recording set attributes on each layer's block). Falls
+back to the loop when the layers differ in structure (Qwen3-MoE's mlp-only layers, a LoRA that
+targets some layers only), when an MoE block records or replays its routing (module state a scan
+body does not carry: the aux loss, router replay and the mismatch metric), and when the forward
+collects routing.
 """
 
 from __future__ import annotations
@@ -43,12 +45,28 @@ def scan_reason(model: nnx.Module) -> str | None:
     if is_stacked(model):
         return None  # stacked only when the layers could scan (rlbolt.models.stacked_layers)
     layers = list(model.layers)
-    if any(isinstance(layer.mlp, MoeMLP) for layer in layers):
-        return "mixture-of-experts layers record their routing as module state"
+    blocks = [layer.mlp for layer in layers if isinstance(layer.mlp, MoeMLP)]
+    if any(block.record or block.replay is not None for block in blocks):
+        return "mixture-of-experts layers record or replay their routing (module state a scan body does not carry)"
     first = nnx.graphdef(layers[0])
     if any(nnx.graphdef(layer) != first for layer in layers[1:]):
         return "the layers differ in structure"
     return None
+
+
+def stack_reason(model: nnx.Module) -> str | None:
+    """Why a run with `model.scan_layers` keeps `model`'s layers stored per layer (scanning them
+    stacked per forward), or None when it stores them stacked (`rlbolt.models.stacked_layers`).
+
+    Args:
+      model: the Decoder.
+    """
+    if is_stacked(model):
+        return None
+    reason = scan_reason(model)
+    if reason is None and any(isinstance(layer.mlp, MoeMLP) for layer in model.layers):
+        return "router replay and recording set attributes on each mixture-of-experts layer's block"
+    return reason
 
 
 def kernel_kinds(config: Any, calls: list) -> tuple[Any, Any] | None:

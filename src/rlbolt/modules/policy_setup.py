@@ -28,7 +28,7 @@ from rlbolt.data.tokenizers import Tokenizer
 from rlbolt.distributed.layout import check_placed_role
 from rlbolt.distributed.mesh import MeshError
 from rlbolt.distributed.sharding import ShardingPlan
-from rlbolt.models.scan_layers import scan_reason
+from rlbolt.models.scan_layers import stack_reason
 from rlbolt.models.stacked_layers import stack_layers
 from rlbolt.modules import lm_ops
 from rlbolt.modules.lora_policy import LoraPolicy
@@ -123,7 +123,7 @@ def build_policy(cfg: RunConfig, model: Decoder | None, tokenizer: Tokenizer, co
         model = lm_ops.build_model(cfg.model, tokenizer.vocab_size, context.seed, sharding)
     model.remat = cfg.model.remat  # each layer of every training forward (rlbolt.models.remat; LoRA keeps it)
     model.scan_layers = cfg.model.scan_layers  # rlbolt.models.scan_layers
-    if cfg.model.scan_layers and cfg.model.lora is None and scan_reason(model) is None:
+    if cfg.model.scan_layers and cfg.model.lora is None and stack_reason(model) is None:
         stack_layers(model)  # stored stacked, before placement: the scan reads them as they lie (stacked_layers)
     # model.attention for the training devices' platform (a described TPU slice when planning on CPU)
     platform = jax.default_backend() if sharding is None else sharding.mesh.devices.flat[0].platform
