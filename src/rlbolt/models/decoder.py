@@ -48,6 +48,7 @@ from flax import nnx
 
 from rlbolt.models.attention import MASK_VALUE as _MASK_VALUE  # noqa: F401  (re-exported)
 from rlbolt.models.attention import and_window, attend, segment_visible, softcap, window_visible
+from rlbolt.config.sections import MLP_CHUNK_POSITIONS as DEFAULT_MLP_CHUNK_POSITIONS
 from rlbolt.models.attention_chunks import DEFAULT_QUERY_CHUNK
 from rlbolt.models.attention_kernels import layer_kernel_calls
 from rlbolt.models.cache import KVCache
@@ -113,6 +114,9 @@ class Decoder(nnx.Module):
         # query rows, each reading only the keys up to its last row (`rlbolt.models.attention_chunks`):
         # the masked half of the scores is never built. None: one piece. Static, like the above.
         self.attention_query_chunk = DEFAULT_QUERY_CHUNK
+        # The dense MLP of every training and logps forward runs this many positions of every row at
+        # a time (`rlbolt.models.decoder_layer.over_position_chunks`; model.mlp_chunk_positions). Static.
+        self.mlp_chunk_positions = DEFAULT_MLP_CHUNK_POSITIONS
         # Activation rematerialisation of each layer in the backward (`rlbolt.models.remat`): one of
         # REMAT_POLICIES, set from the run's model.remat. Static; "none" runs the layers as they are.
         self.remat = "none"
@@ -234,13 +238,14 @@ class Decoder(nnx.Module):
         chunk = self.attention_query_chunk
         collect = routing_out is not None and isinstance(layer.mlp, MoeMLP)
         if self.remat == "none":
-            return layer(x, cos, sin, visible, layer_cache, chunk, routing_out, kernel)
+            return layer(x, cos, sin, visible, layer_cache, chunk, routing_out, kernel, self.mlp_chunk_positions)
 
         def body(layer, x, cos, sin, visible, layer_cache):
             # The routing leaves the checkpointed function as an output: a list appended to inside
             # it would receive the checkpoint's inner tracers.
             routes = [] if collect else None
-            y, new_kv = layer(x, cos, sin, visible, layer_cache, chunk, routes, kernel)  # kernel: closed over
+            y, new_kv = layer(x, cos, sin, visible, layer_cache, chunk, routes, kernel,  # kernel: closed over
+                              self.mlp_chunk_positions)
             return y, new_kv, (routes[0] if collect else None)
 
         y, new_kv, experts = self.remat_layer(body)(layer, x, cos, sin, visible, layer_cache)

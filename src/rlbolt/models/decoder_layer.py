@@ -143,22 +143,56 @@ class DecoderLayer(nnx.Module):
             self.post_attn_norm = _norm(config, h, "embed")
             self.post_mlp_norm = _norm(config, h, "embed")
 
-    def __call__(self, x, cos, sin, visible, cache_kv, query_chunk=None, routing_out=None, kernel=None):
+    def __call__(self, x, cos, sin, visible, cache_kv, query_chunk=None, routing_out=None, kernel=None,
+                 mlp_chunk=None):
         attn_out, new_kv = self.attn(self.attn_norm(x), cos, sin, visible, cache_kv, query_chunk, kernel)
-        return self.add_mlp(self.add_attention(x, attn_out), routing_out), new_kv
+        return self.add_mlp(self.add_attention(x, attn_out), routing_out, mlp_chunk), new_kv
 
     def add_attention(self, x: jnp.ndarray, attn_out: jnp.ndarray) -> jnp.ndarray:
         """The residual stream after attention: `x + attn_out` (attn_out post-normed with sandwich norms)."""
         return x + (self.post_attn_norm(attn_out) if self.sandwich_norms else attn_out)
 
-    def add_mlp(self, x: jnp.ndarray, routing_out: list | None = None) -> jnp.ndarray:
+    def add_mlp(self, x: jnp.ndarray, routing_out: list | None = None, mlp_chunk: int | None = None) -> jnp.ndarray:
         """The residual stream after the MLP block: `x + mlp(norm(x))` (post-normed with sandwich norms).
 
         routing_out: a list that an MoE block appends its experts [N, k] to (None: not collected).
+        mlp_chunk: a dense MLP over x [B, T, H] runs this many positions of every row at a time
+          (`over_position_chunks`); None or 0: all at once.
         """
         if routing_out is not None and isinstance(self.mlp, MoeMLP):
             out, experts = self.mlp.routed(self.mlp_norm(x))
             routing_out.append(experts)
-        else:
+        elif isinstance(self.mlp, MoeMLP) or x.ndim != 3:
             out = self.mlp(self.mlp_norm(x))
+        else:
+            out = over_position_chunks(self.mlp, self.mlp_norm(x), mlp_chunk)
         return x + (self.post_mlp_norm(out) if self.sandwich_norms else out)
+
+
+def over_position_chunks(fn, x: jnp.ndarray, chunk: int | None) -> jnp.ndarray:
+    """`fn(x)` for a position-wise `fn` (the dense MLP) over x [B, T, H], `chunk` positions of every
+    row at a time, each chunk under `jax.checkpoint`.
+
+    The MLP's [B, T, 2I] intermediates are the largest per-layer buffers of a long sequence (at
+    Qwen2.5-7B and 16k tokens, 1.16 GiB per gate|up copy per chip, several live in the update:
+    benchmarks/RESULTS.md). In chunks, forward and backward each hold one chunk's; the backward
+    recomputes each chunk's intermediates from its input. Under a layer's remat the layer's own
+    recompute then skips the MLP (nothing the backward needs comes from its output), so the
+    MLP's forward still runs twice, as without chunks. The rows (and their sharding) are untouched;
+    positions past T are zero padding, cut off.
+
+    Args:
+      fn: maps [B, c, H] to [B, c, H'] position by position.
+      x: [B, T, H].
+      chunk: positions per chunk; None, 0 or >= T: `fn(x)`.
+
+    Returns:
+      [B, T, H'], `fn(x)`'s values (to float32 rounding: another fusion of the same products).
+    """
+    b, t, h = x.shape
+    if not chunk or t <= chunk:
+        return fn(x)
+    n = -(-t // chunk)
+    pieces = jnp.pad(x, ((0, 0), (0, n * chunk - t), (0, 0))).reshape(b, n, chunk, h).swapaxes(0, 1)
+    out = jax.lax.map(jax.checkpoint(fn), pieces)  # [n, B, chunk, H']
+    return out.swapaxes(0, 1).reshape(b, n * chunk, out.shape[-1])[:, :t]
