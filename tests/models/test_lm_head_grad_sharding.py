@@ -6,7 +6,9 @@ The backward now runs over vocabulary blocks, each block's columns whole after o
 devices block by block into the weight's sharding. Read from the compiled HLO on 8 CPU devices (a fresh
 process: the device count is fixed when JAX starts): no all-reduce of the whole [H, V] float32 gradient,
 block-sized ones instead, and the backward loop carries the [H / 8, V] shard
-(seen as [H / 8, width, k]: block j holds the columns j, j + k, ...)."""
+(seen as [H / 8, width, k]: block j holds the columns j, j + k, ...). The forward too runs over
+vocabulary blocks: no device gathers the whole [H, V] weight (over token chunks, each chunk gathered it
+whole: 1 GiB per chip at Qwen2.5-7B)."""
 
 import os
 import subprocess
@@ -26,6 +28,14 @@ def collectives(hlo):
         if m:
             out += [(dt, tuple(int(d) for d in dims.split(","))) for dt, dims in re.findall(r"(\w+)\[([\d,]+)\]", m.group(1))]
     return out
+def gathered(hlo):
+    # result shapes of every all-gather
+    out = []
+    for line in hlo.splitlines():
+        m = re.search(r"= (\(.*?\)|\S+) all-gather(-start)?\(", line)
+        if m:
+            out += [tuple(int(d) for d in dims.split(",")) for _, dims in re.findall(r"(\w+)\[([\d,]+)\]", m.group(1))]
+    return out
 def loop_carries(hlo):
     return [[(dt, tuple(int(d) for d in dims.split(","))) for dt, dims in re.findall(r"(\w+)\[([\d,]+)\]", line.split(" while(")[0])]
             for line in hlo.splitlines() if " while(" in line]
@@ -37,6 +47,7 @@ def check(hlo, h, v, shards):
     shard = [s for carry in loop_carries(hlo) for dt, s in carry if dt == "f32" and s[0] == h // shards
              and len(s) > 1 and int(np.prod(s[1:])) >= v]
     assert shard, "no loop carries the [H/8, V] shard"
+    assert (h, v) not in gathered(hlo), f"the whole [H, V] weight is gathered: {sorted(set(gathered(hlo)))}"
     print("ok", sorted(set(blocks)))
 """
 
@@ -62,8 +73,10 @@ sys.path.insert(0, sys.argv[1])
 from rlbolt.config import load_config
 from rlbolt.planning import build_abstract
 from rlbolt.planning.compile import _lower_update
-from plan_tiny import H, RUN, V
-model = {**RUN["model"], "remat": "full", "logits_chunk_tokens": 32}  # 4 token chunks of the 8 x 16 completions
+from plan_tiny import H, RUN
+V = 384  # not 256: the MLP's gate|up is [H, 256], gathered whole as every fsdp layer weight is
+model = {**RUN["model"], "remat": "full", "logits_chunk_tokens": 32,  # 4 token chunks of the 8 x 16 completions
+         "tiny": {**RUN["model"]["tiny"], "vocab_size": V}}
 plan = {**RUN["plan"], "prompts_per_step": 4}  # two micro batches: the accumulation loop too
 run = build_abstract(load_config({**RUN, "model": model, "plan": plan, "mesh": {"fsdp": -1}}), jax.devices())
 assert run.plan.grad_accum_steps == 2

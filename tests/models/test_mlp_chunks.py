@@ -101,4 +101,4 @@ def test_over_position_chunks_against_numpy_and_hostile_sizes():
 def test_a_bad_chunk_is_one_line_naming_the_field():
     with pytest.raises(ConfigError, match=r"model.mlp_chunk_positions=-1 must be >= 0"):
         load_config({"model": {"mlp_chunk_positions": -1}})
-    assert load_config({}).model.mlp_chunk_positions == 4096
+    assert load_config({}).model.mlp_chunk_positions == 2048

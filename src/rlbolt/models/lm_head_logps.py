@@ -1,23 +1,25 @@
-"""The output projection, log-softmax and entropy of completion tokens, fused and chunked over tokens.
+"""The output projection, log-softmax and entropy of completion tokens, fused, over vocabulary blocks.
 
     logps, entropy = lm_head_logps(hidden, weight, targets, temperature=t, softcap=c, chunk_tokens=n)
 
 A [B, T, V] float32 logits array is the largest tensor of RL post-training: at V = 152k (Qwen2.5)
 and 32 x 1,024 tokens it alone is 20 GB, and autodiff of `log_softmax(hidden @ W)` keeps several
-of them (the logits, the softmax, their cotangent). Here the projection runs over chunks of about
-`chunk_tokens` tokens (every row's next `max(1, chunk_tokens // B)` positions: the batch axis is
-never cut, so a batch sharded over devices stays so), and a custom VJP makes the backward pass
-recompute the logits from the hidden states instead of storing them. What is kept between the
-passes is one float per token (the log-partition, and the entropy when asked for); each pass holds
-one or two [B, chunk, V] float32 blocks at a time.
+of them (the logits, the softmax, their cotangent). Here both passes run over blocks of vocabulary
+columns, every token at once, each block about half of `chunk_tokens` x V logits (`block_columns`;
+block j holds the columns j, j + k, j + 2k, ..., so a vocabulary sharded over tp keeps an equal
+share of each block per device), and a custom VJP makes the backward pass recompute the logits
+from the hidden states instead of storing them. The forward keeps an online log-sum-exp per token;
+what is kept between the passes is one float per token (the log-partition, and the entropy when
+asked for); each pass holds a few [tokens, block] float32 arrays at a time. The batch axis is
+never cut, so a batch sharded over devices stays so.
 
-The backward runs over blocks of vocabulary columns, every token at once (about half a forward
-chunk of logits per block, `block_columns`; block j holds the columns j, j + k, j + 2k, ..., so a
-vocabulary sharded over tp keeps an equal share of each block per device), not over token chunks: a block's columns of dW are
-whole after one pass, so when the batch is sharded over devices each block is summed across them
-once, into the weight's own sharding. Over token chunks every device carried a whole [H, V]
-float32 partial sum of its own tokens until one all-reduce at the end (2 GiB per chip at
-Qwen2.5-7B; benchmarks/RESULTS.md, "The lm_head's gradient in the weight's sharding").
+Over vocabulary blocks, not token chunks, for two reasons. A block's columns of dW are whole after
+one pass, so when the batch is sharded over devices each block is summed across them once, into
+the weight's own sharding; over token chunks every device carried a whole [H, V] float32 partial
+sum of its own tokens until one all-reduce at the end (2 GiB per chip at Qwen2.5-7B;
+benchmarks/RESULTS.md, "The lm_head's gradient in the weight's sharding"). And the weight is read
+a block at a time: a forward over token chunks read all of [H, V] in every chunk, which a chip
+whose weight is split over fsdp gathered whole (1 GiB per chip at Qwen2.5-7B).
 
 With logits y = cap(h W) / t (cap: Gemma 2's final soft-capping `c * tanh(z / c)`), p = softmax(y),
 log p_v = y_v - logsumexp(y), the token's log-prob is log p_target and the entropy is
@@ -68,7 +70,7 @@ def check_chunk_tokens(value, where: str = "chunk_tokens") -> int | None:
 def lm_head_logps(hidden: jax.Array, weight: jax.Array, targets: jax.Array, *, temperature: float = 1.0,
                   softcap: float | None = None, chunk_tokens: int | None = DEFAULT_LOGITS_CHUNK_TOKENS,
                   with_entropy: bool = False) -> tuple[jax.Array, jax.Array]:
-    """log softmax(cap(hidden @ weight) / temperature) at `targets`, and the entropy, chunked over tokens.
+    """log softmax(cap(hidden @ weight) / temperature) at `targets`, and the entropy, over vocabulary blocks.
 
     Jittable and differentiable with respect to `hidden` and `weight`.
 
@@ -78,8 +80,8 @@ def lm_head_logps(hidden: jax.Array, weight: jax.Array, targets: jax.Array, *, t
       targets: [B, C] int token ids whose log-probabilities are read.
       temperature: a Python number > 0; the logits are divided by it after soft-capping.
       softcap: the final logit soft-capping c (Gemma 2), or None.
-      chunk_tokens: tokens per chunk, all rows together (each chunk is B x max(1, chunk_tokens // B)
-        positions); 0 or None: one unchunked pass with ordinary autodiff.
+      chunk_tokens: sets the vocabulary block: about half of this many tokens (all rows together) x V
+        logits per block (`block_columns`); 0 or None: one unchunked pass with ordinary autodiff.
       with_entropy: also return the entropy of each position's distribution (else zeros).
 
     Returns:
@@ -123,17 +125,6 @@ def _unchunked(hidden, weight, targets, temperature, softcap, with_entropy):
     return logps, -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
 
 
-def _chunk_forward(h, weight, targets, temperature, softcap, with_entropy):
-    """One chunk: (logps, log-partition, entropy), each [B, steps] float32."""
-    y, _ = _scaled_logits(h, weight, temperature, softcap)
-    lse = jax.nn.logsumexp(y, axis=-1)
-    logps = jnp.take_along_axis(y, targets[..., None], axis=-1)[..., 0] - lse
-    if not with_entropy:
-        return logps, lse, jnp.zeros_like(lse)
-    logp_all = y - lse[..., None]
-    return logps, lse, -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _fused(hidden_chunks, weight, target_chunks, temperature, softcap, with_entropy):
     logps, _, entropy = _forward_all(hidden_chunks, weight, target_chunks, temperature, softcap, with_entropy)
@@ -141,8 +132,50 @@ def _fused(hidden_chunks, weight, target_chunks, temperature, softcap, with_entr
 
 
 def _forward_all(hidden_chunks, weight, target_chunks, temperature, softcap, with_entropy):
-    one = lambda args: _chunk_forward(args[0], weight, args[1], temperature, softcap, with_entropy)  # noqa: E731
-    return jax.lax.map(one, (hidden_chunks, target_chunks))
+    """(logps, log-partition, entropy), each [n, B, s] float32, over vocabulary blocks of every token
+    at once (the backward's blocks), with an online log-sum-exp.
+
+    Per token it carries the running maximum m, s = sum_v exp(y_v - m), u = sum_v exp(y_v - m)(y_v - m)
+    and the target's logit; a new maximum m' rescales s by r = exp(m - m') and u to r (u + (m - m') s).
+    Then log-partition = m + log s and entropy = log s - u / s. The weight is read one block of columns
+    at a time: over token chunks each chunk read all of [H, V], which a chip whose weight is split over
+    fsdp gathered whole in every chunk (1 GiB per chip at Qwen2.5-7B: benchmarks/RESULTS.md).
+    """
+    vocab = weight.shape[-1]
+    tokens = hidden_chunks.size // hidden_chunks.shape[-1]
+    width = block_columns(vocab, tokens, hidden_chunks.shape[1] * hidden_chunks.shape[2])
+    k = -(-vocab // width)
+    padded = _vocab_blocks(weight, width, k)
+    shape = hidden_chunks.shape[:-1]
+
+    def one_block(carry, j):
+        top, total, spread, picked = carry
+        w = jax.lax.dynamic_index_in_dim(padded, j, axis=2, keepdims=False)  # [H, width]
+        y, _ = _scaled_logits(hidden_chunks, w, temperature, softcap)  # [n, B, s, width]
+        ids = jnp.arange(width, dtype=jnp.int32) * k + j
+        y = jnp.where(ids < vocab, y, -jnp.inf)  # the padding columns are no token
+        new_top = jnp.maximum(top, jnp.max(y, axis=-1))  # finite: column j < V is in every block
+        rescale = jnp.exp(top - new_top)
+        shift = jnp.where(jnp.isfinite(top), top - new_top, 0.0)  # 0 before the first block
+        centred = y - new_top[..., None]
+        e = jnp.exp(centred)
+        total_new = total * rescale + jnp.sum(e, axis=-1)
+        if with_entropy:
+            spread = rescale * (spread + shift * total) + jnp.sum(jnp.where(ids < vocab, e * centred, 0.0), axis=-1)
+        picked = picked + jnp.sum(jnp.where(ids == target_chunks[..., None], y, 0.0), axis=-1)
+        return (new_top, total_new, spread, picked), None
+
+    zeros = jnp.zeros(shape, jnp.float32)
+    init = (jnp.full(shape, -jnp.inf, jnp.float32), zeros, zeros, zeros)
+    (top, total, spread, picked), _ = jax.lax.scan(one_block, init, jnp.arange(k, dtype=jnp.int32))
+    lse = top + jnp.log(total)
+    entropy = jnp.log(total) - spread / total if with_entropy else zeros
+    return picked - lse, lse, entropy
+
+
+def _vocab_blocks(weight, width, k):
+    """[H, V] as [H, width, k] (zero columns past V): block j is the strided columns j, j + k, ..."""
+    return jnp.pad(weight, ((0, 0), (0, width * k - weight.shape[-1]))).reshape(weight.shape[0], width, k)
 
 
 def _fused_fwd(hidden_chunks, weight, target_chunks, temperature, softcap, with_entropy):
@@ -176,7 +209,7 @@ def _fused_bwd(temperature, softcap, with_entropy, residuals, cotangents):
     # share of every block on each tp device, so no block is gathered or computed twice.
     width = block_columns(vocab, tokens, hidden_chunks.shape[1] * hidden_chunks.shape[2])
     k = -(-vocab // width)
-    padded = jnp.pad(weight, ((0, 0), (0, width * k - vocab))).reshape(weight.shape[0], width, k)
+    padded = _vocab_blocks(weight, width, k)
 
     def one_block(carry, j):
         grad_weight, grad_hidden = carry
@@ -210,8 +243,8 @@ def _fused_bwd(temperature, softcap, with_entropy, residuals, cotangents):
 
 
 def block_columns(vocab: int, tokens: int, chunk_tokens: int) -> int:
-    """Vocabulary columns per block of the backward: about half of `chunk_tokens` x `vocab` logits over
-    all `tokens` (half the forward's chunk: a block's pass holds four such float32 blocks at once, the
+    """Vocabulary columns per block of both passes: about half of `chunk_tokens` x `vocab` logits over
+    all `tokens` (half a chunk: a backward block's pass holds four such float32 blocks at once, the
     logits, their softmax and the cotangent once per product, where a token chunk held about three),
     whole multiples of 128 (a TPU lane: a narrower block would be padded to it in memory anyway, and tp
     divides it), or the whole vocabulary when that is smaller.
@@ -219,7 +252,7 @@ def block_columns(vocab: int, tokens: int, chunk_tokens: int) -> int:
     Args:
       vocab: V, the vocabulary size.
       tokens: the tokens of the call, all rows and padded positions together.
-      chunk_tokens: the forward's tokens per chunk (every row's positions of one chunk).
+      chunk_tokens: `model.logits_chunk_tokens`: a block holds about chunk_tokens / 2 x vocab logits.
 
     Returns:
       The block width, between 1 and `vocab`.
