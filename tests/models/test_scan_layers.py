@@ -40,11 +40,8 @@ def _run(model, scan: bool):
     return scans, np.where(mask[..., None], logits, 0.0), grads
 
 
-@pytest.mark.parametrize("family", [pytest.param("llama", marks=pytest.mark.slow), "gemma3"])
-def test_the_scanned_forward_equals_the_loop(family):
-    """Gemma 3 carries its per-layer window and RoPE base through the scan as arrays. (llama is in the
-    slow tier: tests/models/test_stacked_layers.py scans a llama's stored stack against the loop by default.)"""
-    model = Decoder(tiny_config(num_layers=3, **(GEMMA3 if family == "gemma3" else {})), rngs=nnx.Rngs(0))
+def _scan_equals_loop(model):
+    """The scanned forward's logits and gradients against the loop's (the scan really ran); its gradients."""
     loop_scans, loop_logits, loop_grads = _run(model, False)
     scans, logits, grads = _run(model, True)
     assert (loop_scans, scans) == (0, 1)
@@ -52,6 +49,15 @@ def test_the_scanned_forward_equals_the_loop(family):
     np.testing.assert_allclose(logits, loop_logits, rtol=0, atol=decoder_tolerance(loop_logits, config, 20))
     for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(loop_grads)):
         np.testing.assert_allclose(g, ref, rtol=0, atol=3 * decoder_tolerance(np.asarray(ref), config, 20) + 1e-30)
+    return grads
+
+
+@pytest.mark.parametrize("family", [pytest.param("llama", marks=pytest.mark.slow), "gemma3"])
+def test_the_scanned_forward_equals_the_loop(family):
+    """Gemma 3 carries its per-layer window and RoPE base through the scan as arrays. (llama is in the
+    slow tier: tests/models/test_stacked_layers.py scans a llama's stored stack against the loop by default.)"""
+    model = Decoder(tiny_config(num_layers=3, **(GEMMA3 if family == "gemma3" else {})), rngs=nnx.Rngs(0))
+    grads = _scan_equals_loop(model)
     assert any(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(grads))
 
 
@@ -71,13 +77,7 @@ def test_mixture_of_experts_layers_scan_unless_their_routing_is_recorded_or_repl
     records or replays its routing sends the forward back to the loop."""
     model = Decoder(tiny_config(num_layers=3, **MOE), rngs=nnx.Rngs(0))
     assert scan_reason(model) is None and "router replay" in stack_reason(model)
-    loop_scans, loop_logits, loop_grads = _run(model, False)
-    scans, logits, grads = _run(model, True)
-    assert (loop_scans, scans) == (0, 1)
-    config = model.config
-    np.testing.assert_allclose(logits, loop_logits, rtol=0, atol=decoder_tolerance(loop_logits, config, 20))
-    for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(loop_grads)):
-        np.testing.assert_allclose(g, ref, rtol=0, atol=3 * decoder_tolerance(np.asarray(ref), config, 20) + 1e-30)
+    grads = _scan_equals_loop(model)
     router = grads["layers"][1]["mlp"]["router_kernel"][...]
     assert np.any(np.asarray(router) != 0)  # the router trains through the scan too
     record_routing(model)
