@@ -5,6 +5,8 @@ soft-capping, chunked queries) and the gated MLP, pre-norm with optional sandwic
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -169,7 +171,7 @@ class DecoderLayer(nnx.Module):
         return x + (self.post_mlp_norm(out) if self.sandwich_norms else out)
 
 
-def over_position_chunks(fn, x: jnp.ndarray, chunk: int | None) -> jnp.ndarray:
+def over_position_chunks(fn: Callable[[jnp.ndarray], jnp.ndarray], x: jnp.ndarray, chunk: int | None) -> jnp.ndarray:
     """`fn(x)` for a position-wise `fn` (the dense MLP) over x [B, T, H], `chunk` positions of every
     row at a time, each chunk under `jax.checkpoint`.
 
