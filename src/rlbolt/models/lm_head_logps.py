@@ -5,7 +5,8 @@
 A [B, T, V] float32 logits array is the largest tensor of RL post-training: at V = 152k (Qwen2.5)
 and 32 x 1,024 tokens it alone is 20 GB, and autodiff of `log_softmax(hidden @ W)` keeps several
 of them (the logits, the softmax, their cotangent). Here both passes run over blocks of vocabulary
-columns, every token at once, each block about half of `chunk_tokens` x V logits (`block_columns`;
+columns, every token at once, each block about `chunk_tokens` x V logits in the forward and half that
+in the backward (`block_columns`;
 block j holds the columns j, j + k, j + 2k, ..., so a vocabulary sharded over tp keeps an equal
 share of each block per device), and a custom VJP makes the backward pass recompute the logits
 from the hidden states instead of storing them. The forward keeps an online log-sum-exp per token;
@@ -80,8 +81,9 @@ def lm_head_logps(hidden: jax.Array, weight: jax.Array, targets: jax.Array, *, t
       targets: [B, C] int token ids whose log-probabilities are read.
       temperature: a Python number > 0; the logits are divided by it after soft-capping.
       softcap: the final logit soft-capping c (Gemma 2), or None.
-      chunk_tokens: sets the vocabulary block: about half of this many tokens (all rows together) x V
-        logits per block (`block_columns`); 0 or None: one unchunked pass with ordinary autodiff.
+      chunk_tokens: sets the vocabulary block: about this many tokens (all rows together) x V logits
+        per forward block, half that per backward block (`block_columns`); 0 or None: one unchunked
+        pass with ordinary autodiff.
       with_entropy: also return the entropy of each position's distribution (else zeros).
 
     Returns:
@@ -143,14 +145,18 @@ def _forward_all(hidden_chunks, weight, target_chunks, temperature, softcap, wit
     """
     vocab = weight.shape[-1]
     tokens = hidden_chunks.size // hidden_chunks.shape[-1]
-    width = block_columns(vocab, tokens, hidden_chunks.shape[1] * hidden_chunks.shape[2])
+    # Blocks of a whole chunk's logits (the backward's are half: it holds more arrays per block).
+    width = block_columns(vocab, tokens, 2 * hidden_chunks.shape[1] * hidden_chunks.shape[2])
     k = -(-vocab // width)
+    if k == 1:  # one block holds the vocabulary (few tokens): the one-pass expression per token chunk
+        return jax.lax.map(lambda a: _one_pass(a[0], weight, a[1], temperature, softcap, with_entropy),
+                           (hidden_chunks, target_chunks))
     padded = _vocab_blocks(weight, width, k)
     shape = hidden_chunks.shape[:-1]
 
     def one_block(carry, j):
         top, total, spread, picked = carry
-        w = jax.lax.dynamic_index_in_dim(padded, j, axis=2, keepdims=False)  # [H, width]
+        w = _block(padded, j)  # [H, width]
         y, _ = _scaled_logits(hidden_chunks, w, temperature, softcap)  # [n, B, s, width]
         ids = jnp.arange(width, dtype=jnp.int32) * k + j
         y = jnp.where(ids < vocab, y, -jnp.inf)  # the padding columns are no token
@@ -173,9 +179,30 @@ def _forward_all(hidden_chunks, weight, target_chunks, temperature, softcap, wit
     return picked - lse, lse, entropy
 
 
+def _one_pass(h, weight, targets, temperature, softcap, with_entropy):
+    """(logps, log-partition, entropy) of one token chunk over the whole vocabulary at once."""
+    y, _ = _scaled_logits(h, weight, temperature, softcap)
+    lse = jax.nn.logsumexp(y, axis=-1)
+    logps = jnp.take_along_axis(y, targets[..., None], axis=-1)[..., 0] - lse
+    if not with_entropy:
+        return logps, lse, jnp.zeros_like(lse)
+    logp_all = y - lse[..., None]
+    return logps, lse, -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+
+
 def _vocab_blocks(weight, width, k):
-    """[H, V] as [H, width, k] (zero columns past V): block j is the strided columns j, j + k, ..."""
+    """[H, V] as [H, width, k] (zero columns past V): block j is the strided columns j, j + k, ...;
+    one block (k = 1): the weight itself, no padded copy."""
+    if k == 1:
+        return weight
     return jnp.pad(weight, ((0, 0), (0, width * k - weight.shape[-1]))).reshape(weight.shape[0], width, k)
+
+
+def _block(padded, j):
+    """Block j of `_vocab_blocks`' result, [H, width]."""
+    if padded.ndim == 2:
+        return padded
+    return jax.lax.dynamic_index_in_dim(padded, j, axis=2, keepdims=False)
 
 
 def _fused_fwd(hidden_chunks, weight, target_chunks, temperature, softcap, with_entropy):
@@ -213,7 +240,7 @@ def _fused_bwd(temperature, softcap, with_entropy, residuals, cotangents):
 
     def one_block(carry, j):
         grad_weight, grad_hidden = carry
-        w = jax.lax.dynamic_index_in_dim(padded, j, axis=2, keepdims=False)  # [H, width]
+        w = _block(padded, j)  # [H, width]
         y, capped = _scaled_logits(hidden_chunks, w, temperature, softcap)  # [n, B, s, width]
         logp_all = y - lse_chunks[..., None]
         p = jnp.exp(logp_all)
@@ -231,7 +258,8 @@ def _fused_bwd(temperature, softcap, with_entropy, residuals, cotangents):
             grad_hidden = grad_hidden + jnp.einsum("nbsv,hv->nbsh", grad_z, w, preferred_element_type=jnp.float32)
         if want_weight:
             block = jnp.einsum("nbsh,nbsv->hv", hidden_chunks, grad_z, preferred_element_type=jnp.float32)
-            grad_weight = jax.lax.dynamic_update_index_in_dim(grad_weight, block, j, axis=2)
+            grad_weight = (block if padded.ndim == 2
+                           else jax.lax.dynamic_update_index_in_dim(grad_weight, block, j, axis=2))
         return (grad_weight, grad_hidden), None
 
     init = (jnp.zeros(padded.shape, jnp.float32) if want_weight else None,
