@@ -64,7 +64,14 @@ def test_regular_install_imports_package_and_callbacks(tmp_path):
     # is that the built wheel holds both the package and the top-level callbacks/ folder.
     subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(_source_copy(tmp_path))], check=True,
                    cwd=tmp_path)
-    env = {**os.environ, "PYTHONPATH": sysconfig.get_paths()["purelib"]}
+    # The dependencies through a .pth file, so they come AFTER the venv's own site-packages: on
+    # PYTHONPATH they came first, and an environment holding a regular rlbolt install (the README's
+    # first command) shadowed the one under test. Every site dir of this process: a venv whose
+    # packages come through its own .pth files (not read from PYTHONPATH) is covered too.
+    site = next((venv / "lib").glob("python*/site-packages"))
+    dirs = [sysconfig.get_paths()["purelib"]] + [p for p in sys.path if p.endswith("site-packages")]
+    (site / "zz_test_deps.pth").write_text("\n".join(dict.fromkeys(dirs)) + "\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     out = subprocess.run([str(py), "-c", IMPORTS + PRINT], check=True, cwd=tmp_path, env=env,
                          capture_output=True, text=True).stdout.split()
     _check_imported_from(venv, out)
