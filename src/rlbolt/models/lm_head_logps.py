@@ -135,7 +135,8 @@ def _fused(hidden_chunks, weight, target_chunks, temperature, softcap, with_entr
 
 def _forward_all(hidden_chunks, weight, target_chunks, temperature, softcap, with_entropy):
     """(logps, log-partition, entropy), each [n, B, s] float32, over vocabulary blocks of every token
-    at once (the backward's blocks), with an online log-sum-exp.
+    at once (each a whole chunk's logits, the backward's twice), with an online log-sum-exp; with one
+    block (few tokens), the one-pass expression per token chunk.
 
     Per token it carries the running maximum m, s = sum_v exp(y_v - m), u = sum_v exp(y_v - m)(y_v - m)
     and the target's logit; a new maximum m' rescales s by r = exp(m - m') and u to r (u + (m - m') s).
