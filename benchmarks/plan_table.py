@@ -64,12 +64,12 @@ PROMPT_TOKENS = 512
 
 
 def run_config(folder: str, tokens: int, micro: int, moe: bool, remat: str = "none", scan: bool = False,
-               moe_matmul: str = "auto", expert: int = 1, mlp_chunk: int | None = None) -> dict:
+               moe_matmul: str = "auto", expert: int = 1, model_extra: dict | None = None) -> dict:
     """The GRPO run of one row: beta 0.04, bf16 parameters, AdamW, one micro batch per update
-    (`mlp_chunk`: model.mlp_chunk_positions; None: the default)."""
+    (`model_extra`: more model settings, e.g. mlp_chunk_positions; None: the defaults)."""
     return {"algorithm": {"name": "grpo", "beta": 0.04, "lr": 1e-6},
             "model": {"path": folder, "param_dtype": "bfloat16", "remat": remat, "scan_layers": scan,
-                      "moe_matmul": moe_matmul, **({} if mlp_chunk is None else {"mlp_chunk_positions": mlp_chunk})},
+                      "moe_matmul": moe_matmul, **(model_extra or {})},
             "plan": {"prompts_per_step": micro // 4, "num_generations": 4, "train_micro_batch_size": micro},
             "data": {"max_prompt_tokens": PROMPT_TOKENS},
             "rollout": {"max_new_tokens": tokens - PROMPT_TOKENS},
@@ -78,7 +78,7 @@ def run_config(folder: str, tokens: int, micro: int, moe: bool, remat: str = "no
 
 def plan_row(model: str, tokens: int, topology: str, micro: int, only: tuple[str, ...], remat: str = "none",
              scan: bool = False, layers: int | None = None, moe_matmul: str = "auto", expert: int = 1,
-             mlp_chunk: int | None = None) -> dict:
+             model_extra: dict | None = None) -> dict:
     """Builds and compiles one row (`layers`: a shallower proxy of the model at full width); returns its JSON record."""
     from rlbolt.config import load_config
     from rlbolt.distributed.topology import target_devices
@@ -90,14 +90,14 @@ def plan_row(model: str, tokens: int, topology: str, micro: int, only: tuple[str
         shapes = MODELS[model] if layers is None else {**MODELS[model], "num_hidden_layers": layers}
         (Path(folder) / "config.json").write_text(json.dumps(shapes))
         cfg = load_config(run_config(folder, tokens, micro, "moe" in MODELS[model]["model_type"], remat, scan,
-                                     moe_matmul, expert, mlp_chunk))
+                                     moe_matmul, expert, model_extra))
         started = time.perf_counter()
         run = build_abstract(cfg, devices)
         report = plan_run(run, topology, only)
     record = report.to_json()
     record.update(model=model, tokens=tokens, topology=topology, micro_batch=micro, remat=remat, scan_layers=scan,
                   layers=shapes["num_hidden_layers"], moe_matmul=moe_matmul, expert=expert,
-                  mlp_chunk_positions=cfg.model.mlp_chunk_positions,
+                  mlp_chunk_positions=cfg.model.mlp_chunk_positions, mlp_block_size=cfg.model.mlp_block_size,
                   wall_seconds=time.perf_counter() - started)
     return record
 
@@ -115,6 +115,8 @@ def main(argv=None) -> int:
     parser.add_argument("--moe-matmul", default="auto", help="model.moe_matmul for MoE rows (auto, gmm, ragged_dot)")
     parser.add_argument("--mlp-chunk", type=int, default=None,
                         help="model.mlp_chunk_positions for every row (default: the config's)")
+    parser.add_argument("--mlp-block", type=int, default=None,
+                        help="model.mlp_block_size for every row (default: the config's; 0: whole MLP kernels)")
     parser.add_argument("--expert", type=int, default=1, help="mesh.expert for MoE rows (the rest of the chips: fsdp)")
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -128,7 +130,8 @@ def main(argv=None) -> int:
     records = []
     for model, tokens, topology in rows:
         r = plan_row(model, tokens, topology, args.micro, tuple(args.only.split(",")), args.remat, args.scan, args.layers,
-                     args.moe_matmul, args.expert, args.mlp_chunk)
+                     args.moe_matmul, args.expert, {key: value for key, value in (
+                         ("mlp_chunk_positions", args.mlp_chunk), ("mlp_block_size", args.mlp_block)) if value is not None})
         records.append(r)
         step = f"{r['step_seconds_estimate']:.2f}" if r["step_seconds_estimate"] else "-"
         mfu = f"{r['mfu_estimate']:.1%}" if r["mfu_estimate"] else "-"

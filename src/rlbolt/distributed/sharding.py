@@ -137,7 +137,7 @@ class ShardingPlan:
         self._expert_parallel(model)
         if hasattr(model, "activation_sharding"):  # every setting, each time: a view may carry another mesh's
             model.activation_sharding = model.embedding_read_sharding = model.embedding_sharding = None
-            model.token_sharding = None
+            model.token_sharding = model.mlp_weight_sharding = None
             if self.mesh.size > 1:
                 model.activation_sharding = self.batch_sharding()
                 if self.mesh.shape.get("context", 1) > 1:  # the token axis of [B, T, H] activations over context
@@ -147,7 +147,15 @@ class ShardingPlan:
                 model.embedding_read_sharding = NamedSharding(self.mesh, P(vocab, None))
                 model.embedding_sharding = NamedSharding(self.mesh, self.spec_for(
                     _logical_axes(model.embed.embedding), table.shape, "embed.embedding"))
+                model.mlp_weight_sharding = self._mlp_weight_sharding(model.config)
         return model
+
+    def _mlp_weight_sharding(self, config) -> NamedSharding | None:
+        """The dense MLP's gate|up [H, 2I] stored sharding when it splits H and not 2I (the weight
+        blocks of `rlbolt.models.mlp_blocks`), else None."""
+        shape = (config.hidden_size, 2 * config.intermediate_size)
+        spec = tuple(self.spec_for(("embed", "mlp"), shape, "mlp.gate_up_proj")) + (None, None)
+        return NamedSharding(self.mesh, P(spec[0], None)) if spec[0] is not None and spec[1] is None else None
 
     def _expert_parallel(self, model: nnx.Module) -> None:
         ways = self.mesh.shape["expert"]

@@ -48,6 +48,7 @@ from flax import nnx
 
 from rlbolt.models.attention import MASK_VALUE as _MASK_VALUE  # noqa: F401  (re-exported)
 from rlbolt.models.attention import and_window, attend, segment_visible, softcap, window_visible
+from rlbolt.config.sections import MLP_BLOCK_SIZE as DEFAULT_MLP_BLOCK_SIZE
 from rlbolt.config.sections import MLP_CHUNK_POSITIONS as DEFAULT_MLP_CHUNK_POSITIONS
 from rlbolt.models.attention_chunks import DEFAULT_QUERY_CHUNK
 from rlbolt.models.attention_kernels import layer_kernel_calls
@@ -58,6 +59,7 @@ from rlbolt.models.decoder_layer import MLP, Attention, DecoderLayer, _swiglu  #
 from rlbolt.models.embed_lookup import embed_lookup
 # The building blocks, also imported from here (LoRA, quantisation, tests).
 from rlbolt.models.layers import Dense, Embed, RMSNorm, _norm, _normal, _param  # noqa: F401
+from rlbolt.models.mlp_blocks import MlpSplit
 from rlbolt.models.moe import MoeMLP
 from rlbolt.models.remat import checkpoint_policy, check_remat
 from rlbolt.models.rope import layer_rope
@@ -117,6 +119,12 @@ class Decoder(nnx.Module):
         # The dense MLP of every training and logps forward runs this many positions of every row at
         # a time (`rlbolt.models.decoder_layer.over_position_chunks`; model.mlp_chunk_positions). Static.
         self.mlp_chunk_positions = DEFAULT_MLP_CHUNK_POSITIONS
+        # On a mesh whose axes split the MLP kernels' hidden dim: gate|up's stored sharding (set by
+        # `ShardingPlan.shard_activations`), and the dense MLP then gathers and differentiates its
+        # kernels this many intermediate units at a time (`rlbolt.models.mlp_blocks`;
+        # model.mlp_block_size). Static.
+        self.mlp_weight_sharding = None
+        self.mlp_block_size = DEFAULT_MLP_BLOCK_SIZE
         # Activation rematerialisation of each layer in the backward (`rlbolt.models.remat`): one of
         # REMAT_POLICIES, set from the run's model.remat. Static; "none" runs the layers as they are.
         self.remat = "none"
@@ -238,14 +246,14 @@ class Decoder(nnx.Module):
         chunk = self.attention_query_chunk
         collect = routing_out is not None and isinstance(layer.mlp, MoeMLP)
         if self.remat == "none":
-            return layer(x, cos, sin, visible, layer_cache, chunk, routing_out, kernel, self.mlp_chunk_positions)
+            return layer(x, cos, sin, visible, layer_cache, chunk, routing_out, kernel, self.mlp_split())
 
         def body(layer, x, cos, sin, visible, layer_cache):
             # The routing leaves the checkpointed function as an output: a list appended to inside
             # it would receive the checkpoint's inner tracers.
             routes = [] if collect else None
             y, new_kv = layer(x, cos, sin, visible, layer_cache, chunk, routes, kernel,  # kernel: closed over
-                              self.mlp_chunk_positions)
+                              self.mlp_split())
             return y, new_kv, (routes[0] if collect else None)
 
         y, new_kv, experts = self.remat_layer(body)(layer, x, cos, sin, visible, layer_cache)
@@ -283,6 +291,10 @@ class Decoder(nnx.Module):
         if self.config.scale_embeddings:  # HF rounds sqrt(H) to the weight dtype first
             x = x * jnp.asarray(math.sqrt(self.config.hidden_size), x.dtype)
         return x
+
+    def mlp_split(self) -> MlpSplit:
+        """How the dense MLP of a forward over many positions splits (`MLP.split`)."""
+        return MlpSplit(self.mlp_chunk_positions, self.mlp_block_size, getattr(self, "mlp_weight_sharding", None))
 
     def _constrain(self, x: jnp.ndarray) -> jnp.ndarray:
         # Without it XLA may shard activations over the hidden axis like the fsdp weights and

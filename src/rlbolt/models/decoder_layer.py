@@ -16,6 +16,7 @@ from rlbolt.models.attention_chunks import causal_query_chunks
 from rlbolt.models.attention_kernels import KernelCall, fused_attention
 from rlbolt.models.config import ModelConfig
 from rlbolt.models.layers import Dense, _norm, _normal, _param
+from rlbolt.models.mlp_blocks import MlpSplit, block_count, mlp_in_blocks
 from rlbolt.models.moe import MoeMLP
 from rlbolt.models.rope import apply_rope
 
@@ -95,11 +96,37 @@ class MLP(nnx.Module):
                                dtype=config.dtype, rngs=rngs)
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        gate_up = self.gate_up_proj(x)
-        if self.hidden_act == "gelu_pytorch_tanh":
-            gate, up = jnp.split(gate_up, 2, axis=-1)
-            return self.down_proj(jax.nn.gelu(gate, approximate=True) * up)
-        return self.down_proj(_swiglu(gate_up))
+        return self.down_proj(_gated(self.hidden_act)(self.gate_up_proj(x)))
+
+    def split(self, x: jnp.ndarray, split: MlpSplit) -> jnp.ndarray:
+        """`self(x)` for x [B, T, H] under `split`: in weight blocks (`rlbolt.models.mlp_blocks`) when
+        it names a sharding, the intermediate size splits, and both kernels are plain arrays (a LoRA
+        adapter, a bias or a qwix-quantised kernel keeps the whole-kernel path), else over position
+        chunks."""
+        plain = all(p.lora is None and not p.use_bias and isinstance(_value(p.kernel), jax.Array)
+                    for p in (self.gate_up_proj, self.down_proj))
+        blocks = block_count(self.intermediate_size, split.block) if plain and split.weights is not None else 1
+        if blocks == 1:
+            return over_position_chunks(self, x, split.positions)
+        return mlp_in_blocks(x, self.gate_up_proj.kernel[...], self.down_proj.kernel[...],
+                             activate=_gated(self.hidden_act), blocks=blocks, positions=split.positions,
+                             sharding=split.weights)
+
+
+def _value(kernel):
+    return kernel.get_value() if isinstance(kernel, nnx.Variable) else kernel
+
+
+def _gated(hidden_act: str) -> Callable[[jnp.ndarray], jnp.ndarray]:
+    """The gate|up [..., 2I] -> [..., I] activation of `hidden_act` (module-level functions: a
+    static key of `rlbolt.models.mlp_blocks`)."""
+    return _geglu_tanh if hidden_act == "gelu_pytorch_tanh" else _swiglu
+
+
+def _geglu_tanh(gate_up: jnp.ndarray) -> jnp.ndarray:
+    """`gelu_tanh(gate) * up` (Gemma's gelu_pytorch_tanh) of a fused [..., 2I] gate|up -> [..., I]."""
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return jax.nn.gelu(gate, approximate=True) * up
 
 
 @jax.custom_vjp
@@ -154,12 +181,13 @@ class DecoderLayer(nnx.Module):
         """The residual stream after attention: `x + attn_out` (attn_out post-normed with sandwich norms)."""
         return x + (self.post_attn_norm(attn_out) if self.sandwich_norms else attn_out)
 
-    def add_mlp(self, x: jnp.ndarray, routing_out: list | None = None, mlp_chunk: int | None = None) -> jnp.ndarray:
+    def add_mlp(self, x: jnp.ndarray, routing_out: list | None = None,
+                mlp_chunk: int | MlpSplit | None = None) -> jnp.ndarray:
         """The residual stream after the MLP block: `x + mlp(norm(x))` (post-normed with sandwich norms).
 
         routing_out: a list that an MoE block appends its experts [N, k] to (None: not collected).
-        mlp_chunk: a dense MLP over x [B, T, H] runs this many positions of every row at a time
-          (`over_position_chunks`); None or 0: all at once.
+        mlp_chunk: how a dense MLP over x [B, T, H] splits (`MLP.split`; the Decoder's `mlp_split()`),
+          or a number of positions of every row at a time (`over_position_chunks`); None or 0: whole.
         """
         if routing_out is not None and isinstance(self.mlp, MoeMLP):
             out, experts = self.mlp.routed(self.mlp_norm(x))
@@ -167,7 +195,8 @@ class DecoderLayer(nnx.Module):
         elif isinstance(self.mlp, MoeMLP) or x.ndim != 3:
             out = self.mlp(self.mlp_norm(x))
         else:
-            out = over_position_chunks(self.mlp, self.mlp_norm(x), mlp_chunk)
+            split = mlp_chunk if isinstance(mlp_chunk, MlpSplit) else MlpSplit(mlp_chunk)
+            out = self.mlp.split(self.mlp_norm(x), split)
         return x + (self.post_mlp_norm(out) if self.sandwich_norms else out)
 
 

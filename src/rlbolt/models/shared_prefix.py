@@ -213,7 +213,7 @@ def _grouped_completion_hidden(model, prompt_ids, prompt_mask, completion_ids, c
         else:
             attn = out_pre.reshape(1, n_pre, -1)
         return model._constrain(layer.add_mlp(layer.add_attention(x, layer.attn.o_proj(attn)), None,
-                                              model.mlp_chunk_positions))
+                                              model.mlp_split()))
 
     for i, layer in enumerate(model.layers):  # each layer under the model's remat policy (Decoder.remat_layer)
         p_vis, c_vis, band = local if cfg.is_sliding(i) else (p_visible, c_visible, ())
@@ -256,7 +256,7 @@ def _fused_grouped_hidden(model, x, ropes, kernels, u, g, p, t):
             parts.append(attn_of(kernel_row, row(q), row(k), row(v))[:, p:].reshape(1, b * t, -1))
         attn = jnp.concatenate(parts, axis=1)
         return model._constrain(layer.add_mlp(layer.add_attention(x, layer.attn.o_proj(attn)), None,
-                                              model.mlp_chunk_positions))
+                                              model.mlp_split()))
 
     for i, layer in enumerate(model.layers):  # each layer under the model's remat policy (Decoder.remat_layer)
         kernel_pre, kernel_row = kernels[i]

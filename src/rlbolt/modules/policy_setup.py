@@ -124,6 +124,7 @@ def build_policy(cfg: RunConfig, model: Decoder | None, tokenizer: Tokenizer, co
     model.remat = cfg.model.remat  # each layer of every training forward (rlbolt.models.remat; LoRA keeps it)
     model.scan_layers = cfg.model.scan_layers  # rlbolt.models.scan_layers
     model.mlp_chunk_positions = cfg.model.mlp_chunk_positions  # rlbolt.models.decoder_layer.over_position_chunks
+    model.mlp_block_size = cfg.model.mlp_block_size  # rlbolt.models.mlp_blocks
     if cfg.model.scan_layers and cfg.model.lora is None and stack_reason(model) is None:
         stack_layers(model)  # stored stacked, before placement: the scan reads them as they lie (stacked_layers)
     # model.attention for the training devices' platform (a described TPU slice when planning on CPU)
