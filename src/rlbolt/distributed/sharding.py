@@ -165,6 +165,9 @@ class ShardingPlan:
         for layer in layers:  # a Pallas grouped matmul runs under shard_map over this mesh
             if hasattr(layer.mlp, "row_mesh"):
                 layer.mlp.row_mesh = self.mesh if self.mesh.size > 1 else None
+                layer.mlp.kernel_specs = None if self.mesh.size == 1 else tuple(
+                    self.spec_for(_logical_axes(v), v.get_value().shape, "mlp.experts")
+                    for v in (layer.mlp.gate_up, layer.mlp.down))
         if ways == 1 or not hasattr(model, "config"):
             for layer in layers:  # a view of a model placed elsewhere: not that mesh's experts
                 if hasattr(layer.mlp, "expert_mesh"):

@@ -21,8 +21,10 @@ that share a data x fsdp position), runs the grouped matmuls for its own E / X e
 other experts' rows go to an empty trailing group), and a reduce-scatter over `expert` sums the
 experts' contributions back onto each device's own rows. Cost per MoE layer and forward: one
 all-gather and one reduce-scatter of [rows, H] activations over the expert group (the backward
-the same again); the expert weights are never gathered (fsdp shards of their H axis are, at the
-shard_map's edge, as for every fsdp weight). The ragged matmuls' row buffers are X times the
+the same again); the expert weights are never gathered over `expert` (their fsdp shards enter the
+shard_map as they lie and are all-gathered inside, `MoeMLP.kernel_specs`, so the backward
+reduce-scatters their gradients into those shards; entering replicated, every device all-reduced
+the whole gradient). The ragged matmuls' row buffers are X times the
 local rows times k (static shapes), of which about 1 / X are this device's experts' rows. This is
 the all-gather dispatcher (no all-to-all, no capacity factor, no token dropping); a ragged
 all-to-all would move only the k routed copies of each token.
@@ -115,7 +117,7 @@ def grouped_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, 
 
 def expert_parallel_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, gate_up: jnp.ndarray,
                             down: jnp.ndarray, hidden_act: str, mesh: jax.sharding.Mesh,
-                            kernel: str = "ragged_dot") -> jnp.ndarray:
+                            kernel: str = "ragged_dot", specs: tuple[P, P] | None = None) -> jnp.ndarray:
     """`grouped_experts` with the experts split over `mesh`'s `expert` axis (module docstring).
 
     With `ragged_dot` the shard_map is manual over the batch axes only (tp stays automatic); a Pallas
@@ -131,12 +133,19 @@ def expert_parallel_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.n
       hidden_act: as in `grouped_experts`.
       mesh: the mesh (axes data, fsdp, expert, context, tp).
       kernel: the grouped matmul (`rlbolt.models.moe_matmul.KERNELS`).
+      specs: the stored PartitionSpecs of gate_up and down (`MoeMLP.kernel_specs`): their shards
+        over the shard_map's manual axes enter as they lie and are all-gathered inside, so the
+        backward reduce-scatters the kernels' gradients into those shards (entering replicated, each
+        device's whole gradient was all-reduced); None: gathered at the edge.
 
     Returns:
       [N, H] like x, rows over the batch axes.
     """
+    manual = set(mesh.axis_names) if kernel != "ragged_dot" else set(BATCH_AXES)
+    edge = [_edge_spec(spec, manual) for spec in (specs or (P("expert"), P("expert")))]
 
     def local(x, experts, weights, gate_up, down):
+        gate_up, down = _gather_kernel(gate_up, edge[0]), _gather_kernel(down, edge[1])
         gather = lambda a: jax.lax.all_gather(a, "expert", axis=0, tiled=True)  # noqa: E731
         x, experts, weights = gather(x), gather(experts), gather(weights)  # the expert group's rows
         per_device = gate_up.shape[0]
@@ -148,10 +157,27 @@ def expert_parallel_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.n
 
     rows = P(BATCH_AXES)
     if kernel != "ragged_dot":  # a Mosaic kernel: every axis manual
-        return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, P("expert"), P("expert")),
+        return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, *edge),
                              out_specs=rows, check_vma=False)(x, experts, weights, gate_up, down)
-    return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, P("expert"), P("expert")), out_specs=rows,
+    return jax.shard_map(local, mesh=mesh, in_specs=(rows, rows, rows, *edge), out_specs=rows,
                          axis_names=set(BATCH_AXES))(x, experts, weights, gate_up, down)
+
+
+def _edge_spec(spec: P, manual: set[str]) -> P:
+    """An expert kernel's in_spec: experts over `expert`, its other dims over the manual axes of its stored spec."""
+    def kept(entry):
+        axes = tuple(a for a in ((entry,) if isinstance(entry, str) else tuple(entry or ())) if a in manual and a != "expert")
+        return None if not axes else axes[0] if len(axes) == 1 else axes
+    return P("expert", *(kept(entry) for entry in tuple(spec)[1:]))
+
+
+def _gather_kernel(kernel: jnp.ndarray, spec: P) -> jnp.ndarray:
+    """The kernel's whole [E / X, ...] expert group inside the shard_map: all-gathered over its spec's axes
+    past the expert axis (whose transpose is a reduce-scatter of the gradient)."""
+    for dim, axes in enumerate(tuple(spec)[1:], start=1):
+        if axes is not None:
+            kernel = jax.lax.all_gather(kernel, axes, axis=dim, tiled=True)
+    return kernel
 
 
 def load_balancing_loss(probs: list[jnp.ndarray], experts: list[jnp.ndarray],
@@ -216,6 +242,9 @@ class MoeMLP(nnx.Module):
         # The training mesh when it has several devices (ShardingPlan.shard_activations), or None: a
         # Pallas grouped matmul runs under shard_map over it also without an expert axis.
         self.row_mesh = None
+        # On a mesh: gate_up's and down's stored PartitionSpecs (ShardingPlan.shard_activations; static),
+        # so the shard_map takes their shards as they lie (`expert_parallel_experts`), or None.
+        self.kernel_specs = None
         # The grouped matmul (`rlbolt.models.moe_matmul.resolve_moe_matmul` of model.moe_matmul; static).
         self.matmul = "ragged_dot"
 
@@ -233,7 +262,8 @@ class MoeMLP(nnx.Module):
         mesh = self.expert_mesh if kernel == "ragged_dot" else (self.expert_mesh or self.row_mesh)
         gate_up, down = self.gate_up[...], self.down[...]
         if mesh is not None and x2.shape[0] % batch_shards(mesh) == 0:
-            out = expert_parallel_experts(x2, experts, weights, gate_up, down, self.hidden_act, mesh, kernel)
+            out = expert_parallel_experts(x2, experts, weights, gate_up, down, self.hidden_act, mesh, kernel,
+                                          getattr(self, "kernel_specs", None))
         elif mesh is not None and kernel != "ragged_dot":  # rows that do not split: every device all rows
             out = jax.shard_map(functools.partial(grouped_experts, hidden_act=self.hidden_act, kernel=kernel),
                                 mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)(
