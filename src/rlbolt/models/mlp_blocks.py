@@ -14,7 +14,8 @@ Here the forward gathers block j's kernels, adds its share (float32) and moves o
 gradients, which are reduce-scattered into the stored shards before the next block. Per chip one
 block of the weights and of their gradients exists at a time, and the [B, T, 2b] intermediates
 are k times smaller; each block also runs `positions` positions of every row at a time
-(`rlbolt.models.decoder_layer.over_position_chunks`' split). The gathers move the same bytes as
+(`rlbolt.models.decoder_layer.over_position_chunks`' split), adding into one float32 [B, T, H]
+accumulator in place per pass. The gathers move the same bytes as
 the whole kernels' (one per pass). Same values to float32 rounding: the blocks' partial products
 are summed in float32, then rounded once.
 """
@@ -93,27 +94,34 @@ def _blocked(activate, blocks: int, positions: int, sharding: NamedSharding | No
     def gathered(gu, d):
         return place(gu, P()), place(d, P())
 
-    def pieces(x):
-        """x [B, T, ...] -> [n, B, c, ...] of `positions` positions each (zero padded), and T."""
+    def padded(x):
+        """x [B, T, ...] zero padded to n pieces of c positions: (x [B, n c, ...], n, c)."""
         t = x.shape[1]
         c = positions if 0 < positions < t else t
         n = -(-t // c)
-        padded = jnp.pad(x, ((0, 0), (0, n * c - t)) + ((0, 0),) * (x.ndim - 2))
-        return padded.reshape(x.shape[0], n, c, *x.shape[2:]).swapaxes(0, 1), t
+        return jnp.pad(x, ((0, 0), (0, n * c - t)) + ((0, 0),) * (x.ndim - 2)), n, c
 
-    def joined(stack, t):
-        return stack.swapaxes(0, 1).reshape(stack.shape[1], -1, *stack.shape[3:])[:, :t]
+    def piece(a, j, c):
+        return jax.lax.dynamic_slice_in_dim(a, j * c, c, axis=1)
+
+    def add_piece(total, j, c, value):
+        """total [B, n c, H] with value added to piece j, in place (one float32 accumulator per pass)."""
+        return jax.lax.dynamic_update_slice_in_dim(total, piece(total, j, c) + value, j * c, axis=1)
 
     def forward(x, gate_up, down):
-        xs, t = pieces(x)
+        xp, n, c = padded(x)
 
         def one_block(total, weights):
             gu, d = gathered(*weights)
-            ys = jax.lax.map(lambda xc: jnp.dot(activate(jnp.dot(xc, gu)), d, preferred_element_type=jnp.float32), xs)
-            return total + joined(ys, t), None
 
-        total, _ = jax.lax.scan(one_block, jnp.zeros(x.shape, jnp.float32), split(gate_up, down))
-        return total.astype(x.dtype)
+            def one_piece(j, total):
+                y = jnp.dot(activate(jnp.dot(piece(xp, j, c), gu)), d, preferred_element_type=jnp.float32)
+                return add_piece(total, j, c, y)
+
+            return jax.lax.fori_loop(0, n, one_piece, total), None
+
+        total, _ = jax.lax.scan(one_block, jnp.zeros(xp.shape, jnp.float32), split(gate_up, down))
+        return total[:, :x.shape[1]].astype(x.dtype)
 
     @jax.custom_vjp
     def run(x, gate_up, down):
@@ -124,32 +132,32 @@ def _blocked(activate, blocks: int, positions: int, sharding: NamedSharding | No
 
     def run_bwd(residuals, d_out):
         x, gate_up, down = residuals
-        xs, t = pieces(x)
-        d_outs, _ = pieces(d_out)
+        (xp, n, c), (d_yp, _, _) = padded(x), padded(d_out)
         f32 = jnp.float32
 
         def one_block(d_x, weights):
             gu, d = gathered(*weights)
 
-            def one_piece(grads, piece):
-                xc, d_yc = piece  # [B, c, H] each
+            def one_piece(j, carry):
+                d_gu, d_d, d_x = carry
+                xc, d_yc = piece(xp, j, c), piece(d_yp, j, c)  # [B, c, H] each
                 h, act_vjp = jax.vjp(activate, jnp.dot(xc, gu))
-                d_d = grads[1] + jnp.einsum("bci,bch->ih", h, d_yc, preferred_element_type=f32)
+                d_d = d_d + jnp.einsum("bci,bch->ih", h, d_yc, preferred_element_type=f32)
                 (d_gu_c,) = act_vjp(jnp.dot(d_yc, d.T).astype(h.dtype))
-                d_gu = grads[0] + jnp.einsum("bch,bci->hi", xc, d_gu_c, preferred_element_type=f32)
-                return (d_gu, d_d), jnp.dot(d_gu_c, gu.T, preferred_element_type=f32)
+                d_gu = d_gu + jnp.einsum("bch,bci->hi", xc, d_gu_c, preferred_element_type=f32)
+                return d_gu, d_d, add_piece(d_x, j, c, jnp.dot(d_gu_c, gu.T, preferred_element_type=f32))
 
             zeros = (jnp.zeros(gu.shape, f32), jnp.zeros(d.shape, f32))
-            (d_gu, d_d), d_xs = jax.lax.scan(one_piece, zeros, (xs, d_outs))
+            d_gu, d_d, d_x = jax.lax.fori_loop(0, n, one_piece, (*zeros, d_x))
             grads = (place(d_gu.astype(gate_up.dtype), P(hidden, None)), place(d_d.astype(down.dtype), P(None, hidden)))
-            return d_x + joined(d_xs, t), grads
+            return d_x, grads
 
-        d_x, (d_gus, d_ds) = jax.lax.scan(one_block, jnp.zeros(x.shape, f32), split(gate_up, down))
+        d_x, (d_gus, d_ds) = jax.lax.scan(one_block, jnp.zeros(xp.shape, f32), split(gate_up, down))
         h, two_i = gate_up.shape
         b = two_i // 2 // blocks
         d_gate_up = d_gus.reshape(blocks, h, 2, b).transpose(1, 2, 0, 3).reshape(h, two_i)
         d_down = d_ds.reshape(blocks * b, h)
-        return d_x.astype(x.dtype), place(d_gate_up, P(hidden, None)), place(d_down, P(None, hidden))
+        return d_x[:, :x.shape[1]].astype(x.dtype), place(d_gate_up, P(hidden, None)), place(d_down, P(None, hidden))
 
     run.defvjp(run_fwd, run_bwd)
     return run
