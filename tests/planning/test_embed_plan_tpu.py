@@ -38,7 +38,9 @@ def test_the_update_never_gathers_or_all_reduces_the_whole_embedding_table():
     from rlbolt.planning.compile import _lower_update
 
     v = 384  # not plan_tiny's 256: the MLP's gate|up is [H, 256], which would match a [H, V] search
-    model = {**RUN["model"], "remat": "full", "tiny": {**RUN["model"]["tiny"], "vocab_size": v}}
+    # logits_chunk_tokens 32: the head's forward and backward each take several vocabulary blocks (with
+    # the default 1,024 a tiny batch's one block is the whole [H, V] weight, gathered whole as it should be)
+    model = {**RUN["model"], "remat": "full", "logits_chunk_tokens": 32, "tiny": {**RUN["model"]["tiny"], "vocab_size": v}}
     run = build_abstract(load_config({**RUN, "model": model}), target_devices("v5e:2x2"))
     assert run.sharding.mesh.shape["fsdp"] == 4
     shapes = _collective_shapes(_lower_update(run).compile().as_text())
