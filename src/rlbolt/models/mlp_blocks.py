@@ -91,6 +91,12 @@ def _blocked(activate, blocks: int, positions: int, sharding: NamedSharding | No
         gu = gate_up.reshape(h, 2, blocks, b).transpose(2, 0, 1, 3).reshape(blocks, h, 2 * b)
         return place(gu, P(None, hidden, None)), place(down.reshape(blocks, b, h), P(None, None, hidden))
 
+    def joined(gus, ds):
+        """`split`'s inverse: [k, H, 2b] and [k, b, H] blocks -> [H, 2I] and [I, H], in the stored shards."""
+        k, h, two_b = gus.shape
+        gate_up = gus.reshape(k, h, 2, two_b // 2).transpose(1, 2, 0, 3).reshape(h, k * two_b)
+        return place(gate_up, P(hidden, None)), place(ds.reshape(-1, h), P(None, hidden))
+
     def gathered(gu, d):
         return place(gu, P()), place(d, P())
 
@@ -153,11 +159,7 @@ def _blocked(activate, blocks: int, positions: int, sharding: NamedSharding | No
             return d_x, grads
 
         d_x, (d_gus, d_ds) = jax.lax.scan(one_block, jnp.zeros(xp.shape, f32), split(gate_up, down))
-        h, two_i = gate_up.shape
-        b = two_i // 2 // blocks
-        d_gate_up = d_gus.reshape(blocks, h, 2, b).transpose(1, 2, 0, 3).reshape(h, two_i)
-        d_down = d_ds.reshape(blocks * b, h)
-        return d_x[:, :x.shape[1]].astype(x.dtype), place(d_gate_up, P(hidden, None)), place(d_down, P(None, hidden))
+        return (d_x[:, :x.shape[1]].astype(x.dtype), *joined(d_gus, d_ds))
 
     run.defvjp(run_fwd, run_bwd)
     return run
