@@ -11,6 +11,13 @@ A user's own XLA_FLAGS (e.g. `--xla_cpu_max_isa=AVX2`, to try another CPU's kern
 kept: the flags above are appended to them.
 Subprocesses (the demo, the resume-contract scripts) inherit both through the environment.
 RLBOLT_TEST_FULL_XLA=1 runs the tests with XLA's default optimisation and no shared cache.
+
+- Two worker processes for the default tier: `python -m pytest` as the README types it runs its
+  test files on `min(4, CPUs)` pytest-xdist workers (`-n auto --dist loadfile` in pyproject.toml;
+  a file's tests stay on one worker, so its module fixtures are built once). Every other run
+  (a marker such as `-m slow`, named files or tests) stays in one process unless `-n N` is given:
+  the slow and tpu tiers compile real-sized models, measured and sized as one process.
+  The workers inherit this module's environment (flags and the one compilation cache).
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ import tempfile
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 USER_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
 
-if not os.environ.get("RLBOLT_TEST_FULL_XLA") and "jax" not in sys.modules:
+if not os.environ.get("RLBOLT_TEST_FULL_XLA") and "jax" not in sys.modules and "PYTEST_XDIST_WORKER" not in os.environ:
     os.environ["RLBOLT_TEST_USER_XLA_FLAGS"] = USER_XLA_FLAGS  # what the benchmarks run with
     os.environ["XLA_FLAGS"] = f"{USER_XLA_FLAGS} {FAST_COMPILE_FLAGS}".strip()
     if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
@@ -35,6 +42,16 @@ if not os.environ.get("RLBOLT_TEST_FULL_XLA") and "jax" not in sys.modules:
             shutil.rmtree(_cache_dir, ignore_errors=True)
 
 import pytest  # noqa: E402
+
+MAX_WORKERS = 4  # each worker holds ~3 GB at its peak (JAX, torch, transformers)
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto` (pyproject.toml's addopts): workers for the README's `python -m pytest` (the default
+    tier from testpaths), none (one process) for a marker expression or named paths."""
+    default_tier = config.args_source is pytest.Config.ArgsSource.TESTPATHS and "not slow" in (config.option.markexpr or "")
+    cpus = os.cpu_count() or 1
+    return min(MAX_WORKERS, cpus) if default_tier and cpus > 1 else 0
 
 
 @pytest.fixture(autouse=True, scope="module")
