@@ -83,9 +83,9 @@ def make_update_fn(training_step: Callable, optimizer: optax.GradientTransformat
         return training_step(params if with_frozen is None else with_frozen(params, frozen), micro)
 
     grad_fn = jax.value_and_grad(loss, has_aux=True)
-    masters = None if opt_state is None else master_weights.masters_of(opt_state)
+    stored_masters = None if opt_state is None else master_weights.masters_of(opt_state)
     layouts = None if params is None or sharding is None else accumulator_layouts(
-        params, jax.tree.map(lambda p: p.dtype, params if masters is None else masters))
+        params, jax.tree.map(lambda p: p.dtype, params if stored_masters is None else stored_masters))
 
     def update(params: Any, opt_state: Any, micro: Batch, frozen: Any):
         a, m = micro["completion_mask"].shape[:2]
@@ -98,13 +98,12 @@ def make_update_fn(training_step: Callable, optimizer: optax.GradientTransformat
         if masters is not None:  # gradients summed in the masters' dtype (float32), not the params'
             out_shape = (out_shape[0], jax.eval_shape(lambda m: m, masters))
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_shape)
-        if layouts is not None:  # gradients formed in the layout their parameters are stored in
-            zeros = (zeros[0], constrain(zeros[1], layouts))
+        zeros = (zeros[0], constrain(zeros[1], layouts))  # gradients in their parameters' stored layout
 
         def accumulate(total, micro_batch):
             step = grad_fn(params, micro_batch, frozen)
-            total = jax.tree.map(lambda t, x: t + x.astype(t.dtype), total, step)
-            return (total if layouts is None else (total[0], constrain(total[1], layouts))), None
+            (loss, metrics), grads = jax.tree.map(lambda t, x: t + x.astype(t.dtype), total, step)
+            return ((loss, metrics), constrain(grads, layouts)), None
 
         ((loss, metrics), grads), _ = jax.lax.scan(accumulate, zeros, micro)
         updates, opt_state = optimizer.update(grads, opt_state, params)

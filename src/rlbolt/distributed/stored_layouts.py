@@ -42,7 +42,10 @@ def accumulator_layouts(params: Any, dtypes: Any) -> Any:
 
 
 def constrain(tree: Any, layouts: Any) -> Any:
-    """`tree` with each leaf whose layout is not None constrained to it (inside a jitted function)."""
+    """`tree` with each leaf whose layout is not None constrained to it (inside a jitted function);
+    `layouts` None (no plan) leaves the whole tree as it is."""
+    if layouts is None:
+        return tree
     return jax.tree.map(lambda x, layout: x if layout is None else with_layout_constraint(x, layout),
                         tree, layouts)
 
