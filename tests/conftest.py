@@ -12,7 +12,7 @@ kept: the flags above are appended to them.
 Subprocesses (the demo, the resume-contract scripts) inherit both through the environment.
 RLBOLT_TEST_FULL_XLA=1 runs the tests with XLA's default optimisation and no shared cache.
 
-- Two worker processes for the default tier: `python -m pytest` as the README types it runs its
+- Worker processes for the default tier: `python -m pytest` as the README types it runs its
   test files on `min(4, CPUs)` pytest-xdist workers (`-n auto --dist loadfile` in pyproject.toml;
   a file's tests stay on one worker, so its module fixtures are built once). Every other run
   (a marker such as `-m slow`, named files or tests) stays in one process unless `-n N` is given:

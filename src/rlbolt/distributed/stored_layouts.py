@@ -38,7 +38,7 @@ def accumulator_layouts(params: Any, dtypes: Any) -> Any:
       dtypes: a tree like `params` of the accumulators' dtypes (the masters' float32 with
         master weights, else the parameters' own).
     """
-    return jax.tree.map(lambda p, d: _layout_of(p, d), params, dtypes)
+    return jax.tree.map(_layout_of, params, dtypes)
 
 
 def constrain(tree: Any, layouts: Any) -> Any:
