@@ -81,5 +81,5 @@ register_demo_task("reverse", DemoTask(300, 5e-4, target=f"{_DIGITS}:reverse_tar
 register_demo_task("increment", DemoTask(300, 5e-4, target=f"{_DIGITS}:increment_target"))
 register_demo_task("tool", DemoTask(600, 1e-3, rows=f"{_AGENTS}:lookup_rows", env=f"{_AGENTS}:lookup_env",
                                     limits={"max_turns": 3, "max_turn_tokens": 2, "max_total_tokens": 12}))
-register_demo_task("guess", DemoTask(600, 2e-3, rows=f"{_AGENTS}:guess_rows", env=f"{_AGENTS}:guess_env",
+register_demo_task("guess", DemoTask(600, 1e-3, rows=f"{_AGENTS}:guess_rows", env=f"{_AGENTS}:guess_env",
                                      limits={"max_turns": 4, "max_turn_tokens": 2, "max_total_tokens": 20}))
