@@ -30,6 +30,8 @@ import jax.numpy as jnp
 from jax.experimental.layout import Format, Layout
 
 PROBED_PLATFORMS = ("tpu",)
+# An op of a compiled program that moves data between devices.
+_COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute)(-start)?\(")
 
 
 def accumulator_layouts(params: Any, dtypes: Any) -> Any:
@@ -82,9 +84,6 @@ def _stored_format(shape: tuple[int, ...], dtype: Any, sharding: jax.sharding.Na
     stored = Format(Layout(order), sharding)
     constrained = jax.jit(lambda x: _constrain_leaf(x * 2, stored), out_shardings=sharding)
     return None if _COLLECTIVE.search(constrained.lower(probe).compile().as_text()) else stored
-
-
-_COLLECTIVE = re.compile(r"\b(all-reduce|all-gather|all-to-all|reduce-scatter|collective-permute)(-start)?\(")
 
 
 __all__ = ["PROBED_PLATFORMS", "accumulator_layouts", "constrain"]
