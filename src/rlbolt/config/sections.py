@@ -34,8 +34,9 @@ MLP_BLOCK_SIZE = 2048
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "offload")
 # The attention kernel of the training, logps and prefill forwards (rlbolt.models.attention_kernels resolves it per platform).
 ATTENTION_CHOICES = ("auto", "xla", "flash")
-# Intermediate units of every expert per gathered block of the MoE kernels under gmm (model.expert_block_size).
-EXPERT_BLOCK_SIZE = 256
+# Intermediate units of every expert per gathered block of the MoE kernels under gmm (model.expert_block_size): the
+# smallest that fills gmm's 128-wide tiles (the down kernel's contraction is one block's units).
+EXPERT_BLOCK_SIZE = 128
 # The grouped matmul of the mixture-of-experts layers (rlbolt.models.moe_matmul resolves it per platform).
 MOE_MATMUL_CHOICES = ("auto", "ragged_dot", "gmm")
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
