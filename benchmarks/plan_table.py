@@ -98,6 +98,7 @@ def plan_row(model: str, tokens: int, topology: str, micro: int, only: tuple[str
     record.update(model=model, tokens=tokens, topology=topology, micro_batch=micro, remat=remat, scan_layers=scan,
                   layers=shapes["num_hidden_layers"], moe_matmul=moe_matmul, expert=expert,
                   mlp_chunk_positions=cfg.model.mlp_chunk_positions, mlp_block_size=cfg.model.mlp_block_size,
+                  expert_block_size=cfg.model.expert_block_size,
                   wall_seconds=time.perf_counter() - started)
     return record
 
@@ -117,6 +118,8 @@ def main(argv=None) -> int:
                         help="model.mlp_chunk_positions for every row (default: the config's)")
     parser.add_argument("--mlp-block", type=int, default=None,
                         help="model.mlp_block_size for every row (default: the config's; 0: whole MLP kernels)")
+    parser.add_argument("--expert-block", type=int, default=None,
+                        help="model.expert_block_size for MoE rows (default: the config's; 0: whole expert kernels)")
     parser.add_argument("--expert", type=int, default=1, help="mesh.expert for MoE rows (the rest of the chips: fsdp)")
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -131,7 +134,8 @@ def main(argv=None) -> int:
     for model, tokens, topology in rows:
         r = plan_row(model, tokens, topology, args.micro, tuple(args.only.split(",")), args.remat, args.scan, args.layers,
                      args.moe_matmul, args.expert, {key: value for key, value in (
-                         ("mlp_chunk_positions", args.mlp_chunk), ("mlp_block_size", args.mlp_block)) if value is not None})
+                         ("mlp_chunk_positions", args.mlp_chunk), ("mlp_block_size", args.mlp_block),
+                         ("expert_block_size", args.expert_block)) if value is not None})
         records.append(r)
         step = f"{r['step_seconds_estimate']:.2f}" if r["step_seconds_estimate"] else "-"
         mfu = f"{r['mfu_estimate']:.1%}" if r["mfu_estimate"] else "-"

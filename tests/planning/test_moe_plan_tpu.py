@@ -110,3 +110,38 @@ def test_moe_layers_scan_and_keep_one_layers_expert_gradients_at_a_time():
         temps[scan] = update.temp_bytes
     assert loops[True] > loops[False]  # the layers' scan
     assert temps[True] < 0.6 * temps[False], temps
+
+
+def test_expert_kernels_gathered_in_blocks_hold_less_scratch():
+    """model.expert_block_size: with the kernels entering in their fsdp shards (`MoeMLP.kernel_specs`) and
+    4 blocks of the intermediate dim, one block of the gathered kernels and of their gradients exists at a
+    time: the scratch falls by at least half the whole gathered kernels (E x 3 x H x I bf16), which the
+    whole-kernel path holds, with their gradients, several times over (Qwen3-30B-A3B: about 5 GiB per chip)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from rlbolt.distributed.mesh import BATCH_AXES
+    from rlbolt.distributed.topology import target_devices
+    from rlbolt.models.moe import expert_parallel_experts
+
+    t, e, k, h, i = 64, 64, 4, 256, 512  # the kernels (48 MiB gathered) outweigh the rows
+    mesh = jax.sharding.Mesh(np.array(target_devices(TOPOLOGY)).reshape(1, 8, 1, 1, 1),
+                             ("data", "fsdp", "expert", "context", "tp"))
+    rows = NamedSharding(mesh, P(BATCH_AXES))
+    specs = (P("expert", "fsdp", None), P("expert", None, "fsdp"))
+    args = (jax.ShapeDtypeStruct((8 * t, h), jnp.bfloat16, sharding=rows),
+            jax.ShapeDtypeStruct((8 * t, k), jnp.int32, sharding=rows),
+            jax.ShapeDtypeStruct((8 * t, k), jnp.bfloat16, sharding=rows),
+            jax.ShapeDtypeStruct((e, h, 2 * i), jnp.bfloat16, sharding=NamedSharding(mesh, specs[0])),
+            jax.ShapeDtypeStruct((e, i, h), jnp.bfloat16, sharding=NamedSharding(mesh, specs[1])))
+
+    def temp_bytes(block: int) -> int:
+        run = functools.partial(expert_parallel_experts, hidden_act="silu", mesh=mesh, kernel="gmm", specs=specs,
+                                block=block)
+        loss = lambda *a: jnp.sum(run(*a).astype(jnp.float32) ** 2)  # noqa: E731
+        return jax.jit(jax.grad(loss, argnums=(0, 3, 4))).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    whole, blocked = temp_bytes(0), temp_bytes(i // 4)
+    assert blocked <= whole - e * 3 * h * i * 2 // 2, (whole, blocked)

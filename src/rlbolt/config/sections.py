@@ -34,6 +34,9 @@ MLP_BLOCK_SIZE = 2048
 REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "offload")
 # The attention kernel of the training, logps and prefill forwards (rlbolt.models.attention_kernels resolves it per platform).
 ATTENTION_CHOICES = ("auto", "xla", "flash")
+# Intermediate units of every expert per gathered block of the MoE kernels under gmm (model.expert_block_size): the
+# smallest that fills gmm's 128-wide tiles (the down kernel's contraction is one block's units).
+EXPERT_BLOCK_SIZE = 128
 # The grouped matmul of the mixture-of-experts layers (rlbolt.models.moe_matmul resolves it per platform).
 MOE_MATMUL_CHOICES = ("auto", "ragged_dot", "gmm")
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -57,6 +60,7 @@ class ModelSection:
     moe_matmul: str = _f("auto", "mixture-of-experts models: the experts' grouped matmul: gmm (Pallas megablox, TPU only: visits only each expert's row tiles, run under shard_map over the mesh so each chip sorts and multiplies its own rows), ragged_dot (jax.lax.ragged_dot; on a TPU slice XLA's partitioner runs every chip's tokens on every chip unless mesh.expert > 1), auto (gmm on TPU, else ragged_dot); same outputs and gradients to float32 accumulation; docs/architecture.md", MOE_MATMUL_CHOICES)
     mlp_chunk_positions: int = _f(MLP_CHUNK_POSITIONS, "the dense MLP of every decoder layer runs this many positions of every row at a time, each chunk recomputed in the backward, so its [B, T, 2 x intermediate] activations exist for one chunk at a time (the largest per-layer buffers at 16k+ tokens; same results to float32 rounding, no extra products under model.remat); 0: all positions at once", at_least=0)
     mlp_block_size: int = _f(MLP_BLOCK_SIZE, "on a mesh whose axes (fsdp) split the dense MLP kernels' hidden dim: the MLP gathers its gate|up and down kernels, and forms and reduce-scatters their gradients, this many intermediate units at a time (the fewest blocks that divide the intermediate size), so one block of each exists per chip at a time, not the layer's whole kernels and gradients; same results to float32 rounding, the same bytes moved; LoRA, quantised and tensor-parallel MLPs keep whole kernels; 0: whole kernels", at_least=0)
+    expert_block_size: int = _f(EXPERT_BLOCK_SIZE, "mixture-of-experts models under gmm on a mesh whose axes (fsdp) split the experts' kernels' hidden dim: each MoE layer gathers all experts' gate|up and down kernels, and forms and reduce-scatters their gradients, this many intermediate units at a time (the fewest blocks that divide the experts' intermediate size), so one block exists per chip at a time, not the layer's whole expert kernels and gradients; same results to float32 rounding, the same bytes moved; 0: whole kernels", at_least=0)
     logits_chunk_tokens: int | None = _f(1024, "sets the block of the output projection + log-softmax in the logps and training forwards: both passes run over vocabulary blocks of every token at once, each about this many tokens (all rows of a micro batch together) x V float32 logits in the forward, half that in the backward (which recomputes each block's), so the [B, T, V] logits never exist at once and the weight is read a block at a time; same results to float32 rounding; 0 or null: unchunked", at_least=0)
 
 

@@ -54,6 +54,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from rlbolt.distributed.mesh import BATCH_AXES, batch_shards
+from rlbolt.models.expert_blocks import experts_in_blocks, gathered
+from rlbolt.models.mlp_blocks import block_count
 from rlbolt.models.moe_matmul import grouped_matmul
 from rlbolt.models.stacked_layers import is_stacked
 
@@ -83,7 +85,8 @@ def route(logits: jnp.ndarray, top_k: int, norm_topk_prob: bool,
 
 
 def grouped_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, gate_up: jnp.ndarray,
-                    down: jnp.ndarray, hidden_act: str = "silu", kernel: str = "ragged_dot") -> jnp.ndarray:
+                    down: jnp.ndarray, hidden_act: str = "silu", kernel: str = "ragged_dot", blocks: int = 1,
+                    specs: tuple[P, P] | None = None) -> jnp.ndarray:
     """`sum_j weights[:, j] * expert_{experts[:, j]}(x)` with one grouped matmul per projection.
 
     Args:
@@ -94,6 +97,9 @@ def grouped_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, 
       down: [E, I, H].
       hidden_act: "silu" (SwiGLU experts).
       kernel: the grouped matmul (`rlbolt.models.moe_matmul.KERNELS`).
+      blocks: > 1: gate_up and down are this device's shards inside a shard_map, gathered over `specs`
+        a block of the intermediate dim at a time (`rlbolt.models.expert_blocks`); 1: whole kernels.
+      specs: with blocks > 1, the kernels' in_specs at the shard_map's edge.
 
     Returns:
       [N, H] in x's dtype.
@@ -106,18 +112,22 @@ def grouped_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, 
     # [E] rows per expert; an expert id E (expert parallelism: another device's expert) counts in
     # no group, sorts last and its rows come out 0 from the grouped matmul.
     sizes = jnp.bincount(flat, length=num_experts + 1)[:num_experts].astype(jnp.int32)
-    h = grouped_matmul(jnp.take(x, token, axis=0), gate_up, sizes, kernel)  # [N*k, 2I]
-    gate, up = jnp.split(h, 2, axis=-1)
     if hidden_act != "silu":
         raise ValueError(f"grouped_experts: hidden_act={hidden_act!r}; the MoE experts support 'silu'.")
-    y = grouped_matmul(jax.nn.silu(gate) * up, down, sizes, kernel)  # [N*k, H]
+    rows = jnp.take(x, token, axis=0)
+    if blocks > 1:
+        y = experts_in_blocks(rows, sizes, gate_up, down, blocks=blocks, specs=specs, kernel=kernel)  # [N*k, H]
+    else:
+        gate, up = jnp.split(grouped_matmul(rows, gate_up, sizes, kernel), 2, axis=-1)  # [N*k, I] each
+        y = grouped_matmul(jax.nn.silu(gate) * up, down, sizes, kernel)  # [N*k, H]
     w = jnp.take(weights.reshape(-1), order)[:, None]
     return jnp.zeros_like(x).at[token].add((y * w).astype(x.dtype))
 
 
 def expert_parallel_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, gate_up: jnp.ndarray,
                             down: jnp.ndarray, hidden_act: str, mesh: jax.sharding.Mesh,
-                            kernel: str = "ragged_dot", specs: tuple[P, P] | None = None) -> jnp.ndarray:
+                            kernel: str = "ragged_dot", specs: tuple[P, P] | None = None,
+                            block: int = 0) -> jnp.ndarray:
     """`grouped_experts` with the experts split over `mesh`'s `expert` axis (module docstring).
 
     With `ragged_dot` the shard_map is manual over the batch axes only (tp stays automatic); a Pallas
@@ -137,22 +147,27 @@ def expert_parallel_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.n
         over the shard_map's manual axes enter as they lie and are all-gathered inside, so the
         backward reduce-scatters the kernels' gradients into those shards (entering replicated, each
         device's whole gradient was all-reduced); None: gathered at the edge.
+      block: with gmm, intermediate units per gathered block of the kernels (`model.expert_block_size`,
+        `expert_blocks_for`); 0: whole kernels.
 
     Returns:
       [N, H] like x, rows over the batch axes.
     """
     manual = set(mesh.axis_names) if kernel != "ragged_dot" else set(BATCH_AXES)
     edge = [_edge_spec(spec, manual) for spec in (specs or (P("expert"), P("expert")))]
+    blocks = expert_blocks_for(down.shape[1], block, edge) if kernel != "ragged_dot" else 1
 
     def local(x, experts, weights, gate_up, down):
-        gate_up, down = _gather_kernel(gate_up, edge[0]), _gather_kernel(down, edge[1])
+        if blocks == 1:
+            gate_up, down = gathered(gate_up, edge[0]), gathered(down, edge[1])
         gather = lambda a: jax.lax.all_gather(a, "expert", axis=0, tiled=True)  # noqa: E731
         x, experts, weights = gather(x), gather(experts), gather(weights)  # the expert group's rows
         per_device = gate_up.shape[0]
         first = jax.lax.axis_index("expert") * per_device
         mine = (experts >= first) & (experts < first + per_device)
         local_experts = jnp.where(mine, experts - first, per_device)  # others: the empty trailing group
-        y = grouped_experts(x, local_experts, jnp.where(mine, weights, 0), gate_up, down, hidden_act, kernel)
+        y = grouped_experts(x, local_experts, jnp.where(mine, weights, 0), gate_up, down, hidden_act, kernel,
+                            blocks, tuple(edge))
         return jax.lax.psum_scatter(y, "expert", scatter_dimension=0, tiled=True)
 
     rows = P(BATCH_AXES)
@@ -171,13 +186,16 @@ def _edge_spec(spec: P, manual: set[str]) -> P:
     return P("expert", *(kept(entry) for entry in tuple(spec)[1:]))
 
 
-def _gather_kernel(kernel: jnp.ndarray, spec: P) -> jnp.ndarray:
-    """The kernel's whole [E / X, ...] expert group inside the shard_map: all-gathered over its spec's axes
-    past the expert axis (whose transpose is a reduce-scatter of the gradient)."""
-    for dim, axes in enumerate(tuple(spec)[1:], start=1):
-        if axes is not None:
-            kernel = jax.lax.all_gather(kernel, axes, axis=dim, tiled=True)
-    return kernel
+def expert_blocks_for(intermediate: int, block: int, edge: list[P]) -> int:
+    """How many blocks of the intermediate dim the experts' kernels are gathered in: `block_count` of
+    `block` units when the shard_map gathers the kernels' hidden dim and their intermediate dim is whole
+    on every device; else 1 (nothing gathered to split, or a tensor-parallel intermediate dim)."""
+    def entry(spec, dim):
+        return (tuple(spec) + (None,) * 3)[dim]
+
+    gathers = entry(edge[0], 1) is not None or entry(edge[1], 2) is not None
+    whole = entry(edge[0], 2) is None and entry(edge[1], 1) is None
+    return block_count(intermediate, block) if gathers and whole else 1
 
 
 def load_balancing_loss(probs: list[jnp.ndarray], experts: list[jnp.ndarray],
@@ -247,6 +265,9 @@ class MoeMLP(nnx.Module):
         self.kernel_specs = None
         # The grouped matmul (`rlbolt.models.moe_matmul.resolve_moe_matmul` of model.moe_matmul; static).
         self.matmul = "ragged_dot"
+        # With gmm on a mesh that splits the kernels' hidden dim: intermediate units per gathered block
+        # (model.expert_block_size, `rlbolt.models.expert_blocks`; static); 0: whole kernels.
+        self.block_size = 0
 
     def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
         return self.routed(x)[0]
@@ -263,7 +284,7 @@ class MoeMLP(nnx.Module):
         gate_up, down = self.gate_up[...], self.down[...]
         if mesh is not None and x2.shape[0] % batch_shards(mesh) == 0:
             out = expert_parallel_experts(x2, experts, weights, gate_up, down, self.hidden_act, mesh, kernel,
-                                          getattr(self, "kernel_specs", None))
+                                          getattr(self, "kernel_specs", None), getattr(self, "block_size", 0))
         elif mesh is not None and kernel != "ragged_dot":  # rows that do not split: every device all rows
             out = jax.shard_map(functools.partial(grouped_experts, hidden_act=self.hidden_act, kernel=kernel),
                                 mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)(

@@ -134,8 +134,9 @@ def build_policy(cfg: RunConfig, model: Decoder | None, tokenizer: Tokenizer, co
         moe_kernel = resolve_moe_matmul(cfg.model.moe_matmul, platform)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    for block in moe_layers(model):  # model.moe_matmul (rlbolt.models.moe_matmul)
+    for block in moe_layers(model):  # model.moe_matmul (rlbolt.models.moe_matmul), model.expert_block_size
         block.matmul = moe_kernel
+        block.block_size = cfg.model.expert_block_size  # rlbolt.models.expert_blocks
     if sharding is not None:  # the weights move onto the mesh once (no copy if built there)
         nnx.update(model, sharding.place(nnx.state(model)))
         sharding.shard_activations(model)
