@@ -10,23 +10,9 @@ per summed term (Higham Eq. 4.4), times 8 for the products' own reorderings."""
 import os
 import subprocess
 import sys
+from pathlib import Path
 
-SCRIPT = r"""
-import re
-import jax, jax.numpy as jnp, numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
-from rlbolt.distributed import MeshSpec
-from rlbolt.models.moe import expert_parallel_experts
-mesh = MeshSpec(fsdp=4, expert=2).build()
-n, h, i, e, k = 32, 16, 8, 4, 2
-rows = NamedSharding(mesh, P(("data", "fsdp", "expert")))
-specs = (P("expert", "fsdp", None), P("expert", None, "fsdp"))
-keys = jax.random.split(jax.random.key(0), 5)
-x = jax.device_put(jax.random.normal(keys[0], (n, h)), rows)
-experts = jax.device_put(jax.random.randint(keys[1], (n, k), 0, e), rows)
-weights = jax.device_put(jax.nn.softmax(jax.random.normal(keys[2], (n, k))), rows)
-gate_up = jax.device_put(jax.random.normal(keys[3], (e, h, 2 * i)) * 0.3, NamedSharding(mesh, specs[0]))
-down = jax.device_put(jax.random.normal(keys[4], (e, i, h)) * 0.3, NamedSharding(mesh, specs[1]))
+SCRIPT = Path(__file__).with_name("expert_case.py").read_text() + r"""
 def sums(jaxpr):
     # (shape, kind, psum's axes) of every psum / reduce_scatter of a rank-3 (kernel-shaped) value in the
     # jaxpr (the compiled CPU program cannot tell: XLA's CPU backend decomposes a reduce-scatter into an
