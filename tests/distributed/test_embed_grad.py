@@ -10,10 +10,9 @@ and untied, against the plain lookup's on the same mesh, the table's within the 
 """
 
 import os
-import subprocess
-import sys
 
 import pytest
+from cpu_devices import run_on_cpu_devices
 
 SCRIPT = r"""
 import re, sys
@@ -134,8 +133,6 @@ print("ok")
 # 13 s on a quiet box (a fresh 8-device process, four meshes compiled): over the default tier's budget
 @pytest.mark.slow
 def test_the_embedding_gradient_is_formed_in_the_tables_shards_with_autodiffs_values():
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"}
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", SCRIPT, tests], capture_output=True, text=True, env=env, timeout=600)
+    out = run_on_cpu_devices(SCRIPT, tests)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-4000:]

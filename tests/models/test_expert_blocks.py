@@ -8,10 +8,8 @@ outputs differ by float32 rounding of sums of I + H terms: (I + H + 8) eps32 of 
 magnitudes (Higham Eq. 3.5, with margin for the SiLU). Gradients: both paths run the same products per
 block and reduce-scatter over 4 shards in another order: 8 eps32 per summed term of the largest entry."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
+from cpu_devices import run_on_cpu_devices
 
 SCRIPT = Path(__file__).with_name("expert_case.py").read_text() + r"""
 eps = np.finfo(np.float32).eps
@@ -55,9 +53,7 @@ print("ok")
 
 
 def test_blocked_experts_equal_float64_and_the_whole_kernels_and_gather_only_blocks():
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"}
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    out = run_on_cpu_devices(SCRIPT)
     assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-3000:]
 
 

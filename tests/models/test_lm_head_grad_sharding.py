@@ -11,10 +11,9 @@ vocabulary blocks: no device gathers the whole [H, V] weight (over token chunks,
 whole: 1 GiB per chip at Qwen2.5-7B)."""
 
 import os
-import subprocess
-import sys
 
 import pytest
+from cpu_devices import run_on_cpu_devices
 
 COMMON = r"""
 import re, sys
@@ -85,9 +84,7 @@ check(_lower_update(run).compile().as_text(), H, V, 8)
 
 
 def _run(script, *args):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"}
-    out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env, timeout=900)
+    out = run_on_cpu_devices(script, *args, timeout=900)
     assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-3000:]
 
 

@@ -22,6 +22,7 @@ import pytest
 from float_tolerance import EPS32
 from rlbolt.models.decoder_layer import _geglu_tanh, _swiglu
 from rlbolt.models.mlp_blocks import block_count, mlp_in_blocks
+from cpu_devices import run_on_cpu_devices
 
 
 def test_block_count_is_the_fewest_dividing_blocks_within_the_size():
@@ -133,9 +134,7 @@ def test_blocks_on_an_fsdp_mesh_gather_one_block_and_match_whole_kernels():
     gathers [H, 2I / k] and [I / k, H] blocks, never a whole kernel, and sums no whole gradient;
     the whole-kernel MLP gathers whole kernels (the check is not blind); losses and gradients match,
     gradients in the kernels' own shardings."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"}
-    out = subprocess.run([sys.executable, "-c", MESH], capture_output=True, text=True, env=env, timeout=600)
+    out = run_on_cpu_devices(MESH)
     assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-3000:]
 
 

@@ -7,10 +7,8 @@ data 1 x fsdp 4 x expert 2, ragged_dot, in a fresh process. Gradients of both: t
 to where the sums happen, float32 sums of 4 shards in another order: 4 eps32 of each array's magnitude
 per summed term (Higham Eq. 4.4), times 8 for the products' own reorderings."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
+from cpu_devices import run_on_cpu_devices
 
 SCRIPT = Path(__file__).with_name("expert_case.py").read_text() + r"""
 def sums(jaxpr):
@@ -42,7 +40,5 @@ print("ok")
 
 
 def test_expert_kernel_gradients_are_reduce_scattered_not_all_reduced_whole():
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"}
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    out = run_on_cpu_devices(SCRIPT)
     assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-3000:]
