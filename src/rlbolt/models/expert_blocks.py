@@ -60,6 +60,12 @@ def gathered(kernel: jax.Array, spec: P) -> jax.Array:
     return kernel
 
 
+def swiglu_experts(rows: jax.Array, sizes: jax.Array, gate_up: jax.Array, down: jax.Array, kernel: str) -> jax.Array:
+    """`down(silu(gate) * up)` of each group's rows with whole kernels [E, H, 2I] and [E, I, H]: [M, H]."""
+    gate, up = jnp.split(grouped_matmul(rows, gate_up, sizes, kernel), 2, axis=-1)
+    return grouped_matmul(jax.nn.silu(gate) * up, down, sizes, kernel)
+
+
 @functools.lru_cache(maxsize=None)
 def _blocked(blocks: int, specs: tuple[P, P], kernel: str):
     def split(gate_up, down):
@@ -77,9 +83,7 @@ def _blocked(blocks: int, specs: tuple[P, P], kernel: str):
 
     def block_out(rows, sizes, gu, d):
         """One block's [M, H] share; its kernels gathered here (so a vjp reduce-scatters their gradients)."""
-        gu, d = gathered(gu, specs[0]), gathered(d, specs[1])
-        gate, up = jnp.split(grouped_matmul(rows, gu, sizes, kernel), 2, axis=-1)
-        return grouped_matmul(jax.nn.silu(gate) * up, d, sizes, kernel)
+        return swiglu_experts(rows, sizes, gathered(gu, specs[0]), gathered(d, specs[1]), kernel)
 
     def forward(rows, sizes, gate_up, down):
         def one_block(total, weights):
@@ -111,4 +115,4 @@ def _blocked(blocks: int, specs: tuple[P, P], kernel: str):
     return run
 
 
-__all__ = ["experts_in_blocks", "gathered"]
+__all__ = ["experts_in_blocks", "gathered", "swiglu_experts"]

@@ -54,9 +54,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from rlbolt.distributed.mesh import BATCH_AXES, batch_shards
-from rlbolt.models.expert_blocks import experts_in_blocks, gathered
+from rlbolt.models.expert_blocks import experts_in_blocks, gathered, swiglu_experts
 from rlbolt.models.mlp_blocks import block_count
-from rlbolt.models.moe_matmul import grouped_matmul
 from rlbolt.models.stacked_layers import is_stacked
 
 
@@ -118,8 +117,7 @@ def grouped_experts(x: jnp.ndarray, experts: jnp.ndarray, weights: jnp.ndarray, 
     if blocks > 1:
         y = experts_in_blocks(rows, sizes, gate_up, down, blocks=blocks, specs=specs, kernel=kernel)  # [N*k, H]
     else:
-        gate, up = jnp.split(grouped_matmul(rows, gate_up, sizes, kernel), 2, axis=-1)  # [N*k, I] each
-        y = grouped_matmul(jax.nn.silu(gate) * up, down, sizes, kernel)  # [N*k, H]
+        y = swiglu_experts(rows, sizes, gate_up, down, kernel)  # [N*k, H]
     w = jnp.take(weights.reshape(-1), order)[:, None]
     return jnp.zeros_like(x).at[token].add((y * w).astype(x.dtype))
 
