@@ -61,6 +61,23 @@ def test_the_scanned_forward_equals_the_loop(family):
     assert any(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(grads))
 
 
+def test_a_scanned_gemma3_keeps_only_each_layers_input_for_the_backward():
+    """Under full remat the forward scan hands the backward one stack: each layer's input [L, B, T, H].
+    Its RoPE tables and mask are picked per kind of layer inside the layer's checkpoint
+    (`scan_layers.ByKind`); picked outside, the checkpoint kept them as inputs and the scan stacked
+    [L, B, T, D] cos and sin and an [L, B, T, T] mask beside it (at Gemma-3-12B and 32k tokens, 1.5 GiB
+    per chip of tables). Its gradients still equal the loop's (the test above, and test_remat.py)."""
+    model = Decoder(tiny_config(num_layers=3, **GEMMA3), rngs=nnx.Rngs(0))
+    model.scan_layers, model.remat = True, "full"
+    graphdef, params = nnx.split(model, nnx.Param)
+    ids = jax.random.randint(jax.random.key(1), (2, 20), 0, model.config.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(20), (2, 20))
+    loss = lambda p: jnp.sum(nnx.merge(graphdef, p)(ids, positions, attention_mask=jnp.ones((2, 20), bool))[0])  # noqa: E731
+    forward = next(e for e in jax.make_jaxpr(jax.grad(loss))(params).jaxpr.eqns if e.primitive.name == "scan")
+    stacks = [tuple(v.aval.shape) for v in forward.outvars][1:]  # after the final carry
+    assert stacks == [(3, 2, 20, model.config.hidden_size)]
+
+
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 
 

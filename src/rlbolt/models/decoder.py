@@ -63,7 +63,7 @@ from rlbolt.models.mlp_blocks import MlpSplit
 from rlbolt.models.moe import MoeMLP
 from rlbolt.models.remat import checkpoint_policy, check_remat
 from rlbolt.models.rope import layer_rope
-from rlbolt.models.scan_layers import kernel_kinds, scan_reason, scanned_layers
+from rlbolt.models.scan_layers import kernel_kinds, pick, scan_reason, scanned_layers
 
 _attend = attend  # the name tests and older callers import
 
@@ -242,17 +242,19 @@ class Decoder(nnx.Module):
 
     def _layer_step(self, layer, x, cos, sin, visible, layer_cache, routing_out, kernel=None):
         """One decoder layer, under the model's remat policy (`remat_layer`); kernel: its fused
-        attention (`rlbolt.models.attention_kernels.KernelCall`) or None for XLA."""
+        attention (`rlbolt.models.attention_kernels.KernelCall`) or None for XLA; cos, sin and visible
+        may be `rlbolt.models.scan_layers.ByKind` (a scanned layer's), picked inside the remat."""
         chunk = self.attention_query_chunk
         collect = routing_out is not None and isinstance(layer.mlp, MoeMLP)
         if self.remat == "none":
-            return layer(x, cos, sin, visible, layer_cache, chunk, routing_out, kernel, self.mlp_split())
+            return layer(x, pick(cos), pick(sin), pick(visible), layer_cache, chunk, routing_out, kernel,
+                         self.mlp_split())
 
         def body(layer, x, cos, sin, visible, layer_cache):
             # The routing leaves the checkpointed function as an output: a list appended to inside
             # it would receive the checkpoint's inner tracers.
             routes = [] if collect else None
-            y, new_kv = layer(x, cos, sin, visible, layer_cache, chunk, routes, kernel,  # kernel: closed over
+            y, new_kv = layer(x, pick(cos), pick(sin), pick(visible), layer_cache, chunk, routes, kernel,  # kernel: closed over
                               self.mlp_split())
             return y, new_kv, (routes[0] if collect else None)
 

@@ -5,7 +5,7 @@ compile of a 28-layer update takes 14x that of a 2-layer one. Here the cache-fre
 (training, logps) stacks the layers' states along a leading axis at trace time and runs one
 `jax.lax.scan` over them: one layer body is compiled whatever the depth. Each layer's own static
 choices travel as scanned arrays: whether it is a sliding-window layer (its mask and, for
-Gemma 3, its RoPE table are picked with `jnp.where`; under a fused kernel whose two kinds of
+Gemma 3, its RoPE table are picked with `jnp.where` inside the layer's remat, `ByKind`; under a fused kernel whose two kinds of
 layer need two kernels, static masks, the layer's kernel is picked by `jax.lax.cond`:
 `rlbolt.models.attention_kernels.KernelByKind`).
 
@@ -25,6 +25,7 @@ collects routing.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -34,6 +35,33 @@ from flax import nnx
 from rlbolt.models.attention_kernels import KernelByKind
 from rlbolt.models.moe import MoeMLP
 from rlbolt.models.stacked_layers import is_stacked
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ByKind:
+    """A scanned layer's array that depends on its kind of layer (Gemma 3's RoPE tables, the masks):
+    `local` where the traced `sliding` holds, else `full`; `pick` chooses, inside the layer's remat.
+
+    Chosen outside it, the layer's checkpoint took the chosen array as an input, and a checkpoint
+    keeps its inputs for the backward: the scan stacked one per layer, two bf16 [L, B, T, D] tables
+    (1.5 GiB per chip at Gemma-3-12B and 32k tokens, benchmarks/RESULTS.md). Passed whole, its
+    arrays are the same in every layer, and the scan keeps them once.
+
+    Attributes:
+      sliding: a scalar bool, this layer's `config.is_sliding(i)` as the scan carries it.
+      full: the full-attention layers' array.
+      local: the sliding layers' array.
+    """
+
+    sliding: jax.Array
+    full: jax.Array
+    local: jax.Array
+
+
+def pick(value: Any) -> Any:
+    """`value`'s array for its layer when it is a `ByKind`, else `value` itself."""
+    return jnp.where(value.sliding, value.local, value.full) if isinstance(value, ByKind) else value
 
 
 def scan_reason(model: nnx.Module) -> str | None:
@@ -122,9 +150,10 @@ def scanned_layers(model: nnx.Module, x: jnp.ndarray, ropes: list[tuple[jnp.ndar
     def body(x, per_layer):
         state, is_sliding = per_layer
         layer = nnx.merge(graphdef, state)
-        cos = jnp.where(is_sliding, local_rope[0], global_rope[0]) if local_rope is not global_rope else global_rope[0]
-        sin = jnp.where(is_sliding, local_rope[1], global_rope[1]) if local_rope is not global_rope else global_rope[1]
-        mask = jnp.where(is_sliding, local_visible, visible) if mixed else visible
+        # Picked inside the layer's remat (`ByKind`): chosen here, each layer's would be stacked for the backward.
+        cos, sin = ((ByKind(is_sliding, full, local) for full, local in zip(global_rope, local_rope))
+                    if local_rope is not global_rope else global_rope)
+        mask = ByKind(is_sliding, visible, local_visible) if mixed else visible
         kernel = full_kernel if local_kernel is full_kernel else KernelByKind(is_sliding, full_kernel, local_kernel)
         y, _ = model._layer_step(layer, x, cos, sin, mask, None, None, kernel)
         return model._constrain(y), None
