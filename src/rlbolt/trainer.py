@@ -26,7 +26,7 @@ from rlbolt.distributed.agree import set_default_group
 from rlbolt.distributed.placement import Placement
 from rlbolt.distributed.process_groups import ProcessGroups, join_placement
 from rlbolt.distributed.sharding import ShardingPlan
-from rlbolt.fit_checks import check_fit, lag_steps
+from rlbolt.fit_checks import MODES, check_fit, check_trainer_settings, lag_steps
 from rlbolt.module import RLModule
 from rlbolt.plan import BatchPlan
 from rlbolt.producer import STAGE_ROLES, ProducedStep, Producer
@@ -44,7 +44,7 @@ from rlbolt.producer.weights import WeightStore
 from rlbolt.producer.remote_rollout import remote_stages, run_rollout_group
 from rlbolt.run_info import Control, Restore, RunInfo, total_steps
 
-MODES = ("sync", "async")
+__all__ = ["MODES", "Trainer"]  # MODES (now fit_checks') stays importable from here
 
 
 class Trainer:
@@ -103,16 +103,8 @@ class Trainer:
                  run_dir: str | Path | None = None, prefetch_timeout_s: float | None = None,
                  mesh: Any = None, device_memory_bytes: int | None = None, placement: Any = "colocated",
                  master_weights: str = "auto"):
-        if not isinstance(plan, BatchPlan):
-            raise TypeError(f"plan must be a BatchPlan, got {type(plan).__name__}")
-        for name, value in (("max_steps", max_steps), ("max_epochs", max_epochs), ("val_every_n_steps", val_every_n_steps)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name}={value!r} must be a positive integer or None")
-        if mode not in MODES:
-            raise ValueError(f"mode={mode!r}; allowed: {MODES}")
-        if master_weights not in masters.MODES:
-            raise ValueError(f"master_weights={master_weights!r}; allowed: {masters.MODES} "
-                             "(auto: float32 master weights for bfloat16 params)")
+        check_trainer_settings(plan, mode=mode, master_weights=master_weights, max_steps=max_steps,
+                               max_epochs=max_epochs, val_every_n_steps=val_every_n_steps)
         self.master_weights = master_weights
         self.donated: tuple[str, ...] = ()  # the TrainState fields each update donates (set in fit)
         self.plan, self.max_steps, self.seed = plan, max_steps, seed
