@@ -56,6 +56,21 @@ class Control:
         return self._validate(params, rows, step, num_samples=num_samples)
 
 
+class ControlField:
+    """An attribute that lives on its owner's `control` (a `Control`) under the same name: the
+    Trainer's `interrupted` and `stop_signal`, kept on the run's Control (a fresh one each fit) so
+    the Trainer, the signal handler and the callbacks read one value."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(obj.control, self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(obj.control, self.name, value)
+
+
 @dataclasses.dataclass(frozen=True)
 class RunInfo:
     """The frozen description of a fit that every callback hook receives first.

@@ -42,7 +42,7 @@ from rlbolt.utils.step_beacon import record_step
 from rlbolt.validation import run_validation
 from rlbolt.producer.weights import WeightStore
 from rlbolt.producer.remote_rollout import remote_stages, run_rollout_group
-from rlbolt.run_info import Control, Restore, RunInfo, total_steps
+from rlbolt.run_info import Control, ControlField, Restore, RunInfo, total_steps
 
 __all__ = ["MODES", "Trainer"]  # MODES (now fit_checks') stays importable from here
 
@@ -145,23 +145,10 @@ class Trainer:
             raise ValueError("a stop cannot be taken back; fit starts each run with a fresh Control")
         self.control.request_stop()
 
-    @property
-    def interrupted(self) -> bool:
-        """Whether the last fit was stopped by SIGINT/SIGTERM or a KeyboardInterrupt."""
-        return self.control.interrupted
-
-    @interrupted.setter
-    def interrupted(self, value: bool) -> None:
-        self.control.interrupted = value
-
-    @property
-    def stop_signal(self) -> int | None:
-        """The signal that stopped the last fit (None: none)."""
-        return self.control.stop_signal
-
-    @stop_signal.setter
-    def stop_signal(self, value: int | None) -> None:
-        self.control.stop_signal = value
+    interrupted = ControlField()
+    """Whether the last fit was stopped by SIGINT/SIGTERM or a KeyboardInterrupt."""
+    stop_signal = ControlField()
+    """The signal that stopped the last fit (None: none)."""
 
     def sharding_for(self, role: str) -> ShardingPlan:
         """The ShardingPlan of a role ("train", "rollout", "reference", "teacher"): the trainer's mesh for
