@@ -17,7 +17,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from rlbolt import master_weights as masters
 from rlbolt.callback import Callback, CallbackList
 from rlbolt.callbacks.evaluation import FIT_VALIDATION, Evaluation
 from rlbolt.data.source import PromptSource
@@ -36,7 +35,7 @@ from rlbolt.state import StepInfo, TrainState
 from rlbolt.step_metrics import step_metrics
 from rlbolt.timeline import Timeline
 from rlbolt.train_batch import run_updates
-from rlbolt.update import make_update_fn
+from rlbolt.update_setup import donated_fields, setup_update
 from rlbolt.utils.runlock import hold_run_dir
 from rlbolt.utils.step_beacon import record_step
 from rlbolt.validation import run_validation
@@ -296,21 +295,14 @@ class Trainer:
         module.setup(context)
         rng = jax.random.PRNGKey(self.seed)
         params = self.sharding.place(module.init_params(jax.random.fold_in(rng, 0)))
-        # Sync mode donates the params to each update; async mode's producer may still read them.
-        self.donated = ("params", "opt_state") if self.lag_steps == 0 else ("opt_state",)
+        self.donated = donated_fields(self.lag_steps)
         self.run = self._run_info(module)  # after init_params: a module may build its model there
-        if "params" in self.donated:  # the module may keep init_params' arrays (the KL reference does)
-            params = jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, params)
-        self.optimizer = module.configure_optimizers()
-        self.optimizer = self.callbacks.wrap_optimizer(self.run, self.optimizer)  # e.g. NaNGuard(action="skip")
-        self.optimizer = masters.wrap(self.optimizer, params, self.master_weights)  # float32 masters for bf16
-        opt_state = layout.init_optimizer(self.optimizer, params, self.sharding)
-        self.memory_plan = layout.memory_plan(module.memory_plan(self.sharding), params, opt_state, self.sharding,
-                                                 device_bytes=self.device_memory_bytes)  # before anything compiles
-        self._update = make_update_fn(module.training_step, self.optimizer, self.plan.grad_accum_steps,
-                                      frozen=module.frozen_params(), with_frozen=module.with_frozen,
-                                      sharding=self.sharding, params=params, opt_state=opt_state, donate=self.donated)
-        state = TrainState(step=0, params=params, opt_state=opt_state, policy_version=0, data_position=0,
+        built = setup_update(module, params, self.sharding, grad_accum_steps=self.plan.grad_accum_steps,
+                             donate=self.donated, master_weights=self.master_weights,
+                             wrap_optimizer=lambda tx: self.callbacks.wrap_optimizer(self.run, tx),
+                             device_memory_bytes=self.device_memory_bytes)
+        self.optimizer, self.memory_plan, self._update = built.optimizer, built.memory_plan, built.update
+        state = TrainState(step=0, params=built.params, opt_state=built.opt_state, policy_version=0, data_position=0,
                            rng=self.sharding.place(jax.random.fold_in(rng, 1)))  # replicated: every process saves it
         self.last_state = state
         return state
