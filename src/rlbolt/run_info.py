@@ -34,8 +34,15 @@ class Control:
 
     @property
     def stop_requested(self) -> bool:
-        """Whether a callback or a signal asked the run to stop after the current step."""
+        """Whether a callback or a signal asked the run to stop after the current step (setting it
+        True is `request_stop()`; a stop cannot be taken back: each fit gets a fresh Control)."""
         return self._stop
+
+    @stop_requested.setter
+    def stop_requested(self, value: bool) -> None:
+        if not value:
+            raise ValueError("a stop cannot be taken back; fit starts each run with a fresh Control")
+        self.request_stop()
 
     def validate(self, params: Any, rows: Sequence[dict], step: int, *,
                  num_samples: int | None = None) -> dict[str, float]:
@@ -57,12 +64,19 @@ class Control:
 
 
 class ControlField:
-    """An attribute that lives on its owner's `control` (a `Control`) under the same name: the
-    Trainer's `interrupted` and `stop_signal`, kept on the run's Control (a fresh one each fit) so
-    the Trainer, the signal handler and the callbacks read one value."""
+    """An attribute that lives on its owner's `control` (a `Control`): the Trainer's `should_stop`
+    (`Control.stop_requested`), `interrupted` and `stop_signal`, kept on the run's Control (a fresh
+    one each fit) so the Trainer, the signal handler and the callbacks read one value.
+
+    Args:
+      name: the Control's attribute (None: the same name as this one's).
+    """
+
+    def __init__(self, name: str | None = None):
+        self.name = name
 
     def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
+        self.name = self.name or name
 
     def __get__(self, obj: Any, owner: type | None = None) -> Any:
         return self if obj is None else getattr(obj.control, self.name)

@@ -132,18 +132,9 @@ class Trainer:
     def is_main_process(self) -> bool:
         return jax.process_index() == 0
 
-    @property
-    def should_stop(self) -> bool:
-        """THE stop flag (`Control.stop_requested`): a callback (`run.control.request_stop()`) or a
-        signal set it; fit ends after the current step."""
-        return self.control.stop_requested
-
-    @should_stop.setter
-    def should_stop(self, value: bool) -> None:  # a signal, or a callback of the old signature
-        if not value:
-            raise ValueError("a stop cannot be taken back; fit starts each run with a fresh Control")
-        self.control.request_stop()
-
+    should_stop = ControlField("stop_requested")
+    """THE stop flag (`Control.stop_requested`): a callback (`run.control.request_stop()`) or a signal sets
+    it; fit ends after the current step. Setting it False raises (a stop cannot be taken back)."""
     interrupted = ControlField()
     """Whether the last fit was stopped by SIGINT/SIGTERM or a KeyboardInterrupt."""
     stop_signal = ControlField()
