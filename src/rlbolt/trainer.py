@@ -85,11 +85,9 @@ class Trainer:
         them (float32 AdamW moments; the params are the masters' casts: `rlbolt.master_weights`);
         "none": the optimizer runs on the parameters in their own dtype.
 
-    The update donates what it replaces (`rlbolt.update`): the optimizer state always, and the
-    parameters in sync mode (async mode's producer still reads published parameters while later
-    ones train). The trainer trains its own copy of what `module.init_params` returned (the
-    module may keep those arrays, e.g. as the frozen reference of a KL term), and
-    `StepInfo.previous_state` holds None for the fields the update donated.
+    The update donates what it replaces (`rlbolt.update_setup`): the optimizer state always, the
+    parameters in sync mode; the trainer trains its own copy of what `module.init_params` returned
+    (a module may keep those arrays), and `StepInfo.previous_state` holds None for the donated fields.
 
     Attributes:
       timeline: every stage call and update as start/end events (`rlbolt.timeline.Timeline`, written by TimelineLogger).
