@@ -157,6 +157,20 @@ class Restore:
     callback_states: Mapping[str, dict] | None = None
     weights: Mapping[int, tuple[Any, int]] = dataclasses.field(default_factory=dict)
 
+    def apply(self, callbacks: Any, weights: Any) -> Any:
+        """Loads every callback's state and publishes the retained weights, oldest first (a publish
+        prunes the keys older than its own minus the lag); returns the state to start from.
+
+        Args:
+          callbacks: the fit's `CallbackList` (its `load_state_dict`).
+          weights: the fit's `WeightStore` (its `publish`).
+        """
+        callbacks.load_state_dict(dict(self.callback_states or {}))
+        for k in sorted(self.weights):
+            params, version = self.weights[k]
+            weights.publish(k, params, version)
+        return self.state
+
 
 def total_steps(max_steps: int | None, max_prompts: int | None, prompts_per_step: int) -> int | None:
     """Steps a run will take: `max_steps`, else the prompts it may consume over `prompts_per_step`

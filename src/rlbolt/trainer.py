@@ -214,15 +214,11 @@ class Trainer:
         return state
 
     def _apply_restore(self, restore: Restore) -> TrainState:
-        """What an `on_restore` returned: every callback's state loaded, the retained weights published
-        (oldest first: a publish prunes keys older than k - lag; across groups a push: the start goes first)."""
-        self.callbacks.load_state_dict(dict(restore.callback_states or {}))
+        """What an `on_restore` returned, applied (`Restore.apply`); across groups each publish is a push,
+        so the rollout group is told where to start first."""
         if self.groups is not None:
             self.groups.send_start(restore.state.step, restore.state.data_position, host_value(restore.state.rng))
-        for k in sorted(restore.weights):
-            params, version = restore.weights[k]
-            self.weights.publish(k, params, version)
-        return restore.state
+        return restore.apply(self.callbacks, self.weights)
 
     def _producer(self, module: RLModule, state: TrainState) -> Producer:
         """The producer of the steps after `state`, whose weights it publishes (across groups: starting there too)."""
