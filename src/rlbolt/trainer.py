@@ -173,7 +173,8 @@ class Trainer:
             set_default_group(None)
 
     def _fit_training(self, module: RLModule, state: TrainState, signals) -> TrainState:
-        state = self._start(state)
+        state = self.callbacks.on_restore(self.run, state, apply=self._apply_restore)  # ModelCheckpoint resumes here
+        state = self.last_state = self.callbacks.on_fit_start(self.run, state)
         producer = self._producer(module, state)
         signals.defer()  # from here a signal ends the run at the next step boundary
         try:
@@ -206,12 +207,6 @@ class Trainer:
         if val_data is not None and len(val_data) > 0:
             callbacks.append(Evaluation.of_fit(val_data, every_n_steps=self.val_every_n_steps, at_start=self.val_at_start))
         return CallbackList(callbacks, legacy=self)
-
-    def _start(self, state: TrainState) -> TrainState:
-        """After `_setup`: the callbacks' `on_restore` (a resume) and `on_fit_start`."""
-        state = self.callbacks.on_restore(self.run, state, apply=self._apply_restore)  # ModelCheckpoint resumes here
-        state = self.last_state = self.callbacks.on_fit_start(self.run, state)
-        return state
 
     def _apply_restore(self, restore: Restore) -> TrainState:
         """What an `on_restore` returned, applied (`Restore.apply`); across groups each publish is a push,
