@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -153,24 +154,25 @@ class Trainer:
         """
         self.control = Control(self.validate)
         self.callbacks = self._callbacks_for(val_data)
-        with hold_run_dir(self), StopOnSignal(self) as signals:
-            return self._fit(module, train_data, val_data, signals)
-
-    def _fit(self, module: RLModule, train_data: Any, val_data: Sequence[dict] | None, signals) -> TrainState:
-        try:
+        with hold_run_dir(self), StopOnSignal(self) as signals, contextlib.ExitStack() as on_exit:
+            on_exit.callback(set_default_group, None)  # the process group a placement across processes set
             state = self._setup(module, train_data, val_data)
             if self.groups is not None and self.groups.role == "rollout":  # a rollout for each push; no callbacks
                 run_rollout_group(module, self.plan, self.source, self.groups, state.params,  # a resume's step, rng
                                   self.plans["rollout"].share, **self.groups.receive_start(),
                                   max_steps=self.max_steps, max_prompts=self._max_prompts(), lag=self.lag_steps)
                 return state  # its parameters live on the training group
-            try:
-                return self._fit_training(module, state, signals)
-            finally:
-                if self.groups is not None:
-                    self.groups.end()  # the rollout group's loop returns
-        finally:
-            set_default_group(None)
+            if self.groups is not None:
+                on_exit.callback(self.groups.end)  # the rollout group's loop returns
+            return self._fit_training(module, state, signals)
+
+    def _callbacks_for(self, val_data: Sequence[dict] | None) -> CallbackList:
+        """The fit's callbacks: the Trainer's, plus (given `val_data`) the `Evaluation` that is the fit's
+        validation (`val_every_n_steps`, `val_at_start`, after the last step), run after every other callback."""
+        callbacks = [cb for cb in self.callbacks if cb.state_key != FIT_VALIDATION]  # not a former fit's
+        if val_data is not None and len(val_data) > 0:
+            callbacks.append(Evaluation.of_fit(val_data, every_n_steps=self.val_every_n_steps, at_start=self.val_at_start))
+        return CallbackList(callbacks, legacy=self)
 
     def _fit_training(self, module: RLModule, state: TrainState, signals) -> TrainState:
         state = self.callbacks.on_restore(self.run, state, apply=self._apply_restore)  # ModelCheckpoint resumes here
@@ -199,14 +201,6 @@ class Trainer:
             raise
         self.callbacks.on_fit_end(self.run, state)
         return state
-
-    def _callbacks_for(self, val_data: Sequence[dict] | None) -> CallbackList:
-        """The fit's callbacks: the Trainer's, plus (given `val_data`) the `Evaluation` that is the fit's
-        validation (`val_every_n_steps`, `val_at_start`, after the last step), run after every other callback."""
-        callbacks = [cb for cb in self.callbacks if cb.state_key != FIT_VALIDATION]  # not a former fit's
-        if val_data is not None and len(val_data) > 0:
-            callbacks.append(Evaluation.of_fit(val_data, every_n_steps=self.val_every_n_steps, at_start=self.val_at_start))
-        return CallbackList(callbacks, legacy=self)
 
     def _apply_restore(self, restore: Restore) -> TrainState:
         """What an `on_restore` returned, applied (`Restore.apply`); across groups each publish is a push,
@@ -238,6 +232,23 @@ class Trainer:
                         previous_state=before.replace(**{name: None for name in self.donated}),
                         is_last=self.run.is_last_step(state.step, state.data_position))
         return state, self.callbacks.add_step_metrics(self.run, info)
+
+    def _train_on(self, state: TrainState, produced: ProducedStep) -> tuple[TrainState, dict[str, float], np.ndarray]:
+        """num_iterations passes of mini-batch updates over one global batch; returns the new state,
+        the update metrics (means over the updates, and time/update) and each trained sample's staleness."""
+        t0, began = time.perf_counter(), self.timeline.clock()
+        state = self.callbacks.on_update_start(self.run, state)
+        batch = produced.batch.numeric().to_host()  # every process holds the whole global batch
+        params, opt_state, version, metrics, staleness = run_updates(
+            self._update, batch, self.plan, self.sharding, state.params, state.opt_state, state.policy_version)
+        state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                              policy_version=version, data_position=produced.data_position)
+        self.last_state = state  # the state before the update was donated to it: save this one on an exception
+        state = self.callbacks.on_update_end(self.run, state)
+        metrics["time/update"] = time.perf_counter() - t0
+        self.timeline.record("update", produced.step, began, self.timeline.clock(), samples=produced.batch.num_samples,
+                             role=STAGE_ROLES["update"])
+        return state, metrics, staleness
 
     def _end_step(self, state: TrainState, info: StepInfo) -> bool:
         """After a step's update: `on_step_end` (validation when due), then False when the run stops here, else
@@ -286,23 +297,6 @@ class Trainer:
                            rng=self.sharding.place(jax.random.fold_in(rng, 1)))  # replicated: every process saves it
         self.last_state = state
         return state
-
-    def _train_on(self, state: TrainState, produced: ProducedStep) -> tuple[TrainState, dict[str, float], np.ndarray]:
-        """num_iterations passes of mini-batch updates over one global batch; returns the new state,
-        the update metrics (means over the updates, and time/update) and each trained sample's staleness."""
-        t0, began = time.perf_counter(), self.timeline.clock()
-        state = self.callbacks.on_update_start(self.run, state)
-        batch = produced.batch.numeric().to_host()  # every process holds the whole global batch
-        params, opt_state, version, metrics, staleness = run_updates(
-            self._update, batch, self.plan, self.sharding, state.params, state.opt_state, state.policy_version)
-        state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                              policy_version=version, data_position=produced.data_position)
-        self.last_state = state  # the state before the update was donated to it: save this one on an exception
-        state = self.callbacks.on_update_end(self.run, state)
-        metrics["time/update"] = time.perf_counter() - t0
-        self.timeline.record("update", produced.step, began, self.timeline.clock(), samples=produced.batch.num_samples,
-                             role=STAGE_ROLES["update"])
-        return state, metrics, staleness
 
     def validate(self, params: Any, val_data: Sequence[dict], step: int, *,
                  num_samples: int | None = None) -> dict[str, float]:
