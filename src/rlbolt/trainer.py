@@ -21,10 +21,10 @@ import numpy as np
 from rlbolt.callback import Callback, CallbackList
 from rlbolt.callbacks.evaluation import FIT_VALIDATION, Evaluation
 from rlbolt.data.source import PromptSource
-from rlbolt.distributed import any_process, host_value, layout
+from rlbolt.distributed import any_process, host_value
 from rlbolt.distributed.agree import set_default_group
 from rlbolt.distributed.placement import Placement
-from rlbolt.distributed.process_groups import ProcessGroups, join_placement
+from rlbolt.distributed.process_groups import ProcessGroups
 from rlbolt.distributed.sharding import ShardingPlan
 from rlbolt.fit_checks import MODES, check_fit, check_trainer_settings, lag_steps
 from rlbolt.module import RLModule
@@ -36,7 +36,7 @@ from rlbolt.state import StepInfo, TrainState
 from rlbolt.step_metrics import step_metrics
 from rlbolt.timeline import Timeline
 from rlbolt.train_batch import run_updates
-from rlbolt.update_setup import donated_fields, setup_update
+from rlbolt.fit_setup import donated_fields, first_state, init_module, place_roles, setup_update
 from rlbolt.utils.runlock import hold_run_dir
 from rlbolt.utils.step_beacon import record_step
 from rlbolt.validation import run_validation
@@ -86,7 +86,7 @@ class Trainer:
         them (float32 AdamW moments; the params are the masters' casts: `rlbolt.master_weights`);
         "none": the optimizer runs on the parameters in their own dtype.
 
-    The update donates what it replaces (`rlbolt.update_setup`): the optimizer state always, the
+    The update donates what it replaces (`rlbolt.fit_setup`): the optimizer state always, the
     parameters in sync mode; the trainer trains its own copy of what `module.init_params` returned
     (a module may keep those arrays), and `StepInfo.previous_state` holds None for the donated fields.
 
@@ -272,20 +272,15 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------
     def _setup(self, module: RLModule, train_data: Any, val_data: Sequence[dict] | None) -> TrainState:
+        """Everything the loop runs with, in the order it is built (`rlbolt.fit_setup`); returns step 0's state."""
         self.module = module
         self.plan = check_fit(self.plan, module, train_data, val_data, val_every_n_steps=self.val_every_n_steps,
                               val_at_start=self.val_at_start, callbacks=self.callbacks)
         self.source = train_data if isinstance(train_data, PromptSource) else PromptSource(train_data, shuffle=self.shuffle, seed=self.data_seed)
-        self.plans = self.placement.plans(self.mesh_spec)
-        self.sharding = self.plans["train"]
-        self.groups = join_placement(self.placement, self.plans, self.weights, mode=self.mode, plan=self.plan,
-                                     val_data=val_data, timeout_s=self.prefetch_timeout_s)
-        self.agree_with = None if self.groups is None else self.groups.mine
-        layout.check_batch_plan(self.plan, self.sharding, self.mode, reference=self.plans["reference"], across_groups=self.groups is not None)
-        module.context = context = SetupContext(plan=self.plan, seed=self.seed, mode=self.mode, shardings=self.plans)
-        module.setup(context)
-        rng = jax.random.PRNGKey(self.seed)
-        params = self.sharding.place(module.init_params(jax.random.fold_in(rng, 0)))
+        self.plans, self.groups = place_roles(self.placement, self.mesh_spec, self.weights, mode=self.mode, plan=self.plan,
+                                              val_data=val_data, timeout_s=self.prefetch_timeout_s)
+        self.sharding, self.agree_with = self.plans["train"], None if self.groups is None else self.groups.mine
+        params = init_module(module, SetupContext(plan=self.plan, seed=self.seed, mode=self.mode, shardings=self.plans))
         self.donated = donated_fields(self.lag_steps)
         self.run = self._run_info(module)  # after init_params: a module may build its model there
         built = setup_update(module, params, self.sharding, grad_accum_steps=self.plan.grad_accum_steps,
@@ -293,10 +288,8 @@ class Trainer:
                              wrap_optimizer=lambda tx: self.callbacks.wrap_optimizer(self.run, tx),
                              device_memory_bytes=self.device_memory_bytes)
         self.optimizer, self.memory_plan, self._update = built.optimizer, built.memory_plan, built.update
-        state = TrainState(step=0, params=built.params, opt_state=built.opt_state, policy_version=0, data_position=0,
-                           rng=self.sharding.place(jax.random.fold_in(rng, 1)))  # replicated: every process saves it
-        self.last_state = state
-        return state
+        self.last_state = first_state(built.params, built.opt_state, self.seed, self.sharding)
+        return self.last_state
 
     def validate(self, params: Any, val_data: Sequence[dict], step: int, *,
                  num_samples: int | None = None) -> dict[str, float]:
