@@ -160,7 +160,7 @@ class Trainer:
             if self.groups is not None and self.groups.role == "rollout":  # a rollout for each push; no callbacks
                 run_rollout_group(module, self.plan, self.source, self.groups, state.params,  # a resume's step, rng
                                   self.plans["rollout"].share, **self.groups.receive_start(),
-                                  max_steps=self.max_steps, max_prompts=self._max_prompts(), lag=self.lag_steps)
+                                  max_steps=self.max_steps, max_prompts=self.run.max_prompts, lag=self.lag_steps)
                 return state  # its parameters live on the training group
             if self.groups is not None:
                 on_exit.callback(self.groups.end)  # the rollout group's loop returns
@@ -215,7 +215,7 @@ class Trainer:
             self.groups.send_start(state.step, state.data_position, host_value(state.rng))
         self.weights.publish(state.step, state.params, state.policy_version)
         return Producer(module, self.plan, self.source, self.weights, host_value(state.rng), max_steps=self.max_steps,
-                        max_prompts=self._max_prompts(), timeline=self.timeline, share=self.sharding.share,
+                        max_prompts=self.run.max_prompts, timeline=self.timeline, share=self.sharding.share,
                         **remote_stages(self.groups, self.sharding.share))
 
     def _step(self, state: TrainState, produced, began: float) -> tuple[TrainState, StepInfo]:
@@ -311,7 +311,7 @@ class Trainer:
 
     def _run_info(self, module: RLModule) -> RunInfo:
         """The frozen description every callback hook receives (after the module's setup, so its card is built)."""
-        max_prompts = self._max_prompts()
+        max_prompts = None if self.max_epochs is None else self.max_epochs * len(self.source)
         settings = {"seed": self.seed, "data_seed": self.data_seed, "shuffle": self.shuffle, "mode": self.mode,
                     "max_staleness": self.max_staleness, "max_steps": self.max_steps, "max_epochs": self.max_epochs,
                     "val_every_n_steps": self.val_every_n_steps, "val_batch_size": self.val_batch_size}
@@ -327,7 +327,4 @@ class Trainer:
         """A stop that ends the wait for the next step at once; with several processes a stop waits
         for the step boundary, where every process agrees on it (`any_process`)."""
         return self.should_stop and jax.process_count() == 1
-
-    def _max_prompts(self) -> int | None:
-        return None if self.max_epochs is None else self.max_epochs * len(self.source)
 
