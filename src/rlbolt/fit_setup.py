@@ -1,9 +1,11 @@
 """What `Trainer.fit` builds before its first step, in the order it builds it. Each function takes
 what it needs and returns what the Trainer keeps:
 
+    fit_callbacks  the Trainer's callbacks, a former fit's own validation replaced by this fit's
     place_roles    role -> ShardingPlan, this process's groups across processes (joined and wired to
                    the WeightStore), and every batch size checked against them
     init_module    module.setup(context), then its parameters from `param_key(seed)`, placed
+    describe_run   the RunInfo every callback hook receives (after init_params: the module's card)
     setup_update   the optimizer (configure_optimizers -> the callbacks' wrap_optimizer -> float32
                    masters for bfloat16 params), its state born sharded, the memory plan (logged and
                    checked before anything compiles), the jitted update donating what it replaces
@@ -16,18 +18,40 @@ published before the update.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 
 from rlbolt import master_weights as masters
+from rlbolt.callback import Callback, CallbackList
+from rlbolt.callbacks.evaluation import FIT_VALIDATION, Evaluation
 from rlbolt.distributed import layout
 from rlbolt.distributed.process_groups import ProcessGroups, join_placement
 from rlbolt.distributed.sharding import ShardingPlan
+from rlbolt.run_info import Control, RunInfo, total_steps
 from rlbolt.setup_context import SetupContext
 from rlbolt.state import TrainState
 from rlbolt.update import make_update_fn
+
+
+def fit_callbacks(callbacks: Iterable[Callback], val_data: Sequence[dict] | None, *, every_n_steps: int | None,
+                  at_start: bool, legacy: Any) -> CallbackList:
+    """A fit's callbacks: `callbacks` without a former fit's own validation, plus (given rows in
+    `val_data`) this fit's `Evaluation.of_fit` (every n steps, at the start, after the last step),
+    which runs after every other callback.
+
+    Args:
+      callbacks: the Trainer's callbacks.
+      val_data: the fit's validation rows, or None.
+      every_n_steps: the Trainer's `val_every_n_steps`.
+      at_start: the Trainer's `val_at_start`.
+      legacy: what an old-signature hook receives (the Trainer; see `CallbackList`).
+    """
+    kept = [cb for cb in callbacks if cb.state_key != FIT_VALIDATION]  # not a former fit's
+    if val_data is not None and len(val_data) > 0:
+        kept.append(Evaluation.of_fit(val_data, every_n_steps=every_n_steps, at_start=at_start))
+    return CallbackList(kept, legacy=legacy)
 
 
 def place_roles(placement: Any, mesh: Any, weights: Any, *, mode: str, plan: Any, val_data: Any,
@@ -63,6 +87,34 @@ def init_module(module: Any, context: SetupContext) -> Any:
     module.context = context
     module.setup(context)
     return context.shardings["train"].place(module.init_params(param_key(context.seed)))
+
+
+def describe_run(module: Any, plan: Any, source: Any, callbacks: CallbackList, weights: Any, *,
+                 settings: Mapping[str, Any], run_dir: Any, lag_steps: int, donated: tuple[str, ...],
+                 control: Control, timeline: Any) -> RunInfo:
+    """The RunInfo every callback hook receives (built after the module's setup: its card is built).
+
+    Args:
+      module: the RLModule, set up.
+      plan: the checked BatchPlan.
+      source: the PromptSource (`max_epochs` of it bound the prompts the run may consume).
+      callbacks: the fit's CallbackList (the RunInfo lists them and reads their states).
+      weights: the fit's WeightStore (its retained weights are checkpointed).
+      settings: the Trainer's settings as a checkpoint and a dashboard record them (`mode`,
+        `max_steps`, `max_epochs` among them).
+      run_dir: where callbacks write.
+      lag_steps: how many steps the producer runs ahead of training.
+      donated: the TrainState fields each update donates (`donated_fields`).
+      control: the fit's Control.
+      timeline: the fit's `rlbolt.timeline.Timeline`.
+    """
+    max_steps, max_epochs = settings["max_steps"], settings["max_epochs"]
+    max_prompts = None if max_epochs is None else max_epochs * len(source)
+    return RunInfo(run_dir=run_dir, plan=plan, mode=settings["mode"], lag_steps=lag_steps, max_steps=max_steps,
+                   max_epochs=max_epochs, total_steps=total_steps(max_steps, max_prompts, plan.prompts_per_step),
+                   max_prompts=max_prompts, is_main_process=jax.process_index() == 0, card=module.card(),
+                   module=module, settings=dict(settings), donated=donated, control=control, timeline=timeline,
+                   callbacks=tuple(callbacks), retained_weights=weights.retained, callback_states=callbacks.state_dict)
 
 
 class UpdateSetup(NamedTuple):
@@ -139,4 +191,5 @@ def first_state(params: Any, opt_state: Any, seed: int, sharding: ShardingPlan) 
                       rng=sharding.place(jax.random.fold_in(jax.random.PRNGKey(seed), 1)))
 
 
-__all__ = ["UpdateSetup", "donated_fields", "first_state", "init_module", "param_key", "place_roles", "setup_update"]
+__all__ = ["UpdateSetup", "describe_run", "donated_fields", "first_state", "fit_callbacks", "init_module", "param_key",
+           "place_roles", "setup_update"]

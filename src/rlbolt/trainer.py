@@ -19,7 +19,6 @@ import jax
 import numpy as np
 
 from rlbolt.callback import Callback, CallbackList
-from rlbolt.callbacks.evaluation import FIT_VALIDATION, Evaluation
 from rlbolt.data.source import PromptSource
 from rlbolt.distributed import any_process, host_value
 from rlbolt.distributed.agree import set_default_group
@@ -36,13 +35,13 @@ from rlbolt.state import StepInfo, TrainState
 from rlbolt.step_metrics import step_metrics
 from rlbolt.timeline import Timeline
 from rlbolt.train_batch import run_updates
-from rlbolt.fit_setup import donated_fields, first_state, init_module, place_roles, setup_update
+from rlbolt.fit_setup import describe_run, donated_fields, first_state, fit_callbacks, init_module, place_roles, setup_update
 from rlbolt.utils.runlock import hold_run_dir
 from rlbolt.utils.step_beacon import record_step
 from rlbolt.validation import run_validation
 from rlbolt.producer.weights import WeightStore
 from rlbolt.producer.remote_rollout import remote_stages, run_rollout_group
-from rlbolt.run_info import Control, ControlField, Restore, RunInfo, total_steps
+from rlbolt.run_info import Control, ControlField, Restore, RunInfo
 
 __all__ = ["MODES", "Trainer"]  # MODES (now fit_checks') stays importable from here
 
@@ -153,7 +152,8 @@ class Trainer:
         `stop_signal` are set, `on_fit_end` saves and flushes, and the step's state is returned.
         """
         self.control = Control(self.validate)
-        self.callbacks = self._callbacks_for(val_data)
+        self.callbacks = fit_callbacks(self.callbacks, val_data, every_n_steps=self.val_every_n_steps,
+                                       at_start=self.val_at_start, legacy=self)
         with hold_run_dir(self), StopOnSignal(self) as signals, contextlib.ExitStack() as on_exit:
             on_exit.callback(set_default_group, None)  # the process group a placement across processes set
             state = self._setup(module, train_data, val_data)
@@ -165,14 +165,6 @@ class Trainer:
             if self.groups is not None:
                 on_exit.callback(self.groups.end)  # the rollout group's loop returns
             return self._fit_training(module, state, signals)
-
-    def _callbacks_for(self, val_data: Sequence[dict] | None) -> CallbackList:
-        """The fit's callbacks: the Trainer's, plus (given `val_data`) the `Evaluation` that is the fit's
-        validation (`val_every_n_steps`, `val_at_start`, after the last step), run after every other callback."""
-        callbacks = [cb for cb in self.callbacks if cb.state_key != FIT_VALIDATION]  # not a former fit's
-        if val_data is not None and len(val_data) > 0:
-            callbacks.append(Evaluation.of_fit(val_data, every_n_steps=self.val_every_n_steps, at_start=self.val_at_start))
-        return CallbackList(callbacks, legacy=self)
 
     def _fit_training(self, module: RLModule, state: TrainState, signals) -> TrainState:
         state = self.callbacks.on_restore(self.run, state, apply=self._apply_restore)  # ModelCheckpoint resumes here
@@ -282,7 +274,9 @@ class Trainer:
         self.sharding, self.agree_with = self.plans["train"], None if self.groups is None else self.groups.mine
         params = init_module(module, SetupContext(plan=self.plan, seed=self.seed, mode=self.mode, shardings=self.plans))
         self.donated = donated_fields(self.lag_steps)
-        self.run = self._run_info(module)  # after init_params: a module may build its model there
+        self.run = describe_run(module, self.plan, self.source, self.callbacks, self.weights, settings=self._settings(),
+                                run_dir=self.run_dir, lag_steps=self.lag_steps, donated=self.donated,
+                                control=self.control, timeline=self.timeline)  # after init_params: the module's card
         built = setup_update(module, params, self.sharding, grad_accum_steps=self.plan.grad_accum_steps,
                              donate=self.donated, master_weights=self.master_weights,
                              wrap_optimizer=lambda tx: self.callbacks.wrap_optimizer(self.run, tx),
@@ -309,19 +303,11 @@ class Trainer:
         self.callbacks.on_validation_end(self.run, step, metrics)
         return metrics
 
-    def _run_info(self, module: RLModule) -> RunInfo:
-        """The frozen description every callback hook receives (after the module's setup, so its card is built)."""
-        max_prompts = None if self.max_epochs is None else self.max_epochs * len(self.source)
-        settings = {"seed": self.seed, "data_seed": self.data_seed, "shuffle": self.shuffle, "mode": self.mode,
-                    "max_staleness": self.max_staleness, "max_steps": self.max_steps, "max_epochs": self.max_epochs,
-                    "val_every_n_steps": self.val_every_n_steps, "val_batch_size": self.val_batch_size}
-        return RunInfo(run_dir=self.run_dir, plan=self.plan, mode=self.mode, lag_steps=self.lag_steps,
-                       max_steps=self.max_steps, max_epochs=self.max_epochs,
-                       total_steps=total_steps(self.max_steps, max_prompts, self.plan.prompts_per_step),
-                       max_prompts=max_prompts, is_main_process=self.is_main_process, card=module.card(),
-                       module=module, settings=settings, donated=self.donated, control=self.control,
-                       timeline=self.timeline, callbacks=tuple(self.callbacks), retained_weights=self.weights.retained,
-                       callback_states=self.callbacks.state_dict)
+    def _settings(self) -> dict[str, Any]:
+        """The Trainer's settings as a checkpoint and a dashboard record them (`RunInfo.settings`)."""
+        return {"seed": self.seed, "data_seed": self.data_seed, "shuffle": self.shuffle, "mode": self.mode,
+                "max_staleness": self.max_staleness, "max_steps": self.max_steps, "max_epochs": self.max_epochs,
+                "val_every_n_steps": self.val_every_n_steps, "val_batch_size": self.val_batch_size}
 
     def _stop_while_waiting(self) -> bool:
         """A stop that ends the wait for the next step at once; with several processes a stop waits
