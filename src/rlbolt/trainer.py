@@ -26,6 +26,7 @@ from rlbolt.distributed.placement import Placement
 from rlbolt.distributed.process_groups import ProcessGroups
 from rlbolt.distributed.sharding import ShardingPlan
 from rlbolt.fit_checks import MODES, check_fit, check_trainer_settings, lag_steps
+from rlbolt.fit_setup import describe_run, donated_fields, first_state, fit_callbacks, init_module, place_roles, setup_update
 from rlbolt.module import RLModule
 from rlbolt.plan import BatchPlan
 from rlbolt.producer import STAGE_ROLES, ProducedStep, Producer
@@ -35,7 +36,6 @@ from rlbolt.state import StepInfo, TrainState
 from rlbolt.step_metrics import step_metrics
 from rlbolt.timeline import Timeline
 from rlbolt.train_batch import run_updates
-from rlbolt.fit_setup import describe_run, donated_fields, first_state, fit_callbacks, init_module, place_roles, setup_update
 from rlbolt.utils.runlock import hold_run_dir
 from rlbolt.utils.step_beacon import record_step
 from rlbolt.validation import run_validation
