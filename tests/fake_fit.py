@@ -27,10 +27,7 @@ class FakeFit:
         return self.callbacks.on_restore(self.run, state, apply=self.apply)
 
     def apply(self, restore: Restore):
-        self.callbacks.load_state_dict(dict(restore.callback_states or {}))
-        for k in sorted(restore.weights):
-            self.weights.publish(k, *restore.weights[k])
-        return restore.state
+        return restore.apply(self.callbacks, self.weights)
 
     def restore_with(self, callback, state):
         """`callback.on_restore` (a callback outside `callbacks` too), applied as fit does: the state

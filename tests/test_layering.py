@@ -17,7 +17,7 @@ CALLBACKS = ROOT.parents[1] / "callbacks"
 # Nothing below the application layer (app, planning, demo) may import app or demo.
 BELOW_APP = ("rlbolt.agents", "rlbolt.modules", "rlbolt.algorithms", "rlbolt.rollout", "rlbolt.models", "rlbolt.config",
              "rlbolt.checkpointing", "rlbolt.producer", "rlbolt.trainer", "rlbolt.module", "rlbolt.callback",
-             "rlbolt.state", "rlbolt.batch", "rlbolt.plan", "rlbolt.update", "rlbolt.master_weights", "rlbolt.validation", "rlbolt.fit_checks",
+             "rlbolt.state", "rlbolt.batch", "rlbolt.plan", "rlbolt.update", "rlbolt.fit_setup", "rlbolt.master_weights", "rlbolt.validation", "rlbolt.fit_checks",
              "rlbolt.step_metrics", "rlbolt.setup_context", "rlbolt.signals", "rlbolt.timeline", "rlbolt.data",
              "rlbolt.rewards", "rlbolt.distributed", "rlbolt.loggers", "rlbolt.utils", "rlbolt.callbacks")
 

@@ -19,6 +19,7 @@ Layout (a test keeps this list complete):
     the loop's own parts
       producer/        the stage threads around the ExperienceDock, the weight store
       update           the jitted update (gradient accumulation + optimizer step)
+      fit_setup        what fit builds before its first step: callbacks, roles, module, RunInfo, update
       master_weights   float32 master weights behind bfloat16 params (model.master_weights)
       train_batch      one global batch's updates (iterations x mini batches, one host sync)
       validation       Trainer.validate's loop (the Evaluation callback decides when it runs)

@@ -1,4 +1,7 @@
-"""What `Trainer.fit` refuses before it builds a model or compiles anything.
+"""What the Trainer refuses before it builds a model or compiles anything.
+
+`check_trainer_settings` runs in the constructor (settings of the wrong kind or out of range);
+`check_fit` runs first in `fit`.
 
 Each check stops a run that would otherwise train silently wrong: micro batches that split
 the groups a module computes statistics over, an algorithm that cannot learn with the plan
@@ -13,6 +16,38 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlbolt.plan import BatchPlan
+
+MODES = ("sync", "async")
+
+
+def check_trainer_settings(plan: Any, *, mode: str, master_weights: str, max_steps: int | None,
+                           max_epochs: int | None, val_every_n_steps: int | None) -> None:
+    """Checks the Trainer's constructor arguments that need no module or data.
+
+    Args:
+      plan: the batch plan (a `BatchPlan`).
+      mode: one of `MODES`.
+      master_weights: one of `rlbolt.master_weights.MODES`.
+      max_steps: a positive integer or None.
+      max_epochs: a positive integer or None.
+      val_every_n_steps: a positive integer or None.
+
+    Raises:
+      TypeError: `plan` is not a BatchPlan.
+      ValueError: a limit that is not a positive integer, or an unknown `mode` or `master_weights`.
+    """
+    if not isinstance(plan, BatchPlan):
+        raise TypeError(f"plan must be a BatchPlan, got {type(plan).__name__}")
+    for name, value in (("max_steps", max_steps), ("max_epochs", max_epochs), ("val_every_n_steps", val_every_n_steps)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name}={value!r} must be a positive integer or None")
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}; allowed: {MODES}")
+    from rlbolt import master_weights as masters  # here: importing this module needs no JAX
+
+    if master_weights not in masters.MODES:
+        raise ValueError(f"master_weights={master_weights!r}; allowed: {masters.MODES} "
+                         "(auto: float32 master weights for bfloat16 params)")
 
 
 def check_fit(plan: BatchPlan, module: Any, train_data: Any, val_data: Sequence | None, *,

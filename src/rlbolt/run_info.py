@@ -34,8 +34,15 @@ class Control:
 
     @property
     def stop_requested(self) -> bool:
-        """Whether a callback or a signal asked the run to stop after the current step."""
+        """Whether a callback or a signal asked the run to stop after the current step (setting it
+        True is `request_stop()`; a stop cannot be taken back: each fit gets a fresh Control)."""
         return self._stop
+
+    @stop_requested.setter
+    def stop_requested(self, value: bool) -> None:
+        if not value:
+            raise ValueError("a stop cannot be taken back; fit starts each run with a fresh Control")
+        self.request_stop()
 
     def validate(self, params: Any, rows: Sequence[dict], step: int, *,
                  num_samples: int | None = None) -> dict[str, float]:
@@ -54,6 +61,28 @@ class Control:
         if self._validate is None:
             raise RuntimeError("this run cannot validate (its Control was built without a validate function)")
         return self._validate(params, rows, step, num_samples=num_samples)
+
+
+class ControlField:
+    """An attribute that lives on its owner's `control` (a `Control`): the Trainer's `should_stop`
+    (`Control.stop_requested`), `interrupted` and `stop_signal`, kept on the run's Control (a fresh
+    one each fit) so the Trainer, the signal handler and the callbacks read one value.
+
+    Args:
+      name: the Control's attribute (None: the same name as this one's).
+    """
+
+    def __init__(self, name: str | None = None):
+        self.name = name
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = self.name or name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(obj.control, self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(obj.control, self.name, value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +156,20 @@ class Restore:
     state: Any
     callback_states: Mapping[str, dict] | None = None
     weights: Mapping[int, tuple[Any, int]] = dataclasses.field(default_factory=dict)
+
+    def apply(self, callbacks: Any, weights: Any) -> Any:
+        """Loads every callback's state and publishes the retained weights, oldest first (a publish
+        prunes the keys older than its own minus the lag); returns the state to start from.
+
+        Args:
+          callbacks: the fit's `CallbackList` (its `load_state_dict`).
+          weights: the fit's `WeightStore` (its `publish`).
+        """
+        callbacks.load_state_dict(dict(self.callback_states or {}))
+        for k in sorted(self.weights):
+            params, version = self.weights[k]
+            weights.publish(k, params, version)
+        return self.state
 
 
 def total_steps(max_steps: int | None, max_prompts: int | None, prompts_per_step: int) -> int | None:

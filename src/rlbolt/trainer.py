@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,16 +18,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from rlbolt import master_weights as masters
 from rlbolt.callback import Callback, CallbackList
-from rlbolt.callbacks.evaluation import FIT_VALIDATION, Evaluation
 from rlbolt.data.source import PromptSource
-from rlbolt.distributed import any_process, host_value, layout
+from rlbolt.distributed import any_process, host_value
 from rlbolt.distributed.agree import set_default_group
 from rlbolt.distributed.placement import Placement
-from rlbolt.distributed.process_groups import ProcessGroups, join_placement
+from rlbolt.distributed.process_groups import ProcessGroups
 from rlbolt.distributed.sharding import ShardingPlan
-from rlbolt.fit_checks import check_fit, lag_steps
+from rlbolt.fit_checks import MODES, check_fit, check_trainer_settings, lag_steps
+from rlbolt.fit_setup import describe_run, donated_fields, first_state, fit_callbacks, init_module, place_roles, setup_update
 from rlbolt.module import RLModule
 from rlbolt.plan import BatchPlan
 from rlbolt.producer import STAGE_ROLES, ProducedStep, Producer
@@ -36,15 +36,14 @@ from rlbolt.state import StepInfo, TrainState
 from rlbolt.step_metrics import step_metrics
 from rlbolt.timeline import Timeline
 from rlbolt.train_batch import run_updates
-from rlbolt.update import make_update_fn
 from rlbolt.utils.runlock import hold_run_dir
 from rlbolt.utils.step_beacon import record_step
 from rlbolt.validation import run_validation
 from rlbolt.producer.weights import WeightStore
 from rlbolt.producer.remote_rollout import remote_stages, run_rollout_group
-from rlbolt.run_info import Control, Restore, RunInfo, total_steps
+from rlbolt.run_info import Control, ControlField, Restore, RunInfo
 
-MODES = ("sync", "async")
+__all__ = ["MODES", "Trainer"]  # MODES (now fit_checks') stays importable from here
 
 
 class Trainer:
@@ -86,11 +85,9 @@ class Trainer:
         them (float32 AdamW moments; the params are the masters' casts: `rlbolt.master_weights`);
         "none": the optimizer runs on the parameters in their own dtype.
 
-    The update donates what it replaces (`rlbolt.update`): the optimizer state always, and the
-    parameters in sync mode (async mode's producer still reads published parameters while later
-    ones train). The trainer trains its own copy of what `module.init_params` returned (the
-    module may keep those arrays, e.g. as the frozen reference of a KL term), and
-    `StepInfo.previous_state` holds None for the fields the update donated.
+    The update donates what it replaces (`rlbolt.fit_setup`): the optimizer state always, the
+    parameters in sync mode; the trainer trains its own copy of what `module.init_params` returned
+    (a module may keep those arrays), and `StepInfo.previous_state` holds None for the donated fields.
 
     Attributes:
       timeline: every stage call and update as start/end events (`rlbolt.timeline.Timeline`, written by TimelineLogger).
@@ -103,16 +100,8 @@ class Trainer:
                  run_dir: str | Path | None = None, prefetch_timeout_s: float | None = None,
                  mesh: Any = None, device_memory_bytes: int | None = None, placement: Any = "colocated",
                  master_weights: str = "auto"):
-        if not isinstance(plan, BatchPlan):
-            raise TypeError(f"plan must be a BatchPlan, got {type(plan).__name__}")
-        for name, value in (("max_steps", max_steps), ("max_epochs", max_epochs), ("val_every_n_steps", val_every_n_steps)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name}={value!r} must be a positive integer or None")
-        if mode not in MODES:
-            raise ValueError(f"mode={mode!r}; allowed: {MODES}")
-        if master_weights not in masters.MODES:
-            raise ValueError(f"master_weights={master_weights!r}; allowed: {masters.MODES} "
-                             "(auto: float32 master weights for bfloat16 params)")
+        check_trainer_settings(plan, mode=mode, master_weights=master_weights, max_steps=max_steps,
+                               max_epochs=max_epochs, val_every_n_steps=val_every_n_steps)
         self.master_weights = master_weights
         self.donated: tuple[str, ...] = ()  # the TrainState fields each update donates (set in fit)
         self.plan, self.max_steps, self.seed = plan, max_steps, seed
@@ -141,35 +130,13 @@ class Trainer:
     def is_main_process(self) -> bool:
         return jax.process_index() == 0
 
-    @property
-    def should_stop(self) -> bool:
-        """THE stop flag (`Control.stop_requested`): a callback (`run.control.request_stop()`) or a
-        signal set it; fit ends after the current step."""
-        return self.control.stop_requested
-
-    @should_stop.setter
-    def should_stop(self, value: bool) -> None:  # a signal, or a callback of the old signature
-        if not value:
-            raise ValueError("a stop cannot be taken back; fit starts each run with a fresh Control")
-        self.control.request_stop()
-
-    @property
-    def interrupted(self) -> bool:
-        """Whether the last fit was stopped by SIGINT/SIGTERM or a KeyboardInterrupt."""
-        return self.control.interrupted
-
-    @interrupted.setter
-    def interrupted(self, value: bool) -> None:
-        self.control.interrupted = value
-
-    @property
-    def stop_signal(self) -> int | None:
-        """The signal that stopped the last fit (None: none)."""
-        return self.control.stop_signal
-
-    @stop_signal.setter
-    def stop_signal(self, value: int | None) -> None:
-        self.control.stop_signal = value
+    should_stop = ControlField("stop_requested")
+    """THE stop flag (`Control.stop_requested`): a callback (`run.control.request_stop()`) or a signal sets
+    it; fit ends after the current step. Setting it False raises (a stop cannot be taken back)."""
+    interrupted = ControlField()
+    """Whether the last fit was stopped by SIGINT/SIGTERM or a KeyboardInterrupt."""
+    stop_signal = ControlField()
+    """The signal that stopped the last fit (None: none)."""
 
     def sharding_for(self, role: str) -> ShardingPlan:
         """The ShardingPlan of a role ("train", "rollout", "reference", "teacher"): the trainer's mesh for
@@ -185,28 +152,23 @@ class Trainer:
         `stop_signal` are set, `on_fit_end` saves and flushes, and the step's state is returned.
         """
         self.control = Control(self.validate)
-        self.callbacks = self._callbacks_for(val_data)
-        with hold_run_dir(self), StopOnSignal(self) as signals:
-            return self._fit(module, train_data, val_data, signals)
-
-    def _fit(self, module: RLModule, train_data: Any, val_data: Sequence[dict] | None, signals) -> TrainState:
-        try:
+        self.callbacks = fit_callbacks(self.callbacks, val_data, every_n_steps=self.val_every_n_steps,
+                                       at_start=self.val_at_start, legacy=self)
+        with hold_run_dir(self), StopOnSignal(self) as signals, contextlib.ExitStack() as on_exit:
+            on_exit.callback(set_default_group, None)  # the process group a placement across processes set
             state = self._setup(module, train_data, val_data)
             if self.groups is not None and self.groups.role == "rollout":  # a rollout for each push; no callbacks
                 run_rollout_group(module, self.plan, self.source, self.groups, state.params,  # a resume's step, rng
                                   self.plans["rollout"].share, **self.groups.receive_start(),
-                                  max_steps=self.max_steps, max_prompts=self._max_prompts(), lag=self.lag_steps)
+                                  max_steps=self.max_steps, max_prompts=self.run.max_prompts, lag=self.lag_steps)
                 return state  # its parameters live on the training group
-            try:
-                return self._fit_training(module, state, signals)
-            finally:
-                if self.groups is not None:
-                    self.groups.end()  # the rollout group's loop returns
-        finally:
-            set_default_group(None)
+            if self.groups is not None:
+                on_exit.callback(self.groups.end)  # the rollout group's loop returns
+            return self._fit_training(module, state, signals)
 
     def _fit_training(self, module: RLModule, state: TrainState, signals) -> TrainState:
-        state = self._start(state)
+        state = self.callbacks.on_restore(self.run, state, apply=self._apply_restore)  # ModelCheckpoint resumes here
+        state = self.last_state = self.callbacks.on_fit_start(self.run, state)
         producer = self._producer(module, state)
         signals.defer()  # from here a signal ends the run at the next step boundary
         try:
@@ -232,30 +194,12 @@ class Trainer:
         self.callbacks.on_fit_end(self.run, state)
         return state
 
-    def _callbacks_for(self, val_data: Sequence[dict] | None) -> CallbackList:
-        """The fit's callbacks: the Trainer's, plus (given `val_data`) the `Evaluation` that is the fit's
-        validation (`val_every_n_steps`, `val_at_start`, after the last step), run after every other callback."""
-        callbacks = [cb for cb in self.callbacks if cb.state_key != FIT_VALIDATION]  # not a former fit's
-        if val_data is not None and len(val_data) > 0:
-            callbacks.append(Evaluation.of_fit(val_data, every_n_steps=self.val_every_n_steps, at_start=self.val_at_start))
-        return CallbackList(callbacks, legacy=self)
-
-    def _start(self, state: TrainState) -> TrainState:
-        """After `_setup`: the callbacks' `on_restore` (a resume) and `on_fit_start`."""
-        state = self.callbacks.on_restore(self.run, state, apply=self._apply_restore)  # ModelCheckpoint resumes here
-        state = self.last_state = self.callbacks.on_fit_start(self.run, state)
-        return state
-
     def _apply_restore(self, restore: Restore) -> TrainState:
-        """What an `on_restore` returned: every callback's state loaded, the retained weights published
-        (oldest first: a publish prunes keys older than k - lag; across groups a push: the start goes first)."""
-        self.callbacks.load_state_dict(dict(restore.callback_states or {}))
+        """What an `on_restore` returned, applied (`Restore.apply`); across groups each publish is a push,
+        so the rollout group is told where to start first."""
         if self.groups is not None:
             self.groups.send_start(restore.state.step, restore.state.data_position, host_value(restore.state.rng))
-        for k in sorted(restore.weights):
-            params, version = restore.weights[k]
-            self.weights.publish(k, params, version)
-        return restore.state
+        return restore.apply(self.callbacks, self.weights)
 
     def _producer(self, module: RLModule, state: TrainState) -> Producer:
         """The producer of the steps after `state`, whose weights it publishes (across groups: starting there too)."""
@@ -263,7 +207,7 @@ class Trainer:
             self.groups.send_start(state.step, state.data_position, host_value(state.rng))
         self.weights.publish(state.step, state.params, state.policy_version)
         return Producer(module, self.plan, self.source, self.weights, host_value(state.rng), max_steps=self.max_steps,
-                        max_prompts=self._max_prompts(), timeline=self.timeline, share=self.sharding.share,
+                        max_prompts=self.run.max_prompts, timeline=self.timeline, share=self.sharding.share,
                         **remote_stages(self.groups, self.sharding.share))
 
     def _step(self, state: TrainState, produced, began: float) -> tuple[TrainState, StepInfo]:
@@ -280,6 +224,23 @@ class Trainer:
                         previous_state=before.replace(**{name: None for name in self.donated}),
                         is_last=self.run.is_last_step(state.step, state.data_position))
         return state, self.callbacks.add_step_metrics(self.run, info)
+
+    def _train_on(self, state: TrainState, produced: ProducedStep) -> tuple[TrainState, dict[str, float], np.ndarray]:
+        """num_iterations passes of mini-batch updates over one global batch; returns the new state,
+        the update metrics (means over the updates, and time/update) and each trained sample's staleness."""
+        t0, began = time.perf_counter(), self.timeline.clock()
+        state = self.callbacks.on_update_start(self.run, state)
+        batch = produced.batch.numeric().to_host()  # every process holds the whole global batch
+        params, opt_state, version, metrics, staleness = run_updates(
+            self._update, batch, self.plan, self.sharding, state.params, state.opt_state, state.policy_version)
+        state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                              policy_version=version, data_position=produced.data_position)
+        self.last_state = state  # the state before the update was donated to it: save this one on an exception
+        state = self.callbacks.on_update_end(self.run, state)
+        metrics["time/update"] = time.perf_counter() - t0
+        self.timeline.record("update", produced.step, began, self.timeline.clock(), samples=produced.batch.num_samples,
+                             role=STAGE_ROLES["update"])
+        return state, metrics, staleness
 
     def _end_step(self, state: TrainState, info: StepInfo) -> bool:
         """After a step's update: `on_step_end` (validation when due), then False when the run stops here, else
@@ -303,55 +264,26 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------
     def _setup(self, module: RLModule, train_data: Any, val_data: Sequence[dict] | None) -> TrainState:
+        """Everything the loop runs with, in the order it is built (`rlbolt.fit_setup`); returns step 0's state."""
         self.module = module
         self.plan = check_fit(self.plan, module, train_data, val_data, val_every_n_steps=self.val_every_n_steps,
                               val_at_start=self.val_at_start, callbacks=self.callbacks)
         self.source = train_data if isinstance(train_data, PromptSource) else PromptSource(train_data, shuffle=self.shuffle, seed=self.data_seed)
-        self.plans = self.placement.plans(self.mesh_spec)
-        self.sharding = self.plans["train"]
-        self.groups = join_placement(self.placement, self.plans, self.weights, mode=self.mode, plan=self.plan,
-                                     val_data=val_data, timeout_s=self.prefetch_timeout_s)
-        self.agree_with = None if self.groups is None else self.groups.mine
-        layout.check_batch_plan(self.plan, self.sharding, self.mode, reference=self.plans["reference"], across_groups=self.groups is not None)
-        module.context = context = SetupContext(plan=self.plan, seed=self.seed, mode=self.mode, shardings=self.plans)
-        module.setup(context)
-        rng = jax.random.PRNGKey(self.seed)
-        params = self.sharding.place(module.init_params(jax.random.fold_in(rng, 0)))
-        # Sync mode donates the params to each update; async mode's producer may still read them.
-        self.donated = ("params", "opt_state") if self.lag_steps == 0 else ("opt_state",)
-        self.run = self._run_info(module)  # after init_params: a module may build its model there
-        if "params" in self.donated:  # the module may keep init_params' arrays (the KL reference does)
-            params = jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, params)
-        self.optimizer = module.configure_optimizers()
-        self.optimizer = self.callbacks.wrap_optimizer(self.run, self.optimizer)  # e.g. NaNGuard(action="skip")
-        self.optimizer = masters.wrap(self.optimizer, params, self.master_weights)  # float32 masters for bf16
-        opt_state = layout.init_optimizer(self.optimizer, params, self.sharding)
-        self.memory_plan = layout.memory_plan(module.memory_plan(self.sharding), params, opt_state, self.sharding,
-                                                 device_bytes=self.device_memory_bytes)  # before anything compiles
-        self._update = make_update_fn(module.training_step, self.optimizer, self.plan.grad_accum_steps,
-                                      frozen=module.frozen_params(), with_frozen=module.with_frozen,
-                                      sharding=self.sharding, params=params, opt_state=opt_state, donate=self.donated)
-        state = TrainState(step=0, params=params, opt_state=opt_state, policy_version=0, data_position=0,
-                           rng=self.sharding.place(jax.random.fold_in(rng, 1)))  # replicated: every process saves it
-        self.last_state = state
-        return state
-
-    def _train_on(self, state: TrainState, produced: ProducedStep) -> tuple[TrainState, dict[str, float], np.ndarray]:
-        """num_iterations passes of mini-batch updates over one global batch; returns the new state,
-        the update metrics (means over the updates, and time/update) and each trained sample's staleness."""
-        t0, began = time.perf_counter(), self.timeline.clock()
-        state = self.callbacks.on_update_start(self.run, state)
-        batch = produced.batch.numeric().to_host()  # every process holds the whole global batch
-        params, opt_state, version, metrics, staleness = run_updates(
-            self._update, batch, self.plan, self.sharding, state.params, state.opt_state, state.policy_version)
-        state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                              policy_version=version, data_position=produced.data_position)
-        self.last_state = state  # the state before the update was donated to it: save this one on an exception
-        state = self.callbacks.on_update_end(self.run, state)
-        metrics["time/update"] = time.perf_counter() - t0
-        self.timeline.record("update", produced.step, began, self.timeline.clock(), samples=produced.batch.num_samples,
-                             role=STAGE_ROLES["update"])
-        return state, metrics, staleness
+        self.plans, self.groups = place_roles(self.placement, self.mesh_spec, self.weights, mode=self.mode, plan=self.plan,
+                                              val_data=val_data, timeout_s=self.prefetch_timeout_s)
+        self.sharding, self.agree_with = self.plans["train"], None if self.groups is None else self.groups.mine
+        params = init_module(module, SetupContext(plan=self.plan, seed=self.seed, mode=self.mode, shardings=self.plans))
+        self.donated = donated_fields(self.lag_steps)
+        self.run = describe_run(module, self.plan, self.source, self.callbacks, self.weights, settings=self._settings(),
+                                run_dir=self.run_dir, lag_steps=self.lag_steps, donated=self.donated,
+                                control=self.control, timeline=self.timeline)  # after init_params: the module's card
+        built = setup_update(module, params, self.sharding, grad_accum_steps=self.plan.grad_accum_steps,
+                             donate=self.donated, master_weights=self.master_weights,
+                             wrap_optimizer=lambda tx: self.callbacks.wrap_optimizer(self.run, tx),
+                             device_memory_bytes=self.device_memory_bytes)
+        self.optimizer, self.memory_plan, self._update = built.optimizer, built.memory_plan, built.update
+        self.last_state = first_state(built.params, built.opt_state, self.seed, self.sharding)
+        return self.last_state
 
     def validate(self, params: Any, val_data: Sequence[dict], step: int, *,
                  num_samples: int | None = None) -> dict[str, float]:
@@ -371,25 +303,14 @@ class Trainer:
         self.callbacks.on_validation_end(self.run, step, metrics)
         return metrics
 
-    def _run_info(self, module: RLModule) -> RunInfo:
-        """The frozen description every callback hook receives (after the module's setup, so its card is built)."""
-        max_prompts = self._max_prompts()
-        settings = {"seed": self.seed, "data_seed": self.data_seed, "shuffle": self.shuffle, "mode": self.mode,
-                    "max_staleness": self.max_staleness, "max_steps": self.max_steps, "max_epochs": self.max_epochs,
-                    "val_every_n_steps": self.val_every_n_steps, "val_batch_size": self.val_batch_size}
-        return RunInfo(run_dir=self.run_dir, plan=self.plan, mode=self.mode, lag_steps=self.lag_steps,
-                       max_steps=self.max_steps, max_epochs=self.max_epochs,
-                       total_steps=total_steps(self.max_steps, max_prompts, self.plan.prompts_per_step),
-                       max_prompts=max_prompts, is_main_process=self.is_main_process, card=module.card(),
-                       module=module, settings=settings, donated=self.donated, control=self.control,
-                       timeline=self.timeline, callbacks=tuple(self.callbacks), retained_weights=self.weights.retained,
-                       callback_states=self.callbacks.state_dict)
+    def _settings(self) -> dict[str, Any]:
+        """The Trainer's settings as a checkpoint and a dashboard record them (`RunInfo.settings`)."""
+        return {"seed": self.seed, "data_seed": self.data_seed, "shuffle": self.shuffle, "mode": self.mode,
+                "max_staleness": self.max_staleness, "max_steps": self.max_steps, "max_epochs": self.max_epochs,
+                "val_every_n_steps": self.val_every_n_steps, "val_batch_size": self.val_batch_size}
 
     def _stop_while_waiting(self) -> bool:
         """A stop that ends the wait for the next step at once; with several processes a stop waits
         for the step boundary, where every process agrees on it (`any_process`)."""
         return self.should_stop and jax.process_count() == 1
-
-    def _max_prompts(self) -> int | None:
-        return None if self.max_epochs is None else self.max_epochs * len(self.source)
 

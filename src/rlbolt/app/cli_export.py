@@ -149,7 +149,9 @@ def _module_for(run_dir: Path) -> tuple[Any, Any]:
             from rlbolt.setup_context import SetupContext
 
             module.setup(SetupContext(plan=BatchPlan(cfg.prompts_per_step, cfg.num_generations), seed=cfg.seed))
-        module.init_params(jax.random.fold_in(jax.random.PRNGKey(cfg.seed), 0))  # as Trainer._setup derives it
+        from rlbolt.fit_setup import param_key
+
+        module.init_params(param_key(cfg.seed))  # the key a fit initialises from
         return module, None
     from rlbolt.config import references as objects
     from rlbolt.app.build import build_module, build_plan
