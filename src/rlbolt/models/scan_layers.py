@@ -26,6 +26,7 @@ collects routing.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -82,18 +83,27 @@ def scan_reason(model: nnx.Module) -> str | None:
     return None
 
 
-def stack_reason(model: nnx.Module) -> str | None:
+def stack_reason(model: nnx.Module, *, routing: Sequence[str]) -> str | None:
     """Why a run with `model.scan_layers` keeps `model`'s layers stored per layer (scanning them
     stacked per forward), or None when it stores them stacked (`rlbolt.models.stacked_layers`).
 
+    Mixture-of-experts layers are stored stacked only in a run that uses no routing feature: the
+    aux loss and the mismatch metric record each layer's routing, and router replay sets each
+    layer's experts, through attributes of that layer's block (`rlbolt.models.moe.record_routing`,
+    `replay_routing`), which a stacked block, one for every layer, cannot hold per layer.
+
     Args:
       model: the Decoder.
+      routing: the routing features the run uses, as the config fields that turn them on
+        (`rlbolt.modules.moe_routing.routing_fields`: model.router_aux_loss_coef,
+        rollout.record_routing, algorithm.router_replay); empty: none.
     """
     if is_stacked(model):
         return None
     reason = scan_reason(model)
-    if reason is None and any(isinstance(layer.mlp, MoeMLP) for layer in model.layers):
-        return "router replay and recording set attributes on each mixture-of-experts layer's block"
+    if reason is None and routing and any(isinstance(layer.mlp, MoeMLP) for layer in model.layers):
+        return (f"the run records or replays each mixture-of-experts layer's routing ({', '.join(routing)}) through "
+                "attributes of that layer's block, which a stacked block cannot hold per layer")
     return reason
 
 
