@@ -113,3 +113,30 @@ def test_a_mesh_without_the_expert_axis_gets_it_with_size_one():
     old = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1, 1), ("tp", "data", "fsdp"))
     for mesh in (as_mesh(old), ShardingPlan(old).mesh):
         assert mesh.axis_names == AXES and dict(mesh.shape) == {"data": 1, "fsdp": 1, "expert": 1, "context": 1, "tp": 1}
+
+
+def test_a_stacked_moe_block_gets_one_layers_kernel_specs_and_the_mesh_which_its_views_see():
+    """Layers stored stacked (rlbolt.models.stacked_layers): the plan sets the one block's settings, its
+    kernel specs those of one layer's [E, ...] kernels (the scan body and the views see slices), and a
+    view of the model placed on one device drops the mesh. The mesh run is tests/models/test_stacked_experts.py."""
+    from jax.sharding import PartitionSpec as P
+
+    from rlbolt.models.moe import moe_layers
+    from rlbolt.models.stacked_layers import stack_layers
+
+    per_layer = nnx.eval_shape(lambda: Decoder(tiny_config(num_layers=3, **MOE), rngs=nnx.Rngs(0)))
+    stacked = stack_layers(nnx.eval_shape(lambda: Decoder(tiny_config(num_layers=3, **MOE), rngs=nnx.Rngs(0))))
+    plan = _abstract_plan(2)
+    for model in (per_layer, stacked):
+        plan.shard_activations(model)
+    (block,) = moe_layers(stacked)
+    assert block.gate_up.get_value().shape[0] == 3
+    specs = (P("expert", "fsdp", None), P("expert", None, "fsdp"))
+    assert block.kernel_specs == per_layer.layers[0].mlp.kernel_specs == specs
+    assert block.expert_mesh is plan.mesh and block.row_mesh is plan.mesh
+    view = stacked.layers[2].mlp
+    assert (view.kernel_specs, view.expert_mesh, view.row_mesh) == (specs, plan.mesh, plan.mesh)
+    single = ShardingPlan(AbstractMesh((1, 1, 1, 1, 1), AXES)).shard_activations(nnx.merge(*nnx.split(stacked)))
+    (moved,) = moe_layers(single)
+    assert (moved.expert_mesh, moved.row_mesh, moved.kernel_specs) == (None, None, None)
+    assert all(layer.mlp.expert_mesh is None for layer in single.layers)

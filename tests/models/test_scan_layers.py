@@ -90,10 +90,14 @@ def test_layers_that_differ_keep_the_loop():
 
 def test_mixture_of_experts_layers_scan_unless_their_routing_is_recorded_or_replayed():
     """Every layer an MoE: the scanned forward gives the loop's logits and gradients (router and
-    experts included), the layers stay stored per layer (replay writes to each block); a block that
-    records or replays its routing sends the forward back to the loop."""
+    experts included); a run with a routing feature keeps the layers stored per layer (they set
+    attributes on each layer's block), one without stores them stacked (tests/models/
+    test_stacked_layers.py); a block that records or replays its routing sends the forward back to the loop."""
     model = Decoder(tiny_config(num_layers=3, **MOE), rngs=nnx.Rngs(0))
-    assert scan_reason(model) is None and "router replay" in stack_reason(model)
+    assert scan_reason(model) is None and stack_reason(model, routing=[]) is None
+    reason = stack_reason(model, routing=["model.router_aux_loss_coef", "algorithm.router_replay"])
+    assert "(model.router_aux_loss_coef, algorithm.router_replay)" in reason and "per layer" in reason
+    assert stack_reason(Decoder(tiny_config(), rngs=nnx.Rngs(0)), routing=["rollout.record_routing"]) is None  # dense
     grads = _scan_equals_loop(model)
     router = grads["layers"][1]["mlp"]["router_kernel"][...]
     assert np.any(np.asarray(router) != 0)  # the router trains through the scan too

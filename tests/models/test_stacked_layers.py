@@ -23,6 +23,7 @@ from rlbolt.models import Decoder, tiny_config
 from rlbolt.models.cache import init_cache
 from rlbolt.models.hf_io import load_hf, save_hf
 from rlbolt.models.logps import token_logps
+from rlbolt.models.moe import moe_layers, record_routing, replay_routing
 from rlbolt.models.hf_layout import flat_params
 from rlbolt.models.stacked_layers import (LayerSlice, StackedLayers, is_stacked, stack_layer_state, stack_layers,
                                           unstack_layer_state)
@@ -79,11 +80,45 @@ def test_the_stored_stack_scans_to_the_loops_logits_and_gradients_without_a_copy
     assert all(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(grads))
 
 
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+
+
+def test_a_stacked_mixture_of_experts_model_scans_to_the_loops_logits_and_gradients():
+    """MoE layers stored stacked (a run without routing features): the scan reads the [L, E, ...] expert
+    kernels as they lie (per layer, it stacked every kind at each forward), with the loop's logits and
+    gradients, router included; the block's static settings reach the views through the graph definition,
+    and routing cannot be recorded or replayed per layer on it (refused, not written to a view)."""
+    per_layer, stacked = _models(**MOE)
+    assert nnx.state(stacked, nnx.Param)["layers"]["block"]["mlp"]["gate_up"].shape == (LAYERS, 4, 64, 64)
+    _, loop_logits, loop_grads = _loss_and_grads(per_layer, False)
+    jaxpr, logits, grads = _loss_and_grads(stacked, True)
+    assert (jaxpr.count(" scan["), jaxpr.count(" stack[")) == (1, 0)  # per layer: one stack per kind (7)
+    config = per_layer.config
+    np.testing.assert_allclose(logits, loop_logits, rtol=0, atol=decoder_tolerance(loop_logits, config, 12))
+    grads = unstack_layer_state(grads)
+    assert jax.tree.structure(grads) == jax.tree.structure(loop_grads)
+    for g, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(loop_grads)):
+        np.testing.assert_allclose(g, ref, rtol=0, atol=3 * decoder_tolerance(np.asarray(ref), config, 12) + 1e-30)
+    assert all(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(grads))  # the router and every expert kernel
+
+    (block,) = moe_layers(stacked)  # the one stacked block stands for every layer
+    block.block_size, block.matmul = 16, "ragged_dot"
+    view = stacked.layers[1].mlp
+    assert (view.block_size, view.matmul, view.gate_up.shape) == (16, "ragged_dot", (4, 64, 64))
+    with pytest.raises(ValueError, match=r"^record_routing: this model's mixture-of-experts layers are stored stacked"):
+        record_routing(stacked)
+    with pytest.raises(ValueError, match=r"^replay_routing: .* cannot be set per layer"):
+        replay_routing(stacked, [jnp.zeros((24, 2), jnp.int32)] * LAYERS)
+    record_routing(stacked, False)  # clearing is harmless
+    replay_routing(stacked, None)
+
+
 @pytest.mark.slow
-def test_the_looping_passes_read_per_layer_views():
+@pytest.mark.parametrize("family", ["llama", "moe"])
+def test_the_looping_passes_read_per_layer_views(family):
     """Decode with a KV cache and the prompt-shared forward loop over `model.layers[i]` (slow: the
     default tier's GRPO-free cover is the scan test; the slow GRPO fit below samples through them too)."""
-    per_layer, stacked = _models()
+    per_layer, stacked = _models(**(MOE if family == "moe" else {}))
     for model in (per_layer, stacked):
         model.scan_layers = True  # the cache path and the shared prompt loop whatever the flag
     ids, positions, mask = _batch(per_layer.config.vocab_size)
@@ -141,17 +176,18 @@ def test_hugging_face_export_of_a_stacked_model_round_trips_bit_exact(tmp_path):
         assert a[name].dtype == b[name].dtype and np.array_equal(a[name], b[name]), name
 
 
-@pytest.mark.parametrize("saved_stacked", [False, True])
-def test_a_checkpoint_restores_into_the_other_layout(tmp_path, saved_stacked):
+@pytest.mark.parametrize("saved_stacked,family", [(False, "llama"), (True, "llama"), (False, "moe")])
+def test_a_checkpoint_restores_into_the_other_layout(tmp_path, saved_stacked, family):
     """Per-layer checkpoint (a run before stacking, or scan_layers off) -> stacked run, and the reverse:
-    parameters, AdamW moments and the retained weights of async mode, bit for bit."""
+    parameters, AdamW moments and the retained weights of async mode, bit for bit. The MoE case: a
+    per-layer MoE checkpoint (saved before MoE layers were stored stacked) resumes into a stacked run."""
     from fake_fit import FakeFit
 
     from rlbolt.callbacks.checkpoint import ModelCheckpoint
     from rlbolt.state import StepInfo, TrainState
 
     tx = optax.adam(0.1)
-    per_layer, stacked = _models()
+    per_layer, stacked = _models(**(MOE if family == "moe" else {}))
     ones = jax.tree.map(jnp.ones_like, nnx.state(per_layer, nnx.Param))
 
     def state(model, step):

@@ -193,3 +193,30 @@ def test_router_settings_are_refused_in_one_line(tokenizer):
         assert "\n" not in str(info.value)
     with pytest.raises(ConfigError, match="model.router_aux_loss_coef is not wired into PPO"):
         _module(tokenizer, coef=0.01, cls=PPO)
+
+
+@pytest.mark.parametrize("settings", [{}, {"coef": 0.01}, {"record": True}, {"record": True, "replay": True}],
+                         ids=["none", "aux_loss", "record", "replay"])
+def test_scan_layers_stores_moe_layers_stacked_only_without_routing_features(tokenizer, settings):
+    """`build_policy` with model.scan_layers: a run that neither records nor replays routing (no aux
+    loss, rollout.record_routing, algorithm.router_replay) stores its MoE layers stacked, and its block
+    gets model.moe_matmul and model.expert_block_size; any routing feature keeps them per layer, and the
+    reason names its fields."""
+    from rlbolt.models.scan_layers import stack_reason
+    from rlbolt.models.stacked_layers import is_stacked
+    from rlbolt.modules.moe_routing import routing_fields
+    from rlbolt.modules.policy_setup import build_policy
+
+    coef, record, replay = settings.get("coef", 0.0), settings.get("record", False), settings.get("replay", False)
+    cfg = load_config({"algorithm": {"name": "grpo", "router_replay": replay},
+                       "rollout": {"record_routing": record},
+                       "model": {"scan_layers": True, "router_aux_loss_coef": coef, "moe_matmul": "ragged_dot",
+                                 "expert_block_size": 8}})
+    model = build_policy(cfg, _moe_model(tokenizer), tokenizer, setup_context(), 1.0).model
+    fields = routing_fields(coef, record, replay)
+    assert is_stacked(model) == (not fields)
+    if fields:
+        assert f"({', '.join(fields)})" in stack_reason(model, routing=fields)
+    else:
+        assert model.layers.block.mlp.gate_up.shape[0] == 2  # [L, E, H, 2I]
+    assert {(layer.mlp.matmul, layer.mlp.block_size) for layer in model.layers} == {("ragged_dot", 8)}  # views too

@@ -159,19 +159,17 @@ class ShardingPlan:
 
     def _expert_parallel(self, model: nnx.Module) -> None:
         ways = self.mesh.shape["expert"]
-        # Stacked layers (rlbolt.models.stacked_layers) are dense and give read-only views: not iterated.
-        layers = getattr(model, "layers", ())
-        layers = () if type(layers).__name__ == "StackedLayers" else layers
-        for layer in layers:  # a Pallas grouped matmul runs under shard_map over this mesh
-            if hasattr(layer.mlp, "row_mesh"):
-                layer.mlp.row_mesh = self.mesh if self.mesh.size > 1 else None
-                layer.mlp.kernel_specs = None if self.mesh.size == 1 else tuple(
-                    self.spec_for(_logical_axes(v), v.get_value().shape, "mlp.experts")
-                    for v in (layer.mlp.gate_up, layer.mlp.down))
+        blocks, stacked = _moe_blocks(model)
+        for mlp in blocks:  # a Pallas grouped matmul runs under shard_map over this mesh
+            mlp.row_mesh = self.mesh if self.mesh.size > 1 else None
+            # One layer's stored specs: a stacked block's [L, ...] kernels lose their leading (layer) axis,
+            # since the scan body and the views see one layer's slices.
+            mlp.kernel_specs = None if self.mesh.size == 1 else tuple(
+                P(*tuple(self.spec_for(_logical_axes(v), v.get_value().shape, "mlp.experts"))[stacked:])
+                for v in (mlp.gate_up, mlp.down))
         if ways == 1 or not hasattr(model, "config"):
-            for layer in layers:  # a view of a model placed elsewhere: not that mesh's experts
-                if hasattr(layer.mlp, "expert_mesh"):
-                    layer.mlp.expert_mesh = None
+            for mlp in blocks:  # a view of a model placed elsewhere: not that mesh's experts
+                mlp.expert_mesh = None
             return
         experts = getattr(model.config, "num_experts", 0)
         if not experts:
@@ -180,9 +178,8 @@ class ShardingPlan:
         if experts % ways:
             raise MeshError(f"mesh.expert={ways} does not divide the model's num_experts={experts}; choose a "
                             f"mesh.expert that divides {experts} (each device holds num_experts / mesh.expert)")
-        for layer in model.layers:
-            if hasattr(layer.mlp, "expert_mesh"):
-                layer.mlp.expert_mesh = self.mesh
+        for mlp in blocks:
+            mlp.expert_mesh = self.mesh
 
     # -- batches ---------------------------------------------------------------------------
     def batch_sharding(self, sample_dim: int = 0) -> NamedSharding:
@@ -267,6 +264,20 @@ def _axes_tuple(axes: Any) -> tuple[str, ...]:
     if axes is None:
         return ()
     return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def _moe_blocks(model: Any) -> tuple[list[Any], int]:
+    """(the mixture-of-experts blocks of a Decoder to set, 1 when they are stored stacked else 0).
+
+    Stored stacked (rlbolt.models.stacked_layers), the one block whose kernels are [L, E, ...]: its
+    settings reach every layer through the graph definition, where `model.layers[i]` are read-only
+    views (`rlbolt.models.moe.moe_layers`, duck-typed here: distributed does not import models).
+    """
+    layers = getattr(model, "layers", ())
+    if type(layers).__name__ == "StackedLayers":
+        mlp = getattr(layers.block, "mlp", None)
+        return ([mlp] if hasattr(mlp, "expert_mesh") else []), 1
+    return [layer.mlp for layer in layers if hasattr(getattr(layer, "mlp", None), "expert_mesh")], 0
 
 
 def _logical_axes(leaf: Any) -> tuple | None:

@@ -41,6 +41,10 @@ Parameter layout (experts stacked on axis 0, kernels [in, out]):
     layers.{i}.mlp.router_kernel      [H, E]        ("embed", None)
     layers.{i}.mlp.gate_up            [E, H, 2I]    ("experts", "embed", "mlp")   fused gate|up
     layers.{i}.mlp.down               [E, I, H]     ("experts", "mlp", "embed")
+
+Stored stacked (`model.scan_layers` in a run without routing features: `scan_layers.stack_reason`),
+`layers.block.mlp.*` carry a leading [L] axis ("layers"); one MoeMLP holds every layer's kernels and
+static settings (`moe_layers`), and routing cannot be recorded or replayed per layer on it.
 """
 
 from __future__ import annotations
@@ -259,7 +263,8 @@ class MoeMLP(nnx.Module):
         # Pallas grouped matmul runs under shard_map over it also without an expert axis.
         self.row_mesh = None
         # On a mesh: gate_up's and down's stored PartitionSpecs (ShardingPlan.shard_activations; static),
-        # so the shard_map takes their shards as they lie (`expert_parallel_experts`), or None.
+        # so the shard_map takes their shards as they lie (`expert_parallel_experts`), or None. A stacked
+        # block's are one layer's (its [L, ...] specs without the layer axis): the scan body sees slices.
         self.kernel_specs = None
         # The grouped matmul (`rlbolt.models.moe_matmul.resolve_moe_matmul` of model.moe_matmul; static).
         self.matmul = "ragged_dot"
@@ -293,18 +298,37 @@ class MoeMLP(nnx.Module):
 
 
 def moe_layers(model) -> list[MoeMLP]:
-    """The MoE blocks of a Decoder, in layer order (none where the layers are stored stacked: those
-    are dense, and iterating them would slice every layer's weights)."""
+    """The MoE blocks of a Decoder, in layer order, to set their static settings on.
+
+    Where the layers are stored stacked (`rlbolt.models.stacked_layers`), the one stacked block (its
+    kernels [L, E, ...]): it stands for every layer, and what is set on it reaches each layer's slice
+    (the scan body, the `model.layers[i]` views) through the graph definition. Iterating
+    `model.layers` there would set it on read-only views, where it is lost.
+    """
     if is_stacked(model):
-        return []
+        mlp = model.layers.block.mlp
+        return [mlp] if isinstance(mlp, MoeMLP) else []
     return [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoeMLP)]
+
+
+def _per_layer_routing(model, what: str) -> None:
+    """Refuses routing set per layer on a model whose layers are stored stacked (one block for all)."""
+    if is_stacked(model) and moe_layers(model):
+        raise ValueError(f"{what}: this model's mixture-of-experts layers are stored stacked (model.scan_layers), one "
+                         "block for every layer, so their routing cannot be set per layer; a run that records or "
+                         "replays routing keeps them stored per layer (scan_layers.stack_reason)")
 
 
 def replay_routing(model, experts: list[jnp.ndarray] | None) -> None:
     """Forces the next forward's routing: `experts[j]` ([N, k]) for the j-th MoE layer; None clears.
 
     N must be the token count of that forward in its own order (rows x positions flattened).
+
+    Raises:
+      ValueError: routing given for a model whose MoE layers are stored stacked.
     """
+    if experts is not None:
+        _per_layer_routing(model, "replay_routing")
     blocks = moe_layers(model)
     if experts is not None and len(experts) != len(blocks):
         raise ValueError(f"replay_routing: got routing for {len(experts)} layers, the model has {len(blocks)} "
@@ -314,7 +338,13 @@ def replay_routing(model, experts: list[jnp.ndarray] | None) -> None:
 
 
 def record_routing(model, on: bool = True) -> None:
-    """Makes every MoE block of `model` record its routing on each call (read with `pop_routing`)."""
+    """Makes every MoE block of `model` record its routing on each call (read with `pop_routing`).
+
+    Raises:
+      ValueError: `on` for a model whose MoE layers are stored stacked.
+    """
+    if on:
+        _per_layer_routing(model, "record_routing")
     for block in moe_layers(model):
         block.record = on
 

@@ -15,17 +15,22 @@ that state as it is: no copy. A model whose layers are stored per layer (`layers
 outside a run, or a LoRA run) is stacked here at trace time, `jnp.stack` of every layer's state
 at each forward: one more copy of the layer weights, live during the forward and its backward.
 
-Mixture-of-experts layers scan too (their experts' grouped matmul inside the body), stored per
-layer (`stack_reason`: router replay and recording set attributes on each layer's block). Falls
-back to the loop when the layers differ in structure (Qwen3-MoE's mlp-only layers, a LoRA that
-targets some layers only), when an MoE block records or replays its routing (module state a scan
-body does not carry: the aux loss, router replay and the mismatch metric), and when the forward
-collects routing.
+Mixture-of-experts layers scan too (their experts' grouped matmul inside the body). A run that
+uses no routing feature stores them stacked like any other layers (the [L, E, H, 2I] and
+[L, E, I, H] expert kernels read as they lie: at Qwen3-30B-A3B that per-forward stack was 864 MiB
+of bf16 kernels per chip, live through the forward and backward); one that records or replays
+routing (`model.router_aux_loss_coef`, `rollout.record_routing`, `algorithm.router_replay`) keeps
+them per layer (`stack_reason`: those set attributes on each layer's block), and they are stacked
+per forward. Falls back to the loop when the layers differ in structure (Qwen3-MoE's mlp-only
+layers, a LoRA that targets some layers only), when an MoE block records or replays its routing
+(module state a scan body does not carry: the aux loss, router replay and the mismatch metric),
+and when the forward collects routing.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -82,18 +87,27 @@ def scan_reason(model: nnx.Module) -> str | None:
     return None
 
 
-def stack_reason(model: nnx.Module) -> str | None:
+def stack_reason(model: nnx.Module, *, routing: Sequence[str]) -> str | None:
     """Why a run with `model.scan_layers` keeps `model`'s layers stored per layer (scanning them
     stacked per forward), or None when it stores them stacked (`rlbolt.models.stacked_layers`).
 
+    Mixture-of-experts layers are stored stacked only in a run that uses no routing feature: the
+    aux loss and the mismatch metric record each layer's routing, and router replay sets each
+    layer's experts, through attributes of that layer's block (`rlbolt.models.moe.record_routing`,
+    `replay_routing`), which a stacked block, one for every layer, cannot hold per layer.
+
     Args:
       model: the Decoder.
+      routing: the routing features the run uses, as the config fields that turn them on
+        (`rlbolt.modules.moe_routing.routing_fields`: model.router_aux_loss_coef,
+        rollout.record_routing, algorithm.router_replay); empty: none.
     """
     if is_stacked(model):
         return None
     reason = scan_reason(model)
-    if reason is None and any(isinstance(layer.mlp, MoeMLP) for layer in model.layers):
-        return "router replay and recording set attributes on each mixture-of-experts layer's block"
+    if reason is None and routing and any(isinstance(layer.mlp, MoeMLP) for layer in model.layers):
+        return (f"the run records or replays each mixture-of-experts layer's routing ({', '.join(routing)}) through "
+                "attributes of that layer's block, which a stacked block cannot hold per layer")
     return reason
 
 

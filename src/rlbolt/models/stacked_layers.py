@@ -12,7 +12,12 @@ The scanned forward (`rlbolt.models.scan_layers.scanned_layers`) scans that stat
 per-forward copy of the layer weights, the gradient comes back stacked, and the optimizer sees
 one leaf per parameter kind (not L of each). The passes that loop over the layers (decode with a
 KV cache, the prompt-shared forward, routing) read `model.layers[i]`: a read-only view whose
-variables are the i-th slices (inside a jitted pass, a slice of the stacked array).
+variables are the i-th slices (inside a jitted pass, a slice of the stacked array) and whose static
+attributes are the block's (one graph definition). Settings therefore go on the block, never on a
+view (where they are lost): mixture-of-experts layers, stacked in a run without routing features
+(`rlbolt.models.scan_layers.stack_reason`), get their grouped matmul and mesh on `block.mlp`
+(`rlbolt.models.moe.moe_layers`, `ShardingPlan.shard_activations`), and per-layer routing (record,
+replay) is refused on them.
 
 Everything outside sees the per-layer layout, through the conversions at the boundaries, all here:
 `flat_params` (`rlbolt.models.hf_layout`: Hugging Face / GGUF export, the vLLM weight push) and PEFT

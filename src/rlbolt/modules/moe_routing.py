@@ -141,6 +141,20 @@ def logps_and_mismatch(graphdef, params, prompt_ids, prompt_mask, completion_ids
     return logps, mismatched, total
 
 
+def routing_fields(aux_loss_coef: float, record: bool, replay: bool) -> list[str]:
+    """The config fields of the routing features a run turns on, in this order: model.router_aux_loss_coef
+    (> 0), rollout.record_routing, algorithm.router_replay. Empty: nothing records or replays routing
+    (`rlbolt.models.scan_layers.stack_reason` then stores mixture-of-experts layers stacked).
+
+    Args:
+      aux_loss_coef: `model.router_aux_loss_coef`.
+      record: `rollout.record_routing`.
+      replay: `algorithm.router_replay`.
+    """
+    return [name for name, on in (("model.router_aux_loss_coef", aux_loss_coef > 0),
+                                  ("rollout.record_routing", record), ("algorithm.router_replay", replay)) if on]
+
+
 def check_router_settings(num_experts: int, aux_loss_coef: float, record: bool, replay: bool,
                           own_forward: str | None) -> None:
     """Refuses router settings the model or the module cannot honour, in one line naming the field.
@@ -152,8 +166,7 @@ def check_router_settings(num_experts: int, aux_loss_coef: float, record: bool, 
       replay: `algorithm.router_replay`.
       own_forward: the module class's name when it overrides the policy forward (PPO's trunk), else None.
     """
-    fields = [name for name, on in (("model.router_aux_loss_coef", aux_loss_coef > 0),
-                                    ("rollout.record_routing", record), ("algorithm.router_replay", replay)) if on]
+    fields = routing_fields(aux_loss_coef, record, replay)
     if not fields:
         return
     if not num_experts:

@@ -32,6 +32,7 @@ from rlbolt.models.scan_layers import stack_reason
 from rlbolt.models.stacked_layers import stack_layers
 from rlbolt.modules import lm_ops
 from rlbolt.modules.lora_policy import LoraPolicy
+from rlbolt.modules.moe_routing import routing_fields
 from rlbolt.modules.policy_model import PolicyModel, jitted_logps
 from rlbolt.modules.prompts import PromptEncoder, builtin_tokenizer
 from rlbolt.modules.rewarding import build_reward as reward_from_weights
@@ -125,7 +126,9 @@ def build_policy(cfg: RunConfig, model: Decoder | None, tokenizer: Tokenizer, co
     model.scan_layers = cfg.model.scan_layers  # rlbolt.models.scan_layers
     model.mlp_chunk_positions = cfg.model.mlp_chunk_positions  # rlbolt.models.decoder_layer.over_position_chunks
     model.mlp_block_size = cfg.model.mlp_block_size  # rlbolt.models.mlp_blocks
-    if cfg.model.scan_layers and cfg.model.lora is None and stack_reason(model) is None:
+    # MoE layers stack only when nothing records or replays their routing (per layer: scan_layers.stack_reason).
+    routing = routing_fields(cfg.model.router_aux_loss_coef, cfg.rollout.record_routing, cfg.algorithm.router_replay)
+    if cfg.model.scan_layers and cfg.model.lora is None and stack_reason(model, routing=routing) is None:
         stack_layers(model)  # stored stacked, before placement: the scan reads them as they lie (stacked_layers)
     # model.attention for the training devices' platform (a described TPU slice when planning on CPU)
     platform = jax.default_backend() if sharding is None else sharding.mesh.devices.flat[0].platform
@@ -134,7 +137,7 @@ def build_policy(cfg: RunConfig, model: Decoder | None, tokenizer: Tokenizer, co
         moe_kernel = resolve_moe_matmul(cfg.model.moe_matmul, platform)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    for block in moe_layers(model):  # model.moe_matmul (rlbolt.models.moe_matmul), model.expert_block_size
+    for block in moe_layers(model):  # model.moe_matmul (rlbolt.models.moe_matmul), model.expert_block_size (stacked: one block)
         block.matmul = moe_kernel
         block.block_size = cfg.model.expert_block_size  # rlbolt.models.expert_blocks
     if sharding is not None:  # the weights move onto the mesh once (no copy if built there)
