@@ -10,7 +10,6 @@ process on 4 devices with the same placement and lag, and compares them.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ from rlbolt.producer import remote_rollout
 from rlbolt.producer.remote_rollout import RemoteRollout, run_rollout_group, takes_push
 from rlbolt.producer.stage_threads import ProducerStopped
 from rlbolt.producer.weights import WeightStore
+from cpu_devices import child_env
 
 SCRIPT = Path(__file__).with_name("xproc_checks.py")
 
@@ -170,7 +170,7 @@ def test_rows_made_with_other_weights_than_the_training_group_asked_for_are_refu
 
 
 def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS", "SLURM_"))}
+    return child_env(drop=("JAX_", "SLURM_"))
 
 
 # Metrics made on the host from the rollout and the schedule: equal bitwise (the same programs on the same layout

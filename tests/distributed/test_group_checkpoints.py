@@ -9,7 +9,6 @@ resume; process 0 killed) are in test_group_resume.py.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -34,6 +33,7 @@ from rlbolt.producer.weights import WeightStore
 from rlbolt.run_info import Restore
 from rlbolt.state import TrainState
 from rlbolt.trainer import Trainer
+from cpu_devices import child_env
 
 
 def test_the_training_group_saves_its_first_process_primary_and_no_other_process_takes_part():
@@ -234,7 +234,7 @@ def test_a_checkpoint_sharded_over_devices_the_reader_lacks_is_read_on_one_devic
     # What `rlbolt export` does with a checkpoint of a training group of 2 processes, on a process that lacks the
     # writers' devices: two CPU devices write it, one reads it (Orbax alone, without a target, refuses: "Topology
     # mismatch"). The end-to-end check (4 processes, export, the weights bitwise) is in test_group_resume.py.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_PLATFORMS", "XLA_FLAGS"))}
+    env = child_env(drop=("JAX_PLATFORMS",))
     folder, out = tmp_path / "checkpoints", tmp_path / "w.npy"
     done = subprocess.run([sys.executable, "-c", _WRITE, str(folder)], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -9,7 +9,6 @@ no process of the run is left; every line of `metrics.jsonl` is whole JSON.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from cpu_devices import child_env
 
 SCRIPT = Path(__file__).with_name("xproc_checks.py")
 GRACE_S = 5
@@ -40,7 +40,7 @@ ASYNC_DEADLINE_S, STEP_S = 1.5 * 80.6, 3 * 0.9
 
 def _launch(out: Path, fault: str, deadline_s: float | None = None, heartbeat_s: int = 30,
             mode: str = "sync") -> tuple[subprocess.CompletedProcess, float]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS", "SLURM_"))}
+    env = child_env(drop=("JAX_", "SLURM_"))
     env["RLBOLT_XPROC_FAULT"] = fault
     env["RLBOLT_XPROC_HEARTBEAT_S"] = str(heartbeat_s)
     if deadline_s is not None:

@@ -17,7 +17,6 @@ checkpoint after every step (`RLBOLT_XPROC_CHECKPOINT=1`):
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import psutil
 import pytest
 
 from distributed.test_group_faults import GRACE_S, KILL_BOUND_S, _one_line
+from cpu_devices import child_env
 
 SCRIPT = Path(__file__).with_name("xproc_checks.py")
 # Process 0 killed, no launcher: each other process's coordination client sees the service's socket close and JAX
@@ -37,9 +37,7 @@ COORDINATOR_BOUND_S = 10.0
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS", "SLURM_", "RLBOLT_XPROC"))}
-    env.update(extra)
-    return env
+    return child_env(drop=("JAX_", "SLURM_", "RLBOLT_XPROC"), **extra)
 
 
 def _launch(out: Path, *args: str, **extra: str) -> subprocess.CompletedProcess:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,13 +18,13 @@ from pathlib import Path
 import pytest
 
 from rlbolt.distributed.mesh import BATCH_AXES
+from cpu_devices import child_env
 
 SCRIPT = Path(__file__).with_name("mesh_checks.py")
 
 
 def run_checks(what: str, arg, devices: int = 8) -> dict:
-    env = {**os.environ, "MESH_CHECK_DEVICES": str(devices)}
-    env.pop("XLA_FLAGS", None)
+    env = child_env(MESH_CHECK_DEVICES=str(devices))  # the script asks for its devices itself
     done = subprocess.run([sys.executable, str(SCRIPT), what, json.dumps(arg)], capture_output=True, text=True,
                           env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]

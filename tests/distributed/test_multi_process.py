@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cpu_devices import child_env
 
 WORKER = Path(__file__).with_name("mp_worker.py")
 
@@ -30,8 +31,7 @@ def free_port() -> int:
 
 
 def worker_env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS", "SLURM_"))}
-    return env
+    return child_env(drop=("JAX_", "SLURM_"))  # each worker asks for its devices itself
 
 
 def launch(out: Path, run_dir: Path, *, processes: int, devices: int, steps: int, extra=()) -> list[subprocess.Popen]:

@@ -10,7 +10,6 @@ of the same shape: the same float sums, so metrics and parameters must be bitwis
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,12 +19,13 @@ import pytest
 
 from rlbolt.distributed import MeshError, MeshSpec
 from rlbolt.distributed.placement import Placement, RoleMesh
+from cpu_devices import child_env
 
 SCRIPT = Path(__file__).with_name("placement_checks.py")
 
 
 def run_checks(what: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()  # the script asks for its 8 devices itself
     done = subprocess.run([sys.executable, str(SCRIPT), what], capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -9,7 +9,6 @@ group-local collectives, the rollout rows checked on arrival, the refusals in on
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ from rlbolt.distributed.process_groups import check_fit_across
 from rlbolt.module import collect_log_values, mean_logs
 from rlbolt.plan import BatchPlan
 from rlbolt.producer.remote_rollout import RemoteRollout, refill_decision
+from cpu_devices import child_env
 
 SCRIPT = Path(__file__).with_name("xproc_checks.py")
 
@@ -127,7 +127,7 @@ def test_what_is_not_run_across_processes_is_refused_in_one_line():
 
 def _four_and_one(tmp_path, *flags):
     """xproc_checks.py as 4 processes (2 groups) and as one process with the same placement: their folders."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS", "SLURM_"))}
+    env = child_env(drop=("JAX_", "SLURM_"))
     four, one = tmp_path / "four", tmp_path / "one"
     done = subprocess.run([sys.executable, "-m", "rlbolt", "launch", "--local", "4", "--devices-per-process", "1",
                            "--grace-s", "5", "--", sys.executable, str(SCRIPT), str(four), *flags],

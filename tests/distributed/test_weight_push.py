@@ -12,7 +12,6 @@ one-host `WeightSync` moves them across processes, again bitwise.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ from float_tolerance import sum_error_bound
 
 from rlbolt.distributed import MeshError, MeshSpec, ShardingPlan
 from rlbolt.distributed.weight_push import ProcessWeightPush
+from cpu_devices import child_env
 
 SCRIPT = Path(__file__).with_name("push_checks.py")
 
@@ -39,7 +39,7 @@ def test_a_process_in_both_groups_is_refused_in_one_line():
 @pytest.mark.slow
 def test_four_processes_push_three_versions_exactly_onto_another_layout(tmp_path):
     out = tmp_path / "out"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "XLA_FLAGS"))}
+    env = child_env(drop=("JAX_",))
     done = subprocess.run([sys.executable, "-m", "rlbolt", "launch", "--local", "4", "--grace-s", "5", "--",
                            sys.executable, str(SCRIPT), str(out)], capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

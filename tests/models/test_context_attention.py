@@ -12,7 +12,6 @@ test_multi_device.py (slow).
 
 import json
 import logging
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ import pytest
 from rlbolt.models import tiny_config
 from rlbolt.models.context_attention import balanced_order, padded_length, query_chunk
 from rlbolt.models.context_parallel import context_kernel_calls
+from cpu_devices import child_env
 
 GEMMA_LIKE = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                   intermediate_size=48, attn_logit_softcapping=5.0, sliding_window=7,
@@ -32,8 +32,7 @@ SCRIPT = Path(__file__).with_name("context_checks.py")
 
 
 def _check(checks: dict) -> dict:
-    env = {**os.environ}
-    env.pop("XLA_FLAGS", None)  # the script asks for its 8 devices itself
+    env = child_env()  # the script asks for its 8 devices itself
     done = subprocess.run([sys.executable, str(SCRIPT), json.dumps(checks)], capture_output=True, text=True,
                           env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]

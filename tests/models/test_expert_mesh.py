@@ -3,7 +3,6 @@ device (logits, gradients, greedy tokens) and holds only E / expert experts per 
 meshes run in a fresh process with 8 CPU devices (expert_mesh_check.py); the refusals run here."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,14 +14,14 @@ from jax.sharding import AbstractMesh
 from rlbolt.config import ConfigError, load_config
 from rlbolt.distributed import AXES, MeshError, MeshSpec, ShardingPlan
 from rlbolt.models import Decoder, tiny_config
+from cpu_devices import child_env
 
 SCRIPT = Path(__file__).with_name("expert_mesh_check.py")
 MOE = dict(architecture="Qwen3MoeForCausalLM", num_experts=6, num_experts_per_tok=2, moe_intermediate_size=8)
 
 
 def _check(meshes, mode: tuple[str, ...] = ()) -> dict:
-    env = {**os.environ}
-    env.pop("XLA_FLAGS", None)  # the script asks for its 8 devices itself
+    env = child_env()  # the script asks for its 8 devices itself
     done = subprocess.run([sys.executable, str(SCRIPT), *mode, json.dumps(meshes)], capture_output=True, text=True,
                           env=env, timeout=1500)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -124,6 +124,10 @@ def _hf_token_logps(hf_model, prompt_ids, prompt_mask, completion_ids, completio
     return np.where(completion_mask, np.take_along_axis(logp, completion_ids[..., None], -1)[..., 0], 0.0), scale
 
 
+# jitted as the trainer runs it (one program per case; op by op, the first family compiled ~400 primitives)
+_jit_token_logps = jax.jit(token_logps, static_argnums=0, static_argnames=("chunk_size", "group_size"))
+
+
 @pytest.mark.parametrize("name", WINDOWED)
 def test_token_logps_match_transformers_shared_or_not_and_chunked(tmp_path, name):
     hf_model = _scaled_hf_folder(name, tmp_path)
@@ -139,7 +143,7 @@ def test_token_logps_match_transformers_shared_or_not_and_chunked(tmp_path, name
     for chunk, group in ((None, 1), (3, 2)):
         model.attention_query_chunk = chunk
         graphdef, params = nnx.split(model)
-        got = token_logps(graphdef, params, *(jnp.asarray(x) for x in batch), chunk_size=4, group_size=group)
+        got = _jit_token_logps(graphdef, params, *(jnp.asarray(x) for x in batch), chunk_size=4, group_size=group)
         np.testing.assert_allclose(np.asarray(got), want, atol=tolerance, rtol=0, err_msg=f"chunk={chunk} G={group}")
 
 

@@ -10,7 +10,6 @@ kernels on 8 devices: `decoder_tolerance`-style, the same 8x bound of each array
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -22,7 +21,7 @@ import pytest
 from float_tolerance import EPS32
 from rlbolt.models.decoder_layer import _geglu_tanh, _swiglu
 from rlbolt.models.mlp_blocks import block_count, mlp_in_blocks
-from cpu_devices import run_on_cpu_devices
+from cpu_devices import child_env, run_on_cpu_devices
 
 
 def test_block_count_is_the_fewest_dividing_blocks_within_the_size():
@@ -190,7 +189,6 @@ def test_decoder_with_mlp_blocks_on_an_fsdp_mesh_gives_the_whole_kernels_logps_a
     (GeGLU, sandwich norms) looped, 7 positions per piece: logps and every gradient of
     `model.mlp_block_size` 32 (3 blocks) equal the whole kernels' (0), and only the latter gathers a whole
     gate|up kernel. Tolerance: the bound above per layer of depth, of each array's own magnitude."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
+    env = child_env(JAX_PLATFORMS="cpu")  # the script asks for its 8 devices itself
     out = subprocess.run([sys.executable, "-c", DECODER], capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0 and out.stdout.startswith("ok"), out.stderr[-3000:]
