@@ -142,6 +142,26 @@ def donated_fields(lag_steps: int) -> tuple[str, ...]:
     return ("params", "opt_state") if lag_steps == 0 else ("opt_state",)
 
 
+def build_optimizer(module: Any, params: Any, sharding: Any, master_weights: str = "auto",
+                    wrap_optimizer: Callable[[Any], Any] | None = None) -> tuple[Any, Any]:
+    """A fit's optimizer and its state, born sharded like `params`: `module.configure_optimizers()`,
+    then the callbacks' `wrap_optimizer`, then float32 masters for narrower params (`rlbolt.master_weights`).
+    `rlbolt plan` builds its abstract run's optimizer here too.
+
+    Args:
+      module: the RLModule, set up.
+      params: its parameters, placed on `sharding` (arrays or abstract values).
+      sharding: the train role's `rlbolt.distributed.ShardingPlan`.
+      master_weights: "auto" or "none" (`rlbolt.master_weights`).
+      wrap_optimizer: `optimizer -> optimizer` (None: unchanged).
+    """
+    optimizer = module.configure_optimizers()
+    if wrap_optimizer is not None:
+        optimizer = wrap_optimizer(optimizer)  # e.g. NaNGuard(action="skip")
+    optimizer = masters.wrap(optimizer, params, master_weights)  # float32 masters for bf16
+    return optimizer, layout.init_optimizer(optimizer, params, sharding)
+
+
 def setup_update(module: Any, params: Any, sharding: Any, *, grad_accum_steps: int, donate: tuple[str, ...],
                  master_weights: str = "auto", wrap_optimizer: Callable[[Any], Any] | None = None,
                  device_memory_bytes: int | None = None) -> UpdateSetup:
@@ -164,11 +184,7 @@ def setup_update(module: Any, params: Any, sharding: Any, *, grad_accum_steps: i
     """
     if "params" in donate:  # the module may keep init_params' arrays (the KL reference does)
         params = jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, params)
-    optimizer = module.configure_optimizers()
-    if wrap_optimizer is not None:
-        optimizer = wrap_optimizer(optimizer)  # e.g. NaNGuard(action="skip")
-    optimizer = masters.wrap(optimizer, params, master_weights)  # float32 masters for bf16
-    opt_state = layout.init_optimizer(optimizer, params, sharding)
+    optimizer, opt_state = build_optimizer(module, params, sharding, master_weights, wrap_optimizer)
     memory_plan = layout.memory_plan(module.memory_plan(sharding), params, opt_state, sharding,
                                      device_bytes=device_memory_bytes)  # before anything compiles
     update = make_update_fn(module.training_step, optimizer, grad_accum_steps, frozen=module.frozen_params(),
@@ -191,5 +207,5 @@ def first_state(params: Any, opt_state: Any, seed: int, sharding: ShardingPlan) 
                       rng=sharding.place(jax.random.fold_in(jax.random.PRNGKey(seed), 1)))
 
 
-__all__ = ["UpdateSetup", "describe_run", "donated_fields", "first_state", "fit_callbacks", "init_module", "param_key",
+__all__ = ["UpdateSetup", "build_optimizer", "describe_run", "donated_fields", "first_state", "fit_callbacks", "init_module", "param_key",
            "place_roles", "setup_update"]

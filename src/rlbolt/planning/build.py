@@ -71,9 +71,9 @@ def build_abstract(cfg: RunConfig, devices: list[Any]) -> AbstractRun:
     Raises:
       ConfigError, PlanError, MeshError: what `rlbolt fit` would refuse for that device set.
     """
-    from rlbolt import master_weights
     from rlbolt.app.build import build_module, build_plan
-    from rlbolt.distributed.layout import check_batch_plan, init_optimizer
+    from rlbolt.distributed.layout import check_batch_plan
+    from rlbolt.fit_setup import build_optimizer
     from rlbolt.distributed.placement import Placement
     from rlbolt.modules import lm_ops
     from rlbolt.modules.prompts import builtin_tokenizer
@@ -99,8 +99,7 @@ def build_abstract(cfg: RunConfig, devices: list[Any]) -> AbstractRun:
     # As the Trainer does: float32 master weights and moments behind bfloat16 params (model.master_weights).
     # The Trainer first passes the optimizer through the callbacks' wrap_optimizer: the callbacks a config builds
     # leave it unchanged (NaNGuard's default "stop"; tests/planning/test_plan_cpu.py), so the plan skips them.
-    optimizer = master_weights.wrap(module.configure_optimizers(), params, cfg.model.master_weights)
-    opt_state = init_optimizer(optimizer, params, sharding)
+    optimizer, opt_state = build_optimizer(module, params, sharding, cfg.model.master_weights)
     _check_abstract(params, opt_state)
     return AbstractRun(cfg, module, plan, dict(shardings), params, opt_state, optimizer, list(devices))
 
