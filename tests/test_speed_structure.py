@@ -80,17 +80,14 @@ def _fit(module, rows, steps: int, callbacks=()):
     return trainer.fit(module, rows)
 
 
-@pytest.mark.parametrize("beta, want_ref_calls", [(0.0, 0), (0.04, 2)])
-def test_no_policy_logps_forward_when_one_iteration(beta, want_ref_calls):
-    vocab = 64
-    module = _module(vocab, beta, new_tokens=4, stop_at_eos=False)
-    _fit(module, _rows(2 * PROMPTS, vocab, (6,)), steps=2)
-    # One logps micro batch per step (logps_micro_batch_size defaults to the global batch).
-    assert module.logps_calls == [True] * want_ref_calls
+VARYING_STEPS = 4
 
 
-def test_no_recompilation_when_prompt_and_completion_lengths_vary():
-    vocab, steps = 8, 4  # a tiny vocabulary makes EOS (id 1) frequent: completion lengths vary
+@pytest.fixture(scope="module")
+def varying_lengths_fit():
+    """A beta > 0 fit whose prompt and completion lengths vary, with every backend compile counted: the
+    recompilation test's run, and the one-iteration test's beta > 0 case (one fit, not two)."""
+    vocab = 8  # a tiny vocabulary makes EOS (id 1) frequent: completion lengths vary
     compiles: list[int] = []
 
     def on_event(event, *args, **kwargs):
@@ -101,9 +98,29 @@ def test_no_recompilation_when_prompt_and_completion_lengths_vary():
     record = RecordSteps(compiles)
     try:
         module = _module(vocab, beta=0.04, new_tokens=12, stop_at_eos=True)
-        _fit(module, _rows(steps * PROMPTS, vocab, (5, 9, 13, 16)), steps=steps, callbacks=[record])
+        _fit(module, _rows(VARYING_STEPS * PROMPTS, vocab, (5, 9, 13, 16)), steps=VARYING_STEPS, callbacks=[record])
     finally:
         jax.monitoring.unregister_event_duration_listener(on_event)
+    return module, record
+
+
+def test_no_policy_logps_forward_when_one_iteration_without_reference(varying_lengths_fit):
+    # The counted fit runs first (the fixture): this fit's shapes then reuse its compiled sampler, and
+    # cannot hide a recompilation from it.
+    vocab = 8
+    module = _module(vocab, 0.0, new_tokens=12, stop_at_eos=True)
+    _fit(module, _rows(2 * PROMPTS, vocab, (5, 9, 13, 16)), steps=2)
+    assert module.logps_calls == []  # beta = 0: no forward at all on the producer
+
+
+def test_no_policy_logps_forward_when_one_iteration_with_reference(varying_lengths_fit):
+    module, _ = varying_lengths_fit
+    # One logps micro batch per step (logps_micro_batch_size defaults to the global batch): the reference's.
+    assert module.logps_calls == [True] * VARYING_STEPS
+
+
+def test_no_recompilation_when_prompt_and_completion_lengths_vary(varying_lengths_fit):
+    _, record = varying_lengths_fit
     lengths = np.stack(record.completion_lengths)  # [steps, N]
     assert len(np.unique(lengths)) > 1, "the workload must vary completion lengths for this test to mean anything"
     # Step 1 compiles everything once; steps 2..4 must reuse it.

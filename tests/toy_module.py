@@ -7,6 +7,8 @@ completion tokens equal to `target`, so the optimum is obvious and reachable in 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,13 +23,38 @@ def prompt_rows(n: int, vocab: int = 8, prompt_len: int = 3, seed: int = 0) -> l
     return [{"prompt": rng.integers(0, vocab, prompt_len).tolist()} for _ in range(n)]
 
 
+def _token_logps(params, prompt_ids, completion_ids):
+    prev = jnp.concatenate([prompt_ids[:, -1:], completion_ids[:, :-1]], axis=1)  # [N, C]
+    logits = jax.nn.log_softmax(params["table"][prev], axis=-1)  # [N, C, V]
+    return jnp.take_along_axis(logits, completion_ids[..., None], axis=-1)[..., 0]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _sample_rows(completion_len: int, params, last_tokens, keys):
+    """Each row's C tokens from the bigram table. One jitted function for every ToyModule (the table and
+    the keys are arguments): a test's many modules compile it once per shape, not once per instance."""
+    def sample_one(last_token, key):
+        def step(prev, t):
+            logits = jax.nn.log_softmax(params["table"][prev])
+            token = jax.random.categorical(jax.random.fold_in(key, t), logits)
+            return token, (token, logits[token])
+
+        _, (tokens, logps) = jax.lax.scan(step, last_token, jnp.arange(completion_len))
+        return tokens, logps
+
+    return jax.vmap(sample_one)(last_tokens, keys)
+
+
+_jit_token_logps = jax.jit(_token_logps)
+
+
 class ToyModule(RLModule):
     def __init__(self, vocab: int = 8, completion_len: int = 6, target: int = 3, lr: float = 0.1,
                  clip: float = 0.2, optimizer: optax.GradientTransformation | None = None):
         self.vocab, self.completion_len, self.target, self.lr, self.clip = vocab, completion_len, target, lr, clip
         self._optimizer = optimizer
-        self._sample = jax.jit(jax.vmap(self._sample_one, in_axes=(None, 0, 0)))
-        self._logps = jax.jit(self.token_logps)
+        self._sample = functools.partial(_sample_rows, completion_len)
+        self._logps = _jit_token_logps
 
     def init_params(self, rng):
         return {"table": 0.01 * jax.random.normal(rng, (self.vocab, self.vocab))}
@@ -35,19 +62,8 @@ class ToyModule(RLModule):
     def configure_optimizers(self):
         return self._optimizer or optax.adam(self.lr)
 
-    def _sample_one(self, params, last_token, key):
-        def step(prev, t):
-            logits = jax.nn.log_softmax(params["table"][prev])
-            token = jax.random.categorical(jax.random.fold_in(key, t), logits)
-            return token, (token, logits[token])
-
-        _, (tokens, logps) = jax.lax.scan(step, last_token, jnp.arange(self.completion_len))
-        return tokens, logps
-
     def token_logps(self, params, prompt_ids, completion_ids):
-        prev = jnp.concatenate([prompt_ids[:, -1:], completion_ids[:, :-1]], axis=1)  # [N, C]
-        logits = jax.nn.log_softmax(params["table"][prev], axis=-1)  # [N, C, V]
-        return jnp.take_along_axis(logits, completion_ids[..., None], axis=-1)[..., 0]
+        return _token_logps(params, prompt_ids, completion_ids)
 
     def on_rollout(self, params, batch: Batch) -> Batch:
         prompt_ids = np.stack([np.asarray(p, np.int32) for p in batch["prompt"]])

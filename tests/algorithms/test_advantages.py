@@ -23,6 +23,13 @@ from rlbolt.algorithms.advantages import _discounted_returns
 # (6e-6 relative) of float64 on any CPU (sum_error_bound: n * eps). rtol=1e-5 is 84 ulps; rtol=1e-6
 # (8 ulps) only for single exp/log/divide chains; atol=1e-6 / 1e-7 for values that are 0 in float64.
 
+# The group estimators are jitted in src; the token-level ones run jitted here, as a module's update runs
+# them: one compile per function, shape and setting instead of one per primitive.
+reinforcepp_advantages = jax.jit(reinforcepp_advantages, static_argnames=("kl_coef", "gamma", "eps"))
+gae_advantages = jax.jit(gae_advantages, static_argnames=("gamma", "lam"))
+group_reward_spread = jax.jit(group_reward_spread)
+_discounted_returns = jax.jit(_discounted_returns, static_argnames=("gamma",))
+
 # Non-contiguous ids, group sizes 2, 3 and 1.
 IDS = jnp.array([7, 7, 3, 3, 3, 42])
 REWARDS = jnp.array([1.0, 0.0, 2.0, 0.0, 1.0, 5.0])

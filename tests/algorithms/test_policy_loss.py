@@ -19,6 +19,14 @@ from rlbolt.algorithms import (
 # (8 ulps) only for single exp/log/divide chains; atol=1e-6 / 1e-7 for values that are 0 in float64.
 )
 
+# Each objective runs jitted, as the update runs it: one compile per function, shape and setting instead of
+# one per primitive (the settings are static, as a module's config fixes them).
+aggregate_loss = jax.jit(aggregate_loss, static_argnames=("mode", "max_completion_length"))
+clipped_surrogate = jax.jit(clipped_surrogate, static_argnames=("clip_low", "clip_high", "dual_clip"))
+clipped_value_loss = jax.jit(clipped_value_loss, static_argnames=("clip",))
+gspo_surrogate = jax.jit(gspo_surrogate, static_argnames=("clip_low", "clip_high"))
+truncated_importance_weights = jax.jit(truncated_importance_weights, static_argnames=("cap",))
+
 # Ratios written out; the last token of row 0 is padding with a garbage logp.
 RATIOS = np.array([[1.5, 0.5, 1.1, 1.0], [1.5, 0.5, 0.7, 4.0]])
 MASK = jnp.array([[1, 1, 1, 0], [1, 1, 1, 1]], bool)

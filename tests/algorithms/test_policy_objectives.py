@@ -19,6 +19,14 @@ from rlbolt.algorithms import (
 # (8 ulps) only for single exp/log/divide chains; atol=1e-6 / 1e-7 for values that are 0 in float64.
 )
 
+# Each objective runs jitted, as the update runs it: one compile per function, shape and setting instead of
+# one per primitive (the settings are static, as a module's config fixes them).
+aggregate_loss = jax.jit(aggregate_loss, static_argnames=("mode", "max_completion_length"))
+cispo_surrogate = jax.jit(cispo_surrogate, static_argnames=("clip_low", "clip_high"))
+clipped_surrogate = jax.jit(clipped_surrogate, static_argnames=("clip_low", "clip_high", "dual_clip"))
+gmpo_surrogate = jax.jit(gmpo_surrogate, static_argnames=("clip_low", "clip_high"))
+sapo_surrogate = jax.jit(sapo_surrogate, static_argnames=("tau_pos", "tau_neg"))
+
 # Ratios written out; row 0's last token is padding with a garbage logp.
 RATIOS = np.array([[1.5, 0.5, 1.1, 1.0], [1.5, 0.5, 0.7, 4.0]])
 MASK_NP = np.array([[1, 1, 1, 0], [1, 1, 1, 1]], bool)

@@ -1,11 +1,14 @@
 """HFExport: a tiny GRPO fit exports step_<n>/ and final/ folders that transformers loads with
 the same logits as the rlbolt Decoder holding that step's params; the module's model is untouched."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
 import torch
 import transformers
+from flax import nnx
 from tokenizers import Tokenizer
 from tokenizers import models as tokenizer_models
 
@@ -34,10 +37,17 @@ class Record(Callback):
         self.params[info.step] = info.state.params
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _jit_logits(graphdef, state, ids, positions, attention_mask):
+    logits, _ = nnx.merge(graphdef, state)(ids, positions, attention_mask=attention_mask)
+    return logits
+
+
 def _rlbolt_logits(model, ids):
+    """The Decoder's forward jitted, as the trainer runs it (one compile per shape, not one per primitive)."""
     positions = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
-    logits, _ = model(ids.astype(np.int32), positions, attention_mask=np.ones(ids.shape, bool))
-    return np.asarray(logits)
+    graphdef, state = nnx.split(model)
+    return np.asarray(_jit_logits(graphdef, state, ids.astype(np.int32), positions, np.ones(ids.shape, bool)))
 
 
 def _hf_logits(folder, ids):
@@ -81,7 +91,6 @@ def test_steps_differ_and_module_model_untouched(exported):
     module, record, _, hf = exported
     ids = np.arange(12).reshape(2, 6) % module.model.config.vocab_size
     assert np.abs(_hf_logits(hf / "step_1", ids) - _hf_logits(hf / "step_2", ids)).max() > 1e-4
-    from flax import nnx
     now = jax.tree.leaves(jax.tree.map(np.asarray, nnx.state(module.model, nnx.Param)))
     for got, want in zip(now, jax.tree.leaves(record.initial)):
         np.testing.assert_array_equal(got, want)

@@ -42,14 +42,21 @@ def test_toy_policy_learns_through_fit():
     assert rec.infos[-1].metrics["toy/logged"] > 0  # RLModule.log from the producer thread reaches the step
 
 
-@pytest.mark.parametrize("micro", [1, 2, 4])
-def test_gradient_accumulation_equals_full_mini_batch_update(micro):
-    def run(train_micro):
-        module = ToyModule(optimizer=optax.sgd(0.5))
-        plan = _plan(mini_batch_size=8, train_micro_batch_size=train_micro)
-        return Trainer(plan, max_steps=3).fit(module, prompt_rows(16))
+def _accumulation_run(train_micro):
+    module = ToyModule(optimizer=optax.sgd(0.5))
+    plan = _plan(mini_batch_size=8, train_micro_batch_size=train_micro)
+    return Trainer(plan, max_steps=3).fit(module, prompt_rows(16))
 
-    full, accumulated = run(8), run(micro)
+
+@pytest.fixture(scope="module")
+def full_mini_batch_run():
+    """The run without accumulation, the reference of every micro batch size (the same run each time)."""
+    return _accumulation_run(8)
+
+
+@pytest.mark.parametrize("micro", [1, 2, 4])
+def test_gradient_accumulation_equals_full_mini_batch_update(micro, full_mini_batch_run):
+    full, accumulated = full_mini_batch_run, _accumulation_run(micro)
     assert accumulated.policy_version == full.policy_version == 6
     # Same rollouts (per-sample keys), same update up to float32 summation order.
     # the toy table's gradient sums <= 8 rows: <= 8 * eps relative per step (sum_error_bound), 3 steps: rtol=1e-5

@@ -2,6 +2,7 @@
 
     python tests/distributed/placement_checks.py transfer   WeightSync onto other layouts
     python tests/distributed/placement_checks.py fit        colocated vs disaggregated (sync), async timeline
+    python tests/distributed/placement_checks.py transfer,reference   several in one process: {name: result}
 
 `transfer` moves a tiny decoder's parameters from a training mesh on devices 0-3 (fsdp=4) onto
 rollout meshes of another layout (devices 4-7 as fsdp=2 x tp=2; devices 6-7 as fsdp=2) and
@@ -256,5 +257,14 @@ def reference_fit() -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps({"transfer": transfer, "fit": fit, "reference": reference,
-                      "reference_fit": reference_fit}[sys.argv[1]]()))
+    # One check, or several in one process ("transfer,reference": the default tier's two, one JAX start);
+    # several print {name: result}. Each check's arrays are gone before the next one counts live bytes.
+    import gc
+
+    checks = {"transfer": transfer, "fit": fit, "reference": reference, "reference_fit": reference_fit}
+    names = sys.argv[1].split(",")
+    results = {}
+    for name in names:
+        results[name] = checks[name]()
+        gc.collect()
+    print(json.dumps(results[names[0]] if len(names) == 1 else results))
