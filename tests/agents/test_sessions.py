@@ -32,8 +32,11 @@ def test_native_sessions_give_the_episodes_of_the_full_history_path(temperature)
     rows = [r for r in guess_rows(4, seed=2) for _ in range(2)]  # groups of two episodes of one task
     keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(1), len(rows))), np.uint32)
     kept = run_episodes(sampler, [guess_env(r) for r in rows], keys, tokenizer=tok, temperature=temperature, **LIMITS)
-    full = run_episodes(sampler.generate, [guess_env(r) for r in rows], keys, tokenizer=tok, temperature=temperature,
-                        **LIMITS)
+    # The full-history path in one shape (8 rows, the largest bucket): one compiled reference program.
+    reference = NativeSampler(model, max_new_tokens=LIMITS["max_turn_tokens"], stop_token_ids=(tok.eos_id,),
+                              pad_id=tok.pad_id, prompt_buckets=(24,), micro_batch_size=8, share_prompts=False)
+    full = run_episodes(reference.generate, [guess_env(r) for r in rows], keys, tokenizer=tok,
+                        temperature=temperature, **LIMITS)
     assert kept.turns.max() >= 2 and (kept.sequence_mask & ~kept.completion_mask).any()  # replies were fed
     for name in ("completion_ids", "completion_mask", "sequence_mask", "turns", "end_reason", "env_reward"):
         np.testing.assert_array_equal(getattr(kept, name), getattr(full, name), err_msg=name)

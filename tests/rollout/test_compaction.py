@@ -21,7 +21,8 @@ from flax import nnx
 
 from float_tolerance import decoder_logps_tolerance
 from rlbolt.models import Decoder, tiny_config
-from rlbolt.rollout import NativeSampler, token_logps
+from rlbolt.rollout import NativeSampler
+from rollout_jit import token_logps
 from rlbolt.rollout.compaction import (branch_for, compaction_sizes, put_rows, run_compacted, running_first,
                                        take_rows)
 from rlbolt.rollout.sampler import _generate, decode_segments
@@ -138,12 +139,19 @@ def test_rows_without_groups_compact_the_same(model):
 
 
 def test_every_row_stopping_at_its_first_token_returns_one_token_rows(model):
-    rows = _rows(groups=2, group=4)
-    stops = tuple(range(VOCAB))  # whatever is drawn stops the row
-    s = NativeSampler(model, max_new_tokens=MAX_NEW, temperature=1.0, prompt_buckets=(8,), stop_token_ids=stops,
+    # A copy of the model whose first token is always a stop id: its output projection scores stop ids
+    # 2 and 3 only, one of them 1e4 * |h . 1| above every other id (h: the final hidden state). The
+    # layout and sampler options are those of the compacted sampler above: its program is reused.
+    stopping = nnx.clone(model)
+    kernel = np.zeros(stopping.lm_head.kernel.get_value().shape, np.float32)
+    kernel[:, 2], kernel[:, 3] = 1e4, -1e4
+    stopping.lm_head.kernel.set_value(jnp.asarray(kernel))
+    rows = _rows(groups=4, group=3)
+    s = NativeSampler(stopping, max_new_tokens=MAX_NEW, temperature=1.0, prompt_buckets=(8,), stop_token_ids=STOPS,
                       decode_segment=SEGMENT)
-    out = s.generate(rows, _keys(len(rows)))
+    out = s.generate(rows, _keys(len(rows), seed=4))
     assert (out.completion_mask.sum(1) == 1).all() and s.last_decode_steps == 0
+    assert np.isin(out.completion_ids[:, 0], (2, 3)).all() and (out.completion_ids[:, 1:] == 0).all()
 
 
 def _while_row_counts(jaxpr, width):

@@ -9,6 +9,7 @@ from flax import nnx
 from float_tolerance import decoder_logps_tolerance, decoder_tolerance
 from rlbolt.models import Decoder, tiny_config
 from rlbolt.rollout import left_pad_positions, token_logps, token_logps_and_entropy
+from rollout_jit import forward_logits, token_logps as jitted_token_logps
 
 
 def _batch(rng, vocab, b, p, c):
@@ -27,7 +28,7 @@ def _naive_reference(model, prompt_ids, prompt_mask, completion_ids, completion_
     ids = np.concatenate([prompt_ids, completion_ids], 1)
     mask = np.concatenate([prompt_mask, completion_mask], 1)
     positions = np.maximum(np.cumsum(mask, 1) - 1, 0)
-    logits, _ = model(jnp.asarray(ids), jnp.asarray(positions, jnp.int32), attention_mask=jnp.asarray(mask))
+    logits = forward_logits(model, jnp.asarray(ids), jnp.asarray(positions, jnp.int32), jnp.asarray(mask))
     p, c = prompt_ids.shape[1], completion_ids.shape[1]
     z = np.asarray(logits, np.float64)[:, p - 1: p + c - 1] / temperature
     z = z - z.max(-1, keepdims=True)
@@ -55,7 +56,7 @@ def test_matches_naive_float64_reference(temperature, chunk_size, tied):
     tolerance = decoder_logps_tolerance(model, batch[0].shape[1] + batch[2].shape[1], temperature=temperature)
     assert np.abs(np.asarray(logps) - ref_logps).max() <= tolerance
     assert np.abs(np.asarray(entropy) - ref_entropy).max() <= tolerance * (1 + np.log(model.config.vocab_size))
-    only = token_logps(graphdef, params, *batch, temperature=temperature, chunk_size=chunk_size)
+    only = jitted_token_logps(graphdef, params, *batch, temperature=temperature, chunk_size=chunk_size)
     np.testing.assert_allclose(np.asarray(only), np.asarray(logps), rtol=0, atol=tolerance)
     assert (np.asarray(logps)[~batch[3]] == 0).all()
 

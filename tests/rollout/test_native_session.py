@@ -30,15 +30,17 @@ def _model(**overrides):
     return Decoder(config, rngs=nnx.Rngs(5))
 
 
-def _sampler(model, temperature, **kw):
+def _sampler(model, temperature, prompt_buckets=(8, 16, 32, 64, 128), **kw):
     return NativeSampler(model, max_new_tokens=TURN_TOKENS, temperature=temperature, stop_token_ids=(STOP,),
-                         pad_id=PAD, prompt_buckets=(8, 16, 32, 64, 128), **kw)
+                         pad_id=PAD, prompt_buckets=prompt_buckets, **kw)
 
 
-def _reference(model, temperature):
-    """The full-history path: `generate` over whole histories, in one fixed shape per prompt bucket
-    (micro batches of 8 rows, nothing shared) so the reference compiles little."""
-    return HistorySession(_sampler(model, temperature, micro_batch_size=8, share_prompts=False).generate, PROMPTS)
+def _reference(model, temperature, prompts=None):
+    """The full-history path: `generate` over whole histories, in one fixed shape (micro batches of 8
+    rows, nothing shared, one prompt bucket of 64: the full path samples C ids past a budget, so its
+    histories outgrow MAX_TOTAL) so the reference compiles one program."""
+    sampler = _sampler(model, temperature, prompt_buckets=(64,), micro_batch_size=8, share_prompts=False)
+    return HistorySession(sampler.generate, PROMPTS if prompts is None else prompts)
 
 
 def _keys(n, seed=0):
@@ -162,7 +164,7 @@ def test_leaving_episodes_shrink_the_cache_and_the_rest_continue():
     prompts = [[4 + i, 5, 6] for i in range(8)]
     keys = _keys(8, seed=4)
     session = _sampler(model, 1.0).open_session(prompts, max_total_tokens=40)
-    full = HistorySession(_sampler(model, 1.0, micro_batch_size=8).generate, prompts)  # one shape per bucket
+    full = _reference(model, 1.0, prompts)
     assert session.rows == 8
     for turn, live in enumerate(([0, 1, 2, 3, 4, 5, 6, 7], [1, 3, 6], [6])):
         new = [[] if turn == 0 else [8, 9]] * len(live)
@@ -174,22 +176,23 @@ def test_leaving_episodes_shrink_the_cache_and_the_rest_continue():
 
 
 def test_bad_turns_are_refused_in_one_line():
-    sampler = _sampler(_model(), 0.0)
-    session = sampler.open_session([[4, 5], [6]], max_total_tokens=10)
-    keys = _keys(2)
+    # The session shapes of test_turns_compile_nothing_new_once_their_shapes_were_seen: compiled already.
+    sampler = _sampler(_model(), 1.0)
+    session = sampler.open_session([[5, 6, 7, 8]] * 2 + [[9, 10]] * 2, max_total_tokens=60)
+    keys = _keys(4, seed=3)
     with pytest.raises(ValueError, match="ascending"):
-        session.turn([1, 0], [[], []], keys)
+        session.turn([1, 0, 2, 3], [[]] * 4, keys)
     with pytest.raises(ValueError, match="new_ids rows"):
-        session.turn([0, 1], [[]], keys)
+        session.turn([0, 1, 2, 3], [[]], keys)
     with pytest.raises(ValueError, match="rng_keys"):
-        session.turn([0, 1], [[], []], keys[:1])
+        session.turn([0, 1, 2, 3], [[]] * 4, keys[:1])
     with pytest.raises(ValueError, match="vocab_size"):
-        session.turn([0, 1], [[VOCAB], []], keys)
-    with pytest.raises(ValueError, match="max_total_tokens=10"):
-        session.turn([0, 1], [[4] * 11, []], keys)
-    session.turn([1], [[]], keys[1:])  # episode 0 leaves
+        session.turn([0, 1, 2, 3], [[VOCAB], [], [], []], keys)
+    with pytest.raises(ValueError, match="max_total_tokens=60"):
+        session.turn([0, 1, 2, 3], [[4] * 61, [], [], []], keys)
+    session.turn([1, 2, 3], [[]] * 3, keys[1:])  # episode 0 leaves
     with pytest.raises(ValueError, match="left the session"):
-        session.turn([0, 1], [[], []], keys)
+        session.turn([0, 1], [[], []], keys[:2])
     with pytest.raises(ValueError, match="max_total_tokens=0"):
         sampler.open_session([[4]], max_total_tokens=0)
     with pytest.raises(ValueError, match="max_position_embeddings"):

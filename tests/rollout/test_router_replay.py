@@ -15,6 +15,7 @@ from rlbolt.models.moe import pop_routing, record_routing, replay_routing, routi
 from rlbolt.models.shared_prefix import grouped_completion_hidden
 from rlbolt.rollout import NativeSampler, left_pad_positions, token_logps
 from rlbolt.models.logps import forward_routing
+from rollout_jit import token_logps as jitted_token_logps
 
 
 def _model():
@@ -117,7 +118,8 @@ def test_token_logps_and_routing_feed_the_aux_loss_and_the_mismatch_metric():
         logps, experts, probs = jax.jit(lambda p, r: token_logps_and_routing(graphdef, p, *args, routing=r))(
             params, routing)
         tolerance = decoder_logps_tolerance(model, args[0].shape[1] + args[2].shape[1])  # lm_head as _moved's
-        np.testing.assert_allclose(np.asarray(logps), np.asarray(token_logps(graphdef, params, *args, routing=routing)),
+        plain = jitted_token_logps(graphdef, params, *args, routing=routing)
+        np.testing.assert_allclose(np.asarray(logps), np.asarray(plain),
                                    rtol=0, atol=tolerance)  # the same forward, with the routing as extra outputs
         assert len(experts) == len(probs) == 2 and probs[0].shape == (2 * (out.prompt_ids.shape[1] + 6), 4)
         real = _real(out, 1)

@@ -9,7 +9,8 @@ from flax import nnx
 
 from float_tolerance import decoder_logps_tolerance
 from rlbolt.models import Decoder, tiny_config
-from rlbolt.rollout import NativeSampler, RolloutEngine, token_logps
+from rlbolt.rollout import NativeSampler, RolloutEngine
+from rollout_jit import token_logps
 
 MAX_NEW = 10
 

@@ -13,7 +13,8 @@ from flax import nnx
 
 from float_tolerance import decoder_logps_tolerance
 from rlbolt.models import Decoder, tiny_config
-from rlbolt.rollout import NativeSampler, token_logps
+from rlbolt.rollout import NativeSampler
+from rollout_jit import token_logps
 from rlbolt.rollout.sampler import decode_segments
 
 MAX_NEW = 9
@@ -82,8 +83,10 @@ def test_rows_that_are_not_consecutive_groups_are_not_shared(model):
 
 
 def test_early_exit_skips_every_later_segment(model):
+    # Four segments, every row in place (a program of 4 decode loops, not 10); every row stopping at
+    # once with compacted segments: tests/rollout/test_compaction.py (test_every_row_stopping_...).
     s = NativeSampler(model, max_new_tokens=MAX_NEW, temperature=1.0, prompt_buckets=(8,),
-                      stop_token_ids=tuple(range(48)), decode_segment=2)  # every token stops
+                      stop_token_ids=tuple(range(48)), decode_segment=2, compact_finished=False)  # every token stops
     out = s.generate([[1, 2, 3]] * 4, _keys(4))
     assert s.last_decode_steps == 0 and out.completion_mask.sum(1).tolist() == [1, 1, 1, 1]
 

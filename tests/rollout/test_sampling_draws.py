@@ -173,9 +173,9 @@ def test_vocabulary_major_logits_draw_the_same_tokens_and_logps(sp, vocab):
     logits[1, vocab - 1] = 0.0  # a row with one possible token, in the last (padded) block
     keys = jax.random.key_data(jax.random.split(jax.random.key(1), 5))
     uniforms = step_uniforms(keys, sp)(2)
-    draw = jax.jit(sample_tokens, static_argnums=2, static_argnames="vocab_axis")
-    rows = draw(jnp.asarray(logits), uniforms, sp)
-    cols = draw(jnp.asarray(logits.T), uniforms, sp, vocab_axis=0)
+    both = jax.jit(lambda x, u, sp: (sample_tokens(x, u, sp), sample_tokens(x.T, u, sp, vocab_axis=0)),
+                   static_argnums=2)  # one program for the two layouts
+    rows, cols = both(jnp.asarray(logits), uniforms, sp)
     np.testing.assert_array_equal(np.asarray(cols[0]), np.asarray(rows[0]))
     tolerance = _draw_tolerance(logits, sp.temperature or 1.0)
     # sums in another order
