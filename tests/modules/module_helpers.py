@@ -75,8 +75,9 @@ def _token_logps(graphdef, state, prompt_ids, prompt_mask, completion_ids, compl
     return token_logps(graphdef, state, prompt_ids, prompt_mask, completion_ids, completion_mask)
 
 
-def jitted_token_logps(model, batch):
-    """token_logps of `model` (a plain forward, defaults) on a batch's four token columns, jitted."""
+def jitted_token_logps(model, batch, mask="completion_mask"):
+    """token_logps of `model` (a plain forward, defaults) on a batch's token columns (the completion's
+    mask from column `mask`), jitted."""
     graphdef, state = nnx.split(model)
     return _token_logps(graphdef, state, *(jnp.asarray(batch[k]) for k in
-                                           ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")))
+                                           ("prompt_ids", "prompt_mask", "completion_ids", mask)))
