@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -79,10 +80,9 @@ def test_export_writes_the_checkpointed_weights_for_transformers(small_run, tmp_
 
     model, step, _ = latest_model(small_run)
     assert step == max(int(p.name) for p in (small_run / "checkpoints").iterdir() if p.name.isdigit())
-    from models.test_hf_config import rlbolt_logits  # jitted: eagerly every primitive compiles alone
-
     ids = np.asarray([DigitsGRPO(SMALL).tokenizer.encode("3141=2718")], np.int32)
-    ours = rlbolt_logits(model, ids)  # positions 0.., no padding
+    positions = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
+    ours, _ = model(jnp.asarray(ids), positions)
     with torch.no_grad():
         theirs = hf(torch.tensor(ids, dtype=torch.long)).logits.numpy()
     from float_tolerance import decoder_tolerance
@@ -96,7 +96,7 @@ def test_export_writes_the_checkpointed_weights_for_transformers(small_run, tmp_
 
     fresh = DigitsGRPO(SMALL)
     fresh.init_params(jax.random.PRNGKey(SMALL.seed))
-    initial = rlbolt_logits(fresh.model, ids)
+    initial, _ = fresh.model(jnp.asarray(ids), positions)
     assert np.abs(np.asarray(initial) - theirs).max() > 1e-3  # trained weights, not the initial ones
 
     # A second export into the same folder is refused unless asked.
