@@ -2,14 +2,17 @@
 
 Imported by the test files (tests/modules/conftest.py puts this folder on sys.path)."""
 
+import functools
 import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from rlbolt.batch import Batch
 from rlbolt.data import gsm8k_style_rows
+from rlbolt.models.logps import token_logps
 from rlbolt.models import Decoder, tiny_config
 from rlbolt.modules.prompts import builtin_tokenizer
 from rlbolt.plan import BatchPlan
@@ -51,3 +54,30 @@ def rollout(module, rows=None, seed=0):
     params = module.init_params(jax.random.key(0))
     batch = module.on_rollout(params, prompt_batch(rows or gsm8k_style_rows(2), seed))
     return params, module.compute_logps(params, batch)
+
+
+# A test's own reference forward runs jitted: eagerly, every primitive of every new shape is its own
+# XLA compile (CONTRIBUTING.md). One compiled program per model structure and shape.
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(graphdef, state, ids, positions, attention_mask):
+    return nnx.merge(graphdef, state)(ids, positions, attention_mask=attention_mask)[0]
+
+
+def jitted_logits(model, ids, positions, attention_mask=None):
+    """model(ids, positions, attention_mask=...)'s logits, through one jitted program."""
+    graphdef, state = nnx.split(model)
+    mask = None if attention_mask is None else jnp.asarray(attention_mask, bool)
+    return _logits(graphdef, state, jnp.asarray(ids, jnp.int32), jnp.asarray(positions, jnp.int32), mask)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _token_logps(graphdef, state, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    return token_logps(graphdef, state, prompt_ids, prompt_mask, completion_ids, completion_mask)
+
+
+def jitted_token_logps(model, batch, mask="completion_mask"):
+    """token_logps of `model` (a plain forward, defaults) on a batch's token columns (the completion's
+    mask from column `mask`), jitted."""
+    graphdef, state = nnx.split(model)
+    return _token_logps(graphdef, state, *(jnp.asarray(batch[k]) for k in
+                                           ("prompt_ids", "prompt_mask", "completion_ids", mask)))

@@ -9,20 +9,23 @@ import numpy as np
 import pytest
 from flax import nnx
 from float_tolerance import EPS32, decoder_logps_tolerance
-from module_helpers import G, TINY, module_config, prompt_batch, setup_context, tiny_model
+from module_helpers import G, TINY, jitted_token_logps, module_config, prompt_batch, setup_context, tiny_model
 
 from rlbolt.config import ConfigError
 from rlbolt.data import gsm8k_style_rows
 from rlbolt.models import Decoder, tiny_config
 from rlbolt.modules import GRPO
 from rlbolt.modules.prompts import builtin_tokenizer
-from rlbolt.models.logps import token_logps
 
 
-def _module(teacher, **algorithm):
-    tokenizer = builtin_tokenizer()
-    module = GRPO(module_config("grpo", **algorithm), model=tiny_model(tokenizer), tokenizer=tokenizer,
-                  teacher=teacher)
+@pytest.fixture(scope="module")
+def teacher(tokenizer):
+    """Another tiny Decoder of the student's shape (seed 7); the tests only read it."""
+    return Decoder(tiny_config(vocab_size=tokenizer.vocab_size, **TINY), rngs=nnx.Rngs(7))
+
+
+def _module(teacher, model, tokenizer, **algorithm):
+    module = GRPO(module_config("grpo", **algorithm), model=model, tokenizer=tokenizer, teacher=teacher)
     module.setup(setup_context())
     return module
 
@@ -47,15 +50,11 @@ def test_the_student_as_its_own_teacher_gives_zero_advantages_and_no_update():
     assert all(float(np.abs(np.asarray(g)).max()) == 0.0 for g in jax.tree.leaves(grads))
 
 
-def test_advantages_are_the_teachers_reverse_kl_by_hand():
-    tokenizer = builtin_tokenizer()
-    teacher = Decoder(tiny_config(vocab_size=tokenizer.vocab_size, **TINY), rngs=nnx.Rngs(7))
-    module = _module(teacher, distill_kl_coef=0.5)
+def test_advantages_are_the_teachers_reverse_kl_by_hand(teacher, model, tokenizer):
+    module = _module(teacher, model, tokenizer, distill_kl_coef=0.5)
     _, batch = _advantaged(module)
     mask = np.asarray(batch["completion_mask"], bool)
-    graphdef, state = nnx.split(teacher)
-    want_teacher = np.asarray(token_logps(graphdef, state, *(batch[k] for k in ("prompt_ids", "prompt_mask",
-                                                                               "completion_ids", "completion_mask"))))
+    want_teacher = np.asarray(jitted_token_logps(teacher, batch))
     seq = batch["prompt_ids"].shape[1] + batch["completion_ids"].shape[1]
     tolerance = decoder_logps_tolerance(teacher, seq)  # the module's teacher forward against a plain one
     np.testing.assert_allclose(batch["teacher_logps"][mask], want_teacher[mask], rtol=0, atol=tolerance)
@@ -65,20 +64,17 @@ def test_advantages_are_the_teachers_reverse_kl_by_hand():
     assert batch["advantages"].shape == (2 * G, module.rollout_cfg.max_new_tokens)
 
 
-def test_task_advantages_mix_in_with_their_weight():
-    tokenizer = builtin_tokenizer()
-    teacher = Decoder(tiny_config(vocab_size=tokenizer.vocab_size, **TINY), rngs=nnx.Rngs(7))
-    pure = _advantaged(_module(teacher))[1]
-    mixed = _advantaged(_module(teacher, distill_task_coef=2.0))[1]
+def test_task_advantages_mix_in_with_their_weight(teacher, model, tokenizer):
+    pure = _advantaged(_module(teacher, model, tokenizer))[1]
+    mixed = _advantaged(_module(teacher, model, tokenizer, distill_task_coef=2.0))[1]
     mask = np.asarray(pure["completion_mask"], bool)
     task = np.asarray(GRPO.compute_advantages(None, pure))  # the group z-scores of the same rewards
     np.testing.assert_allclose(mixed["advantages"], np.where(mask, pure["advantages"] + 2.0 * task[:, None], 0.0),
                                atol=1e-5)
 
 
-def test_a_teacher_of_another_vocabulary_is_refused_in_one_line():
-    tokenizer = builtin_tokenizer()
+def test_a_teacher_of_another_vocabulary_is_refused_in_one_line(model, tokenizer):
     teacher = Decoder(tiny_config(vocab_size=tokenizer.vocab_size + 3, **TINY), rngs=nnx.Rngs(7))
     with pytest.raises(ConfigError, match="teacher's vocab_size .* is not the student's") as error:
-        _module(teacher)
+        _module(teacher, model, tokenizer)
     assert "\n" not in str(error.value)

@@ -186,7 +186,7 @@ def test_ppo_gae_value_head_and_value_loss(grpo, model, tokenizer):
     assert float(metrics["value/clip_frac"]) == 0.0
     # Values that moved, but less than value_clip: nothing is clipped (no ulp-sized false positives).
     moved = batch["old_values"] + np.random.default_rng(0).uniform(-0.19, 0.19, mask.shape).astype(np.float32)
-    _, value_metrics = module.extra_loss({"values": jnp.asarray(moved)}, add_mini_batch_totals(out.numeric()))
+    _, value_metrics = jax.jit(module.extra_loss)({"values": jnp.asarray(moved)}, add_mini_batch_totals(out.numeric()))
     assert float(value_metrics["value/clip_frac"]) == 0.0
 
 
@@ -244,7 +244,8 @@ def test_lr_schedule_matches_the_optimizer_warmup():
     grads = {"w": jnp.ones(3)}
     # AdamW's first step moves each weight by ~lr (sign of the gradient): lr of update 0 is 0, of update 2 is 5e-4.
     moves = []
+    update = jax.jit(tx.update)  # one program, not one compile per eager primitive
     for _ in range(3):
-        updates, state = tx.update(grads, state, params)
+        updates, state = update(grads, state, params)
         moves.append(float(-updates["w"][0]))
     assert moves[0] == pytest.approx(0.0, abs=1e-9) and moves[2] == pytest.approx(5e-4, rel=1e-3)

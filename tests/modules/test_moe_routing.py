@@ -59,9 +59,15 @@ def _forward_routing(module, params, batch):
     record_routing(model)
     ids = jnp.concatenate([batch["prompt_ids"], batch["completion_ids"]], 1)
     mask = jnp.concatenate([batch["prompt_mask"], batch["completion_mask"]], 1).astype(bool)
-    model(ids, left_pad_positions(mask), attention_mask=mask)
-    experts, probs = pop_routing(model)
+    experts, probs = _routed_forward(model, ids, left_pad_positions(mask), mask)
     return [np.asarray(e) for e in experts], [np.asarray(p, np.float64) for p in probs]
+
+
+@nnx.jit
+def _routed_forward(model, ids, positions, mask):
+    """The forward, jitted (eagerly every primitive compiles alone), and the routing it recorded."""
+    model(ids, positions, attention_mask=mask)
+    return pop_routing(model)
 
 
 def test_slot_mismatch_and_token_masks_against_hand_counts():

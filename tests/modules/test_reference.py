@@ -57,9 +57,9 @@ def test_a_placed_scorer_attends_over_an_episodes_environment_ids_as_a_colocated
 
     from rlbolt.models.config import tiny_config
     from rlbolt.models.decoder import Decoder
-    from rlbolt.models.logps import token_logps
     from rlbolt.modules.reference import PlacedReference
     from float_tolerance import decoder_logps_tolerance
+    from module_helpers import jitted_token_logps
 
     config = tiny_config(vocab_size=32)
     model = Decoder(config, rngs=nnx.Rngs(0))
@@ -70,10 +70,9 @@ def test_a_placed_scorer_attends_over_an_episodes_environment_ids_as_a_colocated
     batch["sequence_mask"] = np.ones((2, 6), bool)
     batch["completion_mask"] = np.array([[1, 1, 0, 0, 1, 1]] * 2, bool)  # ids 2-3: the environment's reply
     placed = PlacedReference(model, None, plan, temperature=1.0).logps(batch)
-    graphdef, params = nnx.split(model)
-    inputs = [batch[k] for k in ("prompt_ids", "prompt_mask", "completion_ids")]
-    full = np.asarray(token_logps(graphdef, params, *inputs, batch["sequence_mask"], temperature=1.0))
-    sampled_only = np.asarray(token_logps(graphdef, params, *inputs, batch["completion_mask"], temperature=1.0))
+    # jitted (one program for both masks): eagerly every primitive of the forward compiles alone
+    full = np.asarray(jitted_token_logps(model, batch, mask="sequence_mask"))  # temperature 1.0
+    sampled_only = np.asarray(jitted_token_logps(model, batch))
     tol = decoder_logps_tolerance(model, seq_len=10)
     np.testing.assert_allclose(placed[:, 4:], full[:, 4:], rtol=0, atol=tol)
     assert np.abs(sampled_only[:, 4:] - full[:, 4:]).max() > 100 * tol  # the masks give different logps there

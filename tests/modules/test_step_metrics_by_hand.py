@@ -10,13 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from module_helpers import TINY, module_config, prompt_batch, setup_context, tiny_model
+from module_helpers import TINY, jitted_logits, module_config, prompt_batch, setup_context
 
 from rlbolt.batch import Batch
 from rlbolt.models import Decoder, tiny_config
 from rlbolt.module import collect_log_values, mean_logs
 from rlbolt.modules import GRPO
-from rlbolt.modules.prompts import builtin_tokenizer
 
 
 class _GivenLogps(GRPO):
@@ -87,9 +86,7 @@ def test_ppo_clip_share_and_no_covariance_metric_without_a_covariance_rule():
     assert "cov/selected_frac" not in metrics
 
 
-def test_entropy_metric_is_the_token_mean_of_the_policy_entropy():
-    tokenizer = builtin_tokenizer()
-    model = tiny_model(tokenizer)
+def test_entropy_metric_is_the_token_mean_of_the_policy_entropy(model, tokenizer):
     # Prompts of 7 characters fill the padded width exactly: positions are 0.. for every row.
     module = GRPO({**module_config("grpo"), "data": {"max_prompt_tokens": 7}}, model=model, tokenizer=tokenizer)
     module.setup(setup_context())
@@ -100,7 +97,7 @@ def test_entropy_metric_is_the_token_mean_of_the_policy_entropy():
     assert mask.sum() > 0
     ids = np.concatenate([batch["prompt_ids"], batch["completion_ids"]], axis=1)
     positions = np.broadcast_to(np.arange(ids.shape[1]), ids.shape)
-    logits, _ = model(jnp.asarray(ids), jnp.asarray(positions))
+    logits = jitted_logits(model, ids, positions)
     logits = np.asarray(logits, np.float64)[:, 6:6 + mask.shape[1]]  # the logits that predict each completion id
     logp = logits - logits.max(-1, keepdims=True)
     logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
@@ -110,15 +107,15 @@ def test_entropy_metric_is_the_token_mean_of_the_policy_entropy():
                                          mini_batch_num_tokens=np.full(batch.num_samples, mask.sum(), np.float32),
                                          mini_batch_num_samples=np.full(batch.num_samples, batch.num_samples,
                                                                         np.float32))
-    _, metrics = module.training_step(params, micro)
+    # jitted, as the trainer runs it: eagerly every primitive of the model compiles alone
+    _, metrics = jax.jit(module.training_step)(params, micro)
     # a float32 mean of 12 values against float64: <= 12 * eps relative (sum_error_bound): rel=1e-5
     assert float(metrics["entropy"]) == pytest.approx(entropy[mask].mean(), rel=1e-5)
 
 
-def test_distillation_logs_the_token_mean_reverse_kl_of_the_round():
-    tokenizer = builtin_tokenizer()
+def test_distillation_logs_the_token_mean_reverse_kl_of_the_round(model, tokenizer):
     teacher = Decoder(tiny_config(vocab_size=tokenizer.vocab_size, **TINY), rngs=nnx.Rngs(7))
-    module = GRPO(module_config("grpo"), model=tiny_model(tokenizer), tokenizer=tokenizer, teacher=teacher)
+    module = GRPO(module_config("grpo"), model=model, tokenizer=tokenizer, teacher=teacher)
     module.setup(setup_context())
     params = module.init_params(jax.random.key(0))
     from rlbolt.data import gsm8k_style_rows
@@ -133,10 +130,8 @@ def test_distillation_logs_the_token_mean_reverse_kl_of_the_round():
     assert abs(want) > 1e-3  # a different teacher: a zero metric would fail
 
 
-def test_distillation_reverse_kl_metric_is_zero_when_every_token_is_masked():
-    tokenizer = builtin_tokenizer()
-    student = tiny_model(tokenizer)
-    module = GRPO(module_config("grpo"), model=student, tokenizer=tokenizer, teacher=student)
+def test_distillation_reverse_kl_metric_is_zero_when_every_token_is_masked(model, tokenizer):
+    module = GRPO(module_config("grpo"), model=model, tokenizer=tokenizer, teacher=model)
     module.setup(setup_context())
     n, c = 8, module.rollout_cfg.max_new_tokens
     batch = Batch(rewards=np.ones(n, np.float32), group_ids=np.repeat(np.arange(2), 4).astype(np.int32),
@@ -149,10 +144,9 @@ def test_distillation_reverse_kl_metric_is_zero_when_every_token_is_masked():
     assert not np.any(out["advantages"])
 
 
-def test_rollout_correction_logs_the_share_of_tokens_it_masked():
-    tokenizer = builtin_tokenizer()
+def test_rollout_correction_logs_the_share_of_tokens_it_masked(model, tokenizer):
     module = GRPO(module_config("grpo", rollout_correction="mask", rollout_correction_cap=2.0),
-                  model=tiny_model(tokenizer), tokenizer=tokenizer)
+                  model=model, tokenizer=tokenizer)
     module.setup(setup_context())
     params = module.init_params(jax.random.key(0))
     from rlbolt.data import gsm8k_style_rows
