@@ -8,6 +8,8 @@ softmax sees only keys up to its last row, the rest being exactly masked). Memor
 analysis of the compiled gradient (`temp_size_in_bytes`), not a timing.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,8 +26,13 @@ CONFIG = dict(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_h
               intermediate_size=48, max_position_embeddings=1024)
 
 
+@functools.cache
+def _base():
+    return nnx.split(Decoder(tiny_config(**CONFIG), rngs=nnx.Rngs(3)))  # built (eagerly) once per module
+
+
 def _model(chunk):
-    model = Decoder(tiny_config(**CONFIG), rngs=nnx.Rngs(3))
+    model = nnx.merge(*_base())  # a fresh module around the same weights
     model.attention_query_chunk = chunk
     return nnx.split(model)
 
@@ -55,11 +62,12 @@ def test_chunks_cover_the_queries_and_read_only_keys_up_to_their_last_row():
     k_t = jax.random.normal(keys[1], (b, 2, d, t))
     v = jax.random.normal(keys[2], (b, 2, t, d))
     visible = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-    whole = _attend(q, k_t, v, visible)
-    got = causal_query_chunks(attend, q, k_t, v, visible, 16)
+    whole = jax.jit(_attend)(q, k_t, v, visible)  # jitted: one compile each, not one per primitive
+    got = jax.jit(lambda *a: causal_query_chunks(attend, *a, 16))(q, k_t, v, visible)  # traced once: seen once
     assert seen == [(16, 16, 16, (16, 16)), (16, 32, 32, (16, 32)), (8, 40, 40, (8, 40))]
     np.testing.assert_allclose(got, whole, rtol=0, atol=attention_tolerance(q, k_t, v, t))
-    assert causal_query_chunks(attend, q, k_t, v, visible, None) is not None and seen[-1][0] == t  # one piece
+    one_piece = jax.eval_shape(lambda *a: causal_query_chunks(attend, *a, None), q, k_t, v, visible)
+    assert one_piece is not None and seen[-1][0] == t  # one piece
 
 
 @pytest.mark.parametrize("t", [43, 163])
@@ -81,12 +89,12 @@ def test_many_chunks_run_as_a_few_looped_runs(t):
     k_t = jax.random.normal(keys[1], (b, 2, d, t))
     v = jax.random.normal(keys[2], (b, 2, t, d))
     visible = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t)) & (jnp.arange(t) >= 2)[None, None]
-    got = causal_query_chunks(attend, q, k_t, v, visible, chunk)
+    got = jax.jit(lambda *a: causal_query_chunks(attend, *a, chunk))(q, k_t, v, visible)  # traced once: seen once
     n = t // chunk
     ends = np.cumsum([n // CHUNK_GROUPS + (g < n % CHUNK_GROUPS) for g in range(CHUNK_GROUPS)]) * chunk
     assert seen == [(chunk, int(e), (chunk, int(e))) for e in ends] + [(t % chunk, t, (t % chunk, t))]
     # Rows 0 and 1 see no key (a left-pad row's uniform softmax, masked downstream): left out.
-    np.testing.assert_allclose(got[:, 2:], _attend(q, k_t, v, visible)[:, 2:], rtol=0, atol=2e-6)
+    np.testing.assert_allclose(got[:, 2:], jax.jit(_attend)(q, k_t, v, visible)[:, 2:], rtol=0, atol=2e-6)
 
 
 @pytest.mark.parametrize("group", [1, 4])
@@ -105,7 +113,7 @@ def test_chunked_logps_and_gradients_equal_attention_in_one_piece(group):
     (v1, l1, g1), (v8, l8, g8) = results[None], results[8]
     # the network's rounding bound on its logits (max |logits| < 8 for this tiny model, checked
     # by the plain-forward test below), through log_softmax
-    config, seq = nnx.merge(*_model(None)).config, batch[0].shape[1] + batch[2].shape[1]
+    config, seq = tiny_config(**CONFIG), batch[0].shape[1] + batch[2].shape[1]
     logit_error = decoder_tolerance(8.0, config, seq)
     np.testing.assert_allclose(np.where(batch[3], l8, 0), np.where(batch[3], l1, 0), rtol=0,
                                atol=log_softmax_tolerance(logit_error, config.vocab_size))
@@ -118,10 +126,12 @@ def test_logits_of_the_plain_forward_with_left_padding_equal_one_piece():
     ids = jax.random.randint(jax.random.key(1), (3, 37), 1, 64)
     mask = jnp.arange(37)[None] >= jnp.asarray([0, 5, 20])[:, None]
     positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
-    out = {c: nnx.merge(*_model(c))(ids, positions, attention_mask=mask)[0] for c in (None, 10)}
+    forward = jax.jit(lambda graphdef, params: nnx.merge(graphdef, params)(ids, positions, attention_mask=mask)[0],
+                      static_argnums=0)  # one compile per chunking, not one per primitive
+    out = {c: forward(*_model(c)) for c in (None, 10)}
     assert np.abs(np.asarray(out[None])).max() < 8.0  # the bound the test above assumes
     np.testing.assert_allclose(np.where(mask[..., None], out[10], 0), np.where(mask[..., None], out[None], 0),
-                               rtol=0, atol=decoder_tolerance(out[None], nnx.merge(*_model(None)).config, 37))
+                               rtol=0, atol=decoder_tolerance(out[None], tiny_config(**CONFIG), 37))
 
 
 def test_the_gradient_needs_at_least_a_softmax_per_layer_less_scratch():

@@ -11,6 +11,7 @@ Only real tokens are compared: a padding query sees other padding keys under a k
 under XLA; both are masked downstream.
 """
 
+import functools
 import logging
 
 import jax
@@ -39,6 +40,7 @@ def _qkv(b, t, seed=0, n_heads=4, n_kv=2, d=8):
             jax.random.normal(keys[2], (b, t, n_kv, d)))
 
 
+@functools.partial(jax.jit, static_argnums=(4, 5, 6))  # one compile per case, not one per primitive
 def _reference(q, k, v, segments, scale, cap, window):
     """The XLA path: attend() under causal AND same nonzero segment AND window."""
     t = q.shape[1]
@@ -81,7 +83,8 @@ def test_splash_equals_xla_attention_on_left_padded_and_packed_rows(cap, window)
     segments[1, :30], segments[1, 30:31], segments[1, 31:90] = 1, 2, 3
     segments = jnp.asarray(segments)
     scale = 8 ** -0.5
-    got = splash_attention(q, k, v, segments, scale=scale, cap=cap, window=window, interpret=True).reshape(b, t, -1)
+    splash = jax.jit(functools.partial(splash_attention, scale=scale, cap=cap, window=window, interpret=True))
+    got = splash(q, k, v, segments).reshape(b, t, -1)  # jitted: the interpreted kernel compiles as one program
     want = _reference(q, k, v, segments, scale, cap, window)
     real = np.asarray(segments > 0)
     np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], rtol=0,
@@ -99,7 +102,8 @@ def test_cudnn_rotation_of_left_padded_rows_equals_xla(window):
     q, k, v = _qkv(b, t, seed=1)
     starts, ends = np.asarray([0, 7, 23, 0]), np.asarray([24, 19, 24, 0])
     real = (np.arange(t)[None] >= starts[:, None]) & (np.arange(t)[None] < ends[:, None])
-    got = cudnn_attention(q, k, v, jnp.asarray(real), scale=0.3, window=window, implementation="xla")
+    got = jax.jit(functools.partial(cudnn_attention, scale=0.3, window=window, implementation="xla"))(
+        q, k, v, jnp.asarray(real))  # jitted: one compile, not one per primitive
     want = _reference(q, k, v, jnp.asarray(real, jnp.int32), 0.3, None, window)
     np.testing.assert_allclose(np.asarray(got).reshape(b, t, -1)[real], np.asarray(want)[real], rtol=0,
                                atol=attention_tolerance(q * 0.3, k, v, t))

@@ -1,5 +1,6 @@
 """Decoder vs an independent float64 numpy forward; cached decode vs the full forward; layout."""
 
+import functools
 import math
 
 import jax
@@ -38,6 +39,17 @@ def _randomized_model(config: ModelConfig, seed: int = 0) -> Decoder:
 
     state = jax.tree_util.tree_map_with_path(perturb, state)
     return nnx.merge(graphdef, state)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _jit_call(graphdef, state, ids, positions, mask=None):
+    """model(ids, positions, attention_mask=mask) as one compiled program (op by op, every primitive
+    of every shape is its own compile)."""
+    return nnx.merge(graphdef, state)(ids, positions, attention_mask=mask)
+
+
+def _forward(model, ids, positions, mask=None):
+    return _jit_call(*nnx.split(model), ids, positions, mask)
 
 
 def _flat_params(model: Decoder) -> dict[str, np.ndarray]:
@@ -125,7 +137,7 @@ def test_forward_matches_float64_numpy_reference(name):
     cfg = CONFIGS[name]
     model = _randomized_model(cfg)
     ids, mask, positions = _left_padded_batch(np.random.default_rng(1), cfg, [12, 9, 1], 12)
-    logits, cache = model(jnp.asarray(ids), jnp.asarray(positions), attention_mask=jnp.asarray(mask))
+    logits, cache = _forward(model, jnp.asarray(ids), jnp.asarray(positions), jnp.asarray(mask))
     assert cache is None and logits.dtype == jnp.float32 and logits.shape == (3, 12, cfg.vocab_size)
     ref = _ref_forward(cfg, _flat_params(model), ids, positions.astype(np.float64), mask)
     real = mask  # pad query rows attend to nothing; their outputs are undefined
@@ -142,7 +154,7 @@ def test_cached_decode_matches_full_forward(name):
     # Completion tokens are all real; only the prompt part is left-padded.
     mask[:, prompt_len:] = True
     positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
-    full, _ = model(jnp.asarray(ids), jnp.asarray(positions), attention_mask=jnp.asarray(mask))
+    full, _ = _forward(model, jnp.asarray(ids), jnp.asarray(positions), jnp.asarray(mask))
 
     cache = init_cache(cfg, batch_size=2, max_len=16)
     step = nnx.jit(lambda m, i, p, a, c: m(i, p, attention_mask=a, cache=c))
@@ -192,8 +204,8 @@ def test_bfloat16_params_give_float32_logits_close_to_float32_model():
     m32 = nnx.merge(g32, jax.tree.map(lambda a: a.astype(jnp.float32), s16))
     ids = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 8)), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(8, dtype=jnp.int32), (2, 8))
-    l16, _ = m16(ids, pos)
-    l32, _ = m32(ids, pos)
+    l16, _ = _forward(m16, ids, pos)
+    l32, _ = _forward(m32, ids, pos)
     assert m16.embed.embedding[...].dtype == jnp.bfloat16 and l16.dtype == jnp.float32
     assert np.abs(np.asarray(l16) - np.asarray(l32)).max() < bf16_tolerance(l32, cfg16)
 

@@ -25,6 +25,10 @@ from rlbolt.rollout import NativeSampler, token_logps
 
 WINDOWED = ["gemma2_softcap_tied", "gemma3_two_bases", "mistral_window"]
 NEW_TOKENS = 40  # ten times the window of 4: every decode segment after the first runs past it
+# Decode segments of 13 steps: three (steps 1-14, -27, -40), so the completion cache grows twice and the rows
+# still running are compacted at two segment starts. Each segment after the first is one more compiled copy
+# of the decode loop per compaction size (3 here): segments of 8 (five) compiled 13 copies per sampler, 7 now.
+SEGMENT = 13
 WEIGHT_SCALE = 12.0  # as test_hf_generate: larger weights give varied greedy sequences
 
 
@@ -72,10 +76,10 @@ def test_sampler_greedy_matches_generate_across_windows_segments_sharing_and_com
     want_short, want_long = _hf_greedy(hf_model, short), _hf_greedy(hf_model, long)
     assert len(set(want_short)) >= 4 and len(set(want_long)) >= 4  # varied enough to catch a wrong window
 
-    # Without stop tokens: every row runs all 40 steps, decode segments of 8 grow the completion cache.
+    # Without stop tokens: every row runs all 40 steps, decode segments of 13 grow the completion cache.
     prompts = [short, short, long, long]  # two groups of two: each prompt prefilled once and shared
     keys = jax.random.key_data(jax.random.split(jax.random.key(0), len(prompts)))
-    sampler = NativeSampler(model, max_new_tokens=NEW_TOKENS, temperature=0.0, decode_segment=8)
+    sampler = NativeSampler(model, max_new_tokens=NEW_TOKENS, temperature=0.0, decode_segment=SEGMENT)
     out = sampler.generate(prompts, keys)
     assert sampler.last_group_size == 2
     for row, want in zip(np.asarray(out.completion_ids), [want_short, want_short, want_long, want_long]):
@@ -83,7 +87,7 @@ def test_sampler_greedy_matches_generate_across_windows_segments_sharing_and_com
 
     # A stop token that ends the short prompt's rows early: later segments run on the compacted long rows.
     stop = _stop_token(want_short, want_long)
-    sampler = NativeSampler(model, max_new_tokens=NEW_TOKENS, temperature=0.0, decode_segment=8,
+    sampler = NativeSampler(model, max_new_tokens=NEW_TOKENS, temperature=0.0, decode_segment=SEGMENT,
                             stop_token_ids=(stop,), pad_id=0)
     out = sampler.generate(prompts, keys)
     ids, mask = np.asarray(out.completion_ids), np.asarray(out.completion_mask)

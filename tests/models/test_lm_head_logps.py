@@ -93,20 +93,22 @@ def test_logps_entropy_and_gradients_match_float64_by_hand(chunk, temperature, s
 @pytest.mark.parametrize("with_entropy", [True, False])
 def test_gradients_equal_autodiff_of_the_unchunked_expression(with_entropy):
     hidden, weight, targets, g_logps, g_entropy = _inputs(seed=1, scale=2.0)
-    grads = {chunk: jax.grad(lambda h, w, c=chunk: _loss(c, targets, g_logps, g_entropy, 0.8, 3.0, with_entropy)(h, w)[0],
-                             (0, 1))(hidden, weight) for chunk in (0, 5)}
+    grads = {chunk: jax.jit(jax.grad(lambda h, w, c=chunk: _loss(c, targets, g_logps, g_entropy, 0.8, 3.0,
+                                                                 with_entropy)(h, w)[0], (0, 1)))(hidden, weight)
+             for chunk in (0, 5)}  # jitted: one compile each, not one per primitive
     for got, want in zip(grads[5], grads[0]):  # two float32 programs: each entry sums <= V or B * C = 37 terms
         want = np.asarray(want)  # of size <= ~|want|, so 37 * eps * max|want| (4.4e-6 relative) covers any order
         np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=4 * 37 * EPS32 * np.abs(want).max())
-    _, entropy = lm_head_logps(hidden, weight, targets, chunk_tokens=5, with_entropy=with_entropy)
+    _, entropy = jax.jit(lambda h, w: lm_head_logps(h, w, targets, chunk_tokens=5, with_entropy=with_entropy))(
+        hidden, weight)
     assert (np.asarray(entropy) == 0).all() != with_entropy
 
 
 def test_bfloat16_parameters_give_the_unchunked_result_and_keep_their_dtype():
     hidden, weight, targets, g_logps, g_entropy = _inputs(seed=2)
     hidden, weight = jnp.asarray(hidden, jnp.bfloat16), jnp.asarray(weight, jnp.bfloat16)
-    out = {chunk: jax.value_and_grad(_loss(chunk, targets, g_logps, g_entropy, 1.0, None), (0, 1), has_aux=True)(
-        hidden, weight) for chunk in (0, 4)}
+    out = {chunk: jax.jit(jax.value_and_grad(_loss(chunk, targets, g_logps, g_entropy, 1.0, None), (0, 1),
+                                             has_aux=True))(hidden, weight) for chunk in (0, 4)}
     (_, (logps, entropy)), (g_hidden, g_weight) = out[4]
     (_, (want_logps, want_entropy)), (want_g_hidden, want_g_weight) = out[0]
     assert logps.dtype == jnp.float32 and g_hidden.dtype == g_weight.dtype == jnp.bfloat16
@@ -123,8 +125,8 @@ def test_bfloat16_parameters_give_the_unchunked_result_and_keep_their_dtype():
 
 def test_extreme_logits_stay_finite():
     hidden, weight, targets, g_logps, g_entropy = _inputs(seed=3, scale=300.0)  # logits ~ 1e3: a one-hot softmax
-    (_, (logps, entropy)), grads = jax.value_and_grad(_loss(4, targets, g_logps, g_entropy, 1.0, None), (0, 1),
-                                                      has_aux=True)(hidden, weight)
+    (_, (logps, entropy)), grads = jax.jit(jax.value_and_grad(_loss(4, targets, g_logps, g_entropy, 1.0, None),
+                                                              (0, 1), has_aux=True))(hidden, weight)
     assert all(np.isfinite(np.asarray(x)).all() for x in (logps, entropy, *grads))
     assert np.asarray(logps).min() < -100  # some target is far from the argmax: a large, finite log-prob
     want = _float64_reference(hidden, weight, targets, g_logps, g_entropy, 1.0, None)[0]
@@ -159,7 +161,10 @@ def _naive_model_logps(model, prompt_ids, prompt_mask, completion_ids, temperatu
     """The model's own [B, T, V] logits (its lm_head or tied table, its soft-cap), log_softmax in float64."""
     ids = np.concatenate([prompt_ids, completion_ids], 1)
     mask = np.concatenate([prompt_mask, np.ones_like(completion_ids, bool)], 1)
-    logits, _ = model(jnp.asarray(ids), left_pad_positions(jnp.asarray(mask)), attention_mask=jnp.asarray(mask))
+    forward = jax.jit(lambda graphdef, params, i, m: nnx.merge(graphdef, params)(i, left_pad_positions(m),
+                                                                                attention_mask=m)[0],
+                      static_argnums=0)  # one compile, not one per primitive
+    logits = forward(*nnx.split(model), jnp.asarray(ids), jnp.asarray(mask))
     p = prompt_ids.shape[1]
     y = np.asarray(logits, np.float64)[:, p - 1:-1] / temperature
     y = y - y.max(-1, keepdims=True)
@@ -242,11 +247,12 @@ g = jnp.asarray(rng.normal(size=(8, 13)), jnp.float32)
 def loss(h, w, chunk):
     lp, en = lm_head_logps(h, w, t, chunk_tokens=chunk, with_entropy=True, softcap=3.0, temperature=0.8)
     return jnp.sum(lp * g) + jnp.sum(en)
-want = jax.grad(loss, (0, 1))(h, w, 0)
+grad = jax.jit(jax.grad(loss, (0, 1)), static_argnums=2)  # jitted: not op by op
+want = grad(h, w, 0)
 hs = jax.device_put(h, NamedSharding(mesh, P("data", None, None)))
 ws = jax.device_put(w, NamedSharding(mesh, P(None, "tp")))
 for chunk in (1, 24):
-    got = jax.jit(jax.grad(loss, (0, 1)), static_argnums=2)(hs, ws, chunk)
+    got = grad(hs, ws, chunk)
     assert got[0].sharding.spec == P("data", None, None) and got[1].sharding.spec == P(None, "tp")
     assert max(float(jnp.abs(a - b).max()) for a, b in zip(got, want)) < 1e-4
 print("ok")
@@ -295,8 +301,9 @@ def test_vocabulary_blocks_with_padding_give_the_unchunked_gradients():
     targets[0, 0], targets[1, 1] = 0, v - 1
     g_logps, g_entropy = rng.normal(size=(b, c)).astype(np.float32), rng.normal(size=(b, c)).astype(np.float32)
     assert block_columns(v, b * c, 16) == 128  # three blocks, the last with 84 padding columns: the case tested
-    grads = {chunk: jax.grad(lambda hh, w, chunk=chunk: _loss(chunk, targets, g_logps, g_entropy, 0.9, 2.0)(hh, w)[0],
-                             (0, 1))(hidden, weight) for chunk in (0, 16)}
+    grads = {chunk: jax.jit(jax.grad(lambda hh, w, chunk=chunk: _loss(chunk, targets, g_logps, g_entropy, 0.9,
+                                                                      2.0)(hh, w)[0], (0, 1)))(hidden, weight)
+             for chunk in (0, 16)}  # jitted: one compile each, not one per primitive
     for got, want in zip(grads[16], grads[0]):  # two float32 programs: each entry sums <= V = 300 or B * C = 80
         want = np.asarray(want)  # terms of size <= ~|want|, so 300 * eps * max|want| covers any order
         np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=4 * 300 * EPS32 * np.abs(want).max())

@@ -23,8 +23,8 @@ def base():
 def _randomise(model, seed=1, scale=0.2):
     """Non-zero A and B everywhere (B starts at zero, which would hide every bug)."""
     adapters = nnx.state(model, nnx.LoRAParam)
-    keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(adapters))))
-    nnx.update(model, jax.tree.map(lambda x: scale * jax.random.normal(next(keys), x.shape, x.dtype), adapters))
+    rng = np.random.default_rng(seed)  # NumPy: eager jax.random compiles its programs for every adapter shape
+    nnx.update(model, jax.tree.map(lambda x: jnp.asarray(scale * rng.standard_normal(x.shape), x.dtype), adapters))
     return model
 
 

@@ -4,6 +4,7 @@ a hand case, the routing-mismatch metric by hand, and router replay in a real De
 Logits, generation, bf16 loading and export vs transformers run in test_hf_* (the qwen3_moe families)."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,13 @@ from rlbolt.models.moe import (dense_reference, grouped_experts, moe_layers, pop
                                replay_routing, route, routing_mismatch, load_balancing_loss)
 
 
+@functools.partial(jax.jit, static_argnums=(4, 5))
+def _route_and_group(x, router, gate_up, down, top_k, norm):
+    """route + grouped_experts as one compiled program (eagerly, each primitive of each shape compiles)."""
+    weights, experts, probs = route(jnp.dot(x, router), top_k, norm)
+    return grouped_experts(x, experts, weights, gate_up, down), experts, probs
+
+
 @pytest.mark.parametrize("top_k, norm, n", [(1, False, 37), (2, True, 37), (3, False, 1), (5, True, 8)])
 def test_grouped_experts_equal_a_dense_float64_loop(top_k, norm, n):
     rng = np.random.default_rng(top_k)
@@ -30,8 +38,8 @@ def test_grouped_experts_equal_a_dense_float64_loop(top_k, norm, n):
     router[-1, 4] = -50.0
     gate_up = (0.3 * rng.normal(size=(e, h, 2 * i))).astype(np.float32)
     down = (0.3 * rng.normal(size=(e, i, h))).astype(np.float32)
-    weights, experts, probs = route(jnp.dot(x, router), top_k, norm)
-    got = grouped_experts(jnp.asarray(x), experts, weights, jnp.asarray(gate_up), jnp.asarray(down))
+    got, experts, probs = _route_and_group(jnp.asarray(x), jnp.asarray(router), jnp.asarray(gate_up),
+                                           jnp.asarray(down), top_k, norm)
     want, want_experts = dense_reference(x, router, gate_up, down, top_k, norm)
     np.testing.assert_array_equal(np.sort(np.asarray(experts), -1), np.sort(want_experts, -1))
     # float32 against float64: two products (h, then i terms) and a k-term sum; worst case K * eps of |x||w|
@@ -57,7 +65,8 @@ def test_grouped_experts_gradients_equal_the_dense_form():
 
     loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)  # noqa: E731
     grouped = lambda x, gu, d: grouped_experts(x, experts, weights, gu, d)  # noqa: E731
-    grads = jax.grad(loss(grouped), (0, 1, 2))(x, gate_up, down), jax.grad(loss(dense), (0, 1, 2))(x, gate_up, down)
+    grads = (jax.jit(jax.grad(loss(grouped), (0, 1, 2)))(x, gate_up, down),
+             jax.jit(jax.grad(loss(dense), (0, 1, 2)))(x, gate_up, down))
     for got, want in zip(*grads):
         # two float32 programs (grouped against dense): products of <= 10 terms, ~4 deep, relative to the gradient
         want = np.asarray(want)
@@ -104,19 +113,37 @@ def _moe_config(**overrides):
     return tiny_config(**fields)
 
 
-def _forward(model, ids):
+def _logits(model, ids):
     positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
     return model(ids, positions)[0]
 
 
-def test_router_replay_forces_the_recorded_routing_and_keeps_router_gradients():
-    config = _moe_config()
-    model = Decoder(config, rngs=nnx.Rngs(0))
-    assert len(moe_layers(model)) == 2  # layers 0 and 2; layer 1 is dense
-    ids = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (3, 11)), jnp.int32)
+@functools.partial(jax.jit, static_argnums=0)
+def _jit_routed(graphdef, state, ids, replay):
+    """One compiled forward (eagerly, every primitive compiles on its own) that records its routing,
+    replaying `replay` (a list per MoE layer, or None): (logits, recorded experts per MoE layer)."""
+    model = nnx.merge(graphdef, state)
     record_routing(model)
-    before = _forward(model, ids)
-    recorded, _ = pop_routing(model)
+    replay_routing(model, replay)
+    logits = _logits(model, ids)
+    return logits, pop_routing(model)[0]
+
+
+def _forward(model, ids, replay=None):
+    return _jit_routed(*nnx.split(model), ids, replay)
+
+
+@pytest.fixture(scope="module")
+def moe_model():
+    """The MoE Decoder the tests share; none mutates it (replay and recording happen on merged copies)."""
+    return Decoder(_moe_config(), rngs=nnx.Rngs(0))
+
+
+def test_router_replay_forces_the_recorded_routing_and_keeps_router_gradients(moe_model):
+    model = moe_model
+    assert len(moe_layers(model)) == 2  # layers 0 and 2; layer 1 is dense
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, model.config.vocab_size, (3, 11)), jnp.int32)
+    before, recorded = _forward(model, ids)
     assert [r.shape for r in recorded] == [(33, 2), (33, 2)]
 
     # The "training" model: routers moved, as after an update; without replay the routing drifts.
@@ -127,22 +154,17 @@ def test_router_replay_forces_the_recorded_routing_and_keeps_router_gradients():
         kernel = state["layers"][int(block_path)]["mlp"]["router_kernel"]
         kernel.set_value(kernel.get_value() + 0.05 * jax.random.normal(next(keys), kernel.get_value().shape))
     moved = nnx.merge(graphdef, state)
-    record_routing(moved)
-    _forward(moved, ids)
-    drifted, _ = pop_routing(moved)
+    _, drifted = _forward(moved, ids)
     assert float(routing_mismatch(jnp.stack(recorded), jnp.stack(drifted))) > 0.05
 
-    replay_routing(moved, recorded)
-    _forward(moved, ids)
-    replayed, _ = pop_routing(moved)
+    _, replayed = _forward(moved, ids, recorded)
     for got, want in zip(replayed, recorded):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert float(routing_mismatch(jnp.stack(recorded), jnp.stack(replayed))) == 0.0
 
     # Replaying a model's own routing changes nothing; gradients still reach the router.
-    replay_routing(model, recorded)
     # the same network with a replayed (equal) routing: another graph, so its rounding bound
-    np.testing.assert_allclose(np.asarray(_forward(model, ids)), np.asarray(before), rtol=0,
+    np.testing.assert_allclose(np.asarray(_forward(model, ids, recorded)[0]), np.asarray(before), rtol=0,
                                atol=decoder_tolerance(before, model.config, ids.shape[1]))
 
     params_graph, params, rest = nnx.split(moved, nnx.Param, ...)
@@ -150,16 +172,15 @@ def test_router_replay_forces_the_recorded_routing_and_keeps_router_gradients():
     def loss(params):
         m = nnx.merge(params_graph, params, rest)
         replay_routing(m, recorded)
-        return jnp.sum(_forward(m, ids) ** 2)
+        return jnp.sum(_logits(m, ids) ** 2)
 
-    grad = jax.grad(loss)(params)
+    grad = jax.jit(jax.grad(loss))(params)
     assert float(jnp.abs(grad["layers"][0]["mlp"]["router_kernel"].get_value()).max()) > 0
 
 
-def test_replay_of_the_wrong_layer_count_is_refused():
-    model = Decoder(_moe_config(), rngs=nnx.Rngs(0))
+def test_replay_of_the_wrong_layer_count_is_refused(moe_model):
     with pytest.raises(ValueError, match="2 MoE layers"):
-        replay_routing(model, [jnp.zeros((3, 2), jnp.int32)])
+        replay_routing(moe_model, [jnp.zeros((3, 2), jnp.int32)])
 
 
 @pytest.mark.parametrize("overrides, field", [
@@ -170,24 +191,23 @@ def test_moe_config_is_validated(overrides, field):
         _moe_config(**overrides)
 
 
-def test_moe_bf16_forward_is_close_to_float32():
-    config = _moe_config()
-    model = Decoder(config, rngs=nnx.Rngs(0))
+def test_moe_bf16_forward_is_close_to_float32(moe_model):
+    model, config = moe_model, moe_model.config
     half = Decoder(dataclasses.replace(config, param_dtype="bfloat16"), rngs=nnx.Rngs(0))
     nnx.update(half, jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(model)))
     ids = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 9)), jnp.int32)
-    full, low = np.asarray(_forward(model, ids)), np.asarray(_forward(half, ids))
+    full, low = np.asarray(_forward(model, ids)[0]), np.asarray(_forward(half, ids)[0])
     assert low.dtype == np.float32 and np.abs(full - low).max() < 0.05 * np.abs(full).max() + 1e-2
 
 
-def test_lora_on_attention_works_and_on_experts_is_refused():
+def test_lora_on_attention_works_and_on_experts_is_refused(moe_model):
     from rlbolt.models.lora import LoraConfig, apply_lora
 
-    model = Decoder(_moe_config(), rngs=nnx.Rngs(0))
+    model = moe_model  # apply_lora adapts a clone
     adapted = apply_lora(model, LoraConfig(rank=2, targets=("q", "o")), rngs=nnx.Rngs(1))
     ids = jnp.asarray([[1, 2, 3, 4]], jnp.int32)
-    want = np.asarray(_forward(model, ids))  # B = 0 adapters: the base's math through other fusions
-    np.testing.assert_allclose(np.asarray(_forward(adapted, ids)), want, rtol=0,
+    want = np.asarray(_forward(model, ids)[0])  # B = 0 adapters: the base's math through other fusions
+    np.testing.assert_allclose(np.asarray(_forward(adapted, ids)[0]), want, rtol=0,
                                atol=decoder_tolerance(want, model.config, ids.shape[1], adapter_rank=2))
     with pytest.raises(ValueError, match="mixture-of-experts"):
         apply_lora(model, LoraConfig(rank=2, targets=("q", "up")), rngs=nnx.Rngs(1))

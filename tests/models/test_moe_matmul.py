@@ -46,7 +46,8 @@ def _row_kernels(rhs, sizes, m):
 @pytest.mark.parametrize("kernel", ["gmm-interpret", "ragged_dot"])
 def test_grouped_matmul_equals_float64_per_group_and_zeros_after_the_last_group(kernel):
     lhs, rhs, _ = _case()
-    got = np.asarray(grouped_matmul(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(SIZES), kernel))
+    run = jax.jit(lambda l, r, s: grouped_matmul(l, r, s, kernel))  # one compile, not one per primitive
+    got = np.asarray(run(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(SIZES)))
     want = _per_group_f64(lhs, rhs, SIZES)
     bound = np.stack([dot_error_bound(lhs[r], w) for r, w in enumerate(_row_kernels(rhs, SIZES, M))])
     assert np.all(np.abs(got - want) <= bound)
@@ -56,7 +57,8 @@ def test_grouped_matmul_equals_float64_per_group_and_zeros_after_the_last_group(
 def test_gmm_gradients_equal_float64_per_group():
     """d/dlhs sum(out * c) = c @ rhs_g^T per row; d/drhs_g = lhs_g^T @ c_g; rows in no group get 0."""
     lhs, rhs, c = _case(1)
-    grad = jax.grad(lambda l, r: jnp.sum(grouped_matmul(l, r, jnp.asarray(SIZES), "gmm-interpret") * c), (0, 1))
+    grad = jax.jit(jax.grad(lambda l, r: jnp.sum(grouped_matmul(l, r, jnp.asarray(SIZES), "gmm-interpret") * c),
+                            (0, 1)))  # one compile, not one per primitive
     d_lhs, d_rhs = (np.asarray(g) for g in grad(jnp.asarray(lhs), jnp.asarray(rhs)))
     per_row = _row_kernels(rhs, SIZES, M)
     want_lhs = np.einsum("mn,mkn->mk", c.astype(np.float64), per_row.astype(np.float64))

@@ -23,6 +23,10 @@ def _forward(graphdef, state, ids, pos):
     return nnx.merge(graphdef, state)(ids, pos)[0]
 
 
+# the training forward jitted as the trainer runs it (op by op, every primitive of every shape compiles)
+_token_logps = jax.jit(token_logps, static_argnums=0, static_argnames=("group_size",))
+
+
 def _logits(model):
     ids = (jnp.arange(14).reshape(2, 7) * 5) % CONFIG.vocab_size
     return np.asarray(_forward(*nnx.split(model), ids, jnp.broadcast_to(jnp.arange(7), ids.shape)))
@@ -33,7 +37,8 @@ def adapted():
     model = Decoder(CONFIG, rngs=nnx.Rngs(0))
     adapted = apply_lora(model, LoraConfig(rank=4, alpha=8, targets=("q", "down")), rngs=nnx.Rngs(1))
     adapters = nnx.state(adapted, nnx.LoRAParam)
-    nnx.update(adapted, jax.tree.map(lambda x: 0.2 * jax.random.normal(jax.random.key(x.size), x.shape), adapters))
+    rng = np.random.default_rng(0)  # NumPy: eager jax.random compiles its programs for every adapter shape
+    nnx.update(adapted, jax.tree.map(lambda x: jnp.asarray(0.2 * rng.standard_normal(x.shape), x.dtype), adapters))
     return model, adapted
 
 
@@ -45,6 +50,12 @@ def _dense(model, layer, path):
 @pytest.fixture(scope="module")
 def quantized(adapted):
     return {qtype: quantize_base(adapted[1], qtype) for qtype in ("int8", "nf4")}
+
+
+@pytest.fixture(scope="module")
+def dequantized(quantized):
+    """Each quantised model's plain Decoder twin, built once for the tests that read it."""
+    return {qtype: dequantize_model(model) for qtype, model in quantized.items()}
 
 
 @pytest.mark.parametrize("qtype, stored, max_error", [("int8", np.int8, 0.01), ("nf4", ml_dtypes.uint4, 0.3)])
@@ -63,9 +74,8 @@ def test_projection_kernels_are_stored_quantised_and_the_rest_is_shared(adapted,
     assert 0 < error < max_error
 
 
-def test_dequantized_model_computes_the_quantised_one(quantized):
-    quantized = quantized["nf4"]
-    plain = dequantize_model(quantized)
+def test_dequantized_model_computes_the_quantised_one(quantized, dequantized):
+    quantized, plain = quantized["nf4"], dequantized["nf4"]
     assert type(plain) is Decoder and isinstance(_dense(plain, 1, "attn.o_proj").kernel, nnx.Param)
     # the same math through qwix's interception against a plain Decoder: two float32 graphs
     want = _logits(quantized)
@@ -76,20 +86,19 @@ def test_dequantized_model_computes_the_quantised_one(quantized):
 
 
 @pytest.mark.parametrize("qtype", ["int8", "nf4"])
-def test_prompt_shared_passes_run_the_quantised_kernels(quantized, qtype):
+def test_prompt_shared_passes_run_the_quantised_kernels(quantized, dequantized, qtype):
     """The prompt-shared training forward and the sampler's decode step call the layers outside
     `__call__`: they must go through the same qwix interception (they once handed the quantised
     kernels to a plain matmul: a TypeError in every QLoRA rollout). Reference: the dequantised twin,
     a plain Decoder, unshared (independent of the interception)."""
-    quantized = quantized[qtype]
-    plain = dequantize_model(quantized)
+    quantized, plain = quantized[qtype], dequantized[qtype]
     rng = np.random.default_rng(0)
     prompts = [p for p in (rng.integers(1, CONFIG.vocab_size, n).tolist() for n in (5, 3)) for _ in range(2)]
     out = NativeSampler(quantized, max_new_tokens=6, temperature=1.0, prompt_buckets=(8,)).generate(
         prompts, np.asarray(jax.random.key_data(jax.random.split(jax.random.key(0), 4)), np.uint32))
     batch = (out.prompt_ids, out.prompt_mask, out.completion_ids, out.completion_mask)
-    reference = token_logps(plain, None, *batch)
-    shared = token_logps(*nnx.split(quantized), *batch, group_size=2)
+    reference = _token_logps(*nnx.split(plain), *batch)
+    shared = _token_logps(*nnx.split(quantized), *batch, group_size=2)
     # log-probs of two float32 graphs of the network (logits of this tiny model stay below 8)
     tolerance = log_softmax_tolerance(decoder_tolerance(8.0, CONFIG, batch[0].shape[1] + batch[2].shape[1]),
                                       CONFIG.vocab_size)

@@ -45,7 +45,9 @@ def _batch(vocab: int):
     return ids, jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0), mask
 
 
-def _loss_and_grads(model, scan: bool):
+def _loss_and_grads(model, scan: bool, run: bool = True):
+    """(the loss's jaxpr, its logits at real positions, its gradients); run=False: the jaxpr alone (traced, not
+    compiled)."""
     model.scan_layers = scan
     graphdef, params = nnx.split(model, nnx.Param)
     ids, positions, mask = _batch(model.config.vocab_size)
@@ -55,6 +57,8 @@ def _loss_and_grads(model, scan: bool):
         return jnp.sum(jnp.where(mask, jax.nn.log_softmax(logits)[..., 3], 0.0)), logits
 
     jaxpr = str(jax.make_jaxpr(lambda p: loss(p)[0])(params))
+    if not run:
+        return jaxpr, None, None
     (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
     return jaxpr, np.where(mask[..., None], logits, 0.0), grads
 
@@ -66,7 +70,7 @@ def test_the_stored_stack_scans_to_the_loops_logits_and_gradients_without_a_copy
     assert len(jax.tree.leaves(params)) == 3 + KINDS  # embed, final norm, lm_head + one leaf per kind
     assert params["layers"]["block"]["attn"]["qkv_proj"]["kernel"].shape[0] == LAYERS
     _, loop_logits, loop_grads = _loss_and_grads(per_layer, False)
-    copying, _, _ = _loss_and_grads(per_layer, True)  # per-layer storage scanned: jnp.stack at each forward
+    copying, _, _ = _loss_and_grads(per_layer, True, run=False)  # per-layer storage scanned: jnp.stack at each forward
     jaxpr, logits, grads = _loss_and_grads(stacked, True)
     assert jaxpr.count(" scan[") == 1
     # Per-layer storage scanned stacks each parameter kind at every forward; the stored stack is read as it is.
@@ -189,10 +193,12 @@ def test_a_checkpoint_restores_into_the_other_layout(tmp_path, saved_stacked, fa
     tx = optax.adam(0.1)
     per_layer, stacked = _models(**(MOE if family == "moe" else {}))
     ones = jax.tree.map(jnp.ones_like, nnx.state(per_layer, nnx.Param))
+    # jitted: eagerly, AdamW's every primitive compiles for each parameter shape, at each of the five states
+    moments = jax.jit(lambda grads, params: tx.update(grads, tx.init(params), params)[1])
 
     def state(model, step):
         params = nnx.state(model, nnx.Param)
-        opt_state = tx.update(ones if not is_stacked(model) else stack_layer_state(ones), tx.init(params), params)[1]
+        opt_state = moments(ones if not is_stacked(model) else stack_layer_state(ones), params)
         return TrainState(step=step, params=params, opt_state=opt_state, rng=jnp.array([7, step], jnp.uint32),
                           policy_version=step, data_position=step)
 

@@ -50,11 +50,17 @@ def test_packed_row_equals_each_sample_alone(window):
         return nnx.merge(graphdef, params)(ids, positions, segment_ids=segments)[0]
 
     packed = logits(jnp.asarray(row), jnp.asarray(positions), jnp.asarray(segments))
+    # Each sample alone at the start of a row of its own, the three rows in one batch (one compile, not one per
+    # length): the causal mask keeps a row's trailing filler out of the sample's positions.
+    alone_ids = np.zeros((len(samples), max(lengths)), np.int32)
+    for k, s in enumerate(samples):
+        alone_ids[k, :len(s)] = s
+    alone = np.asarray(logits(jnp.asarray(alone_ids), jnp.broadcast_to(jnp.arange(max(lengths), dtype=jnp.int32),
+                                                                       alone_ids.shape)))
     start = 0
-    for s in samples:
-        alone = logits(jnp.asarray(s[None]), jnp.arange(len(s), dtype=jnp.int32)[None])
-        tolerance = decoder_tolerance(np.asarray(alone), model.config, 16)
-        np.testing.assert_allclose(np.asarray(packed[0, start:start + len(s)]), np.asarray(alone[0]), rtol=0,
+    for k, s in enumerate(samples):
+        tolerance = decoder_tolerance(alone[k, :len(s)], model.config, 16)
+        np.testing.assert_allclose(np.asarray(packed[0, start:start + len(s)]), alone[k, :len(s)], rtol=0,
                                    atol=tolerance)
         start += len(s)
 
