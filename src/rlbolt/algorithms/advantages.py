@@ -2,7 +2,8 @@
 
 Sequence-level estimators take ``rewards [N]`` and ``group_ids [N]`` (any ints, see
 ``groups.py``) and return ``[N]``. Token-level estimators (REINFORCE++, GAE) return ``[N, C]``
-that are 0 on padding. All are pure, jittable and carry no gradient (rewards are data).
+that are 0 on padding. All are pure and jitted (a call compiles one program per input shape, not
+one per primitive), and carry no gradient (rewards are data).
 """
 
 from __future__ import annotations
@@ -159,6 +160,7 @@ def _discounted_returns(token_rewards: jax.Array, mask: jax.Array, gamma: float)
     return returns.T
 
 
+@jax.jit
 def reinforcepp_advantages(
     rewards: jax.Array,
     mask: jax.Array,
@@ -219,6 +221,7 @@ def reinforcepp_advantages(
     return masked_whiten(returns, mask, eps=eps, centre=group_ids is None)
 
 
+@jax.jit
 def gae_advantages(
     rewards: jax.Array,
     values: jax.Array,
@@ -278,6 +281,7 @@ class GroupSpread(NamedTuple):
     range: jax.Array
 
 
+@jax.jit
 def group_reward_spread(rewards: jax.Array, group_ids: jax.Array) -> GroupSpread:
     """Per-sample spread of its group's rewards, for DAPO's dynamic sampling filter.
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -36,6 +38,7 @@ def masked_mean(values: jax.Array, mask: jax.Array, axis: int | tuple[int, ...] 
     return total / jnp.maximum(count, 1.0)
 
 
+@functools.partial(jax.jit, static_argnames=("centre",))
 def masked_whiten(values: jax.Array, mask: jax.Array, *, eps: float = 1e-8, centre: bool = True) -> jax.Array:
     """Normalises valid entries to zero mean and unit std over all valid positions.
 
