@@ -2,7 +2,6 @@
 
 Imported by the test files (tests/modules/conftest.py puts this folder on sys.path)."""
 
-import functools
 import types
 
 import jax
@@ -12,10 +11,10 @@ from flax import nnx
 
 from rlbolt.batch import Batch
 from rlbolt.data import gsm8k_style_rows
-from rlbolt.models.logps import token_logps
 from rlbolt.models import Decoder, tiny_config
 from rlbolt.modules.prompts import builtin_tokenizer
 from rlbolt.plan import BatchPlan
+import rollout_jit
 from rlbolt.setup_context import SetupContext
 
 G = 4
@@ -58,26 +57,14 @@ def rollout(module, rows=None, seed=0):
 
 # A test's own reference forward runs jitted: eagerly, every primitive of every new shape is its own
 # XLA compile (CONTRIBUTING.md). One compiled program per model structure and shape.
-@functools.partial(jax.jit, static_argnums=0)
-def _logits(graphdef, state, ids, positions, attention_mask):
-    return nnx.merge(graphdef, state)(ids, positions, attention_mask=attention_mask)[0]
-
-
 def jitted_logits(model, ids, positions, attention_mask=None):
-    """model(ids, positions, attention_mask=...)'s logits, through one jitted program."""
-    graphdef, state = nnx.split(model)
+    """model(ids, positions, attention_mask=...)'s logits, through one jitted program (`rollout_jit`)."""
     mask = None if attention_mask is None else jnp.asarray(attention_mask, bool)
-    return _logits(graphdef, state, jnp.asarray(ids, jnp.int32), jnp.asarray(positions, jnp.int32), mask)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _token_logps(graphdef, state, prompt_ids, prompt_mask, completion_ids, completion_mask):
-    return token_logps(graphdef, state, prompt_ids, prompt_mask, completion_ids, completion_mask)
+    return rollout_jit.forward_logits(model, jnp.asarray(ids, jnp.int32), jnp.asarray(positions, jnp.int32), mask)
 
 
 def jitted_token_logps(model, batch, mask="completion_mask"):
     """token_logps of `model` (a plain forward, defaults) on a batch's token columns (the completion's
-    mask from column `mask`), jitted."""
-    graphdef, state = nnx.split(model)
-    return _token_logps(graphdef, state, *(jnp.asarray(batch[k]) for k in
-                                           ("prompt_ids", "prompt_mask", "completion_ids", mask)))
+    mask from column `mask`), jitted (`rollout_jit`)."""
+    return rollout_jit.token_logps(model, None, *(jnp.asarray(batch[k]) for k in
+                                                  ("prompt_ids", "prompt_mask", "completion_ids", mask)))
