@@ -2,7 +2,6 @@
 
 Imported by the test files (tests/modules/conftest.py puts this folder on sys.path)."""
 
-import types
 
 import jax
 import jax.numpy as jnp
