@@ -1,4 +1,4 @@
-"""Jitted reference forwards for the rollout and agents tests.
+"""Jitted reference forwards for the tests (the rollout, agents, modules and model comparisons).
 
 `token_logps` and `forward_logits` compute exactly what `rlbolt.rollout.token_logps` and a
 `Decoder` call compute, as one compiled program instead of op by op (eagerly, every primitive of

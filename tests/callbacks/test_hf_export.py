@@ -1,8 +1,6 @@
 """HFExport: a tiny GRPO fit exports step_<n>/ and final/ folders that transformers loads with
 the same logits as the rlbolt Decoder holding that step's params; the module's model is untouched."""
 
-import functools
-
 import jax
 import numpy as np
 import pytest
@@ -13,6 +11,7 @@ from tokenizers import Tokenizer
 from tokenizers import models as tokenizer_models
 
 from float_tolerance import decoder_tolerance
+from models.test_hf_config import rlbolt_logits
 from rlbolt.callback import Callback
 from rlbolt.callbacks import HFExport
 from rlbolt.callbacks.hf_export import with_params
@@ -35,19 +34,6 @@ class Record(Callback):
 
     def on_step_end(self, trainer, info):
         self.params[info.step] = info.state.params
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _jit_logits(graphdef, state, ids, positions, attention_mask):
-    logits, _ = nnx.merge(graphdef, state)(ids, positions, attention_mask=attention_mask)
-    return logits
-
-
-def _rlbolt_logits(model, ids):
-    """The Decoder's forward jitted, as the trainer runs it (one compile per shape, not one per primitive)."""
-    positions = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
-    graphdef, state = nnx.split(model)
-    return np.asarray(_jit_logits(graphdef, state, ids.astype(np.int32), positions, np.ones(ids.shape, bool)))
 
 
 def _hf_logits(folder, ids):
@@ -82,7 +68,7 @@ def test_folders_written_per_step_and_at_end(exported):
 def test_transformers_loads_each_export(exported, step, folder):
     module, record, _, hf = exported
     ids = np.random.default_rng(step).integers(0, module.model.config.vocab_size, size=(2, 7))
-    ours = _rlbolt_logits(with_params(module.model, record.params[step]), ids)
+    ours = rlbolt_logits(with_params(module.model, record.params[step]), ids)  # jitted, as the trainer runs it
     np.testing.assert_allclose(_hf_logits(hf / folder, ids), ours, rtol=0,
                                atol=decoder_tolerance(ours, module.model.config, ids.shape[1]))
 

@@ -1,18 +1,15 @@
 """config.json <-> ModelConfig, plus the tiny transformers models shared by the other test_hf_* files."""
 
-import functools
 import json
 
-import jax
 import numpy as np
 import pytest
 import torch
 import transformers
 
-from flax import nnx
-
 from rlbolt.models.config import ModelConfig
 from rlbolt.models.hf_io import config_from_hf, config_to_hf
+from rollout_jit import forward_logits
 
 _COMMON = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, intermediate_size=48,
                max_position_embeddings=128, rms_norm_eps=1e-5)
@@ -90,20 +87,13 @@ def hf_logits(model, input_ids: np.ndarray, attention_mask: np.ndarray | None = 
         return model(input_ids=torch.from_numpy(input_ids.astype(np.int64)), **kwargs).logits.float().numpy()
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _jit_logits(graphdef, state, input_ids, positions, attention_mask):
-    logits, _ = nnx.merge(graphdef, state)(input_ids, positions, attention_mask=attention_mask)
-    return logits
-
-
 def rlbolt_logits(model, input_ids: np.ndarray, attention_mask: np.ndarray | None = None) -> np.ndarray:
     """The same forward through an rlbolt Decoder (positions = cumsum(mask) - 1 for left padding), jitted as
     the trainer runs it: one compiled program per model structure and shape, not one per primitive."""
     if attention_mask is None:
         attention_mask = np.ones_like(input_ids, dtype=bool)
     positions = np.clip(np.cumsum(attention_mask, axis=-1) - 1, 0, None).astype(np.int32)
-    graphdef, state = nnx.split(model)
-    return np.asarray(_jit_logits(graphdef, state, input_ids.astype(np.int32), positions, attention_mask.astype(bool)))
+    return np.asarray(forward_logits(model, input_ids.astype(np.int32), positions, attention_mask.astype(bool)))
 
 
 def _saved_config(tmp_path, name) -> dict:
