@@ -108,6 +108,8 @@ def test_hosts_together_keeps_process_rows_consecutive():
     ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (146.17G) "
      "exceeds available HBM (95.74G).", int(146.17 * (1 << 30))),
     ("... HLO temporaries (512.00M) exceeds available HBM (15.75G).", 512 << 20),
+    ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: XLA:TPU compile permanent error. Ran out of memory in memory "
+     "space hbm. Used 5.50M of 5.00M hbm. Exceeded hbm capacity by 507.0K.", int(5.5 * (1 << 20))),  # its allocator
     ("RESOURCE_EXHAUSTED: out of host memory", None),  # another failure is not read as a refusal
 ])
 def test_a_tpu_refusal_is_read_for_the_bytes_it_asked(message, expected):
@@ -130,6 +132,21 @@ def test_a_compile_error_other_than_memory_is_raised():
     refused = analyse("update", type("L", (), {"compile": lambda self: (_ for _ in ()).throw(
         jax.errors.JaxRuntimeError("HLO temporaries (2.50G) exceeds available HBM (1.00G)"))})(), 1, 0, 0.0)
     assert refused.temp_bytes == int(2.5 * (1 << 30)) and refused.total_bytes == refused.temp_bytes and refused.refused
+
+
+def test_the_resident_total_is_the_live_peak_where_the_compiler_gives_one():
+    """Hand sums: a TPU's executable holds its live peak + code + what is held outside; without a live peak
+    (CPU, GPU) every buffer counts as live at once. The batch-bound part is what the peak holds past the fixed."""
+    from rlbolt.planning.compile import Executable
+
+    kw = dict(flops=0.0, bytes_accessed=0.0, seconds=None, compile_seconds=1.0, held_outside=7)
+    summed = Executable("update", 1, 100, 60, 500, 50, 3, **kw)
+    assert summed.summed_bytes == 100 + 60 + 500 - 50 and summed.total_bytes == 610 + 3 + 7
+    assert summed.fixed_bytes == 100 + 60 - 50 + 3 + 7 and summed.working_bytes == 500
+    peaked = Executable("update", 1, 100, 60, 500, 50, 3, **kw, live_peak_bytes=400)
+    assert peaked.total_bytes == 400 + 3 + 7 and peaked.summed_bytes == 610
+    assert peaked.working_bytes == 410 - 120  # the temporaries live at the peak, not the heap's 500
+    assert Executable("update", 1, 100, 0, 0, 0, 0, **kw, live_peak_bytes=90).working_bytes == 0  # never negative
 
 
 @pytest.mark.parametrize("remat, says_remat, context", [("none", True, 1), ("full", False, 1), ("full", False, 4)])

@@ -202,3 +202,36 @@ def test_async_across_the_hosts_groups_is_planned_and_async_in_lockstep_is_refus
     with pytest.raises(MeshError, match="mode='async' is not supported on a training mesh of 4 processes"):
         build_abstract(load_config({**RUN, "mesh": {"fsdp": 8, "tp": 2}, "trainer": {"mode": "async", "max_staleness": 1}}),
                        devices)
+
+
+def test_the_peak_is_what_the_compilers_own_memory_check_counts():
+    """On a TPU the resident total is the compiler's live peak (`peak_memory_in_bytes`) + code + what is held
+    outside, not arguments + outputs + temporaries - aliased: libtpu's temporaries are a heap sized past the
+    peak. The compiler's own HBM check says which: told the chip has just over the live peak + code, it
+    accepts the update although the program's summed buffers exceed that memory; told it has half, it refuses
+    with its figure."""
+    import math
+
+    import jax
+
+    from rlbolt.planning import plan_run
+    from rlbolt.planning.compile import _lower_update, refused_temporaries
+
+    run = _run("v5e:2x2")
+    (update,) = plan_run(run, "v5e:2x2", names=("update",)).executables
+    assert update.live_peak_bytes > 0
+    assert update.total_bytes == update.live_peak_bytes + update.code_bytes + update.held_outside
+    assert update.total_bytes < update.summed_bytes + update.code_bytes + update.held_outside
+
+    mib = 1 << 20
+    budget = math.ceil((update.live_peak_bytes + update.code_bytes) / mib) + 1
+    lowered = _lower_update(run)
+    accepted = lowered.compile(compiler_options={"xla_tpu_max_hbm_size_mib": str(budget)}).memory_analysis()
+    summed = (accepted.argument_size_in_bytes + accepted.output_size_in_bytes + accepted.temp_size_in_bytes
+              - accepted.alias_size_in_bytes + accepted.generated_code_size_in_bytes)
+    assert accepted.peak_memory_in_bytes + accepted.generated_code_size_in_bytes <= budget * mib < summed
+
+    half = budget // 2
+    with pytest.raises(jax.errors.JaxRuntimeError) as refusal:
+        lowered.compile(compiler_options={"xla_tpu_max_hbm_size_mib": str(half)})
+    assert refused_temporaries(str(refusal.value)) > half * mib

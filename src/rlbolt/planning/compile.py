@@ -13,17 +13,23 @@
 Each is lowered with ShapeDtypeStructs under the run's shardings and compiled for the mesh's devices
 (a described TPU slice compiles with libtpu's real TPU compiler on this host). `memory_analysis()`
 is the buffer assignment per device; `cost_analysis()` the compiler's flops, bytes and time estimate.
+
+What an executable holds per device: on a TPU, the compiler's own peak of live buffers
+(`peak_memory_in_bytes`: arguments, outputs and temporaries live at once), the figure libtpu's
+compile-time HBM check counts; its `temp_size_in_bytes` is a heap sized past that peak, so
+arguments + outputs + temporaries - aliased overstates it. Other backends report no comparable peak
+(XLA:CPU's leaves the arguments out), and there the sum stands.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import time
 from typing import Any
 
 import jax
-import optax
 
 from rlbolt import master_weights
 from rlbolt.models.scan_layers import scan_reason
@@ -47,6 +53,8 @@ class Executable:
         state during the rollout, the reference during the update, ...).
       refused: the compiler's own words when it refused to compile because the temporaries exceed the
         device's memory (then `temp_bytes` is the amount it asked for and the other sizes are 0).
+      live_peak_bytes: the TPU compiler's peak of live buffers, arguments included (`peak_memory_in_bytes`;
+        0 where the backend gives none comparable).
     """
 
     name: str
@@ -62,35 +70,57 @@ class Executable:
     compile_seconds: float
     held_outside: int = 0
     refused: str | None = None
+    live_peak_bytes: int = 0
+
+    @property
+    def summed_bytes(self) -> int:
+        """Arguments + outputs + temporaries - aliased: every buffer as if all were live at once."""
+        return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
+
+    @property
+    def fixed_bytes(self) -> int:
+        """What it holds whatever its batch: arguments + outputs - aliased + code + held outside."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.code_bytes + self.held_outside
 
     @property
     def total_bytes(self) -> int:
-        """Resident per device while it runs: arguments + outputs + temporaries - aliased + code + held outside."""
-        return (self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes + self.code_bytes
-                + self.held_outside)
+        """Resident per device while it runs: the compiler's live peak (else `summed_bytes`) + code + held outside."""
+        return (self.live_peak_bytes or self.summed_bytes) + self.code_bytes + self.held_outside
+
+    @property
+    def working_bytes(self) -> int:
+        """The part of `total_bytes` that grows with the batch: the temporaries live at the peak."""
+        return max(self.total_bytes - self.fixed_bytes, 0)
 
 
-_REFUSAL = re.compile(r"HLO temporaries \(([0-9.]+)([KMGT]?)\) exceeds available HBM")
+_REFUSALS = (re.compile(r"HLO temporaries \(([0-9.]+)([KMGT]?)\) exceeds available HBM"),
+             re.compile(r"memory space hbm\. Used ([0-9.]+)([KMGT]?) of [0-9.]+[KMGT]? hbm"))
 _UNIT = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def refused_temporaries(message: str) -> int | None:
-    """The bytes of temporaries a TPU compile that ran out of memory asked for (None: another error).
+    """The bytes per device a TPU compile that ran out of memory asked for (None: another error).
 
-    libtpu refuses an executable whose temporaries exceed the chip's HBM with "RESOURCE_EXHAUSTED: ...
-    the total memory required for HLO temporaries (146.17G) exceeds available HBM (95.74G)".
+    libtpu refuses in two places, both counting the live peak with the arguments: before allocating,
+    "RESOURCE_EXHAUSTED: ... the total memory required for HLO temporaries (146.17G) exceeds available
+    HBM (95.74G)", and in its allocator, "RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: ... Ran out of
+    memory in memory space hbm. Used 5.50M of 5.00M hbm.".
     """
-    found = _REFUSAL.search(message)
-    return None if found is None else int(float(found.group(1)) * _UNIT[found.group(2)])
+    for pattern in _REFUSALS:
+        found = pattern.search(message)
+        if found is not None:
+            return int(float(found.group(1)) * _UNIT[found.group(2)])
+    return None
 
 
 def analyse(name: str, lowered: Any, calls: int, held_outside: int, started: float,
-            loop_counted_once: bool = False) -> Executable:
+            loop_counted_once: bool = False, live_peak: bool = False) -> Executable:
     """Compiles `lowered` and reads its memory and cost analyses.
 
     A compile the TPU compiler refuses for memory becomes an Executable with `refused` set, so the
     report says DOES NOT FIT with the compiler's figure instead of failing. With `loop_counted_once`
     (the layers run as one scanned body) the cost analysis counts one layer, so no time is reported.
+    With `live_peak` (a TPU) the compiler's `peak_memory_in_bytes` is kept as the executable's peak.
     """
     try:
         compiled = lowered.compile()
@@ -110,7 +140,8 @@ def analyse(name: str, lowered: Any, calls: int, held_outside: int, started: flo
     return Executable(name, calls, get("argument_size_in_bytes"), get("output_size_in_bytes"),
                       get("temp_size_in_bytes"), get("alias_size_in_bytes"), get("generated_code_size_in_bytes"),
                       float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0)),
-                      float(seconds) if seconds is not None and seconds > 0 else None, took, held_outside)
+                      float(seconds) if seconds is not None and seconds > 0 else None, took, held_outside,
+                      live_peak_bytes=get("peak_memory_in_bytes") if live_peak else 0)
 
 
 def compile_executables(run: Any, names: tuple[str, ...] = ("update", "optimizer", "logps", "rollout")
@@ -129,30 +160,31 @@ def compile_executables(run: Any, names: tuple[str, ...] = ("update", "optimizer
     opt_bytes = per_device_bytes(run.opt_state)
     model = run.module.model
     scanned = model.scan_layers and scan_reason(model) is None  # the training forwards run one scanned body
+    analyse_ = functools.partial(analyse, live_peak=run.devices[0].platform == "tpu")
     out = []
     for name in names:
         started = time.perf_counter()
         if name == "update":
-            out.append(analyse(name, _lower_update(run), _updates_per_step(plan), frozen_copies, started, scanned))
+            out.append(analyse_(name, _lower_update(run), _updates_per_step(plan), frozen_copies, started, scanned))
         elif name == "grad":
-            out.append(analyse(name, _lower_grad(run), _updates_per_step(plan) * plan.grad_accum_steps,
+            out.append(analyse_(name, _lower_grad(run), _updates_per_step(plan) * plan.grad_accum_steps,
                                opt_bytes + frozen_copies, started, scanned))
         elif name == "optimizer":
-            out.append(analyse(name, _lower_optimizer(run), _updates_per_step(plan), frozen_copies, started))
+            out.append(analyse_(name, _lower_optimizer(run), _updates_per_step(plan), frozen_copies, started))
         elif name == "logps":
             calls = (plan.global_batch_size // plan.logps_micro_batch_size) * _forwards(run)
             if calls:  # none on the training devices when the only forward is a placed reference's
-                out.append(analyse(name, _lower_logps(run), calls, opt_bytes + frozen_copies, started, scanned))
+                out.append(analyse_(name, _lower_logps(run), calls, opt_bytes + frozen_copies, started, scanned))
             for role, scorer in _placed_scorers(run).items():  # each on its own devices: nothing else held there
                 started = time.perf_counter()
                 inputs = schema.logps_inputs(plan.logps_micro_batch_size, prompt_width(run), module.completion_width,
                                              scorer.plan)
-                out.append(analyse(role, scorer.lower(*inputs), plan.global_batch_size // plan.logps_micro_batch_size,
+                out.append(analyse_(role, scorer.lower(*inputs), plan.global_batch_size // plan.logps_micro_batch_size,
                                    0, started, scanned))
         elif name == "rollout":
             lowered, calls = _lower_rollout(run)
             apart = run.shardings["rollout"] is not sharding  # its own devices hold only its weights and cache
-            out.append(analyse(name, lowered, calls, 0 if apart else opt_bytes + frozen_copies, started))
+            out.append(analyse_(name, lowered, calls, 0 if apart else opt_bytes + frozen_copies, started))
         else:
             raise ValueError(f"unknown executable {name!r}; choose from update, grad, optimizer, logps, rollout")
     return out

@@ -100,8 +100,9 @@ class PlanReport:
                 "state": self.state, "step_seconds_estimate": self.step_seconds, "mfu_estimate": self.mfu(),
                 "update_mfu_estimate": self.mfu("update"),
                 "grad_accum_steps": self.accum,
-                "executables": [{**dataclasses.asdict(e), "total_bytes": e.total_bytes, "seconds_per_call": self.seconds_of(e),
-                                 "model_flops": self.model_flops.get(e.name)} for e in self.executables],
+                "executables": [{**dataclasses.asdict(e), "total_bytes": e.total_bytes, "summed_bytes": e.summed_bytes,
+                                 "seconds_per_call": self.seconds_of(e), "model_flops": self.model_flops.get(e.name)}
+                                for e in self.executables],
                 "advice": self.advice,
                 "note": "times are the compiler's cost-model estimates (optimal_seconds), not measurements; XLA counts "
                         "a loop body once: the update is corrected for its A micro batches, the rollout's decode "
@@ -114,16 +115,21 @@ class PlanReport:
         hbm = f"{self.hbm_bytes / GIB:.2f} GiB ({self.hbm_source})" if self.hbm_bytes else "unknown (no table entry)"
         mesh = " ".join(f"{k}={v}" for k, v in self.mesh.items())
         lines = [f"plan for {self.target}: {self.devices} x {self.device_kind}, mesh {mesh}, memory per device {hbm}",
-                 f"per device, {unit}   args  outputs    temps  aliased  held outside    total   calls/step     GFLOP  GB accessed  "
-                 "est. ms"]
+                 f"per device, {unit}   args  outputs    temps  aliased live peak  held outside    total   calls/step     GFLOP  "
+                 "GB accessed  est. ms"]
         for e in self.executables:
             seconds = self.seconds_of(e)
             est = f"{seconds * 1e3:8.2f}" if seconds is not None else "       -"
+            peak = g(e.live_peak_bytes) if e.live_peak_bytes else "       -"
             lines.append(f"  {e.name:<10}{g(e.argument_bytes)} {g(e.output_bytes)} {g(e.temp_bytes)} "
-                         f"{g(e.alias_bytes)}      {g(e.held_outside)} {g(e.total_bytes)}   {e.calls:10d} "
+                         f"{g(e.alias_bytes)}  {peak}      {g(e.held_outside)} {g(e.total_bytes)}   {e.calls:10d} "
                          f"{e.flops / 1e9:9.1f} {e.bytes_accessed / 1e9:12.2f} {est}   (compiled in {e.compile_seconds:.1f} s)")
             if e.refused:
                 lines.append(f"    the compiler refused {e.name}: {e.refused}")
+        if any(e.live_peak_bytes for e in self.executables):
+            lines.append("total: the compiler's live peak (arguments, outputs and temporaries live at once; what its "
+                         "own HBM check counts) + code + held outside. args + outputs + temps - aliased overstates it: "
+                         "the temporaries are a heap sized past their peak")
         state = ", ".join(f"{k} {v / scale:.2f}" for k, v in self.state.items())
         lines.append(f"state per device ({unit}): {state}; analytic floor {self.floor_bytes / scale:.2f} {unit} "
                      f"(peak / floor = {self.peak_bytes / max(self.floor_bytes, 1):.2f})")
@@ -213,7 +219,7 @@ def advice(report: PlanReport, run: Any) -> list[str]:
     for e in sorted(report.executables, key=lambda e: -e.total_bytes):
         if e.total_bytes <= hbm:
             continue
-        fixed = e.total_bytes - e.temp_bytes
+        fixed, working = e.fixed_bytes, e.working_bytes
         if fixed > hbm:  # parameters, gradients and state alone: shard them over more devices
             ways = math.ceil(fixed / hbm)
             out.append(f"{e.name}: without temporaries it holds {fixed / GIB:.2f} GiB per device, over "
@@ -227,11 +233,11 @@ def advice(report: PlanReport, run: Any) -> list[str]:
                        "rollout": ("plan.rollout_micro_batch_size", plan.rollout_micro_batch_size)
                        }.get(e.name, (None, None))
         if field is None:
-            out.append(f"{e.name}: its temporaries ({e.temp_bytes / GIB:.2f} GiB) do not fit; use more devices")
+            out.append(f"{e.name}: its temporaries ({working / GIB:.2f} GiB) do not fit; use more devices")
             continue
-        fitting = int(size * (hbm - fixed) / max(e.temp_bytes, 1)) // shards * shards  # temps ~ linear in rows
+        fitting = int(size * (hbm - fixed) / max(working, 1)) // shards * shards  # temps ~ linear in rows
         if fitting >= shards:
-            out.append(f"{e.name}: temporaries {e.temp_bytes / GIB:.2f} GiB at {field}={size}; they scale about "
+            out.append(f"{e.name}: temporaries {working / GIB:.2f} GiB at {field}={size}; they scale about "
                        f"linearly with it: {field}={fitting} would fit ({hbm - fixed:.0f} B left for them)"
                        .replace(f"({hbm - fixed:.0f} B", f"({(hbm - fixed) / GIB:.2f} GiB"))
         else:
