@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from typing import Any
+from typing import Any, Callable
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -66,12 +66,13 @@ class StopOnSignal:
     """Installs the SIGINT/SIGTERM handlers of a fit (a context manager; see the module doc).
 
     Args:
-      trainer: an object with `should_stop` and `stop_signal` attributes.
+      on_stop: called with the signal's number at the first signal once `defer` was called (the fit
+        then stops at its next safe point).
       announce: print one line on stderr at the first signal.
     """
 
-    def __init__(self, trainer: Any, *, announce: bool = True):
-        self.trainer, self.announce = trainer, announce
+    def __init__(self, on_stop: Callable[[int], None], *, announce: bool = True):
+        self.on_stop, self.announce = on_stop, announce
         self.deferring = False
         self._previous: dict[int, Any] = {}
 
@@ -94,8 +95,7 @@ class StopOnSignal:
         del frame
         if not self.deferring:
             raise Interrupted(signum)
-        self.trainer.stop_signal = signum
-        self.trainer.should_stop = True
+        self.on_stop(signum)
         for other in self._previous:  # the kernel acts on the next one, whichever thread it reaches
             signal.signal(other, signal.SIG_DFL)
         if self.announce:

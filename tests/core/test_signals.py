@@ -157,14 +157,11 @@ SECOND_SIGNAL_ON_ANOTHER_THREAD = """
 import signal, sys, threading, time
 from rlbolt.signals import StopOnSignal
 
-class Flags:
-    should_stop, stop_signal = False, None
-
-flags = Flags()
-with StopOnSignal(flags, announce=False) as handlers:
+stops = []
+with StopOnSignal(stops.append, announce=False) as handlers:
     handlers.defer()
     signal.raise_signal(signal.SIGTERM)  # the first: its handler runs here, on the main thread
-    assert flags.should_stop
+    assert stops == [signal.SIGTERM], stops
     def second():
         time.sleep(0.3)
         print("sent", time.monotonic(), flush=True)

@@ -83,3 +83,26 @@ def test_lock_is_not_inherited_by_child_processes(tmp_path):
             pass
     finally:
         os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("writes", [True, False])
+def test_a_fit_holds_its_run_dir_only_while_a_callback_writes_there(tmp_path, writes):
+    """`Trainer.fit` locks `run_dir` for its length when one of its callbacks declares `writes_run_dir`, and
+    releases it at the end; with no such callback it leaves the directory to others."""
+    from toy_module import ToyModule, prompt_rows
+
+    from rlbolt.callback import Callback
+    from rlbolt.plan import BatchPlan
+    from rlbolt.trainer import Trainer
+
+    run_dir, seen = tmp_path / "run", []
+
+    class Probe(Callback):
+        writes_run_dir = writes
+
+        def on_step_end(self, trainer, info):
+            seen.append(runlock.is_held(run_dir))
+
+    Trainer(BatchPlan(prompts_per_step=2, num_generations=4), max_steps=1, run_dir=run_dir,
+            callbacks=[Probe()]).fit(ToyModule(), prompt_rows(8))
+    assert seen == [writes] and not runlock.is_held(run_dir)

@@ -114,12 +114,11 @@ def _read_holder(fd: int) -> str:
 
 
 @contextlib.contextmanager
-def hold_run_dir(trainer) -> Iterator[bool]:
-    """Holds `trainer.run_dir` for a fit when one of its callbacks writes there
-    (`writes_run_dir = True`) and this is process 0; yields whether it locked."""
-    writes = any(cb.writes_run_dir for cb in trainer.callbacks)
-    if not (writes and trainer.is_main_process):
+def hold_run_dir(run_dir: str | os.PathLike, writes: bool) -> Iterator[bool]:
+    """Holds `run_dir` for a fit when `writes` (one of its callbacks writes there, `writes_run_dir = True`,
+    and this is process 0); yields whether it locked."""
+    if not writes:
         yield False
         return
-    with hold(trainer.run_dir):
+    with hold(run_dir):
         yield True
