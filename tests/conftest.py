@@ -8,7 +8,10 @@
   No fast-math either way, but a fused reduction can round differently from the default flags
   in its last bits (the emitters vectorise it differently): tests compare against derived
   tolerances (`float_tolerance.py`), and bit-equality checks compare two programs compiled
-  under the same flags. Benchmarks measure speed, so `tests/test_benchmarks.py` runs them with
+  under the same flags. A check that two *different* programs (with and without remat, a sharded
+  and a plain gradient) give the same bits holds with the fusion emitters, not the elemental ones
+  (they fuse each program's loops differently): such a check runs in a child process with the
+  emitters on (`cpu_devices.run_on_cpu_devices(..., same_bits_across_programs=True)`). Benchmarks measure speed, so `tests/test_benchmarks.py` runs them with
   the user's own flags.
 - One persistent compilation cache for the run: many tests jit the same programs in fresh
   closures, which JAX's in-memory cache (keyed by the Python function) would compile again.
@@ -34,7 +37,7 @@ import sys
 import tempfile
 
 FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-                      " --xla_cpu_use_fusion_emitters=false")
+                      " --xla_cpu_use_fusion_emitters=false")  # cpu_devices.EMITTERS_OFF
 USER_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
 
 if not os.environ.get("RLBOLT_TEST_FULL_XLA") and "jax" not in sys.modules and "PYTEST_XDIST_WORKER" not in os.environ:

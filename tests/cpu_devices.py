@@ -21,9 +21,20 @@ def child_env(drop: tuple[str, ...] = (), **extra: str) -> dict[str, str]:
     return env
 
 
-def run_on_cpu_devices(script: str, *args: str, devices: int = 8, timeout: int = 600) -> subprocess.CompletedProcess:
-    """`python -c script *args` on `devices` CPU devices; returns the finished process (stdout, stderr as text)."""
-    env = child_env(JAX_PLATFORMS="cpu",
-                    XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}")
+EMITTERS_OFF = "--xla_cpu_use_fusion_emitters=false"  # tests/conftest.py's fast-compile flag
+
+
+def run_on_cpu_devices(script: str, *args: str, devices: int = 8, timeout: int = 600,
+                       same_bits_across_programs: bool = False) -> subprocess.CompletedProcess:
+    """`python -c script *args` on `devices` CPU devices; returns the finished process (stdout, stderr as text).
+
+    `same_bits_across_programs`: the script asserts that two different programs (with and without remat, a
+    sharded and a plain gradient) give the same bits for the same operations. XLA:CPU does so with its fusion
+    emitters, not with the elemental ones the test tier compiles with for speed (which fuse each program's
+    loops differently), so the child leaves the emitters on."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if same_bits_across_programs:
+        flags = flags.replace(EMITTERS_OFF, "")
+    env = child_env(JAX_PLATFORMS="cpu", XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count={devices}")
     return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=env,
                           timeout=timeout)

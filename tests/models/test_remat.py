@@ -4,11 +4,15 @@ and gradients of `none`, and the policy really reaches the compiled program.
 Why bit equality: remat re-runs the same operations on the same inputs in the backward; on CPU
 XLA compiles the recomputed ops like the original ones, so the loss and every gradient come out
 identical, not merely close (observed for every policy on the dense and the MoE tiny model; a
-tolerance would hide a recomputation that read another value).
+tolerance would hide a recomputation that read another value). That holds with XLA:CPU's fusion
+emitters; the test tier compiles with the elemental ones (tests/conftest.py), which fuse the two
+programs' loops differently (last-bit differences of 1e-7 in the gradients), so the comparisons run
+in a child process with the emitters on.
 """
 
 from __future__ import annotations
 
+import os
 import re
 
 import jax
@@ -65,9 +69,33 @@ def _assert_same(model, policy: str, group_size: int) -> None:
         np.testing.assert_array_equal(np.asarray(g), np.asarray(b))
 
 
+SAME_IN_A_CHILD = """
+import sys
+sys.path[:0] = sys.argv[1:3]
+from flax import nnx
+from rlbolt.models import Decoder, tiny_config
+import test_remat as t
+family, policy = sys.argv[3], sys.argv[4]
+model = Decoder(tiny_config(**(t.MOE if family == "moe" else {})), rngs=nnx.Rngs(0))
+for group_size in map(int, sys.argv[5].split(",")):
+    t._assert_same(model, policy, group_size)
+print("ok")
+"""
+
+
+def _same_in_a_child(family: str, policy: str, groups: tuple[int, ...]) -> None:
+    """`_assert_same` for each group size, in a child process that compiles with the fusion emitters."""
+    from cpu_devices import run_on_cpu_devices
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = run_on_cpu_devices(SAME_IN_A_CHILD, os.path.dirname(here), here, family, policy,
+                             ",".join(map(str, groups)), devices=1, same_bits_across_programs=True)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-4000:]
+
+
 def test_full_remat_gives_the_loss_and_gradients_of_none():
     """The default tier's cheap twin of the sweep below: dense model, unshared forward."""
-    _assert_same(Decoder(tiny_config(), rngs=nnx.Rngs(0)), "full", 1)
+    _same_in_a_child("dense", "full", (1,))
 
 
 @pytest.mark.slow
@@ -76,9 +104,7 @@ def test_full_remat_gives_the_loss_and_gradients_of_none():
 def test_every_policy_gives_the_loss_and_gradients_of_none(policy, family):
     """Both training forwards: the unshared one (group 1) and the prompt-shared one (group G);
     the MoE loss carries the load-balancing term, whose routing leaves the checkpoint."""
-    model = Decoder(tiny_config(**(MOE if family == "moe" else {})), rngs=nnx.Rngs(0))
-    for group_size in (1, G):
-        _assert_same(model, policy, group_size)
+    _same_in_a_child(family, policy, (1, G))
 
 
 def _compiled_grad(policy: str, layers: int):
