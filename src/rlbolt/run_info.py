@@ -32,6 +32,11 @@ class Control:
         """Ends the fit after the current step, with the usual end-of-fit hooks (final checkpoint, logs)."""
         self._stop = True
 
+    def stop_on_signal(self, signum: int) -> None:
+        """A deferred SIGINT/SIGTERM (`rlbolt.signals.StopOnSignal`): stop after this step, keeping the signal."""
+        self.stop_signal = signum
+        self.request_stop()
+
     @property
     def stop_requested(self) -> bool:
         """Whether a callback or a signal asked the run to stop after the current step (setting it

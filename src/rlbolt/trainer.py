@@ -155,7 +155,7 @@ class Trainer:
         self.callbacks = fit_callbacks(self.callbacks, val_data, every_n_steps=self.val_every_n_steps,
                                        at_start=self.val_at_start, legacy=self)
         writes = self.is_main_process and any(cb.writes_run_dir for cb in self.callbacks)
-        with hold_run_dir(self.run_dir, writes), StopOnSignal(self._stop_on_signal) as signals, \
+        with hold_run_dir(self.run_dir, writes), StopOnSignal(self.control.stop_on_signal) as signals, \
                 contextlib.ExitStack() as on_exit:
             on_exit.callback(set_default_group, None)  # the process group a placement across processes set
             state = self._setup(module, train_data, val_data)
@@ -265,11 +265,6 @@ class Trainer:
         return state
 
     # ------------------------------------------------------------------------------------------
-    def _stop_on_signal(self, signum: int) -> None:
-        """A deferred SIGINT/SIGTERM (`StopOnSignal`): stop after the current step, remembering the signal."""
-        self.stop_signal = signum
-        self.should_stop = True
-
     def _setup(self, module: RLModule, train_data: Any, val_data: Sequence[dict] | None) -> TrainState:
         """Everything the loop runs with, in the order it is built (`rlbolt.fit_setup`); returns step 0's state."""
         self.module = module
