@@ -36,8 +36,9 @@ import shutil
 import sys
 import tempfile
 
-FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-                      " --xla_cpu_use_fusion_emitters=false")  # cpu_devices.EMITTERS_OFF
+from cpu_devices import EMITTERS_OFF  # imports no JAX
+
+FAST_COMPILE_FLAGS = f"--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true {EMITTERS_OFF}"
 USER_XLA_FLAGS = os.environ.get("XLA_FLAGS", "")
 
 if not os.environ.get("RLBOLT_TEST_FULL_XLA") and "jax" not in sys.modules and "PYTEST_XDIST_WORKER" not in os.environ:

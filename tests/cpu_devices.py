@@ -21,7 +21,7 @@ def child_env(drop: tuple[str, ...] = (), **extra: str) -> dict[str, str]:
     return env
 
 
-EMITTERS_OFF = "--xla_cpu_use_fusion_emitters=false"  # tests/conftest.py's fast-compile flag
+EMITTERS_OFF = "--xla_cpu_use_fusion_emitters=false"  # one of tests/conftest.py's fast-compile flags
 
 
 def run_on_cpu_devices(script: str, *args: str, devices: int = 8, timeout: int = 600,

@@ -134,5 +134,5 @@ print("ok")
 @pytest.mark.slow
 def test_the_embedding_gradient_is_formed_in_the_tables_shards_with_autodiffs_values():
     tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = run_on_cpu_devices(SCRIPT, tests, same_bits_across_programs=True)  # its bit equality off the table
+    out = run_on_cpu_devices(SCRIPT, tests, same_bits_across_programs=True)  # bit equality beside the table
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-4000:]

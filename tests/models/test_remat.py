@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cpu_devices import run_on_cpu_devices
 from flax import nnx
 
 from rlbolt.config import ConfigError, load_config
@@ -85,8 +86,6 @@ print("ok")
 
 def _same_in_a_child(family: str, policy: str, groups: tuple[int, ...]) -> None:
     """`_assert_same` for each group size, in a child process that compiles with the fusion emitters."""
-    from cpu_devices import run_on_cpu_devices
-
     here = os.path.dirname(os.path.abspath(__file__))
     out = run_on_cpu_devices(SAME_IN_A_CHILD, os.path.dirname(here), here, family, policy,
                              ",".join(map(str, groups)), devices=1, same_bits_across_programs=True)
